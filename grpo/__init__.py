@@ -1,0 +1,1 @@
+"""Minimal GRPO trainer built on grpo_kernels."""

@@ -1,0 +1,23 @@
+"""grpo-kernels: fused GRPO log-probs and losses that never materialise the full softmax.
+
+    token_logprobs(logits, targets)                      # log softmax(logits / T)[target], fp32
+    grpo_loss(logits, completion_ids, advantages, mask)  # -> GRPOLossOutput(loss, per_token_logps, metrics)
+    fused_linear_grpo_loss(hidden, lm_head.weight, ...)  # the [tokens, vocab] logits never exist
+
+``grpo_kernels.reference`` holds the plain-PyTorch spec with the same signatures.
+"""
+
+from .functional import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs
+from .modules import FusedLinearGRPOLoss, GRPOLoss
+from .reference import GRPOLossOutput
+
+__all__ = [
+    "token_logprobs",
+    "grpo_loss",
+    "fused_linear_token_logprobs",
+    "fused_linear_grpo_loss",
+    "GRPOLoss",
+    "FusedLinearGRPOLoss",
+    "GRPOLossOutput",
+]
+__version__ = "0.1.0"

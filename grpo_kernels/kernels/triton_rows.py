@@ -1,0 +1,183 @@
+"""Triton row kernels: token log-prob and entropy from logits in one read, and their gradient.
+
+One program per row (a 1-D grid, so any number of rows). The forward walks the vocabulary in blocks
+with an online logsumexp: a running max ``m``, the rescaled sum ``s = sum exp(z - m)`` and
+``u = sum exp(z - m) * (z - m)``, all fp32. Then ``lse = m + log s`` and the entropy is
+``H = log s - u / s``: both terms are >= 0, so nothing cancels. The target logit is read once, on
+its own. The backward recomputes ``p = exp(z - lse)`` block by block and writes the gradient in the
+output's dtype. Offsets are int64 so ``N * V > 2**31`` indexes correctly, and rows are addressed by
+``(b, t)`` strides so a ``[B, T, V]`` slice of a larger tensor is read in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Smaller than any finite fp32 logit, so the running max starts finite: exp(m_old - m_new) and
+# (m_old - m_new) * s stay well defined, and -inf logits simply contribute exp(-inf) = 0.
+_LOWEST = -3.4028234663852886e38
+
+
+@triton.jit
+def _row_pointer(base, row, T, stride_b, stride_t):
+    b = row // T
+    t = row - b * T
+    return base + b * stride_b + t * stride_t
+
+
+@triton.jit
+def token_logprobs_fwd_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    V, inv_temperature, ignore_index,
+    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    if target == ignore_index:
+        # Masked rows: nothing is read, everything is 0.
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, 0.0)
+    else:
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m = tl.full((), _LOWEST, tl.float32)
+        s = tl.zeros((), tl.float32)
+        u = tl.zeros((), tl.float32)
+        cols = tl.arange(0, BLOCK_V).to(tl.int64)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z, 0))
+            shift = z - m_new
+            e = tl.exp(shift)
+            alpha = tl.exp(m - m_new)
+            s_old = s
+            s = s * alpha + tl.sum(e, 0)
+            if WITH_ENTROPY:
+                # A -inf logit adds 0 (not 0 * -inf); a NaN one still adds NaN.
+                e_shift = tl.where(z == float("-inf"), 0.0, e * shift)
+                u = alpha * (u + (m - m_new) * s_old) + tl.sum(e_shift, 0)
+            m = m_new
+        log_s = tl.log(s)
+        lse = m + log_s
+        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
+        tl.store(logp_ptr + row, z_target - lse)
+        tl.store(lse_ptr + row, lse)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, log_s - u / s)
+
+
+@triton.jit
+def token_logprobs_bwd_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    grad_ptr, grad_stride_b, grad_stride_t,
+    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    V, inv_temperature, ignore_index,
+    BLOCK_V: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+    grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
+    cols = tl.arange(0, BLOCK_V).to(tl.int64)
+    if target == ignore_index:
+        zeros = tl.zeros((BLOCK_V,), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            tl.store(grad_row_ptr + offs, zeros.to(grad_ptr.dtype.element_ty), mask=offs < V)
+    else:
+        lse = tl.load(lse_ptr + row)
+        g_logp = 0.0
+        g_entropy = 0.0
+        entropy = 0.0
+        if HAS_GRAD_LOGP:
+            g_logp = tl.load(grad_logp_ptr + row) * inv_temperature
+        if HAS_GRAD_ENTROPY:
+            g_entropy = tl.load(grad_entropy_ptr + row) * inv_temperature
+            entropy = tl.load(entropy_ptr + row)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            in_row = offs < V
+            z = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temperature
+            log_p = z - lse
+            p = tl.exp(log_p)
+            # Target: g * (1 - p) formed in fp32, so p ~ 1 keeps its gradient after rounding.
+            grad = tl.where(offs == target, g_logp * (1.0 - p), -g_logp * p)
+            if HAS_GRAD_ENTROPY:
+                grad -= tl.where(z == float("-inf"), 0.0, g_entropy * p * (log_p + entropy))
+            tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+def launch_config(vocab_size: int, dtype: torch.dtype) -> Tuple[int, int]:
+    """(BLOCK_V, num_warps) for a vocabulary size and logits dtype.
+
+    A block is 16 elements per thread at most, so each thread issues a few 16-byte loads per
+    iteration and the running reductions are amortised over many elements without spilling.
+    """
+    block = 8192 if dtype in (torch.float16, torch.bfloat16) else 4096
+    block = max(16, min(block, triton.next_power_of_2(vocab_size)))
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def forward_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool = True,
+    chunk_rows: Optional[int] = None,
+):
+    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, lse), fp32 [B, T]."""
+    b, t, v = logits.shape
+    targets = targets.contiguous()
+    logp = torch.empty(b, t, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp)
+    lse = torch.empty_like(logp)
+    if b * t == 0:
+        return logp, entropy, lse
+    block, num_warps = launch_config(v, logits.dtype)
+    token_logprobs_fwd_kernel[(b * t,)](
+        logits, logits.stride(0), logits.stride(1), t,
+        targets, logp, entropy, lse,
+        v, 1.0 / temperature, ignore_index,
+        BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=num_warps,
+    )
+    return logp, entropy, lse
+
+
+def backward_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    out: torch.Tensor,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it."""
+    b, t, v = logits.shape
+    if b * t == 0:
+        return out
+    block, num_warps = launch_config(v, logits.dtype)
+    dummy = lse  # stands in for an absent gradient; never read (the constexpr flag is off)
+    token_logprobs_bwd_kernel[(b * t,)](
+        logits, logits.stride(0), logits.stride(1), t,
+        out, out.stride(0), out.stride(1),
+        targets.contiguous(), lse.contiguous(), entropy.contiguous(),
+        dummy if grad_logp is None else grad_logp.float().contiguous(),
+        dummy if grad_entropy is None else grad_entropy.float().contiguous(),
+        v, 1.0 / temperature, ignore_index,
+        BLOCK_V=block, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+        num_warps=num_warps,
+    )
+    return out
