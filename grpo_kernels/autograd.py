@@ -44,18 +44,18 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, ignore_index, kernels, with_entropy, inplace_backward):
-        logp, entropy, lse = kernels.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
+        logp, entropy, row_max, log_sum = kernels.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
         ctx.set_materialize_grads(False)  # an unused output passes None, not a tensor of zeros
-        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.save_for_backward(logits, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, ignore_index, kernels, inplace_backward)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
+        logits, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, ignore_index, kernels, inplace_backward = ctx.config
         out = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        kernels.backward_rows(logits, targets, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, out)
+        kernels.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, temperature, ignore_index, out)
         return out, None, None, None, None, None, None
 
 
@@ -94,7 +94,8 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
 class FusedLinearTokenLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (logp [N], entropy [N]).
 
-    The forward computes the logits chunk by chunk and keeps only ``lse`` and the entropy per row.
+    The forward computes the logits chunk by chunk and keeps only the row max, log-sum and entropy
+    per row.
     The backward recomputes each chunk's logits, overwrites them with their gradient (row kernel,
     in place), then ``d hidden = d logits @ W`` and ``d W += d logits^T @ hidden`` (fp32 accumulator).
     """
@@ -102,22 +103,21 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, kernels, with_entropy, chunk_size):
         n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
+        logp, entropy, row_max, log_sum = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             logits = _chunk_logits(hidden[rows], weight, bias)
-            lp, ent, ls = kernels.forward_rows(logits.unsqueeze(0), targets[rows].unsqueeze(0), temperature, ignore_index, with_entropy)
-            logp[rows], entropy[rows], lse[rows] = lp[0], ent[0], ls[0]
+            stats = kernels.forward_rows(logits.unsqueeze(0), targets[rows].unsqueeze(0), temperature, ignore_index, with_entropy)
+            for out, value in zip((logp, entropy, row_max, log_sum), stats):
+                out[rows] = value[0]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, ignore_index, kernels, chunk_size)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, ignore_index, kernels, chunk_size = ctx.config
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
@@ -130,7 +130,8 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
             g_logp = None if grad_logp is None else grad_logp[rows].unsqueeze(0)
             g_ent = None if grad_entropy is None else grad_entropy[rows].unsqueeze(0)
             grad_logits = kernels.backward_rows(
-                logits.unsqueeze(0), targets[rows].unsqueeze(0), lse[rows].unsqueeze(0), entropy[rows].unsqueeze(0),
+                logits.unsqueeze(0), targets[rows].unsqueeze(0), row_max[rows].unsqueeze(0), log_sum[rows].unsqueeze(0),
+                entropy[rows].unsqueeze(0),
                 g_logp, g_ent, temperature, ignore_index, out=logits.unsqueeze(0),
             )[0]
             if need_hidden:

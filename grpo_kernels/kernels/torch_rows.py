@@ -30,11 +30,17 @@ def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
             yield slice(b0, min(b, b0 + per)), slice(0, t)
 
 
+def _log_softmax_parts(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """log p = (z - max) - log sum exp(z - max): more accurate than z - lse for p ~ 1."""
+    return (z - row_max.unsqueeze(-1)) - log_sum.unsqueeze(-1)
+
+
 def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int):
-    """log-prob, entropy and lse of one chunk x [b, t, V]; targets [b, t]."""
+    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t]."""
     z = x.float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    log_p = z - lse.unsqueeze(-1)
+    row_max = z.amax(-1)
+    log_sum = torch.log(torch.exp(z - row_max.unsqueeze(-1)).sum(-1))
+    log_p = _log_softmax_parts(z, row_max, log_sum)
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
     logp = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -42,7 +48,8 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, temperature: float, 
     # p * log p is 0 at a -inf logit (p = 0); a NaN row stays NaN.
     entropy = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
     zero = torch.zeros_like(logp)
-    return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), torch.where(valid, lse, zero)
+    keep = lambda t: torch.where(valid, t, zero)  # noqa: E731
+    return keep(logp), keep(entropy), keep(row_max), keep(log_sum)
 
 
 @torch.no_grad()
@@ -54,22 +61,22 @@ def forward_rows(
     with_entropy: bool = True,
     chunk_rows: Optional[int] = None,
 ):
-    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, lse), fp32 [B, T]."""
+    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T]."""
     b, t, v = logits.shape
     rows = chunk_rows or default_chunk_rows(v)
-    logp = torch.empty(b, t, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty_like(logp)
-    lse = torch.empty_like(logp)
+    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
     for bs, ts in row_chunks(b, t, rows):
-        logp[bs, ts], entropy[bs, ts], lse[bs, ts] = _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index)
-    return logp, entropy, lse
+        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index)):
+            out[bs, ts] = value
+    return tuple(outputs)
 
 
 @torch.no_grad()
 def backward_rows(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
@@ -88,20 +95,21 @@ def backward_rows(
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
         z = logits[bs, ts].float() / temperature
-        log_p = z - lse[bs, ts].unsqueeze(-1)
+        log_p = _log_softmax_parts(z, row_max[bs, ts], log_sum[bs, ts])
         p = log_p.exp()
         grad = torch.zeros_like(z)
+        if grad_logp is not None:
+            g = grad_logp[bs, ts].unsqueeze(-1)
+            safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
+            is_target = torch.arange(v, device=z.device) == safe
+            # The target's term g * (1 - p) uses -expm1(log p), accurate when p ~ 1, and is formed
+            # in fp32 before the one rounding, so a confident prediction keeps its small gradient.
+            target_term = g * -torch.expm1(log_p.gather(-1, safe))
+            grad = torch.where(is_target, target_term, -g * p)
         if grad_entropy is not None:
             h = entropy[bs, ts].unsqueeze(-1)
             plogp = p * torch.where(p > 0, log_p + h, torch.zeros_like(log_p))
             grad -= grad_entropy[bs, ts].unsqueeze(-1) * plogp
-        if grad_logp is not None:
-            g = grad_logp[bs, ts].unsqueeze(-1)
-            grad -= g * p
-            # The target's term g * (1 - p) is formed in fp32 before any rounding, so a confident
-            # prediction (p ~ 1) keeps its small gradient.
-            safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
-            grad.scatter_add_(-1, safe, g)
         grad = torch.where(valid.unsqueeze(-1), grad, torch.zeros_like(grad)) / temperature
         out[bs, ts] = grad.to(out.dtype)
     return out

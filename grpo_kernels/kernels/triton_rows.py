@@ -2,10 +2,11 @@
 
 One program per row (a 1-D grid, so any number of rows). The forward walks the vocabulary in blocks
 with an online logsumexp: a running max ``m``, the rescaled sum ``s = sum exp(z - m)`` and
-``u = sum exp(z - m) * (z - m)``, all fp32. Then ``lse = m + log s`` and the entropy is
+``u = sum exp(z - m) * (z - m)``, all fp32. Then ``log p = (z - m) - log s`` (never ``z - lse``,
+whose rounding of ``lse`` would cost a confident token its gradient) and the entropy is
 ``H = log s - u / s``: both terms are >= 0, so nothing cancels. The target logit is read once, on
-its own. The backward recomputes ``p = exp(z - lse)`` block by block and writes the gradient in the
-output's dtype. Offsets are int64 so ``N * V > 2**31`` indexes correctly, and rows are addressed by
+its own. The row keeps ``m`` and ``log s``; the backward recomputes ``p`` from them block by block
+and writes the gradient in the output's dtype. Offsets are int64 so ``N * V > 2**31`` indexes correctly, and rows are addressed by
 ``(b, t)`` strides so a ``[B, T, V]`` slice of a larger tensor is read in place.
 """
 
@@ -30,9 +31,16 @@ def _row_pointer(base, row, T, stride_b, stride_t):
 
 
 @triton.jit
+def _one_minus_exp(x):
+    """1 - exp(x) for x <= 0, accurate near 0 (a confident token's 1 - p), like -expm1(x)."""
+    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
+    return tl.where(x > -0.125, series, 1.0 - tl.exp(x))
+
+
+@triton.jit
 def token_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
-    targets_ptr, logp_ptr, entropy_ptr, lse_ptr,
+    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
     V, inv_temperature, ignore_index,
     BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
@@ -41,7 +49,8 @@ def token_logprobs_fwd_kernel(
     if target == ignore_index:
         # Masked rows: nothing is read, everything is 0.
         tl.store(logp_ptr + row, 0.0)
-        tl.store(lse_ptr + row, 0.0)
+        tl.store(max_ptr + row, 0.0)
+        tl.store(log_sum_ptr + row, 0.0)
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, 0.0)
     else:
@@ -65,10 +74,10 @@ def token_logprobs_fwd_kernel(
                 u = alpha * (u + (m - m_new) * s_old) + tl.sum(e_shift, 0)
             m = m_new
         log_s = tl.log(s)
-        lse = m + log_s
         z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, z_target - lse)
-        tl.store(lse_ptr + row, lse)
+        tl.store(logp_ptr + row, (z_target - m) - log_s)
+        tl.store(max_ptr + row, m)
+        tl.store(log_sum_ptr + row, log_s)
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, log_s - u / s)
 
@@ -77,7 +86,7 @@ def token_logprobs_fwd_kernel(
 def token_logprobs_bwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     grad_ptr, grad_stride_b, grad_stride_t,
-    targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    targets_ptr, max_ptr, log_sum_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
     V, inv_temperature, ignore_index,
     BLOCK_V: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
 ):
@@ -92,12 +101,16 @@ def token_logprobs_bwd_kernel(
             offs = start + cols
             tl.store(grad_row_ptr + offs, zeros.to(grad_ptr.dtype.element_ty), mask=offs < V)
     else:
-        lse = tl.load(lse_ptr + row)
+        m = tl.load(max_ptr + row)
+        log_s = tl.load(log_sum_ptr + row)
         g_logp = 0.0
         g_entropy = 0.0
         entropy = 0.0
         if HAS_GRAD_LOGP:
             g_logp = tl.load(grad_logp_ptr + row) * inv_temperature
+        # The target's term g * (1 - p), formed once in fp32 from an accurate 1 - p.
+        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
+        target_term = g_logp * _one_minus_exp((z_target - m) - log_s)
         if HAS_GRAD_ENTROPY:
             g_entropy = tl.load(grad_entropy_ptr + row) * inv_temperature
             entropy = tl.load(entropy_ptr + row)
@@ -105,10 +118,9 @@ def token_logprobs_bwd_kernel(
             offs = start + cols
             in_row = offs < V
             z = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temperature
-            log_p = z - lse
+            log_p = (z - m) - log_s
             p = tl.exp(log_p)
-            # Target: g * (1 - p) formed in fp32, so p ~ 1 keeps its gradient after rounding.
-            grad = tl.where(offs == target, g_logp * (1.0 - p), -g_logp * p)
+            grad = tl.where(offs == target, target_term, -g_logp * p)
             if HAS_GRAD_ENTROPY:
                 grad -= tl.where(z == float("-inf"), 0.0, g_entropy * p * (log_p + entropy))
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
@@ -134,28 +146,34 @@ def forward_rows(
     with_entropy: bool = True,
     chunk_rows: Optional[int] = None,
 ):
-    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, lse), fp32 [B, T]."""
+    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum).
+
+    All fp32 [B, T]; ``row_max`` and ``log_sum`` (max of z = logits / T and log sum exp(z - max))
+    are what the backward needs to recompute the softmax.
+    """
     b, t, v = logits.shape
     targets = targets.contiguous()
     logp = torch.empty(b, t, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp)
-    lse = torch.empty_like(logp)
+    row_max = torch.empty_like(logp)
+    log_sum = torch.empty_like(logp)
     if b * t == 0:
-        return logp, entropy, lse
+        return logp, entropy, row_max, log_sum
     block, num_warps = launch_config(v, logits.dtype)
     token_logprobs_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
-        targets, logp, entropy, lse,
+        targets, logp, entropy, row_max, log_sum,
         v, 1.0 / temperature, ignore_index,
         BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=num_warps,
     )
-    return logp, entropy, lse
+    return logp, entropy, row_max, log_sum
 
 
 def backward_rows(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
@@ -169,11 +187,11 @@ def backward_rows(
     if b * t == 0:
         return out
     block, num_warps = launch_config(v, logits.dtype)
-    dummy = lse  # stands in for an absent gradient; never read (the constexpr flag is off)
+    dummy = row_max  # stands in for an absent gradient; never read (the constexpr flag is off)
     token_logprobs_bwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         out, out.stride(0), out.stride(1),
-        targets.contiguous(), lse.contiguous(), entropy.contiguous(),
+        targets.contiguous(), row_max.contiguous(), log_sum.contiguous(), entropy.contiguous(),
         dummy if grad_logp is None else grad_logp.float().contiguous(),
         dummy if grad_entropy is None else grad_entropy.float().contiguous(),
         v, 1.0 / temperature, ignore_index,

@@ -1,0 +1,461 @@
+"""Benchmark cases, inputs, implementations and the peak-memory measurement.
+
+A :class:`Case` is one (operation, implementation, shape, dtype, pass). :func:`cases` gives the CPU
+or the GPU set. :func:`build` makes the inputs once and returns a zero-argument function that runs
+the case; the test files time it with pytest-benchmark and record :func:`measure_peak` and the
+throughput figures in ``benchmark.extra_info``.
+
+Passes: ``fwd`` runs under ``torch.no_grad()`` with inputs that need no gradient (what a trainer does
+for old/reference log-probs); ``fwd+bwd`` makes the inputs require grad and calls
+``torch.autograd.grad`` (no ``.grad`` accumulation), so the gradients are part of the peak.
+
+Peak memory is *extra* memory above what existed before the call (inputs excluded, outputs,
+gradients and temporaries included), measured in a separate single run: CUDA's
+``max_memory_allocated`` on a GPU, the running sum of the PyTorch profiler's allocation events on a
+CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+OPS = ("token_logprobs", "grpo_loss", "fused_linear_grpo_loss")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PASSES = ("fwd", "fwd+bwd")
+
+# Every finished case's extra_info, for the memory checks printed at the end of the session.
+RESULTS: List[dict] = []
+# Cases that did not run: (case id, reason), reported in the results JSON.
+SKIPPED: List[Tuple[str, str]] = []
+
+
+class Unavailable(Exception):
+    """The implementation cannot run here (not installed, no CUDA, incompatible version, OOM)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    impl: str
+    N: int
+    V: int
+    dtype: str
+    pass_: str
+    T: int = 512
+    H: Optional[int] = None
+    rounds: int = 3
+    sweep: bool = False  # part of the fused-linear memory sweep (flat vs growing in N)
+    priority: int = 10  # lower runs first (the GPU headline numbers come first)
+
+    @property
+    def B(self) -> int:
+        return max(1, self.N // self.T)
+
+    @property
+    def id(self) -> str:
+        h = f"-H{self.H}" if self.H else ""
+        return f"{self.op}-{self.pass_}-{self.impl}-N{self.N}-V{self.V}{h}-{self.dtype}"
+
+    @property
+    def group(self) -> str:
+        h = f" H={self.H}" if self.H else ""
+        return f"{self.op} {self.pass_} {self.dtype} V={self.V}{h}"
+
+    def info(self) -> dict:
+        return {
+            "op": self.op, "impl": self.impl, "N": self.N, "B": self.B, "T": self.T, "V": self.V, "H": self.H,
+            "dtype": self.dtype, "pass": self.pass_, "sweep": self.sweep,
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# the two sets
+# --------------------------------------------------------------------------------------------------
+def liger_available() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def implementations(device: str) -> List[str]:
+    """reference and torch everywhere; triton (and Liger-Kernel, when installed) on CUDA only.
+
+    Triton on a CPU runs only in its interpreter, far too slow to time: it is left out there.
+    """
+    impls = ["reference", "torch"]
+    if device == "cuda":
+        impls.append("triton")
+        if liger_available():
+            impls.append("liger")
+    only = os.environ.get("GRPO_BENCH_IMPLS")
+    if only:
+        impls = [i for i in impls if i in only.split(",")]
+    return impls
+
+
+def cpu_cases(impls: List[str]) -> List[Case]:
+    """Modest shapes that finish in a few minutes on 2 cores, plus the fused-linear memory sweep."""
+    out = []
+    for op in ("token_logprobs", "grpo_loss"):
+        for impl in impls:
+            for pass_ in PASSES:
+                for n in (512, 1024, 2048):
+                    out.append(Case(op, impl, n, 32000, "fp32", pass_, T=512, rounds=3))
+                out.append(Case(op, impl, 1024, 32000, "bf16", pass_, T=512, rounds=3))
+    for impl in impls:
+        # Memory sweep at H=512, V=32000 fp32, forward+backward: flat in N for ours, growing for the
+        # reference (which materialises the [N, V] logits; stopped at 8192, where it needs GBs).
+        for n in (2048, 4096, 8192, 16384):
+            if impl == "reference" and n > 8192:
+                continue
+            out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd+bwd", T=512, H=512, rounds=1, sweep=True))
+        for n in (2048, 4096):
+            out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd", T=512, H=512, rounds=2))
+    return out
+
+
+def gpu_cases(impls: List[str]) -> List[Case]:
+    """Real sizes: N up to 32k tokens, V 32k / 128k / 152k, H 4096, bf16. Headline cases first."""
+    out = []
+    big_v = 151936  # Qwen2/2.5
+    for op in ("token_logprobs", "grpo_loss"):
+        headline_pass = "fwd" if op == "token_logprobs" else "fwd+bwd"
+        for impl in impls:
+            for pass_ in PASSES:
+                if impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd":
+                    continue  # Liger's selective log-softmax has no backward
+                for n, v in ((16384, big_v), (4096, big_v), (8192, big_v), (32768, big_v), (16384, 32000), (16384, 128256)):
+                    prio = 0 if (n, v, pass_) == (16384, big_v, headline_pass) else 5 if (n, v) == (16384, big_v) else 10
+                    out.append(Case(op, impl, n, v, "bf16", pass_, T=1024, rounds=10, priority=prio))
+    for impl in impls:
+        for n in (16384, 4096, 8192, 32768):
+            out.append(Case("fused_linear_grpo_loss", impl, n, big_v, "bf16", "fwd+bwd", T=1024, H=4096, rounds=5,
+                            sweep=True, priority=0 if n == 16384 else 10))
+        out.append(Case("fused_linear_grpo_loss", impl, 16384, big_v, "bf16", "fwd", T=1024, H=4096, rounds=5, priority=5))
+        for v in (32000, 128256):
+            out.append(Case("fused_linear_grpo_loss", impl, 16384, v, "bf16", "fwd+bwd", T=1024, H=4096, rounds=5, priority=10))
+    return out
+
+
+def cases(bench_set: str, device: str) -> List[Case]:
+    impls = implementations(device)
+    return gpu_cases(impls) if bench_set == "gpu" else cpu_cases(impls)
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs and implementations
+# --------------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Runner:
+    fn: Callable[[], None]
+    device: torch.device
+    inputs: dict = field(default_factory=dict)
+
+    def __call__(self) -> None:
+        self.fn()
+        _sync(self.device)  # the timer must see the device's work, not just the launches
+
+    def close(self) -> None:
+        self.inputs.clear()
+        self.fn = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _liger_grpo():
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except Exception as exc:
+        raise Unavailable(f"liger_kernel.transformers.grpo_loss.triton_grpo_loss: {exc}")
+    return triton_grpo_loss
+
+
+def _liger_selective_log_softmax():
+    try:
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+    except Exception as exc:
+        raise Unavailable(f"liger_kernel.ops.grpo_loss.fused_selective_log_softmax: {exc}")
+    return fused_selective_log_softmax
+
+
+def _liger_fused_linear(case: Case):
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception as exc:
+        raise Unavailable(f"liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss: {exc}")
+    compiled = os.environ.get("GRPO_BENCH_LIGER_COMPILED", "0") == "1"
+    try:
+        return LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False, epsilon_low=0.2,
+                                        epsilon_high=0.2, loss_type="dapo", temperature=1.0)
+    except TypeError:  # older signatures
+        return LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False)
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def build(case: Case, device: torch.device) -> Runner:
+    """Inputs for ``case`` on ``device`` (made once) and the function that runs it.
+
+    The GRPO settings are TRL's defaults: on-policy (``old_logps=None``), ``beta=0``, ``eps=0.2``,
+    ``loss_type="dapo"``, every token in the mask. From-logits operations read the strided view
+    ``model_logits[:, :-1]`` of a ``[B, T+1, V]`` tensor, as a trainer does; Liger-Kernel's
+    functions take the whole ``[B, T+1, V]`` tensor (that is their interface).
+    """
+    import grpo_kernels as gk
+
+    if case.impl in ("triton", "liger") and device.type != "cuda":
+        raise Unavailable(f"{case.impl} needs CUDA here (Triton on a CPU only runs in its interpreter)")
+    if case.impl == "liger" and not liger_available():
+        raise Unavailable("liger_kernel is not installed")
+    dtype = DTYPES[case.dtype]
+    grad = case.pass_ == "fwd+bwd"
+    B, T, V = case.B, case.T, case.V
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (B, T), device=device)
+    adv = torch.randn(B, device=device)
+    mask = torch.ones(B, T, device=device)
+    inputs = {"ids": ids, "adv": adv, "mask": mask}
+    backend = case.impl  # "reference", "torch" or "triton"
+
+    if case.op in ("token_logprobs", "grpo_loss"):
+        buf = (torch.randn(B, T + 1, V, device=device, dtype=torch.float32) * 2).to(dtype)
+        buf.requires_grad_(grad)
+        logits = buf[:, :-1]  # a strided view; with grad, autograd.grad stops at it ([B, T, V] gradient)
+        inputs.update(buf=buf, logits=logits)
+        if case.op == "token_logprobs":
+            if case.impl == "liger":
+                sel = _liger_selective_log_softmax()
+
+                def run():
+                    sel(buf, ids, 1.0)
+            else:
+                def run():
+                    with torch.set_grad_enabled(grad):
+                        logp = gk.token_logprobs(logits, ids, backend=backend)
+                        if grad:
+                            torch.autograd.grad(logp.sum(), [logits])
+        else:
+            if case.impl == "liger":
+                liger = _liger_grpo()
+
+                def run():
+                    with torch.set_grad_enabled(grad):
+                        out = liger(buf, None, None, ids, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2,
+                                    eps_high=0.2, inplace=False)
+                        loss = _first(out)
+                        if loss.dim() > 0:  # older Liger returns per-token losses
+                            loss = (loss * mask).sum() / mask.sum()
+                        if grad:
+                            torch.autograd.grad(loss, [buf])
+            else:
+                def run():
+                    with torch.set_grad_enabled(grad):
+                        out = gk.grpo_loss(logits, ids, adv, mask, backend=backend)
+                        if grad:
+                            torch.autograd.grad(out.loss, [logits])
+    elif case.op == "fused_linear_grpo_loss":
+        H = case.H
+        hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(grad)
+        weight = (torch.randn(V, H, device=device, dtype=torch.float32) / H**0.5).to(dtype).requires_grad_(grad)
+        inputs.update(hidden=hidden, weight=weight)
+        if case.impl == "liger":
+            module = _liger_fused_linear(case)
+
+            def run():
+                with torch.set_grad_enabled(grad):
+                    loss = _first(module(hidden, weight, ids, mask, adv))
+                    if grad:
+                        torch.autograd.grad(loss, [hidden, weight])
+        else:
+            def run():
+                with torch.set_grad_enabled(grad):
+                    out = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, backend=backend)
+                    if grad:
+                        torch.autograd.grad(out.loss, [hidden, weight])
+    else:
+        raise ValueError(f"unknown op {case.op!r}")
+    return Runner(run, device, inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# peak memory
+# --------------------------------------------------------------------------------------------------
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def cpu_peak_extra_bytes(fn: Callable[[], None]) -> Tuple[int, str]:
+    """Peak of the running sum of the CPU allocator's events recorded by the PyTorch profiler.
+
+    The profiler (``profile_memory=True``) records every allocation and free with its size and time;
+    in time order, their running sum is the memory held above what existed when profiling began,
+    and its maximum is the peak extra memory of ``fn``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    method = "torch.profiler memory events (kineto)"
+    try:
+        for e in prof.profiler.kineto_results.events():
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"):
+                events.append((e.start_ns(), int(e.nbytes())))
+    except Exception:
+        events = []
+    if not events:
+        # Older/newer profiler builds: FunctionEvents carry the memory each op allocated net of
+        # frees ([memory] records for allocations outside any op); a coarser running sum.
+        method = "torch.profiler function events (coarse)"
+        for e in prof.profiler.function_events:
+            if e.cpu_parent is None or e.name == "[memory]":
+                events.append((e.time_range.start, int(e.cpu_memory_usage)))
+    events.sort(key=lambda x: x[0])
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak, method
+
+
+def measure_peak(runner: Runner) -> Tuple[int, str]:
+    """(peak extra bytes, method) of one call of ``runner``, outside any timing loop."""
+    try:
+        if runner.device.type == "cuda":
+            return cuda_peak_extra_bytes(runner, runner.device), "torch.cuda.max_memory_allocated"
+        return cpu_peak_extra_bytes(runner)
+    except Exception as exc:
+        if _is_oom(exc):
+            raise Unavailable(f"out of memory: {str(exc).splitlines()[0][:160]}") from None
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# throughput
+# --------------------------------------------------------------------------------------------------
+def floors(case: Case) -> dict:
+    """The work a case must do: bytes over the logits for the from-logits operations (one read
+    forward; two reads and one write forward+backward), flops for the fused-linear one."""
+    elt = torch.finfo(DTYPES[case.dtype]).bits // 8
+    if case.op in ("token_logprobs", "grpo_loss"):
+        reads_writes = 1 if case.pass_ == "fwd" else 3
+        return {"bytes_floor": reads_writes * case.N * case.V * elt}
+    nhv = case.N * case.H * case.V
+    useful = 2 * nhv if case.pass_ == "fwd" else 6 * nhv
+    # Ours recomputes each chunk's logits in the backward: 4 matmuls of 2*N*H*V flops each.
+    executed = 2 * nhv if case.pass_ == "fwd" else (8 * nhv if case.impl in ("torch", "triton") else 6 * nhv)
+    return {"useful_flops": useful, "flops": executed}
+
+
+def throughput(case: Case, median_s: float, copy_gbps: Optional[float], matmul_tflops: Optional[float]) -> dict:
+    out = floors(case)
+    if not median_s or median_s <= 0:
+        return out
+    if "bytes_floor" in out:
+        out["gbps"] = out["bytes_floor"] / median_s / 1e9
+        if copy_gbps:
+            out["copy_gbps"] = copy_gbps
+            out["bw_fraction"] = out["gbps"] / copy_gbps
+    else:
+        out["tflops"] = out["flops"] / median_s / 1e12
+        out["useful_tflops"] = out["useful_flops"] / median_s / 1e12
+        if matmul_tflops:
+            out["matmul_tflops"] = matmul_tflops
+            out["matmul_fraction"] = out["tflops"] / matmul_tflops
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# memory checks (fused linear: flat in N for ours, growing for the reference)
+# --------------------------------------------------------------------------------------------------
+def memory_checks(results: List[dict]) -> List[dict]:
+    """Per (impl, dtype, V, H) sweep: peak at each N, the ratio to the reference at the same N,
+    and the growth per doubling of N against the bytes of ``hidden`` and its gradient.
+
+    The targets (from the fused-linear issue): ours at most 1/8 of the reference's peak at the
+    largest N both ran, and doubling N adds no more than ``N * H * elt * 2`` bytes.
+    """
+    sweeps = {}
+    for r in results:
+        if r.get("op") != "fused_linear_grpo_loss" or r.get("pass") != "fwd+bwd" or not r.get("sweep"):
+            continue
+        if r.get("peak_mem_bytes") is None:
+            continue
+        key = (r["dtype"], r["V"], r["H"])
+        sweeps.setdefault(key, {}).setdefault(r["impl"], {})[r["N"]] = r["peak_mem_bytes"]
+    checks = []
+    for (dtype, v, h), by_impl in sorted(sweeps.items()):
+        ref = by_impl.get("reference", {})
+        elt = torch.finfo(DTYPES[dtype]).bits // 8
+        for impl, peaks in sorted(by_impl.items()):
+            if impl == "reference":
+                continue
+            ns = sorted(peaks)
+            points = []
+            for n in ns:
+                p = {"N": n, "peak_bytes": peaks[n], "reference_peak_bytes": ref.get(n)}
+                if ref.get(n):
+                    p["ratio_to_reference"] = peaks[n] / ref[n]
+                points.append(p)
+            growth = []
+            for a, b in zip(ns, ns[1:]):
+                allowed = (b - a) * h * elt * 2  # hidden rows + their gradient rows
+                growth.append({"from_N": a, "to_N": b, "delta_bytes": peaks[b] - peaks[a], "allowed_bytes": allowed,
+                               "ok": peaks[b] - peaks[a] <= allowed})
+            common = [n for n in ns if ref.get(n)]
+            ratio_check = None
+            if common:
+                n = max(common)
+                ratio = peaks[n] / ref[n]
+                ratio_check = {"N": n, "ratio": ratio, "target": 1 / 8, "ok": ratio <= 1 / 8}
+            checks.append({"impl": impl, "dtype": dtype, "V": v, "H": h, "points": points, "growth": growth,
+                           "ratio_check": ratio_check,
+                           "ok": all(g["ok"] for g in growth) and (ratio_check is None or ratio_check["ok"])})
+    return checks
+
+
+def format_checks(checks: List[dict]) -> str:
+    mib = 2**20
+    lines = []
+    for c in checks:
+        lines.append(f"fused_linear_grpo_loss fwd+bwd peak extra memory, impl={c['impl']} vs reference, "
+                     f"{c['dtype']} V={c['V']} H={c['H']}:")
+        for p in c["points"]:
+            ref = p["reference_peak_bytes"]
+            ref_s = f"{ref / mib:9.1f} MiB" if ref else "      (not run)"
+            ratio = f"  ratio {p['ratio_to_reference']:.4f} (1/{1 / p['ratio_to_reference']:.1f})" if p.get("ratio_to_reference") else ""
+            lines.append(f"  N={p['N']:6d}  ours {p['peak_bytes'] / mib:9.1f} MiB   reference {ref_s}{ratio}")
+        rc = c["ratio_check"]
+        if rc:
+            lines.append(f"  CHECK ours <= 1/8 of reference at N={rc['N']}: ratio {rc['ratio']:.4f} -> "
+                         f"{'PASS' if rc['ok'] else 'FAIL'}")
+        for g in c["growth"]:
+            lines.append(f"  CHECK N {g['from_N']} -> {g['to_N']}: peak +{g['delta_bytes'] / mib:.1f} MiB <= hidden+grad "
+                         f"{g['allowed_bytes'] / mib:.1f} MiB -> {'PASS' if g['ok'] else 'FAIL'}")
+    return "\n".join(lines)

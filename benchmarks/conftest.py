@@ -1,0 +1,148 @@
+"""pytest-benchmark setup for ``pytest benchmarks/ --benchmark-only``.
+
+- ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``, so a plain
+  ``pytest`` never runs benchmarks).
+- The set: ``--bench-set cpu|gpu|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` when CUDA
+  is available, else ``cpu``). ``GRPO_BENCH_IMPLS=reference,triton`` narrows the implementations.
+- ``GRPO_BENCH_BUDGET_S``: skip the cases that would start after this many seconds (the results
+  JSON is still written); the GPU set is ordered with its headline cases first.
+- Copy bandwidth and matmul rate (for the fraction-of-ceiling figures) are read from
+  ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS`` when set (``gpu_check.sh`` measures them
+  once), else measured once per session.
+- TRITON_INTERPRET is never set here: Triton is benchmarked on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from benchmarks import _harness as H
+from benchmarks import machine
+
+_START = time.monotonic()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("grpo-kernels benchmarks")
+    group.addoption("--bench-set", default=None, choices=["cpu", "gpu", "auto"],
+                    help="benchmark set (default: $GRPO_BENCH_SET or auto = gpu when CUDA is available)")
+
+
+def pytest_collect_file(file_path, parent):
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None
+
+
+def bench_set(config) -> str:
+    choice = config.getoption("--bench-set") or os.environ.get("GRPO_BENCH_SET", "auto")
+    if choice == "auto":
+        choice = "gpu" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def bench_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_generate_tests(metafunc):
+    if "case" not in metafunc.fixturenames:
+        return
+    op = getattr(metafunc.module, "OP")
+    selected = [c for c in H.cases(bench_set(metafunc.config), bench_device().type) if c.op == op]
+    metafunc.parametrize("case", selected, ids=[c.id.replace(op + "-", "") for c in selected])
+
+
+def pytest_collection_modifyitems(config, items):
+    def priority(item):
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        return case.priority if case is not None else 100
+
+    items.sort(key=priority)  # stable: file and parameter order within a priority
+
+
+@pytest.fixture(scope="session")
+def ceilings():
+    """(copy GB/s, matmul TFLOP/s) of this machine, from the environment or measured once."""
+    device = bench_device()
+    copy = os.environ.get("GRPO_BENCH_COPY_GBPS")
+    mm = os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
+    copy = float(copy) if copy else machine.copy_bandwidth_gbps(device)
+    if mm:
+        mm = float(mm)
+    else:
+        mm = machine.matmul_tflops(device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return copy, mm
+
+
+@pytest.fixture
+def run_case(benchmark, ceilings, request):
+    """Build ``case``, measure its peak memory in one run, time it, and fill ``extra_info``."""
+    runners = []
+
+    def _run(case: H.Case):
+        budget = os.environ.get("GRPO_BENCH_BUDGET_S")
+        if budget and time.monotonic() - _START > float(budget):
+            H.SKIPPED.append((case.id, "time budget spent"))
+            pytest.skip("GRPO_BENCH_BUDGET_S spent")
+        device = bench_device()
+        try:
+            runner = H.build(case, device)
+            runners.append(runner)
+            if device.type == "cuda":
+                runner()  # warm-up: Triton compilation, cuBLAS workspaces (outside the peak)
+            peak, method = H.measure_peak(runner)  # on a CPU this run is also the warm-up
+        except H.Unavailable as exc:
+            H.SKIPPED.append((case.id, str(exc)))
+            pytest.skip(str(exc))
+        except Exception as exc:
+            if H._is_oom(exc):
+                H.SKIPPED.append((case.id, "out of memory"))
+                pytest.skip("out of memory")
+            raise
+        benchmark.group = case.group
+        benchmark.extra_info.update(case.info())
+        benchmark.extra_info.update(device=device.type, peak_mem_bytes=int(peak), peak_mem_method=method)
+        try:
+            benchmark.pedantic(runner, setup=lambda: H._sync(device), rounds=case.rounds, iterations=1, warmup_rounds=0)
+        except Exception as exc:
+            if H._is_oom(exc):
+                H.SKIPPED.append((case.id, "out of memory while timing"))
+                pytest.skip("out of memory while timing")
+            raise
+        stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+        median = getattr(stats, "median", None)
+        benchmark.extra_info.update(H.throughput(case, median, *ceilings))
+        H.RESULTS.append(dict(benchmark.extra_info, median_s=median))
+
+    yield _run
+    for r in runners:
+        r.close()
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    info = machine.machine_info()
+    info["bench_set"] = bench_set(config)
+    info["note"] = os.environ.get("GRPO_BENCH_NOTE", "")
+    machine_info["grpo_bench"] = info
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json["grpo_memory_checks"] = H.memory_checks(H.RESULTS)
+    output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in H.SKIPPED]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    checks = H.memory_checks(H.RESULTS)
+    if checks:
+        terminalreporter.section("fused-linear peak memory checks")
+        terminalreporter.write_line(H.format_checks(checks))
+    if H.SKIPPED:
+        terminalreporter.section("benchmark cases not run")
+        for case, reason in H.SKIPPED:
+            terminalreporter.write_line(f"{case}: {reason}")
+    terminalreporter.write_line(f"benchmark session wall time: {time.monotonic() - _START:.0f} s")

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One check on a lent GPU (written for an H200), in at most ~6 minutes, with the machine's own
+# torch/triton (no installs, no network):
+#   1. machine + versions + date, copy bandwidth and matmul rate, once  -> OUT_DIR/env.json
+#   2. the GPU tests: `-m gpu` over tests/, then the kernel test files     -> OUT_DIR/tests*.log
+#   3. the GPU benchmark set (headline cases first, time-budgeted)        -> OUT_DIR/gpu.json
+#   4. the report                                                         -> OUT_DIR/gpu.md (+ PNGs)
+#
+# Usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (or OUT_DIR=...; default benchmarks/results/gpu-<date>)
+# Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 345), TEST_TIMEOUT_S
+# (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report).
+# Exit status: 0 when every step ran and the tests passed, else the first failing step's status;
+# whatever was produced stays in OUT_DIR either way.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+OUT_DIR=${1:-${OUT_DIR:-benchmarks/results/gpu-$(date -u +%Y%m%d)}}
+DEADLINE_S=${DEADLINE_S:-345}
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/gpu_check.log"
+: > "$LOG"
+START=$SECONDS
+STATUS=0
+log() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+fail() { local rc=$1; shift; log "FAILED ($rc): $*"; if [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi; }
+
+# --- 0. a CUDA device, and what it is -------------------------------------------------------------
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+    log "no CUDA device visible to torch: nothing to check"
+    exit 3
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$OUT_DIR/nvidia-smi.csv" 2>/dev/null || true
+
+# --- 1. environment and ceilings (copy bandwidth and matmul rate, measured once) --------------------
+log "machine info, copy bandwidth and matmul rate"
+if ! $PY -m benchmarks.machine --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG"; then
+    fail 1 "benchmarks.machine"
+    $PY -m benchmarks.machine --no-ceilings --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG" || true
+fi
+read -r COPY_GBPS MATMUL_TFLOPS < <($PY -c "
+import json; e = json.load(open('$OUT_DIR/env.json'))
+print(e.get('copy_gbps') or '', e.get('matmul_tflops') or '')" 2>/dev/null || echo "")
+log "copy ${COPY_GBPS:-?} GB/s, matmul ${MATMUL_TFLOPS:-?} TFLOP/s"
+cat "$OUT_DIR/env.json" >> "$LOG" 2>/dev/null || true
+
+# --- 2. GPU tests: the gpu-marked ones, then the kernel test files (time-capped) -------------------
+TEST_END=$((SECONDS + TEST_TIMEOUT_S))
+log "tests -m gpu"
+rc=0
+timeout "$TEST_TIMEOUT_S" $PY -m pytest tests -q -m gpu -p no:cacheprovider > "$OUT_DIR/tests-gpu.log" 2>&1 || rc=$?
+tail -n 3 "$OUT_DIR/tests-gpu.log" | tee -a "$LOG"
+# exit 5 = nothing collected (no gpu-marked test): not a failure
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then fail "$rc" "pytest -m gpu (124 = timed out)"; fi
+shopt -s nullglob
+KERNEL_TESTS=(tests/test_token_logprobs*.py tests/test_grpo_loss*.py tests/test_fused_linear*.py tests/test_kernel*.py tests/test_triton*.py)
+shopt -u nullglob
+LEFT=$((TEST_END - SECONDS))
+if [ "${#KERNEL_TESTS[@]}" -gt 0 ] && [ "$LEFT" -gt 10 ]; then
+    log "kernel test files (${KERNEL_TESTS[*]}), ${LEFT}s left for tests"
+    rc=0
+    timeout "$LEFT" $PY -m pytest "${KERNEL_TESTS[@]}" -q -m "not gpu and not slow" -p no:cacheprovider \
+        > "$OUT_DIR/tests-kernels.log" 2>&1 || rc=$?
+    tail -n 3 "$OUT_DIR/tests-kernels.log" | tee -a "$LOG"
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then fail "$rc" "kernel test files (124 = timed out)"; fi
+else
+    log "kernel test files skipped (${#KERNEL_TESTS[@]} files, ${LEFT}s left)"
+fi
+
+# --- 3. the GPU benchmark set, time-budgeted so the JSON is always written ------------------------
+REPORT_RESERVE=30
+BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - 45))  # 45 s: the last case's overrun + startup
+if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
+log "benchmarks (GPU set), budget ${BUDGET}s for starting cases"
+rc=0
+GRPO_BENCH_SET=gpu GRPO_BENCH_BUDGET_S="$BUDGET" GRPO_BENCH_COPY_GBPS="$COPY_GBPS" GRPO_BENCH_MATMUL_TFLOPS="$MATMUL_TFLOPS" \
+    timeout $((BUDGET + 60)) $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
+    --benchmark-json "$OUT_DIR/gpu.json" --benchmark-columns=min,median,max,rounds \
+    > "$OUT_DIR/bench.log" 2>&1 || rc=$?
+grep -A40 "fused-linear peak memory checks" "$OUT_DIR/bench.log" | tee -a "$LOG" || true
+tail -n 2 "$OUT_DIR/bench.log" | tee -a "$LOG"
+if [ "$rc" -ne 0 ]; then fail "$rc" "benchmarks (124 = timed out)"; fi
+
+# --- 4. report ------------------------------------------------------------------------------------
+if [ -s "$OUT_DIR/gpu.json" ]; then
+    log "report"
+    $PY -m benchmarks.report "$OUT_DIR/gpu.json" --env "$OUT_DIR/env.json" \
+        --title "grpo-kernels benchmarks: GPU set" >> "$LOG" 2>&1 || fail $? "benchmarks.report"
+else
+    fail 1 "no gpu.json written"
+fi
+log "done in $((SECONDS - START))s, status $STATUS; results in $OUT_DIR"
+exit "$STATUS"

@@ -1,0 +1,3 @@
+import sys
+from .demo import main
+main(sys.argv[2:])

@@ -1,0 +1,88 @@
+"""Run logs: one JSON object per step in ``log.jsonl``, and a PNG of the curves at the end.
+
+Only the main process writes (the trainer decides, in one place, by passing ``enabled``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable, Optional
+
+# The curves drawn by plot_curves, in order; missing keys are skipped.
+PLOTTED = (
+    ("reward", "reward (mean)"),
+    ("accuracy", "accuracy"),
+    ("kl", "KL to reference"),
+    ("entropy", "entropy"),
+    ("completion_length/mean", "completion length"),
+    ("truncated_frac", "truncated fraction"),
+    ("zero_signal_frac", "zero-signal groups (fraction)"),
+    ("clip_ratio/region_mean", "clip ratio"),
+    ("grad_norm", "grad norm"),
+)
+
+
+class RunLog:
+    """Appends per-step records to ``path`` (JSONL) and keeps them in ``records``."""
+
+    def __init__(self, path: str, enabled: bool = True, resume_step: Optional[int] = None) -> None:
+        self.path, self.enabled = path, enabled
+        self.records: list[dict] = read_jsonl(path) if resume_step is not None else []
+        self.records = [r for r in self.records if r.get("step", 0) <= (resume_step or 0)]
+        if enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            write_jsonl_atomic(path, self.records)  # a resumed run drops the steps after its checkpoint
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl_atomic(path: str, records: Iterable[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_curves(records: list[dict], path: str, title: str = "GRPO") -> Optional[str]:
+    """Draw every curve of ``PLOTTED`` that the records have against ``step``; returns the PNG path."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, label) for k, label in PLOTTED if any(k in r for r in records)]
+    cols = 3
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (key, label) in zip(axes.flat, panels):
+        xs = [r["step"] for r in records if key in r]
+        ys = [r[key] for r in records if key in r]
+        ax.plot(xs, ys, lw=1.2)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,602 @@
+"""GRPO, top to bottom: rollouts -> rewards -> group advantages -> an update with the fused loss.
+
+One training step:
+  1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with
+     Hugging Face ``generate`` (left-padded prompts, sampling, EOS ends a completion);
+  2. score every completion with weighted reward functions ``fn(prompts, completions, **columns)``
+     (``None`` = unscorable), and turn the rewards into group-relative advantages;
+  3. update the policy: its last hidden states and ``lm_head`` weight go to
+     ``grpo_kernels.fused_linear_grpo_loss``, so the [tokens, vocab] logits never exist. The batch is
+     cut into micro-batches whose gradients accumulate; the DAPO normaliser counts the tokens of the
+     whole batch. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
+     recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term.
+  4. log one JSON line, and now and then write a checkpoint from which a run resumes exactly.
+
+Shapes: ``B`` completions in a step (``prompts_per_step * G``), ``P`` prompt positions (left padded),
+``T`` completion positions (right padded), ``H`` hidden size, ``V`` vocabulary.
+
+Distributed training is not implemented, but has one place to go: ``is_main_process`` (log and
+checkpoint writes), ``prepare_model`` (wrapping), ``count_loss_tokens`` (the all-reduced
+normaliser) and ``prompts_for_step`` (sharding whole prompts across ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import math
+import os
+import random
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
+
+from .advantages import group_advantages, zero_signal_groups
+from .data import columns_of, prompts_for_step
+from .logs import RunLog, plot_curves
+
+RewardFn = Callable[..., Sequence[Optional[float]]]
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class GRPOConfig:
+    """Every knob of a run. The defaults are TRL-like; the demo overrides many of them."""
+
+    output_dir: str = "runs/grpo"
+    seed: int = 0
+    num_steps: int = 100
+    # rollouts
+    prompts_per_step: int = 8
+    num_generations: int = 8  # G, completions per prompt
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # used for sampling and, as in TRL, inside the loss
+    top_p: float = 1.0
+    # rewards and advantages
+    reward_weights: Optional[list[float]] = None  # one per reward function; None = all 1
+    advantage_std: str = "population"  # "population" (1/G) or "unbiased" (1/(G-1), TRL)
+    scale_rewards: str = "group"  # "group", "batch" or "none" (Dr. GRPO)
+    drop_zero_signal_groups: bool = False  # leave groups with all-equal rewards out of the update
+    mask_truncated_completions: bool = False  # completions without EOS add no loss
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last `overlong_buffer` tokens; 0 = off
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
+    accuracy_reward: str = "accuracy"  # the reward function logged as "accuracy", when present
+    # loss (see grpo_kernels.fused_linear_grpo_loss)
+    loss_type: str = "dapo"
+    beta: float = 0.0  # KL coefficient; > 0 loads a frozen reference model
+    eps_low: float = 0.2
+    eps_high: Optional[float] = None  # None = eps_low; DAPO's clip-higher uses e.g. 0.28
+    delta: Optional[float] = None  # two-sided clipping bound
+    importance_sampling_level: str = "token"  # or "sequence" (GSPO)
+    entropy_coef: float = 0.0
+    num_iterations: int = 1  # updates per batch of rollouts (mu in the GRPO paper)
+    backend: str = "auto"  # grpo_kernels backend: "auto", "triton", "torch", "reference"
+    chunk_size: Optional[int] = None  # rows of logits the fused loss materialises at once
+    # optimisation
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    micro_batch_size: Optional[int] = None  # completions per forward/backward; None = the whole batch
+    gradient_checkpointing: bool = False
+    bf16: bool = True  # bf16 autocast, on CUDA only
+    # logging and checkpoints
+    save_every: int = 50  # steps; 0 = only at the end
+    resume: bool = False  # continue from output_dir/checkpoint.pt when it exists
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_iterations < 1 or self.num_generations < 1 or self.prompts_per_step < 1:
+            raise ValueError("num_iterations, num_generations and prompts_per_step must be >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1 or None")
+
+
+# --------------------------------------------------------------------------------------------------
+# processes, devices, models
+# --------------------------------------------------------------------------------------------------
+def is_main_process() -> bool:
+    """True on the process that writes logs and checkpoints (rank 0 once there are ranks)."""
+    return True
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def attention_implementation(device: torch.device) -> str:
+    """``flash_attention_2`` on CUDA when flash-attn is installed, ``sdpa`` otherwise."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(name_or_path: str, device: Optional[torch.device] = None):
+    """A causal LM and its (left-padding) tokenizer from a local path or a hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, attn_implementation=attention_implementation(device), dtype=torch.float32
+    )
+    return model, tokenizer
+
+
+def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device) -> torch.nn.Module:
+    """Move the policy to its device and set it up for training (DDP/FSDP wrapping would go here)."""
+    model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = True  # for generate; the training forward passes use_cache=False
+    return model
+
+
+def make_reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the policy as it is now (used when ``beta > 0``)."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def autocast(device: torch.device, cfg: GRPOConfig):
+    """bf16 autocast on CUDA when asked for; fp32 otherwise."""
+    if device.type == "cuda" and cfg.bf16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+
+
+def learning_rate(step: int, cfg: GRPOConfig) -> float:
+    """Linear warm-up, then constant: a pure function of the step, so resuming needs no scheduler state."""
+    return cfg.learning_rate * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+
+
+# --------------------------------------------------------------------------------------------------
+# rollouts
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """G completions for each of some prompts, prompt-major (rows ``g*G .. g*G+G-1`` share a prompt)."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    completion_mask: torch.Tensor  # [B, T] 1 up to and including the first EOS
+    truncated: torch.Tensor  # [B] bool, no EOS within max_new_tokens
+    prompts: list[str]  # [B]
+    completions: list[str]  # [B] decoded, special tokens dropped
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: Union[int, list[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [B, T] long: 1 up to and including the first EOS, truncated [B] bool: no EOS at all)."""
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_ids:
+        is_eos |= completion_ids == eos
+    T = completion_ids.shape[1]
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, T)).min(-1).values  # [B]
+    mask = (positions <= first_eos.unsqueeze(-1)).long()
+    return mask, ~is_eos.any(-1)
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model, tokenizer, prompts: list[str], cfg: GRPOConfig, num_generations: int, greedy: bool = False
+) -> Rollout:
+    """Sample ``num_generations`` completions per prompt (greedy: one each, no sampling)."""
+    device = next(model.parameters()).device
+    repeated = [p for p in prompts for _ in range(num_generations)]
+    enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    was_training = model.training
+    model.eval()
+    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
+    with autocast(device, cfg):
+        out = model.generate(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+            **(dict(do_sample=False) if greedy else sampling),
+        )
+    model.train(was_training)
+    prompt_len = enc.input_ids.shape[1]
+    completion_ids = out[:, prompt_len:]
+    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # pad after EOS
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts)
+
+
+# --------------------------------------------------------------------------------------------------
+# rewards and advantages
+# --------------------------------------------------------------------------------------------------
+def reward_name(fn: RewardFn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def score(reward_fns: Mapping[str, RewardFn], rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
+    """Rewards [B, F] float32, one column per function; ``None`` becomes NaN."""
+    per_fn = []
+    for name, fn in reward_fns.items():
+        values = fn(rollout.prompts, rollout.completions, **columns)
+        if len(values) != len(rollout.completions):
+            raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(rollout.completions)} completions")
+        per_fn.append([math.nan if v is None else float(v) for v in values])
+    return torch.tensor(per_fn, dtype=torch.float32).T.reshape(len(rollout.completions), len(reward_fns))
+
+
+def overlong_penalty(lengths: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """DAPO's soft overlong punishment [B]: 0 up to ``max - buffer`` tokens, then down linearly to ``-penalty``."""
+    if cfg.overlong_buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    start = cfg.max_new_tokens - cfg.overlong_buffer
+    excess = (lengths.float().cpu() - start).clamp(min=0) / cfg.overlong_buffer
+    return -cfg.overlong_penalty * excess.clamp(max=1.0)
+
+
+def total_reward(per_fn: torch.Tensor, weights: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over functions that scored [B]; NaN where none did (such completions get advantage 0)."""
+    unscorable = torch.isnan(per_fn).all(-1)
+    total = torch.nansum(per_fn * weights, dim=-1) + penalty
+    return torch.where(unscorable, torch.full_like(total, math.nan), total)
+
+
+# --------------------------------------------------------------------------------------------------
+# the policy's log-probs and the loss, from hidden states (no full logits)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class UpdateBatch:
+    """What the loss needs, row-aligned; ``rows(idx)`` slices out a micro-batch."""
+
+    input_ids: torch.Tensor  # [B, P+T] prompt then completion
+    attention_mask: torch.Tensor  # [B, P+T]
+    prompt_len: int  # P
+    completion_ids: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] the completion mask, less masked-out truncated completions
+    advantages: torch.Tensor  # [B]
+    old_logps: Optional[torch.Tensor] = None  # [B, T]
+    ref_logps: Optional[torch.Tensor] = None  # [B, T]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, idx: torch.Tensor) -> "UpdateBatch":
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return UpdateBatch(
+            pick(self.input_ids), pick(self.attention_mask), self.prompt_len, pick(self.completion_ids),
+            pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps),
+        )
+
+    def micro_batches(self, size: Optional[int]) -> list["UpdateBatch"]:
+        size = size or len(self)
+        return [self.rows(torch.arange(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+
+def completion_hidden(model, batch: UpdateBatch) -> torch.Tensor:
+    """The last hidden states that predict the completion tokens, [B, T, H] (final norm applied)."""
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+    out = model.base_model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state[:, batch.prompt_len - 1 : -1]
+
+
+def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    head = model.get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)
+
+
+@torch.no_grad()
+def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
+    """Per-token log-probs [B, T] float32 of the completions under ``model`` (old policy or reference)."""
+    weight, bias = lm_head(model)
+    chunks = []
+    for mb in batch.micro_batches(cfg.micro_batch_size):
+        with autocast(device, cfg):
+            hidden = completion_hidden(model, mb)
+        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
+        chunks.append(
+            fused_linear_token_logprobs(
+                hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
+                backend=cfg.backend,
+            )
+        )
+    return torch.cat(chunks)
+
+
+def count_loss_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The DAPO normaliser: loss tokens in the whole batch, over every micro-batch (all-reduce it under DDP)."""
+    return loss_mask.sum().float().clamp(min=1.0)
+
+
+def policy_loss(model, mb: UpdateBatch, num_items: torch.Tensor, batch_size: int, cfg: GRPOConfig, device: torch.device):
+    """The GRPO loss of one micro-batch, scaled so that the micro-batch losses sum to the batch's loss."""
+    weight, bias = lm_head(model)
+    with autocast(device, cfg):
+        hidden = completion_hidden(model, mb)
+    out = fused_linear_grpo_loss(
+        hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask,
+        bias=bias, chunk_size=cfg.chunk_size, old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=cfg.beta,
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, delta=cfg.delta, temperature=cfg.temperature,
+        loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens, num_items_in_batch=num_items,
+        importance_sampling_level=cfg.importance_sampling_level, entropy_coef=cfg.entropy_coef, backend=cfg.backend,
+    )
+    # "dapo" already divides by the whole batch's token count; the per-sequence means are per micro-batch.
+    scale = 1.0 if cfg.loss_type == "dapo" else len(mb) / batch_size
+    return out.loss * scale, out.metrics
+
+
+def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> dict[str, float]:
+    """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches."""
+    num_items = count_loss_tokens(batch.loss_mask)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {}
+    weight_total, losses, grad_norms = 0.0, [], []
+    for _ in range(cfg.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for mb in batch.micro_batches(cfg.micro_batch_size):
+            loss, metrics = policy_loss(model, mb, num_items, len(batch), cfg, device)
+            loss.backward()
+            loss_sum += loss.item()
+            tokens = float(mb.loss_mask.sum())  # metrics are token means: weigh them by tokens
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.item() * tokens
+            weight_total += tokens
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+        optimizer.step()
+        losses.append(loss_sum)
+    logs = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
+    logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms))
+    return logs
+
+
+# --------------------------------------------------------------------------------------------------
+# one step
+# --------------------------------------------------------------------------------------------------
+def train_step(
+    step: int,
+    model,
+    ref_model,
+    tokenizer,
+    optimizer,
+    rows: list[dict[str, Any]],
+    reward_fns: Mapping[str, RewardFn],
+    cfg: GRPOConfig,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Rollouts, rewards, advantages and the update for one batch of prompts; returns the step's log."""
+    G = cfg.num_generations
+    start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+
+    # 1. rollouts
+    batch_rows = [rows[i] for i in prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)]
+    rollout = generate_rollouts(model, tokenizer, [r["prompt"] for r in batch_rows], cfg, G)
+    generate_time = time.perf_counter() - start
+
+    # 2. rewards -> advantages
+    per_fn = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
+    penalty = overlong_penalty(rollout.lengths, cfg)
+    rewards = total_reward(per_fn, weights, penalty)  # [B]
+    advantages = group_advantages(rewards, G, std=cfg.advantage_std, scale=cfg.scale_rewards)
+    zero_signal = zero_signal_groups(rewards, G)  # [B/G]
+
+    # 3. the update, on the groups that carry a signal if so asked
+    loss_mask = rollout.completion_mask.clone()
+    if cfg.mask_truncated_completions:
+        loss_mask[rollout.truncated] = 0
+    batch = UpdateBatch(
+        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+        prompt_len=rollout.prompt_ids.shape[1],
+        completion_ids=rollout.completion_ids,
+        loss_mask=loss_mask,
+        advantages=advantages.to(device),
+    )
+    if cfg.drop_zero_signal_groups:
+        batch = batch.rows(torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1))
+    logs: dict[str, Any] = {}
+    if len(batch) > 0 and batch.loss_mask.sum() > 0:
+        if cfg.num_iterations > 1:
+            batch.old_logps = completion_logps(model, batch, cfg, device)
+        if ref_model is not None:
+            batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
+        model.train()
+        logs = update(model, optimizer, batch, cfg, device)
+
+    # 4. the step's log
+    step_time = time.perf_counter() - start
+    lengths = rollout.lengths.float()
+    logs.update(
+        step=step + 1,
+        reward=float(torch.nanmean(rewards)),
+        reward_std=float(rewards[~torch.isnan(rewards)].std()) if (~torch.isnan(rewards)).sum() > 1 else 0.0,
+        **reward_logs(per_fn, list(reward_fns), penalty, cfg),
+        unscorable_frac=float(torch.isnan(rewards).float().mean()),
+        zero_signal_groups=int(zero_signal.sum()),
+        zero_signal_frac=float(zero_signal.float().mean()),
+        updated_completions=len(batch),
+        lr=learning_rate(step, cfg),
+        step_time=step_time,
+        generate_time=generate_time,
+        tokens_per_s=float(lengths.sum()) / step_time,
+        peak_memory_mb=peak_memory_mb(device),
+    )
+    logs["completion_length/mean"] = float(lengths.mean())
+    logs["completion_length/max"] = float(lengths.max())
+    logs["truncated_frac"] = float(rollout.truncated.float().mean())
+    logs["sample"] = rollout.prompts[0] + rollout.completions[0]
+    return logs
+
+
+def reward_logs(per_fn: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:
+    """Mean and std of every reward function (over the completions it scored), and "accuracy"."""
+    logs = {}
+    for j, name in enumerate(names):
+        col = per_fn[:, j]
+        col = col[~torch.isnan(col)]
+        logs[f"rewards/{name}/mean"] = float(col.mean()) if col.numel() else math.nan
+        logs[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else 0.0
+        if name == cfg.accuracy_reward:
+            logs["accuracy"] = logs[f"rewards/{name}/mean"]
+    if cfg.overlong_buffer > 0:
+        logs["rewards/overlong/mean"] = float(penalty.mean())
+    return logs
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated in this step, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints: one file, written atomically; RNG states included so a resumed run is the same run
+# --------------------------------------------------------------------------------------------------
+def checkpoint_path(cfg: GRPOConfig) -> str:
+    return os.path.join(cfg.output_dir, "checkpoint.pt")
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(step: int, model, ref_model, optimizer, cfg: GRPOConfig) -> None:
+    """Write ``checkpoint.pt`` via a temporary file and ``os.replace``, so a crash never leaves half a file."""
+    if not is_main_process():
+        return
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "ref_model": ref_model.state_dict() if ref_model is not None else None,
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+        "config": dataclasses.asdict(cfg),
+    }
+    path = checkpoint_path(cfg)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(model, ref_model, optimizer, cfg: GRPOConfig) -> int:
+    """Restore everything ``save_checkpoint`` wrote; returns the number of steps already done."""
+    state = torch.load(checkpoint_path(cfg), map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    if ref_model is not None and state["ref_model"] is not None:
+        ref_model.load_state_dict(state["ref_model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------
+def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> dict[str, RewardFn]:
+    if isinstance(reward_fns, Mapping):
+        return dict(reward_fns)
+    return {reward_name(fn): fn for fn in reward_fns}
+
+
+def set_seed(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(
+    model,
+    tokenizer,
+    rows: list[dict[str, Any]],
+    reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]],
+    cfg: GRPOConfig,
+    device: Optional[torch.device] = None,
+) -> list[dict[str, Any]]:
+    """Run GRPO for ``cfg.num_steps`` steps (resuming when asked); returns every step's log.
+
+    rows: ``{"prompt": str, ...}``; the other columns reach each reward function as keyword lists.
+    reward_fns: ``{name: fn}`` or a list (named by ``__name__``); ``fn(prompts, completions, **columns)``
+    returns one ``float | None`` per completion.
+    """
+    device = device or default_device()
+    reward_fns = as_named(reward_fns)
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
+        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
+    set_seed(cfg.seed)
+    model = prepare_model(model, cfg, device)
+    ref_model = make_reference_model(model) if cfg.beta > 0 else None
+    optimizer = make_optimizer(model, cfg)
+    start_step = 0
+    if cfg.resume and os.path.exists(checkpoint_path(cfg)):
+        start_step = load_checkpoint(model, ref_model, optimizer, cfg)
+    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=is_main_process(), resume_step=start_step)
+
+    bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
+               disable=not (cfg.progress and is_main_process()), desc="GRPO", dynamic_ncols=True)
+    for step in bar:
+        record = train_step(step, model, ref_model, tokenizer, optimizer, rows, reward_fns, cfg, device)
+        log.write(record)
+        bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if k in record})
+        done = step + 1
+        if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0):
+            save_checkpoint(done, model, ref_model, optimizer, cfg)
+    bar.close()
+    if cfg.plot and is_main_process():
+        plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))
+    return log.records

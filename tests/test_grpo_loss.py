@@ -1,0 +1,155 @@
+"""grpo_loss on the fused kernels (Triton interpreter on CPU, and the torch path) against float64.
+
+Every option of the contract is on in at least one case, with each loss type, in fp32 and bf16,
+with an empty sequence in the batch; values, gradients and metrics are checked, and the backends
+are checked against each other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, assert_close64
+from grpo_cases import OPTION_CASES, build_kwargs, make_batch
+from spec64 import grpo64
+
+import grpo_kernels as gk
+from grpo_kernels import reference as R
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def to_device(kw: dict) -> dict:
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+def run_loss(logits, ids, advantages, mask, backend, **kw):
+    x = logits.detach().clone().to(DEVICE).requires_grad_()
+    out = gk.grpo_loss(x, ids.to(DEVICE), advantages.to(DEVICE), mask.to(DEVICE), backend=backend, **to_device(kw))
+    out.loss.backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_grpo_loss_matches_float64(backend, dtype, loss_type, case):
+    batch = make_batch(100 + list(OPTION_CASES).index(case), dtype=dtype, V=131)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(OPTION_CASES[case], batch)
+    if loss_type == "dr_grpo":
+        kw["max_completion_length"] = 11
+    if loss_type == "dapo":
+        kw["num_items_in_batch"] = torch.tensor(23.0)
+    out, grad = run_loss(logits, ids, advantages, mask, backend, loss_type=loss_type, **kw)
+
+    x64 = logits.double().requires_grad_()
+    loss64, logp64, metrics64 = grpo64(x64, ids, advantages, mask, loss_type=loss_type, **kw)
+    loss64.backward()
+
+    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0 and grad.dtype == dtype
+    assert_close64(out.loss, loss64, what="loss")
+    assert_close64(out.per_token_logps, logp64, scale=10, what="per_token_logps")
+    assert_close64(grad, x64.grad, dtype, scale=(0.1 if dtype == torch.float32 else 1e-3) * x64.grad.abs().max().item(), what="grad")
+    assert grad[1].abs().max() == 0, "the empty sequence must get no gradient"
+    assert set(out.metrics) == set(metrics64)
+    for name, value in metrics64.items():
+        # clip fractions are exact counts, but a ratio within an ulp of the boundary may flip
+        assert_close64(out.metrics[name], value, what=name, scale=1 if "clip" not in name else 1e3 / mask.numel())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_three_backends_agree(loss_type):
+    batch = make_batch(7, V=97)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True, beta=0.05, entropy_coef=0.02, temperature=0.9), batch)
+    results = {b: run_loss(logits, ids, advantages, mask, b, loss_type=loss_type, **kw) for b in ("reference", "torch", "triton")}
+    ref_out, ref_grad = results["reference"]
+    for backend in ("torch", "triton"):
+        out, grad = results[backend]
+        assert_close64(out.loss, ref_out.loss.double(), what=f"{backend} loss")
+        assert_close64(grad, ref_grad.double(), scale=0.1 * ref_grad.abs().max().item(), what=f"{backend} grad")
+        for name in ref_out.metrics:
+            assert_close64(out.metrics[name], ref_out.metrics[name].double(), what=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_writes_gradient_into_logits(backend):
+    batch = make_batch(3, V=67)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True, beta=0.04), batch)
+    _, expected = run_loss(logits, ids, advantages, mask, backend, **kw)
+
+    model_logits = torch.randn(logits.shape[0], logits.shape[1] + 2, logits.shape[2]).to(DEVICE)
+    model_logits[:, 1:-1] = logits.to(DEVICE)
+    leaf = model_logits.clone().requires_grad_()
+    work = leaf * 1.0  # a non-leaf buffer the trainer would not reuse
+    view = work[:, 1:-1]
+    out = gk.grpo_loss(view, ids.to(DEVICE), advantages.to(DEVICE), mask.to(DEVICE), backend=backend, inplace_backward=True, **to_device(kw))
+    out.loss.backward()
+    assert torch.allclose(leaf.grad[:, 1:-1], expected, rtol=0, atol=1e-7)
+    # the buffer now holds the gradient, which is how the memory is saved
+    assert torch.allclose(view.detach(), expected, rtol=0, atol=1e-7)
+
+
+def test_drop_in_for_trainer_code():
+    """grpo_loss(logits, ...) equals what a TRL-style trainer computes from reference.token_logprobs."""
+    batch = make_batch(21, V=89)
+    logits, ids, mask, old, ref, adv = batch[:6]
+    beta, eps = 0.04, 0.2
+
+    def trainer_loss(x):  # the code a trainer has today
+        per_token_logps = R.token_logprobs(x, ids)
+        log_ratio = per_token_logps - old
+        coef_1 = torch.exp(log_ratio)
+        coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+        per_token_loss = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+    x1 = logits.clone().requires_grad_()
+    expected = trainer_loss(x1)
+    expected.backward()
+    x2 = logits.clone().requires_grad_()
+    out = gk.grpo_loss(x2, ids, adv, mask, old_logps=old, ref_logps=ref, beta=beta, eps_low=eps, loss_type="grpo")
+    out.loss.backward()
+    assert_close64(out.loss, expected.double(), what="loss")
+    assert_close64(x2.grad, x1.grad.double(), scale=0.1 * x1.grad.abs().max().item(), what="grad")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_hyperparameters_do_not_change_the_inputs_or_need_float64(backend):
+    """Runtime hyper-parameters: several values in a row give the float64 answer each time."""
+    batch = make_batch(5, V=41)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True), batch)
+    for beta, eps, temperature in [(0.0, 0.2, 1.0), (0.1, 0.3, 0.6), (0.01, 0.1, 1.3)]:
+        out, grad = run_loss(logits, ids, advantages, mask, backend, beta=beta, eps_low=eps, temperature=temperature, **kw)
+        x64 = logits.double().requires_grad_()
+        loss64, _, _ = grpo64(x64, ids, advantages, mask, beta=beta, eps_low=eps, temperature=temperature, **kw)
+        loss64.backward()
+        assert_close64(out.loss, loss64, what=f"loss at beta={beta}")
+        assert_close64(grad, x64.grad, scale=0.1 * x64.grad.abs().max().item(), what="grad")
+
+
+def test_module_wrapper_holds_config():
+    batch = make_batch(9, V=29)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True, beta=0.02), batch)
+    module = gk.GRPOLoss(beta=0.02, loss_type="bnpo", backend="torch")
+    out = module(logits, ids, advantages, mask, old_logps=kw["old_logps"], ref_logps=kw["ref_logps"])
+    direct = gk.grpo_loss(logits, ids, advantages, mask, loss_type="bnpo", backend="torch", **kw)
+    assert torch.equal(out.loss, direct.loss)
+    assert "bnpo" in repr(module)
+
+
+def test_all_masked_batch_gives_zero_loss_and_gradient():
+    batch = make_batch(11, V=23)
+    logits, ids = batch[:2]
+    mask = torch.zeros_like(batch[2])
+    for backend in ("reference", "torch", "triton"):
+        for loss_type in LOSS_TYPES:
+            out, grad = run_loss(logits, ids, batch[5], mask, backend, loss_type=loss_type)
+            assert out.loss.item() == 0 and grad.abs().max() == 0 and torch.isfinite(out.loss)
