@@ -2,8 +2,8 @@
 
 - ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``, so a plain
   ``pytest`` never runs benchmarks).
-- The set: ``--bench-set cpu|gpu|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` when CUDA
-  is available, else ``cpu``). ``GRPO_BENCH_IMPLS=reference,triton`` narrows the implementations.
+- The set: ``--bench-set cpu|gpu|smoke|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` when
+  CUDA is available, else ``cpu``; ``smoke`` is tiny shapes through every code path). ``GRPO_BENCH_IMPLS=reference,triton`` narrows the implementations.
 - ``GRPO_BENCH_BUDGET_S``: skip the cases that would start after this many seconds (the results
   JSON is still written); the GPU set is ordered with its headline cases first.
 - Copy bandwidth and matmul rate (for the fraction-of-ceiling figures) are read from
@@ -24,16 +24,18 @@ from benchmarks import _harness as H
 from benchmarks import machine
 
 _START = time.monotonic()
+CEILINGS: dict = {}  # the measured (or given) copy bandwidth and matmul rate, for the results JSON
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("grpo-kernels benchmarks")
-    group.addoption("--bench-set", default=None, choices=["cpu", "gpu", "auto"],
+    group.addoption("--bench-set", default=None, choices=["cpu", "gpu", "smoke", "auto"],
                     help="benchmark set (default: $GRPO_BENCH_SET or auto = gpu when CUDA is available)")
 
 
 def pytest_collect_file(file_path, parent):
-    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+    # A file named on the command line is collected by pytest itself, whatever its name.
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_") and not parent.session.isinitpath(file_path):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
@@ -72,11 +74,27 @@ def ceilings():
     copy = os.environ.get("GRPO_BENCH_COPY_GBPS")
     mm = os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
     copy = float(copy) if copy else machine.copy_bandwidth_gbps(device)
-    if mm:
-        mm = float(mm)
-    else:
-        mm = machine.matmul_tflops(device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mm = float(mm) if mm else machine.matmul_tflops(device, dtype=mm_dtype)
+    CEILINGS.update(copy_gbps=round(copy, 1), matmul_tflops=round(mm, 3), matmul_dtype=str(mm_dtype).replace("torch.", ""))
     return copy, mm
+
+
+def _skippable(case: H.Case, exc: BaseException) -> str:
+    """The skip reason for an exception that means "cannot run here"; re-raise anything else."""
+    if H._is_oom(exc):
+        return "out of memory"
+    if case.impl == "liger":  # a third-party API that changes between versions: record, do not fail
+        return f"liger_kernel failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    raise exc
+
+
+def _skip(case: H.Case, reason: str, runners) -> None:
+    H.SKIPPED.append((case.id, reason))
+    for r in runners:
+        r.close()
+    runners.clear()
+    pytest.skip(reason)
 
 
 @pytest.fixture
@@ -90,6 +108,7 @@ def run_case(benchmark, ceilings, request):
             H.SKIPPED.append((case.id, "time budget spent"))
             pytest.skip("GRPO_BENCH_BUDGET_S spent")
         device = bench_device()
+        reason = None
         try:
             runner = H.build(case, device)
             runners.append(runner)
@@ -97,23 +116,20 @@ def run_case(benchmark, ceilings, request):
                 runner()  # warm-up: Triton compilation, cuBLAS workspaces (outside the peak)
             peak, method = H.measure_peak(runner)  # on a CPU this run is also the warm-up
         except H.Unavailable as exc:
-            H.SKIPPED.append((case.id, str(exc)))
-            pytest.skip(str(exc))
+            reason = str(exc)
         except Exception as exc:
-            if H._is_oom(exc):
-                H.SKIPPED.append((case.id, "out of memory"))
-                pytest.skip("out of memory")
-            raise
+            reason = _skippable(case, exc)
+        if reason is not None:
+            _skip(case, reason, runners)  # outside the except block: the failed call's tensors are gone
         benchmark.group = case.group
         benchmark.extra_info.update(case.info())
         benchmark.extra_info.update(device=device.type, peak_mem_bytes=int(peak), peak_mem_method=method)
         try:
             benchmark.pedantic(runner, setup=lambda: H._sync(device), rounds=case.rounds, iterations=1, warmup_rounds=0)
         except Exception as exc:
-            if H._is_oom(exc):
-                H.SKIPPED.append((case.id, "out of memory while timing"))
-                pytest.skip("out of memory while timing")
-            raise
+            reason = _skippable(case, exc) + " (while timing)"
+        if reason is not None:
+            _skip(case, reason, runners)
         stats = getattr(getattr(benchmark, "stats", None), "stats", None)
         median = getattr(stats, "median", None)
         benchmark.extra_info.update(H.throughput(case, median, *ceilings))
@@ -132,6 +148,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
+    output_json.setdefault("machine_info", {}).setdefault("grpo_bench", {}).update(CEILINGS)
     output_json["grpo_memory_checks"] = H.memory_checks(H.RESULTS)
     output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in H.SKIPPED]
 

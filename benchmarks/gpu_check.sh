@@ -9,6 +9,7 @@
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (or OUT_DIR=...; default benchmarks/results/gpu-<date>)
 # Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 345), TEST_TIMEOUT_S
 # (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report).
+# Dry run without a GPU: GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke TEST_TIMEOUT_S=30 bash benchmarks/gpu_check.sh /tmp/x
 # Exit status: 0 when every step ran and the tests passed, else the first failing step's status;
 # whatever was produced stays in OUT_DIR either way.
 set -euo pipefail
@@ -28,7 +29,8 @@ log() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
 fail() { local rc=$1; shift; log "FAILED ($rc): $*"; if [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi; }
 
 # --- 0. a CUDA device, and what it is -------------------------------------------------------------
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+BENCH_SET=${GPU_CHECK_SET:-gpu}
+if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
     log "no CUDA device visible to torch: nothing to check"
     exit 3
 fi
@@ -73,9 +75,9 @@ fi
 REPORT_RESERVE=30
 BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - 45))  # 45 s: the last case's overrun + startup
 if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
-log "benchmarks (GPU set), budget ${BUDGET}s for starting cases"
+log "benchmarks ($BENCH_SET set), budget ${BUDGET}s for starting cases"
 rc=0
-GRPO_BENCH_SET=gpu GRPO_BENCH_BUDGET_S="$BUDGET" GRPO_BENCH_COPY_GBPS="$COPY_GBPS" GRPO_BENCH_MATMUL_TFLOPS="$MATMUL_TFLOPS" \
+GRPO_BENCH_SET="$BENCH_SET" GRPO_BENCH_BUDGET_S="$BUDGET" GRPO_BENCH_COPY_GBPS="$COPY_GBPS" GRPO_BENCH_MATMUL_TFLOPS="$MATMUL_TFLOPS" \
     timeout $((BUDGET + 60)) $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT_DIR/gpu.json" --benchmark-columns=min,median,max,rounds \
     > "$OUT_DIR/bench.log" 2>&1 || rc=$?

@@ -160,6 +160,28 @@ def conditions_lines(cond: dict, data: dict) -> List[str]:
     return lines
 
 
+# The GPU issue's targets: token_logprobs forward at >= 85% of copy bandwidth on the one-read floor,
+# grpo_loss forward+backward against the two-reads-one-write floor, fused-linear against the matmul rate.
+HEADLINE = (
+    ("token_logprobs", "fwd", 16384, 151936, None, "≥ 85% of copy bandwidth (one read of the logits)"),
+    ("grpo_loss", "fwd+bwd", 16384, 151936, None, "against two reads + one write of the logits"),
+    ("fused_linear_grpo_loss", "fwd+bwd", 16384, 151936, 4096, "against the matmul rate (8·N·H·V flops for ours)"),
+)
+
+
+def headline_lines(rows: List[dict]) -> List[str]:
+    out = []
+    for op, pass_, n, v, h, target in HEADLINE:
+        hits = [r for r in rows if (r["op"], r["pass"], r["N"], r["V"], r.get("H")) == (op, pass_, n, v, h)]
+        if not hits:
+            continue
+        out.append(f"- `{op}` {pass_} N={n} V={v}" + (f" H={h}" if h else "") + f" ({target}):")
+        for r in sorted(hits, key=lambda r: IMPL_ORDER.get(r["impl"], 9)):
+            tp, frac = throughput_of(r)
+            out.append(f"  - {r['impl']}: {fmt_time(r.get('median_s'))}, {tp}, {frac}, peak {fmt_bytes(r.get('peak_mem_bytes'))}")
+    return out
+
+
 def checks_lines(checks: List[dict]) -> List[str]:
     out = []
     for c in checks:
@@ -210,17 +232,19 @@ def plot(rows: List[dict], out_dir: str, stem: str) -> List[Tuple[tuple, str]]:
         if len({r["N"] for r in group}) < 2:
             continue  # a single N is a table row, not a curve
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+        slowest = max((r.get("median_s") or 0) for r in group)
+        t_scale, t_unit = (1.0, "s") if slowest >= 2 else (1e3, "ms")
         for impl in sorted({r["impl"] for r in group}, key=lambda i: IMPL_ORDER.get(i, 9)):
             pts = sorted((r["N"], r.get("median_s"), r.get("peak_mem_bytes")) for r in group if r["impl"] == impl)
             style = IMPL_STYLE.get(impl, {})
             tp = [(n, t) for n, t, _ in pts if t is not None]
             mp = [(n, m) for n, _, m in pts if m is not None]
             if tp:
-                ax_t.plot([n for n, _ in tp], [t * 1e3 for _, t in tp], label=impl, **style)
+                ax_t.plot([n for n, _ in tp], [t * t_scale for _, t in tp], label=impl, **style)
             if mp:
                 ax_m.plot([n for n, _ in mp], [m / 2**20 for _, m in mp], label=impl, **style)
         title = f"{op} {pass_} {dtype} V={v}" + (f" H={h}" if h else "")
-        for ax, ylabel in ((ax_t, "median time (ms)"), (ax_m, "peak extra memory (MiB)")):
+        for ax, ylabel in ((ax_t, f"median time ({t_unit})"), (ax_m, "peak extra memory (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("N (tokens)")
             ax.set_ylabel(ylabel)
@@ -257,6 +281,9 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
         "(fused-linear: 8·N·H·V forward+backward for ours, which recomputes the logits, 6·N·H·V otherwise).",
         "",
     ]
+    headline = headline_lines(rows)
+    if headline:
+        lines += ["## Headline cases", ""] + headline + [""]
     plots = dict(plot(rows, out_dir, stem)) if rows else {}
     for op in sorted({r["op"] for r in rows}, key=lambda o: OP_ORDER.get(o, 9)):
         op_rows = [r for r in rows if r["op"] == op]

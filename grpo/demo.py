@@ -166,6 +166,7 @@ def grpo_config(cfg: DemoConfig) -> GRPOConfig:
 def run_demo(cfg: DemoConfig) -> dict:
     """Warm start, accuracy before, GRPO, accuracy after; writes log, curves, checkpoint under output_dir."""
     t0 = time.perf_counter()
+    torch.set_num_threads(1)  # a tiny model: more threads only add contention, and vary with the machine
     torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)

@@ -38,6 +38,9 @@ def _synthetic():
         {"name": "test_tl[ref]", "stats": {"median": 0.010}, "extra_info": {
             "op": "token_logprobs", "impl": "reference", "N": 1024, "V": 32000, "H": None, "dtype": "bf16",
             "pass": "fwd", "peak_mem_bytes": 200 * mib, "gbps": 6.5, "bw_fraction": 0.9}},
+        {"name": "test_tl[triton]", "stats": {"median": 0.00125}, "extra_info": {
+            "op": "token_logprobs", "impl": "triton", "N": 16384, "V": 151936, "H": None, "dtype": "bf16",
+            "pass": "fwd", "peak_mem_bytes": 3 * 2**16, "gbps": 3983.0, "bw_fraction": 0.87}},
     ]
     checks = [{"impl": "torch", "dtype": "fp32", "V": 32000, "H": 512,
                "points": [{"N": 2048, "peak_bytes": 150 * mib, "reference_peak_bytes": 1500 * mib, "ratio_to_reference": 0.1},
@@ -68,6 +71,7 @@ def test_report_renders_markdown_and_png(tmp_path):
     assert "5.00 s" in row and "158.0 MiB" in row and "1.25×" in row and "0.053×" in row and "40% of matmul" in row
     assert "90% of copy" in md and "6.5 GB/s" in md
     assert "PASS" in md and "too large" in md
+    assert "## Headline cases" in md and "triton: 1.25 ms, 3983.0 GB/s, 87% of copy" in md
 
     pngs = sorted(tmp_path.glob("*.png"))
     assert [p.name for p in pngs] == ["cpu-test-fused_linear_grpo_loss-fwdbwd-fp32-V32000-H512.png"]

@@ -20,7 +20,7 @@ import triton.language as tl
 
 # Smaller than any finite fp32 logit, so the running max starts finite: exp(m_old - m_new) and
 # (m_old - m_new) * s stay well defined, and -inf logits simply contribute exp(-inf) = 0.
-_LOWEST = -3.4028234663852886e38
+_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
