@@ -153,3 +153,38 @@ def test_all_masked_batch_gives_zero_loss_and_gradient():
         for loss_type in LOSS_TYPES:
             out, grad = run_loss(logits, ids, batch[5], mask, backend, loss_type=loss_type)
             assert out.loss.item() == 0 and grad.abs().max() == 0 and torch.isfinite(out.loss)
+
+
+def test_works_under_torch_compile():
+    """torch.compile (aot_eager: traces forward and backward without a C++ toolchain) gives the eager answer."""
+    batch = make_batch(13, V=50)
+    logits, ids, mask, old, ref, adv = batch[:6]
+
+    def loss_fn(x):
+        return gk.grpo_loss(x, ids, adv, mask, old_logps=old, ref_logps=ref, beta=0.04, backend="torch").loss
+
+    compiled = torch.compile(loss_fn, backend="aot_eager")
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    compiled(x1).backward()
+    loss_fn(x2).backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
+@pytest.mark.gpu
+def test_new_hyperparameter_values_compile_no_new_kernel():
+    from grpo_kernels.kernels import triton_rows
+
+    batch = make_batch(15, V=300)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True), batch)
+    run_loss(logits, ids, advantages, mask, "triton", beta=0.1, **kw)
+
+    def cache_size():
+        """Compiled variants of both row kernels (triton >= 3.2 keeps them per device)."""
+        kernels = (triton_rows.token_logprobs_fwd_kernel, triton_rows.token_logprobs_bwd_kernel)
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+    before = cache_size()
+    for beta, eps, temperature in [(0.2, 0.1, 0.5), (0.0, 0.3, 1.7)]:
+        run_loss(logits, ids, advantages, mask, "triton", beta=beta, eps_low=eps, temperature=temperature, **kw)
+    assert cache_size() == before
