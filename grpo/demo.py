@@ -43,7 +43,7 @@ class DemoConfig:
     sft_steps: int = 400
     sft_batch: int = 64
     sft_lr: float = 3e-3
-    grpo_steps: int = 60
+    grpo_steps: int = 120
     backend: str = "auto"  # the fused loss's backend ("auto" = the torch path on CPU)
     progress: bool = True
 
@@ -157,8 +157,8 @@ def grpo_config(cfg: DemoConfig) -> GRPOConfig:
     return GRPOConfig(
         output_dir=cfg.output_dir, seed=cfg.seed, num_steps=cfg.grpo_steps,
         prompts_per_step=16, num_generations=8, max_new_tokens=12, temperature=1.0,
-        reward_weights=[1.0, 0.2], loss_type="dapo", beta=0.0, eps_low=0.2, eps_high=0.28,
-        num_iterations=1, backend=cfg.backend, learning_rate=1e-3, warmup_steps=5, max_grad_norm=1.0,
+        reward_weights=[1.0, 0.2], loss_type="dapo", beta=0.04, eps_low=0.2, eps_high=0.28,
+        num_iterations=1, backend=cfg.backend, learning_rate=3e-4, warmup_steps=5, max_grad_norm=1.0,
         save_every=0, progress=cfg.progress, drop_zero_signal_groups=True,
     )
 

@@ -59,6 +59,38 @@ class TokenLogprobs(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
+class FusedGRPOLoss(torch.autograd.Function):
+    """Token-level GRPO loss from logits in one Triton pass; the backward is one more pass.
+
+    forward -> (loss 0-d, logp [B, T], entropy [B, T]); only the loss is differentiable. Saved: the
+    logits (a reference), and five fp32 numbers per token.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature,
+                ignore_index, hyper, inplace_backward):
+        eps_low, eps_high, delta, beta, entropy_coef = hyper
+        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = triton_rows().grpo_forward_rows(
+            logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature, ignore_index,
+            eps_low, eps_high, delta, beta, entropy_coef,
+        )
+        ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
+        ctx.config = (temperature, ignore_index, inplace_backward, entropy_coef != 0)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss.sum(), logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
+        temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
+        out = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        triton_rows().backward_rows(
+            logits, targets, row_max, log_sum, entropy, coef_logp * grad_loss,
+            coef_entropy * grad_loss if has_entropy_term else None, temperature, ignore_index, out,
+        )
+        return (out,) + (None,) * 10
+
+
 def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """Rows per chunk for the fused-linear path.
 

@@ -13,7 +13,7 @@ import torch
 
 from . import _validation as V
 from . import reference
-from .autograd import FusedLinearTokenLogprobs, TokenLogprobs, default_chunk_size, row_kernels
+from .autograd import FusedGRPOLoss, FusedLinearTokenLogprobs, TokenLogprobs, default_chunk_size, row_kernels
 from .kernels.layout import as_rows
 from .reference import GRPOLossOutput
 
@@ -105,8 +105,35 @@ def grpo_loss(
     mask = reference.effective_mask(completion_ids, completion_mask, IGNORE_INDEX)
     ids = reference.masked_ids(completion_ids, mask, IGNORE_INDEX)
     V.check_ids_in_range(ids, logits.shape[-1], IGNORE_INDEX, "completion_ids")
+    kernels = row_kernels(backend, logits.device)
+    if hasattr(kernels, "grpo_forward_rows") and importance_sampling_level == "token":
+        return _fused_grpo_loss(logits, ids, advantages, mask, temperature, inplace_backward, options)
+    # Sequence-level ratios (GSPO) need each sequence's mean log-ratio before any token's loss, and
+    # the torch path has no fused epilogue: log-probs from the row kernel, then the O(B*T) maths.
     logp, entropy = _logprobs_rows(logits, ids, temperature, IGNORE_INDEX, True, backend, inplace_backward)
     return reference.grpo_loss_from_logprobs(logp, entropy, advantages, mask, **options)
+
+
+def _fused_grpo_loss(logits, ids, advantages, mask, temperature, inplace_backward, options) -> GRPOLossOutput:
+    """Token-level GRPO on the Triton kernel that computes the loss in the log-prob pass."""
+    rows = as_rows(logits)
+    weights = reference.token_weights(mask, options["loss_type"], options["max_completion_length"], options["num_items_in_batch"])
+    hyper = (options["eps_low"], options["eps_high"], options["delta"], options["beta"], options["entropy_coef"])
+    old, ref, is_ratio = options["old_logps"], options["ref_logps"], options["is_ratio"]
+    loss, logp, entropy = FusedGRPOLoss.apply(
+        rows, ids.reshape(rows.shape[:2]), advantages.detach(), weights, None if old is None else old.detach(),
+        None if ref is None else ref.detach(), None if is_ratio is None else is_ratio.detach(), temperature,
+        IGNORE_INDEX, hyper, inplace_backward,
+    )
+    logp, entropy = logp.view(ids.shape), entropy.view(ids.shape)
+    with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
+        _, ratio, kl = reference.per_token_loss(
+            logp, entropy, advantages, mask, old_logps=old, ref_logps=ref, beta=options["beta"],
+            eps_low=options["eps_low"], eps_high=options["eps_high"], delta=options["delta"],
+            importance_sampling_level="token", is_ratio=None, entropy_coef=0.0,
+        )
+        metrics = reference.loss_metrics(entropy, ratio, kl, advantages, mask, options["eps_low"], options["eps_high"])
+    return GRPOLossOutput(loss, (logp * (mask != 0)).detach(), metrics)
 
 
 # --------------------------------------------------------------------------------------------------

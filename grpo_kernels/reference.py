@@ -133,6 +133,33 @@ def per_token_loss(
     return loss, ratio, kl
 
 
+def token_weights(
+    mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch: Optional[Union[Number, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Float32 [B, T]: each token's weight in the reduced loss, so that ``loss = sum(L * weight)``.
+
+    grpo: ``m / (B * max(len_b, 1))``; bnpo: ``m / max(sum m, 1)``; dr_grpo: ``m / (B * max_len)``;
+    dapo: ``m / num_items_in_batch`` (default ``max(sum m, 1)``).
+    """
+    b, t = mask.shape
+    if loss_type == "grpo":
+        return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * b)
+    if loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return mask / (b * (t if max_completion_length is None else max_completion_length))
+    if loss_type == "dapo":
+        if num_items_in_batch is None:
+            return mask / mask.sum().clamp(min=1.0)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(mask.device, torch.float32)
+        return mask / num_items_in_batch
+    raise ValueError(f"loss_type must be one of {V.LOSS_TYPES}, got {loss_type!r}")
+
+
 def reduce_loss(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -141,21 +168,7 @@ def reduce_loss(
     num_items_in_batch: Optional[Union[Number, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Reduce [B, T] per-token losses to a 0-d float32 loss (see the table in API.md)."""
-    masked = loss * mask
-    if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        length = loss.shape[-1] if max_completion_length is None else max_completion_length
-        return masked.sum() / (loss.shape[0] * length)
-    if loss_type == "dapo":
-        if num_items_in_batch is None:
-            return masked.sum() / mask.sum().clamp(min=1.0)
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(masked.device, torch.float32)
-        return masked.sum() / num_items_in_batch
-    raise ValueError(f"loss_type must be one of {V.LOSS_TYPES}, got {loss_type!r}")
+    return (loss * token_weights(mask, loss_type, max_completion_length, num_items_in_batch)).sum()
 
 
 def loss_metrics(

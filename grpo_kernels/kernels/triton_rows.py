@@ -38,6 +38,31 @@ def _one_minus_exp(x):
 
 
 @triton.jit
+def _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """One read of a row: (m, log s, entropy) of z = logits * inv_temperature, online over blocks."""
+    m = tl.full((), _LOWEST, tl.float32)
+    s = tl.zeros((), tl.float32)
+    u = tl.zeros((), tl.float32)
+    cols = tl.arange(0, BLOCK_V).to(tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, 0))
+        shift = z - m_new
+        e = tl.exp(shift)
+        alpha = tl.exp(m - m_new)
+        s_old = s
+        s = s * alpha + tl.sum(e, 0)
+        if WITH_ENTROPY:
+            # A -inf logit adds 0 (not 0 * -inf); a NaN one still adds NaN.
+            e_shift = tl.where(z == float("-inf"), 0.0, e * shift)
+            u = alpha * (u + (m - m_new) * s_old) + tl.sum(e_shift, 0)
+        m = m_new
+    log_s = tl.log(s)
+    return m, log_s, log_s - u / s
+
+
+@triton.jit
 def token_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
@@ -55,31 +80,80 @@ def token_logprobs_fwd_kernel(
             tl.store(entropy_ptr + row, 0.0)
     else:
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m = tl.full((), _LOWEST, tl.float32)
-        s = tl.zeros((), tl.float32)
-        u = tl.zeros((), tl.float32)
-        cols = tl.arange(0, BLOCK_V).to(tl.int64)
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, 0))
-            shift = z - m_new
-            e = tl.exp(shift)
-            alpha = tl.exp(m - m_new)
-            s_old = s
-            s = s * alpha + tl.sum(e, 0)
-            if WITH_ENTROPY:
-                # A -inf logit adds 0 (not 0 * -inf); a NaN one still adds NaN.
-                e_shift = tl.where(z == float("-inf"), 0.0, e * shift)
-                u = alpha * (u + (m - m_new) * s_old) + tl.sum(e_shift, 0)
-            m = m_new
-        log_s = tl.log(s)
+        m, log_s, entropy = _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V, WITH_ENTROPY)
         z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
         tl.store(logp_ptr + row, (z_target - m) - log_s)
         tl.store(max_ptr + row, m)
         tl.store(log_sum_ptr + row, log_s)
         if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, log_s - u / s)
+            tl.store(entropy_ptr + row, entropy)
+
+
+@triton.jit
+def grpo_loss_fwd_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, advantages_ptr, weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
+    logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr,
+    V, inv_temperature, ignore_index, eps_low, eps_high, delta, beta, entropy_coef,
+    BLOCK_V: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr,
+):
+    """The token-level GRPO loss in the same pass as the log-prob.
+
+    Per row: log-prob and entropy, then ratio, clipped surrogate, k3 KL and entropy bonus, times the
+    token's weight in the reduction (``reference.token_weights``). Writes the weighted loss (summed by
+    the caller) and ``d loss / d logp`` and ``d loss / d entropy``, which the backward kernel scales
+    by the incoming gradient. The formulas are ``reference.per_token_loss``'s, differentiated by hand.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    if target == ignore_index:
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(entropy_ptr + row, 0.0)
+        tl.store(max_ptr + row, 0.0)
+        tl.store(log_sum_ptr + row, 0.0)
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(coef_logp_ptr + row, 0.0)
+        tl.store(coef_entropy_ptr + row, 0.0)
+    else:
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m, log_s, entropy = _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V, True)
+        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
+        logp = (z_target - m) - log_s
+        tl.store(logp_ptr + row, logp)
+        tl.store(entropy_ptr + row, entropy)
+        tl.store(max_ptr + row, m)
+        tl.store(log_sum_ptr + row, log_s)
+
+        adv = tl.load(advantages_ptr + row)
+        weight = tl.load(weights_ptr + row)
+        if HAS_OLD:
+            ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
+        else:
+            ratio = tl.exp(logp - logp)  # on-policy: 1, d ratio / d logp = 1; NaN stays NaN
+        unclipped = tl.minimum(ratio, delta)  # delta = +inf when unset
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+        t1 = unclipped * adv
+        t2 = clipped * adv
+        # d/d ratio of each branch: a clamp passes the gradient inside its closed range, and
+        # torch.minimum splits it evenly on a tie (the usual case, inside the clip range).
+        d1 = tl.where(ratio <= delta, adv, 0.0)
+        d2 = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), adv, 0.0)
+        d_min = tl.where(t1 < t2, d1, tl.where(t2 < t1, d2, 0.5 * (d1 + d2)))
+        loss = -tl.minimum(t1, t2)
+        d_logp = -d_min * ratio
+        if HAS_IS_RATIO:
+            is_ratio = tl.load(is_ratio_ptr + row)
+            loss = loss * is_ratio
+            d_logp = d_logp * is_ratio
+        if HAS_REF:
+            diff = tl.load(ref_logps_ptr + row) - logp
+            exp_diff = tl.exp(diff)
+            loss += beta * (exp_diff - diff - 1.0)
+            d_logp += beta * (1.0 - exp_diff)
+        loss -= entropy_coef * entropy
+        tl.store(loss_ptr + row, loss * weight)
+        tl.store(coef_logp_ptr + row, d_logp * weight)
+        tl.store(coef_entropy_ptr + row, -entropy_coef * weight)
 
 
 @triton.jit
@@ -167,6 +241,55 @@ def forward_rows(
         BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=num_warps,
     )
     return logp, entropy, row_max, log_sum
+
+
+def grpo_forward_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    is_ratio: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    eps_low: float,
+    eps_high: float,
+    delta: Optional[float],
+    beta: float,
+    entropy_coef: float,
+):
+    """One pass of the token-level GRPO loss; per-token inputs are [B], [B, 1] or [B, T].
+
+    Returns ``(weighted_loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy)``, fp32
+    [B, T]: the reduced loss is ``weighted_loss.sum()`` and its gradient w.r.t. the logits is the row
+    backward with ``grad_logp = coef_logp * g`` and ``grad_entropy = coef_entropy * g``.
+    """
+    b, t, v = logits.shape
+    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(7)]
+    if b * t == 0:
+        return tuple(outputs)
+    loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = outputs
+    weights = weights.float().contiguous()
+
+    def per_token(x: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B], [B, 1] or [B, T] -> contiguous fp32 [B, T]; an absent input passes a never-read stand-in."""
+        if x is None:
+            return weights
+        return (x.unsqueeze(-1) if x.dim() == 1 else x).float().expand(b, t).contiguous()
+
+    block, num_warps = launch_config(v, logits.dtype)
+    grpo_loss_fwd_kernel[(b * t,)](
+        logits, logits.stride(0), logits.stride(1), t,
+        targets.contiguous(), per_token(advantages), weights,
+        per_token(old_logps), per_token(ref_logps), per_token(is_ratio),
+        logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy,
+        v, 1.0 / temperature, ignore_index, eps_low, eps_high,
+        float("inf") if delta is None else delta, beta, entropy_coef,
+        BLOCK_V=block, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
+        HAS_IS_RATIO=is_ratio is not None, num_warps=num_warps,
+    )
+    return loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy
 
 
 def backward_rows(
