@@ -17,8 +17,10 @@ __all__ = ["group_advantages", "zero_signal_groups", "GRPOConfig", "train"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("GRPOConfig", "train"):
-        from . import trainer
+    import importlib
 
-        return getattr(trainer, name)
+    if name in ("GRPOConfig", "train"):
+        return getattr(importlib.import_module(".trainer", __name__), name)
+    if name in ("trainer", "demo", "data", "rewards", "tokenizer", "logs"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

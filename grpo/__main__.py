@@ -1,3 +1,130 @@
+"""Command line: ``python -m grpo demo`` and ``python -m grpo train``.
+
+    python -m grpo demo                                # the CPU demo (about a minute)
+    python -m grpo train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl \\
+        --rewards accuracy format --reward-weights 1.0 0.2 --num-steps 200 --learning-rate 1e-6
+
+Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...).
+The data is JSONL with a prompt column and any others (e.g. ``answer``), which reach the reward
+functions as keyword lists. A reward is a built-in name (``accuracy``: ``grpo.rewards.math_accuracy``
+against the ``answer`` column; ``format``: ``grpo.rewards.format_reward``; ``code``:
+``grpo.rewards.code_reward`` against the ``tests`` column), a TRL-style function of ``grpo.rewards``,
+or ``package.module:function`` for your own ``fn(prompts, completions, **columns) -> list[float | None]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
 import sys
-from .demo import main
-main(sys.argv[2:])
+import typing
+from typing import Callable, Optional
+
+
+# ---------------------------------------------------------------------------- rewards by name
+def _accuracy(prompts, completions, answer, **_):
+    from grpo.rewards import math_accuracy
+
+    return [math_accuracy(c, a) for c, a in zip(completions, answer)]
+
+
+def _format(prompts, completions, **_):
+    from grpo.rewards import format_reward
+
+    return [format_reward(c) for c in completions]
+
+
+def _code(prompts, completions, tests, **_):
+    from grpo.rewards import code_reward
+
+    return [code_reward(c, t) for c, t in zip(completions, tests)]
+
+
+BUILTIN_REWARDS = {"accuracy": _accuracy, "format": _format, "code": _code}
+
+
+def resolve_reward(name: str) -> Callable:
+    """A reward function from a built-in name, a function of ``grpo.rewards`` or ``module:function``."""
+    if ":" in name:
+        module, attr = name.split(":", 1)
+        return getattr(importlib.import_module(module), attr)
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    rewards = importlib.import_module("grpo.rewards")
+    if callable(getattr(rewards, name, None)):
+        return getattr(rewards, name)
+    raise SystemExit(f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)}, a function of grpo.rewards, or module:function")
+
+
+# ---------------------------------------------------------------------------- GRPOConfig as flags
+def _flag_type(hint) -> tuple[Callable, Optional[str]]:
+    """(converter, nargs) for a GRPOConfig field's type hint."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return _flag_type(args[0])
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], "+"
+    return hint, None
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        flag = "--" + field.name.replace("_", "-")
+        kind, nargs = _flag_type(hints[field.name])
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            parser.add_argument(flag, type=kind, nargs=nargs, default=field.default, metavar=kind.__name__.upper())
+
+
+def config_from_args(args: argparse.Namespace, config_cls):
+    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+
+
+# ---------------------------------------------------------------------------- commands
+def train_command(argv: list[str]) -> None:
+    from .data import load_jsonl
+    from .trainer import GRPOConfig, load_model, train
+
+    parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
+    parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
+    parser.add_argument("--data", required=True, help="JSONL: one object per prompt, e.g. {\"prompt\": ..., \"answer\": ...}")
+    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap prompts in the tokenizer's chat template (default: when it has one)")
+    parser.add_argument("--rewards", nargs="+", default=["accuracy", "format"])
+    add_config_flags(parser, GRPOConfig)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, GRPOConfig)
+    reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
+    model, tokenizer = load_model(args.model)
+    rows = load_jsonl(args.data, args.prompt_key)
+    use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
+    if use_template:
+        for row in rows:
+            row["prompt"] = tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+            )
+    records = train(model, tokenizer, rows, reward_fns, cfg)
+    model.save_pretrained(f"{cfg.output_dir}/model")
+    tokenizer.save_pretrained(f"{cfg.output_dir}/model")
+    if records:
+        last = {k: v for k, v in records[-1].items() if isinstance(v, (int, float))}
+        print(json.dumps(last, indent=1))
+    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, model/")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest)}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

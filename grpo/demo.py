@@ -182,6 +182,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     records = train(model, tokenizer, train_rows, {"accuracy": accuracy, "format": format_reward}, grpo_config(cfg))
     after = evaluate(model, tokenizer, held_out_rows, samples=8)
+    model.save_pretrained(os.path.join(cfg.output_dir, "model"))  # `python -m grpo train --model` takes it
+    tokenizer.save_pretrained(os.path.join(cfg.output_dir, "model"))
     wall = time.perf_counter() - t0
     summary = {"before": before, "after": after, "grpo_steps": len(records), "wall_s": wall}
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
@@ -189,7 +191,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(f"held-out sampled accuracy: {before['sampled']:.0%} -> {after['sampled']:.0%}")
     print(f"accuracy before GRPO: {before['greedy']:.0%} -> after: {after['greedy']:.0%}  "
           f"(greedy, {len(held_out_rows)} held-out problems; {wall:.0f}s)")
-    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, summary.json")
+    print(f"wrote {cfg.output_dir}/: log.jsonl, curves.png, checkpoint.pt, summary.json, model/")
     return summary
 
 

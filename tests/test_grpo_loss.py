@@ -188,3 +188,29 @@ def test_new_hyperparameter_values_compile_no_new_kernel():
     for beta, eps, temperature in [(0.2, 0.1, 0.5), (0.0, 0.3, 1.7)]:
         run_loss(logits, ids, advantages, mask, "triton", beta=beta, eps_low=eps, temperature=temperature, **kw)
     assert cache_size() == before
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("use_delta", [False, True])
+def test_every_clip_region_values_gradients_and_metrics(backend, use_delta):
+    """Ratios placed in each region (below 1-eps_low, inside, between 1+eps_low and 1+eps_high,
+    above 1+eps_high, above delta) with positive and negative advantages."""
+    eps_low, eps_high, delta = 0.2, 0.28, 1.6
+    ratios = torch.tensor([0.5, 0.79, 0.95, 1.0, 1.1, 1.22, 1.27, 1.3, 1.5, 1.7, 3.0])
+    b, t, v = 2, ratios.numel(), 37
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(b, t, v, generator=g) * 2
+    ids = torch.randint(0, v, (b, t), generator=g)
+    logp_now = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0]
+    old = (logp_now - torch.log(ratios.double())).float()
+    adv = torch.tensor([1.3, -0.7])
+    kw = dict(old_logps=old, eps_low=eps_low, eps_high=eps_high, delta=delta if use_delta else None, loss_type="bnpo")
+    out, grad = run_loss(logits, ids, adv, torch.ones(b, t), backend, **kw)
+    x64 = logits.double().requires_grad_()
+    loss64, _, metrics64 = grpo64(x64, ids, adv, torch.ones(b, t), **kw)
+    loss64.backward()
+    assert_close64(out.loss, loss64, what="loss")
+    assert_close64(grad, x64.grad, scale=0.1 * x64.grad.abs().max().item(), what="grad")
+    for name, value in metrics64.items():
+        assert_close64(out.metrics[name], value, what=name)
+    assert metrics64["clip_ratio/low_mean"] > 0 and metrics64["clip_ratio/high_mean"] > 0
