@@ -35,11 +35,14 @@ class RunLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_jsonl_atomic(path, self.records)  # a resumed run drops the steps after its checkpoint
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> dict:
+        """Append one step's record; NaN / inf values (e.g. a mean over nothing) are written as null."""
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self.records.append(record)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        return record
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -66,13 +69,13 @@ def plot_curves(records: list[dict], path: str, title: str = "GRPO") -> Optional
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(k, label) for k, label in PLOTTED if any(k in r for r in records)]
+    panels = [(k, label) for k, label in PLOTTED if any(r.get(k) is not None for r in records)]
     cols = 3
     rows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     for ax, (key, label) in zip(axes.flat, panels):
-        xs = [r["step"] for r in records if key in r]
-        ys = [r[key] for r in records if key in r]
+        xs = [r["step"] for r in records if r.get(key) is not None]
+        ys = [r[key] for r in records if r.get(key) is not None]
         ax.plot(xs, ys, lw=1.2)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step", fontsize=8)

@@ -142,7 +142,11 @@ def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device)
     """Move the policy to its device and set it up for training (DDP/FSDP wrapping would go here)."""
     model.to(device)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = True  # for generate; the training forward passes use_cache=False
     return model
 
@@ -591,8 +595,8 @@ def train(
                disable=not (cfg.progress and is_main_process()), desc="GRPO", dynamic_ncols=True)
     for step in bar:
         record = train_step(step, model, ref_model, tokenizer, optimizer, rows, reward_fns, cfg, device)
-        log.write(record)
-        bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if k in record})
+        record = log.write(record)
+        bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None})
         done = step + 1
         if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0):
             save_checkpoint(done, model, ref_model, optimizer, cfg)

@@ -108,11 +108,11 @@ def specialize(arg_names: List[str], args: Dict[str, Any], constexpr_names: Tupl
 
 @dataclass
 class Variant:
-    kernel: str  # "fwd" or "bwd"
+    kernel: str  # "fwd" (log-probs), "grpo" (log-probs + loss epilogue) or "bwd"
     arch: int  # compute capability: 80, 90 (sm_90a)
     dtype: str  # logits dtype: "bf16" or "fp32"
     vocab: int
-    flags: Dict[str, bool]  # fwd: with_entropy; bwd: grad_logp, grad_entropy (launcher inputs present)
+    flags: Dict[str, bool]  # fwd: with_entropy; grpo: old, ref, is_ratio; bwd: grad_logp, grad_entropy
     targets_dtype: str = "i64"
     seq_len: int = 0  # 0: SEQ_LEN[vocab] or 4096
 
@@ -212,13 +212,20 @@ def launcher_call(variant: Variant) -> Launch:
     meta = dict(device="meta")
     logits = torch.empty(b, t, v, dtype=_torch_dtype(variant.dtype), **meta)
     targets = torch.empty(b, t, dtype=_torch_dtype(variant.targets_dtype), **meta)
+    row = lambda: torch.empty(b, t, dtype=torch.float32, **meta)  # noqa: E731
     if variant.kernel == "fwd":
         fn = triton_rows.forward_rows
         kwargs = dict(logits=logits, targets=targets, temperature=0.7, ignore_index=-100,
                       with_entropy=variant.flags["with_entropy"])
+    elif variant.kernel == "grpo":
+        fn = triton_rows.grpo_forward_rows
+        optional = lambda flag: row() if variant.flags[flag] else None  # noqa: E731
+        kwargs = dict(logits=logits, targets=targets, advantages=torch.empty(b, dtype=torch.float32, **meta),
+                      weights=row(), old_logps=optional("old"), ref_logps=optional("ref"),
+                      is_ratio=optional("is_ratio"), temperature=0.7, ignore_index=-100, eps_low=0.2,
+                      eps_high=0.28, delta=None, beta=0.04, entropy_coef=0.0)
     else:
         fn = triton_rows.backward_rows
-        row = lambda: torch.empty(b, t, dtype=torch.float32, **meta)  # noqa: E731
         kwargs = dict(logits=logits, targets=targets, temperature=0.7, ignore_index=-100,
                       out=torch.empty_like(logits),
                       grad_logp=row() if variant.flags["grad_logp"] else None,
@@ -278,11 +285,13 @@ def default_variants() -> List[Variant]:
     fwd_flags = [dict(with_entropy=True), dict(with_entropy=False)]
     bwd_flags = [dict(grad_logp=True, grad_entropy=True), dict(grad_logp=True, grad_entropy=False),
                  dict(grad_logp=False, grad_entropy=True)]
+    grpo_flags = [dict(old=True, ref=True, is_ratio=True), dict(old=False, ref=False, is_ratio=False)]
     out = []
     for arch in ARCHS:
         for dtype in DTYPES:
             for vocab in VOCABS:
                 out += [Variant("fwd", arch, dtype, vocab, dict(f)) for f in fwd_flags]
+                out += [Variant("grpo", arch, dtype, vocab, dict(f)) for f in grpo_flags]
                 out += [Variant("bwd", arch, dtype, vocab, dict(f)) for f in bwd_flags]
     out.append(Variant("fwd", 90, "bf16", 151_936, dict(fwd_flags[0]), targets_dtype="i32"))
     out.append(Variant("fwd", 90, "bf16", 50_257, dict(fwd_flags[0])))
