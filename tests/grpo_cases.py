@@ -32,6 +32,7 @@ OPTION_CASES = {
     "ref_beta0_kl_metric": dict(use_ref=True),
     "asym_delta": dict(use_old=True, eps_low=0.2, eps_high=0.28, delta=1.5),
     "is_ratio": dict(use_old=True, use_is=True),
+    "is_ratio_per_sequence": dict(use_old=True, use_is="column", use_ref=True, beta=0.02),
     "entropy_coef": dict(use_old=True, entropy_coef=0.01),
     "per_token_adv": dict(use_old=True, adv_per_token=True),
     "gspo": dict(use_old=True, importance_sampling_level="sequence"),
@@ -48,6 +49,6 @@ def build_kwargs(case: dict, batch):
     if case.get("use_ref"):
         kw["ref_logps"] = ref
     if case.get("use_is"):
-        kw["is_ratio"] = is_ratio
+        kw["is_ratio"] = is_ratio[:, :1] if case["use_is"] == "column" else is_ratio
     advantages = adv_tok if case.get("adv_per_token") else adv
     return advantages, kw
