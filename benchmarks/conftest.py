@@ -69,14 +69,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ceilings():
-    """(copy GB/s, matmul TFLOP/s) of this machine, from the environment or measured once."""
+    """(copy GB/s, matmul TFLOP/s) of this machine, from the environment or measured once on a GPU.
+
+    On a CPU they are not measured (the torch path is no bandwidth kernel, and a shared CPU's numbers
+    are noise): throughput is still reported, its fraction of a ceiling is not."""
     device = bench_device()
     copy = os.environ.get("GRPO_BENCH_COPY_GBPS")
     mm = os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
-    copy = float(copy) if copy else machine.copy_bandwidth_gbps(device)
+    if device.type != "cuda" and not (copy or mm):
+        return None, None
+    copy = float(copy) if copy else machine.copy_bandwidth_gbps(device) if device.type == "cuda" else None
     mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mm = float(mm) if mm else machine.matmul_tflops(device, dtype=mm_dtype)
-    CEILINGS.update(copy_gbps=round(copy, 1), matmul_tflops=round(mm, 3), matmul_dtype=str(mm_dtype).replace("torch.", ""))
+    mm = float(mm) if mm else machine.matmul_tflops(device, dtype=mm_dtype) if device.type == "cuda" else None
+    CEILINGS.update(copy_gbps=copy and round(copy, 1), matmul_tflops=mm and round(mm, 3),
+                    matmul_dtype=str(mm_dtype).replace("torch.", ""))
     return copy, mm
 
 

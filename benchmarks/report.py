@@ -93,11 +93,14 @@ def shape_of(r: dict) -> str:
 
 
 def throughput_of(r: dict) -> Tuple[str, str]:
+    """(achieved throughput, fraction of the measured ceiling). Fractions are shown for GPU rows only:
+    on a CPU the torch path is not a bandwidth kernel, and a shared CPU's ceilings are noise."""
+    on_cpu = r.get("device") == "cpu"
     if r.get("gbps") is not None:
-        frac = r.get("bw_fraction")
+        frac = None if on_cpu else r.get("bw_fraction")
         return f"{r['gbps']:.1f} GB/s", ("—" if frac is None else f"{100 * frac:.0f}% of copy")
     if r.get("tflops") is not None:
-        frac = r.get("matmul_fraction")
+        frac = None if on_cpu else r.get("matmul_fraction")
         return f"{r['tflops']:.2f} TFLOP/s", ("—" if frac is None else f"{100 * frac:.0f}% of matmul")
     return "—", "—"
 
@@ -150,7 +153,7 @@ def conditions_lines(cond: dict, data: dict) -> List[str]:
         ceil.append(f"copy bandwidth {cond['copy_gbps']} GB/s (read + write, best of several)")
     if cond.get("matmul_tflops"):
         ceil.append(f"matmul {cond['matmul_tflops']} TFLOP/s ({cond.get('matmul_dtype', 'benchmark dtype')})")
-    if ceil:
+    if ceil and cond.get("gpu_name"):
         lines.append("- Measured ceilings: " + "; ".join(ceil))
     methods = sorted({r.get("peak_mem_method") for r in load_rows(data) if r.get("peak_mem_method")})
     if methods:
@@ -323,6 +326,9 @@ def main(argv=None) -> int:
     if os.path.exists(env_path):
         with open(env_path) as f:
             env = json.load(f)
+        recorded = ((data.get("machine_info") or {}).get("grpo_bench")) or {}
+        if not args.env and recorded and env.get("gpu_name") != recorded.get("gpu_name"):
+            env = None  # an env.json from another machine's run in the same folder
     md = render(data, out_dir, stem, env, args.title)
     md_path = args.md or os.path.join(out_dir, stem + ".md")
     with open(md_path, "w") as f:

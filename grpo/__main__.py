@@ -42,6 +42,7 @@ def _code(prompts, completions, tests, **_):
     return [code_reward(c, t) for c, t in zip(completions, tests)]
 
 
+# used when grpo.rewards has no REWARD_FUNCTIONS registry of TRL-style functions by name
 BUILTIN_REWARDS = {"accuracy": _accuracy, "format": _format, "code": _code}
 
 
@@ -50,12 +51,13 @@ def resolve_reward(name: str) -> Callable:
     if ":" in name:
         module, attr = name.split(":", 1)
         return getattr(importlib.import_module(module), attr)
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
     rewards = importlib.import_module("grpo.rewards")
+    registry = {**BUILTIN_REWARDS, **getattr(rewards, "REWARD_FUNCTIONS", {})}
+    if name in registry:
+        return registry[name]
     if callable(getattr(rewards, name, None)):
         return getattr(rewards, name)
-    raise SystemExit(f"unknown reward {name!r}: use one of {sorted(BUILTIN_REWARDS)}, a function of grpo.rewards, or module:function")
+    raise SystemExit(f"unknown reward {name!r}: use one of {sorted(registry)}, a function of grpo.rewards, or module:function")
 
 
 # ---------------------------------------------------------------------------- GRPOConfig as flags

@@ -1,4 +1,4 @@
-"""The CPU demo: a tiny random-init model learns single-digit addition with GRPO in a few minutes.
+"""The CPU demo: a tiny random-init model learns single-digit addition with GRPO in about a minute.
 
 The task: prompts ``"a+b="`` (a, b in 0..9), completions ``<think>a+b</think><answer>s</answer>``.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from .tokenizer import char_tokenizer
 from .trainer import GRPOConfig, UpdateBatch, completion_hidden, generate_rollouts, lm_head, set_seed, train
@@ -182,16 +183,17 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     records = train(model, tokenizer, train_rows, {"accuracy": accuracy, "format": format_reward}, grpo_config(cfg))
     after = evaluate(model, tokenizer, held_out_rows, samples=8)
+    hf_logging.disable_progress_bar()
     model.save_pretrained(os.path.join(cfg.output_dir, "model"))  # `python -m grpo train --model` takes it
     tokenizer.save_pretrained(os.path.join(cfg.output_dir, "model"))
     wall = time.perf_counter() - t0
     summary = {"before": before, "after": after, "grpo_steps": len(records), "wall_s": wall}
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print(f"held-out sampled accuracy: {before['sampled']:.0%} -> {after['sampled']:.0%}")
-    print(f"accuracy before GRPO: {before['greedy']:.0%} -> after: {after['greedy']:.0%}  "
-          f"(greedy, {len(held_out_rows)} held-out problems; {wall:.0f}s)")
     print(f"wrote {cfg.output_dir}/: log.jsonl, curves.png, checkpoint.pt, summary.json, model/")
+    print(f"held-out accuracy sampled at temperature 1: {before['sampled']:.0%} -> {after['sampled']:.0%}")
+    print(f"accuracy before GRPO: {before['greedy']:.0%} -> after: {after['greedy']:.0%}  "
+          f"(greedy, {len(held_out_rows)} held-out problems; {wall:.0f}s)", flush=True)
     return summary
 
 

@@ -221,6 +221,7 @@ def generate_rollouts(
     enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     was_training = model.training
     model.eval()
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id  # an int or a list (chat models)
     sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
     with autocast(device, cfg):
         out = model.generate(
@@ -228,14 +229,14 @@ def generate_rollouts(
             attention_mask=enc.attention_mask,
             max_new_tokens=cfg.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=eos,
             use_cache=True,
             **(dict(do_sample=False) if greedy else sampling),
         )
     model.train(was_training)
     prompt_len = enc.input_ids.shape[1]
     completion_ids = out[:, prompt_len:]
-    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    mask, truncated = completion_mask(completion_ids, eos)
     completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # pad after EOS
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts)
@@ -434,38 +435,39 @@ def train_step(
     )
     if cfg.drop_zero_signal_groups:
         batch = batch.rows(torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1))
-    logs: dict[str, Any] = {}
+    update_logs: dict[str, float] = {}
     if len(batch) > 0 and batch.loss_mask.sum() > 0:
         if cfg.num_iterations > 1:
             batch.old_logps = completion_logps(model, batch, cfg, device)
         if ref_model is not None:
             batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
         model.train()
-        logs = update(model, optimizer, batch, cfg, device)
+        update_logs = update(model, optimizer, batch, cfg, device)
 
     # 4. the step's log
     step_time = time.perf_counter() - start
     lengths = rollout.lengths.float()
-    logs.update(
-        step=step + 1,
-        reward=float(torch.nanmean(rewards)),
-        reward_std=float(rewards[~torch.isnan(rewards)].std()) if (~torch.isnan(rewards)).sum() > 1 else 0.0,
+    scored = rewards[~torch.isnan(rewards)]
+    return {
+        "step": step + 1,
+        "reward": float(scored.mean()) if scored.numel() else math.nan,
+        "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
         **reward_logs(per_fn, list(reward_fns), penalty, cfg),
-        unscorable_frac=float(torch.isnan(rewards).float().mean()),
-        zero_signal_groups=int(zero_signal.sum()),
-        zero_signal_frac=float(zero_signal.float().mean()),
-        updated_completions=len(batch),
-        lr=learning_rate(step, cfg),
-        step_time=step_time,
-        generate_time=generate_time,
-        tokens_per_s=float(lengths.sum()) / step_time,
-        peak_memory_mb=peak_memory_mb(device),
-    )
-    logs["completion_length/mean"] = float(lengths.mean())
-    logs["completion_length/max"] = float(lengths.max())
-    logs["truncated_frac"] = float(rollout.truncated.float().mean())
-    logs["sample"] = rollout.prompts[0] + rollout.completions[0]
-    return logs
+        "unscorable_frac": float(torch.isnan(rewards).float().mean()),
+        "zero_signal_groups": int(zero_signal.sum()),
+        "zero_signal_frac": float(zero_signal.float().mean()),
+        "updated_completions": len(batch),
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/max": float(lengths.max()),
+        "truncated_frac": float(rollout.truncated.float().mean()),
+        **update_logs,  # loss, grad_norm, kl, entropy, clip ratios (absent when nothing was updated)
+        "lr": learning_rate(step, cfg),
+        "step_time": step_time,
+        "generate_time": generate_time,
+        "tokens_per_s": float(lengths.sum()) / step_time,  # completion tokens sampled and trained on
+        "peak_memory_mb": peak_memory_mb(device),
+        "sample": rollout.prompts[0] + rollout.completions[0],
+    }
 
 
 def reward_logs(per_fn: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:

@@ -22,7 +22,7 @@ def _load_report():
 
 def _bench(impl, n, median, peak, **extra):
     info = {"op": "fused_linear_grpo_loss", "impl": impl, "N": n, "B": n // 512, "T": 512, "V": 32000, "H": 512,
-            "dtype": "fp32", "pass": "fwd+bwd", "sweep": True, "device": "cpu", "peak_mem_bytes": peak,
+            "dtype": "fp32", "pass": "fwd+bwd", "sweep": True, "device": "cuda", "peak_mem_bytes": peak,
             "peak_mem_method": "torch.profiler memory events (kineto)", **extra}
     return {"name": f"test_x[{impl}-{n}]", "group": "g", "params": {}, "extra_info": info,
             "stats": {"median": median, "min": median, "max": median, "mean": median, "rounds": 1}}

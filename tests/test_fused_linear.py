@@ -135,7 +135,7 @@ def test_no_grad_does_no_gradient_work():
 def test_default_chunk_size_is_bounded():
     n = ga.default_chunk_size(151936, 4096, torch.bfloat16, torch.device("cuda"))
     assert 16 <= n <= 1024 and n & (n - 1) == 0
-    assert ga.default_chunk_size(32000, 512, torch.float32, torch.device("cpu")) * 32000 * 8 <= 64 * 2**20
+    assert ga.default_chunk_size(32000, 512, torch.float32, torch.device("cpu")) * 32000 * 8 <= 16 * 2**20
 
 
 def test_peak_memory_is_flat_in_tokens():

@@ -10,8 +10,10 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-# ~64 MiB of fp32 per chunk: large enough for fast BLAS-like kernels, small next to the logits.
-CHUNK_ELEMENTS = 1 << 24
+# 4M elements (16 MiB of fp32) per chunk: each op still streams megabytes, while the two or three
+# fp32 working buffers of a chunk stay small next to the logits themselves.
+CHUNK_ELEMENTS = 1 << 22
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -30,26 +32,38 @@ def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
             yield slice(b0, min(b, b0 + per)), slice(0, t)
 
 
-def _log_softmax_parts(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
-    """log p = (z - max) - log sum exp(z - max): more accurate than z - lse for p ~ 1."""
-    return (z - row_max.unsqueeze(-1)) - log_sum.unsqueeze(-1)
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A fresh fp32 copy of a chunk, divided by the temperature in place."""
+    z = x.to(torch.float32, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
 
 
-def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int):
-    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t]."""
-    z = x.float() / temperature
-    row_max = z.amax(-1)
-    log_sum = torch.log(torch.exp(z - row_max.unsqueeze(-1)).sum(-1))
-    log_p = _log_softmax_parts(z, row_max, log_sum)
+def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, with_entropy: bool):
+    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t].
+
+    Two fp32 buffers of the chunk's size: ``shift = z - max`` (in place) and ``e = exp(shift)``.
+    """
+    shift = _scaled(x, temperature)
+    row_max = shift.amax(-1, keepdim=True)
+    shift.sub_(row_max)
+    e = torch.exp(shift)
+    s = e.sum(-1, keepdim=True)
+    log_sum = torch.log(s)
     valid = targets != ignore_index
-    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
-    logp = log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    p = log_p.exp()
-    # p * log p is 0 at a -inf logit (p = 0); a NaN row stays NaN.
-    entropy = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
+    logp = (shift.gather(-1, safe) - log_sum).squeeze(-1)
+    if with_entropy:
+        # H = log s - sum(e * shift) / s; a -inf logit has e = 0 and must add 0, not 0 * -inf, so
+        # clamp shift to the lowest finite value (a NaN stays NaN through clamp).
+        shift.clamp_(min=_LOWEST)
+        entropy = (log_sum - (e.mul_(shift)).sum(-1, keepdim=True) / s).squeeze(-1)
+    else:
+        entropy = torch.zeros_like(logp)
     zero = torch.zeros_like(logp)
     keep = lambda t: torch.where(valid, t, zero)  # noqa: E731
-    return keep(logp), keep(entropy), keep(row_max), keep(log_sum)
+    return keep(logp), keep(entropy), keep(row_max.squeeze(-1)), keep(log_sum.squeeze(-1))
 
 
 @torch.no_grad()
@@ -66,7 +80,7 @@ def forward_rows(
     rows = chunk_rows or default_chunk_rows(v)
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
     for bs, ts in row_chunks(b, t, rows):
-        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index)):
+        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index, with_entropy)):
             out[bs, ts] = value
     return tuple(outputs)
 
@@ -94,22 +108,28 @@ def backward_rows(
     for bs, ts in row_chunks(b, t, rows):
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
-        z = logits[bs, ts].float() / temperature
-        log_p = _log_softmax_parts(z, row_max[bs, ts], log_sum[bs, ts])
-        p = log_p.exp()
-        grad = torch.zeros_like(z)
+        # log p = (z - max) - log s, in place in one fp32 buffer; p in a second one.
+        log_p = _scaled(logits[bs, ts], temperature)
+        log_p.sub_(row_max[bs, ts].unsqueeze(-1)).sub_(log_sum[bs, ts].unsqueeze(-1))
+        p = torch.exp(log_p)
+        if grad_entropy is not None:
+            # d H / d z = -p (log p + H); at a -inf logit p = 0, so clamp log p to stay finite.
+            log_p.clamp_(min=_LOWEST).add_(entropy[bs, ts].unsqueeze(-1))
+            grad = log_p.mul_(p).mul_(-grad_entropy[bs, ts].unsqueeze(-1))
+        else:
+            grad = log_p.zero_()
         if grad_logp is not None:
             g = grad_logp[bs, ts].unsqueeze(-1)
             safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
-            is_target = torch.arange(v, device=z.device) == safe
-            # The target's term g * (1 - p) uses -expm1(log p), accurate when p ~ 1, and is formed
-            # in fp32 before the one rounding, so a confident prediction keeps its small gradient.
-            target_term = g * -torch.expm1(log_p.gather(-1, safe))
-            grad = torch.where(is_target, target_term, -g * p)
-        if grad_entropy is not None:
-            h = entropy[bs, ts].unsqueeze(-1)
-            plogp = p * torch.where(p > 0, log_p + h, torch.zeros_like(log_p))
-            grad -= grad_entropy[bs, ts].unsqueeze(-1) * plogp
-        grad = torch.where(valid.unsqueeze(-1), grad, torch.zeros_like(grad)) / temperature
+            # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
+            # before the one rounding, so a confident prediction keeps its small gradient.
+            log_p_target = (_scaled(logits[bs, ts].gather(-1, safe), temperature)
+                            - row_max[bs, ts].unsqueeze(-1) - log_sum[bs, ts].unsqueeze(-1))
+            target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
+            grad.sub_(p.mul_(g))
+            grad.scatter_(-1, safe, target_term)
+        grad.masked_fill_(~valid.unsqueeze(-1), 0.0)
+        if temperature != 1.0:
+            grad.div_(temperature)
         out[bs, ts] = grad.to(out.dtype)
     return out
