@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results/cpu.json -q
+	$(PY) -m benchmarks.report benchmarks/results/cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

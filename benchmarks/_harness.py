@@ -24,6 +24,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from grpo_kernels.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
+
 OPS = ("token_logprobs", "grpo_loss", "fused_linear_grpo_loss")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("fwd", "fwd+bwd")
@@ -317,51 +319,6 @@ def build(case: Case, device: torch.device) -> Runner:
 # --------------------------------------------------------------------------------------------------
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
-
-
-def cuda_peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
-    torch.cuda.synchronize(device)
-    gc.collect()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
-def cpu_peak_extra_bytes(fn: Callable[[], None]) -> Tuple[int, str]:
-    """Peak of the running sum of the CPU allocator's events recorded by the PyTorch profiler.
-
-    The profiler (``profile_memory=True``) records every allocation and free with its size and time;
-    in time order, their running sum is the memory held above what existed when profiling began,
-    and its maximum is the peak extra memory of ``fn``.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-    method = "torch.profiler memory events (kineto)"
-    try:
-        for e in prof.profiler.kineto_results.events():
-            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"):
-                events.append((e.start_ns(), int(e.nbytes())))
-    except Exception:
-        events = []
-    if not events:
-        # Older/newer profiler builds: FunctionEvents carry the memory each op allocated net of
-        # frees ([memory] records for allocations outside any op); a coarser running sum.
-        method = "torch.profiler function events (coarse)"
-        for e in prof.profiler.function_events:
-            if e.cpu_parent is None or e.name == "[memory]":
-                events.append((e.time_range.start, int(e.cpu_memory_usage)))
-    events.sort(key=lambda x: x[0])
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak, method
 
 
 def measure_peak(runner: Runner) -> Tuple[int, str]:
