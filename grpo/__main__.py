@@ -4,7 +4,11 @@
     python -m grpo train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl \\
         --rewards accuracy format --reward-weights 1.0 0.2 --num-steps 200 --learning-rate 1e-6
 
+    torchrun --nproc-per-node 8 -m grpo train --distributed fsdp --model ... --data ...   # or ddp
+    torchrun --nproc-per-node 2 -m grpo demo --distributed ddp    # the demo on 2 CPU processes (gloo)
+
 Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...).
+``--prompts-per-step`` is the global batch, split evenly among the ranks.
 The data is JSONL with a prompt column and any others (e.g. ``answer``), which reach the reward
 functions as keyword lists. A reward is a built-in name (``accuracy``: ``grpo.rewards.math_accuracy``
 against the ``answer`` column; ``format``: ``grpo.rewards.format_reward``; ``code``:
@@ -88,6 +92,7 @@ def config_from_args(args: argparse.Namespace, config_cls):
 
 # ---------------------------------------------------------------------------- commands
 def train_command(argv: list[str]) -> None:
+    from . import distributed
     from .data import load_jsonl
     from .trainer import GRPOConfig, load_model, train
 
@@ -111,6 +116,10 @@ def train_command(argv: list[str]) -> None:
                 [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
             )
     records = train(model, tokenizer, rows, reward_fns, cfg)
+    main_process = distributed.is_main_process()
+    distributed.teardown()
+    if not main_process:
+        return
     model.save_pretrained(f"{cfg.output_dir}/model")
     tokenizer.save_pretrained(f"{cfg.output_dir}/model")
     if records:

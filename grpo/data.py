@@ -2,8 +2,8 @@
 
 The prompts of step ``s`` are a pure function of ``(seed, s)``: a fresh permutation of the rows each
 epoch, read ``prompts_per_step`` at a time. So a resumed run sees exactly the prompts the
-uninterrupted run would, and under data parallelism each rank can take its own slice of a step's
-prompts (whole prompts, so a group of G completions never straddles ranks).
+uninterrupted run would, and under data parallelism each rank takes its own slice of a step's
+prompts (``shard_for_rank``: whole prompts, so a group of G completions never straddles ranks).
 """
 
 from __future__ import annotations
@@ -45,3 +45,14 @@ def columns_of(rows: list[dict[str, Any]], repeat: int) -> dict[str, list]:
     """Every column except ``prompt`` as lists, each entry repeated ``repeat`` times (once per completion)."""
     keys = [k for k in rows[0] if k != "prompt"]
     return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+
+
+def shard_for_rank(indices: list[int], rank: int, world_size: int) -> list[int]:
+    """This rank's contiguous share of a step's prompts: whole prompts, so its groups of G stay whole.
+
+    Concatenated in rank order, the shares are the step's prompts in their single-process order.
+    """
+    if len(indices) % world_size:
+        raise ValueError(f"{len(indices)} prompts per step do not split evenly over {world_size} ranks")
+    share = len(indices) // world_size
+    return indices[rank * share : (rank + 1) * share]

@@ -10,6 +10,10 @@ The task: prompts ``"a+b="`` (a, b in 0..9), completions ``<think>a+b</think><an
 3. GRPO with the fused loss on 80 of the 100 problems, rewarded for a correct answer (and the format).
 4. Accuracy is measured with greedy decoding on the 20 problems that GRPO never trained on (the warm
    start saw every problem, with its teacher's noise), before and after GRPO.
+
+On several processes (``torchrun --nproc-per-node 2 -m grpo demo --distributed ddp``, or ``fsdp``) rank 0
+alone does the warm start and the evaluations, prints and writes; GRPO splits each step's 16 prompts
+among the ranks, which start from rank 0's weights (DDP and the FSDP2 wrapper broadcast them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Optional
 import torch
 from transformers.utils import logging as hf_logging
 
+from . import distributed
 from .tokenizer import char_tokenizer
 from .trainer import GRPOConfig, UpdateBatch, completion_hidden, generate_rollouts, lm_head, set_seed, train
 
@@ -47,6 +52,7 @@ class DemoConfig:
     grpo_steps: int = 120
     backend: str = "auto"  # the fused loss's backend ("auto" = the torch path on CPU)
     progress: bool = True
+    distributed: str = "none"  # "ddp" or "fsdp" under torchrun
 
 
 # ---------------------------------------------------------------------------- task and rewards
@@ -160,34 +166,40 @@ def grpo_config(cfg: DemoConfig) -> GRPOConfig:
         prompts_per_step=16, num_generations=8, max_new_tokens=12, temperature=1.0,
         reward_weights=[1.0, 0.2], loss_type="dapo", beta=0.04, eps_low=0.2, eps_high=0.28,
         num_iterations=1, backend=cfg.backend, learning_rate=3e-4, warmup_steps=5, max_grad_norm=1.0,
-        save_every=0, progress=cfg.progress, drop_zero_signal_groups=True,
+        save_every=0, progress=cfg.progress, drop_zero_signal_groups=True, distributed=cfg.distributed,
     )
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Warm start, accuracy before, GRPO, accuracy after; writes log, curves, checkpoint under output_dir."""
     t0 = time.perf_counter()
+    distributed.setup(cfg.distributed)
+    main = distributed.is_main_process()
     torch.set_num_threads(1)  # a tiny model: more threads only add contention, and vary with the machine
     torch.use_deterministic_algorithms(True, warn_only=True)
     set_seed(cfg.seed)
-    os.makedirs(cfg.output_dir, exist_ok=True)
     model, tokenizer = build_model_and_tokenizer(cfg.seed)
     train_rows, held_out_rows = split(problems(), cfg.held_out, cfg.seed)
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; "
-          f"{len(train_rows)} GRPO problems, {len(held_out_rows)} held out", flush=True)
-
-    losses = warm_start(model, tokenizer, problems(), cfg)
-    before = evaluate(model, tokenizer, held_out_rows, samples=8)
-    print(f"warm start: {cfg.sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f} ({time.perf_counter() - t0:.0f}s); "
-          f"held-out accuracy {before['greedy']:.0%} greedy, {before['sampled']:.0%} sampled", flush=True)
+    if main:  # the other ranks receive rank 0's weights when train() wraps the model
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; "
+              f"{len(train_rows)} GRPO problems, {len(held_out_rows)} held out", flush=True)
+        losses = warm_start(model, tokenizer, problems(), cfg)
+        before = evaluate(model, tokenizer, held_out_rows, samples=8)
+        print(f"warm start: {cfg.sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f} ({time.perf_counter() - t0:.0f}s); "
+              f"held-out accuracy {before['greedy']:.0%} greedy, {before['sampled']:.0%} sampled", flush=True)
 
     records = train(model, tokenizer, train_rows, {"accuracy": accuracy, "format": format_reward}, grpo_config(cfg))
+    ranks = distributed.world_size()
+    distributed.teardown()
+    if not main:
+        return {"grpo_steps": len(records)}
     after = evaluate(model, tokenizer, held_out_rows, samples=8)
+    wall = time.perf_counter() - t0
+    summary = {"before": before, "after": after, "grpo_steps": len(records), "wall_s": wall, "ranks": ranks}
+    os.makedirs(cfg.output_dir, exist_ok=True)
     hf_logging.disable_progress_bar()
     model.save_pretrained(os.path.join(cfg.output_dir, "model"))  # `python -m grpo train --model` takes it
     tokenizer.save_pretrained(os.path.join(cfg.output_dir, "model"))
-    wall = time.perf_counter() - t0
-    summary = {"before": before, "after": after, "grpo_steps": len(records), "wall_s": wall}
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"wrote {cfg.output_dir}/: log.jsonl, curves.png, checkpoint.pt, summary.json, model/")
@@ -204,7 +216,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--grpo-steps", type=int, default=DemoConfig.grpo_steps)
     parser.add_argument("--sft-steps", type=int, default=DemoConfig.sft_steps)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--backend", default=DemoConfig.backend, help="the fused loss's backend: auto, torch, triton, reference")
+    parser.add_argument("--distributed", default="none", choices=distributed.KINDS,
+                        help="under torchrun: ddp or fsdp (FSDP2)")
     args = parser.parse_args(argv)
     cfg = DemoConfig(output_dir=args.output_dir, seed=args.seed, grpo_steps=args.grpo_steps,
-                     sft_steps=args.sft_steps, progress=not args.no_progress)
+                     sft_steps=args.sft_steps, progress=not args.no_progress, backend=args.backend,
+                     distributed=args.distributed)
     return run_demo(cfg)

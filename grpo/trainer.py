@@ -15,9 +15,12 @@ One training step:
 Shapes: ``B`` completions in a step (``prompts_per_step * G``), ``P`` prompt positions (left padded),
 ``T`` completion positions (right padded), ``H`` hidden size, ``V`` vocabulary.
 
-Distributed training is not implemented, but has one place to go: ``is_main_process`` (log and
-checkpoint writes), ``prepare_model`` (wrapping), ``count_loss_tokens`` (the all-reduced
-normaliser) and ``prompts_for_step`` (sharding whole prompts across ranks).
+Under torchrun with ``distributed="ddp"`` or ``"fsdp"`` (FSDP2), every rank runs this same loop on its
+own share of a step's prompts (whole prompts: a group never straddles ranks); the few places that
+differ call ``grpo.distributed``, whose helpers do nothing in a single process: rewards are gathered so
+that advantages and logs see the whole batch, ``count_loss_tokens`` all-reduces the normaliser,
+``policy_loss`` scales each rank's loss so that the averaged gradients are the single-process ones,
+and checkpoints gather full state for rank 0 to write.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 
+from . import distributed
 from .advantages import group_advantages, zero_signal_groups
-from .data import columns_of, prompts_for_step
+from .data import columns_of, prompts_for_step, shard_for_rank
 from .logs import RunLog, plot_curves
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
@@ -97,8 +101,12 @@ class GRPOConfig:
     resume: bool = False  # continue from output_dir/checkpoint.pt when it exists
     progress: bool = True
     plot: bool = True
+    # several processes (launch with torchrun): "none", "ddp" or "fsdp" (FSDP2, fully_shard)
+    distributed: str = "none"
 
     def __post_init__(self) -> None:
+        if self.distributed not in distributed.KINDS:
+            raise ValueError(f"distributed must be one of {distributed.KINDS}, got {self.distributed!r}")
         if self.num_iterations < 1 or self.num_generations < 1 or self.prompts_per_step < 1:
             raise ValueError("num_iterations, num_generations and prompts_per_step must be >= 1")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -110,10 +118,12 @@ class GRPOConfig:
 # --------------------------------------------------------------------------------------------------
 def is_main_process() -> bool:
     """True on the process that writes logs and checkpoints (rank 0 once there are ranks)."""
-    return True
+    return distributed.is_main_process()
 
 
 def default_device() -> torch.device:
+    if distributed.world_size() > 1:
+        return distributed.device()  # this rank's GPU
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -138,17 +148,74 @@ def load_model(name_or_path: str, device: Optional[torch.device] = None):
     return model, tokenizer
 
 
-def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device) -> torch.nn.Module:
-    """Move the policy to its device and set it up for training (DDP/FSDP wrapping would go here)."""
-    model.to(device)
-    if cfg.gradient_checkpointing:
+class Policy(torch.nn.Module):
+    """The language model, with every use the trainer makes of its weights behind one ``forward``.
+
+    ``policy("generate", **kwargs)`` samples, ``policy("logps", mb, cfg, device)`` returns per-token
+    log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss. DDP syncs
+    gradients, and FSDP2 gathers sharded weights (``lm_head.weight`` included, which the fused loss
+    reads directly), only around a wrapped module's forward: so this module is the one they wrap.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, task: str, *args, **kwargs):
+        return getattr(self, f"_{task}")(*args, **kwargs)
+
+    def _generate(self, **kwargs) -> torch.Tensor:
+        return self.model.generate(**kwargs)
+
+    def _logps(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
+        weight, bias = lm_head(self.model)
+        with autocast(device, cfg):
+            hidden = completion_hidden(self.model, mb)
+        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
+        return fused_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
+        )
+
+    def _loss(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
+        weight, bias = lm_head(self.model)
+        with autocast(device, cfg):
+            hidden = completion_hidden(self.model, mb)
+        return fused_linear_grpo_loss(
+            hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias, chunk_size=cfg.chunk_size,
+            old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+            delta=cfg.delta, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens,
+            importance_sampling_level=cfg.importance_sampling_level, entropy_coef=cfg.entropy_coef,
+            backend=cfg.backend, **loss_kwargs,
+        )
+
+
+def as_policy(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` if it is a (wrapped) ``Policy``, else a ``Policy`` around it (sharing its weights)."""
+    return model if isinstance(distributed.unwrap_ddp(model), Policy) else Policy(model)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model inside a (DDP-wrapped) ``Policy``."""
+    model = distributed.unwrap_ddp(model)
+    return model.model if isinstance(model, Policy) else model
+
+
+def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
+    """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``.
+
+    Under DDP the returned module trains ``model`` itself; under FSDP2 it trains a sharded copy, and
+    ``train`` copies the result back into ``model`` at the end.
+    """
+    if cfg.distributed != "fsdp" or distributed.world_size() == 1:
+        model.to(device)  # (FSDP2 moves each rank's shards there itself)
+    if cfg.gradient_checkpointing and not frozen:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = True  # for generate; the training forward passes use_cache=False
-    return model
+    return distributed.wrap(Policy(model), cfg.distributed, device, frozen=frozen)
 
 
 def make_reference_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -216,15 +283,17 @@ def generate_rollouts(
     model, tokenizer, prompts: list[str], cfg: GRPOConfig, num_generations: int, greedy: bool = False
 ) -> Rollout:
     """Sample ``num_generations`` completions per prompt (greedy: one each, no sampling)."""
-    device = next(model.parameters()).device
+    policy = as_policy(model)
+    device = next(policy.parameters()).device
     repeated = [p for p in prompts for _ in range(num_generations)]
     enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    was_training = model.training
-    model.eval()
-    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id  # an int or a list (chat models)
+    was_training = policy.training
+    policy.eval()
+    eos = unwrap(policy).generation_config.eos_token_id or tokenizer.eos_token_id  # an int or a list (chat models)
     sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
     with autocast(device, cfg):
-        out = model.generate(
+        out = policy(
+            "generate",
             input_ids=enc.input_ids,
             attention_mask=enc.attention_mask,
             max_new_tokens=cfg.max_new_tokens,
@@ -233,7 +302,7 @@ def generate_rollouts(
             use_cache=True,
             **(dict(do_sample=False) if greedy else sampling),
         )
-    model.train(was_training)
+    policy.train(was_training)
     prompt_len = enc.input_ids.shape[1]
     completion_ids = out[:, prompt_len:]
     mask, truncated = completion_mask(completion_ids, eos)
@@ -303,12 +372,28 @@ class UpdateBatch:
         )
 
     def micro_batches(self, size: Optional[int]) -> list["UpdateBatch"]:
-        size = size or len(self)
+        size = size or max(len(self), 1)
         return [self.rows(torch.arange(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+    def filler(self) -> "UpdateBatch":
+        """One row shaped like this batch's that adds nothing: no loss tokens, advantage 0."""
+        zeros = lambda t: None if t is None else t.new_zeros((1, *t.shape[1:]))  # noqa: E731
+        return UpdateBatch(
+            zeros(self.input_ids), zeros(self.attention_mask) + 1, self.prompt_len, zeros(self.completion_ids),
+            zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps),
+        )
+
+
+def micro_batches(batch: UpdateBatch, size: Optional[int]) -> list[UpdateBatch]:
+    """The batch cut into micro-batches of ``size`` rows, then padded with fillers to as many as the rank
+    with the most has: under FSDP2 every forward gathers weights, so all ranks make the same calls."""
+    chunks = batch.micro_batches(size)
+    return chunks + [batch.filler()] * (distributed.all_reduce(len(chunks), "max") - len(chunks))
 
 
 def completion_hidden(model, batch: UpdateBatch) -> torch.Tensor:
     """The last hidden states that predict the completion tokens, [B, T, H] (final norm applied)."""
+    model = unwrap(model)
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
     out = model.base_model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids, use_cache=False
@@ -317,73 +402,77 @@ def completion_hidden(model, batch: UpdateBatch) -> torch.Tensor:
 
 
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    head = model.get_output_embeddings()
+    head = unwrap(model).get_output_embeddings()
     return head.weight, getattr(head, "bias", None)
 
 
 @torch.no_grad()
 def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
     """Per-token log-probs [B, T] float32 of the completions under ``model`` (old policy or reference)."""
-    weight, bias = lm_head(model)
-    chunks = []
-    for mb in batch.micro_batches(cfg.micro_batch_size):
-        with autocast(device, cfg):
-            hidden = completion_hidden(model, mb)
-        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
-        chunks.append(
-            fused_linear_token_logprobs(
-                hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size,
-                backend=cfg.backend,
-            )
-        )
-    return torch.cat(chunks)
+    policy = as_policy(model)
+    chunks = [policy("logps", mb, cfg, device) for mb in micro_batches(batch, cfg.micro_batch_size)]
+    return torch.cat(chunks)[: len(batch)]  # (less any fillers)
 
 
 def count_loss_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
-    """The DAPO normaliser: loss tokens in the whole batch, over every micro-batch (all-reduce it under DDP)."""
-    return loss_mask.sum().float().clamp(min=1.0)
+    """The DAPO normaliser: loss tokens in the whole batch, over every micro-batch and every rank."""
+    return distributed.all_reduce(loss_mask.sum().float()).clamp(min=1.0)
 
 
 def policy_loss(model, mb: UpdateBatch, num_items: torch.Tensor, batch_size: int, cfg: GRPOConfig, device: torch.device):
-    """The GRPO loss of one micro-batch, scaled so that the micro-batch losses sum to the batch's loss."""
-    weight, bias = lm_head(model)
-    with autocast(device, cfg):
-        hidden = completion_hidden(model, mb)
-    out = fused_linear_grpo_loss(
-        hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask,
-        bias=bias, chunk_size=cfg.chunk_size, old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=cfg.beta,
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, delta=cfg.delta, temperature=cfg.temperature,
-        loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens, num_items_in_batch=num_items,
-        importance_sampling_level=cfg.importance_sampling_level, entropy_coef=cfg.entropy_coef, backend=cfg.backend,
+    """The GRPO loss of one micro-batch, scaled so that the micro-batch losses of all ranks sum to the batch's loss.
+
+    ``num_items``: loss tokens and ``batch_size``: sequences, both over the whole batch (every rank).
+    DDP and FSDP2 average gradients over the ranks, so each rank's share is multiplied by their number.
+    "dapo" and "bnpo" divide by the whole batch's token count; "grpo" and "dr_grpo" divide by the
+    micro-batch's sequence count, which ``len(mb) / batch_size`` turns into the whole batch's.
+    """
+    per_token = cfg.loss_type in ("dapo", "bnpo")  # bnpo: the token mean of the whole batch, i.e. dapo's loss
+    out = as_policy(model)(
+        "loss", mb, cfg, device, loss_type="dapo" if per_token else cfg.loss_type, num_items_in_batch=num_items
     )
-    # "dapo" already divides by the whole batch's token count; the per-sequence means are per micro-batch.
-    scale = 1.0 if cfg.loss_type == "dapo" else len(mb) / batch_size
-    return out.loss * scale, out.metrics
+    scale = 1.0 if per_token else len(mb) / batch_size
+    return out.loss * (scale * distributed.world_size()), out.metrics
 
 
 def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> dict[str, float]:
-    """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches."""
+    """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches.
+
+    Under data parallelism ``batch`` is this rank's share (possibly empty); the logs are global.
+    """
     num_items = count_loss_tokens(batch.loss_mask)
+    num_sequences = distributed.all_reduce(len(batch))
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     weight_total, losses, grad_norms = 0.0, [], []
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for mb in batch.micro_batches(cfg.micro_batch_size):
-            loss, metrics = policy_loss(model, mb, num_items, len(batch), cfg, device)
-            loss.backward()
+        chunks = micro_batches(batch, cfg.micro_batch_size)
+        for i, mb in enumerate(chunks):
+            with distributed.no_grad_sync(model, skip=i < len(chunks) - 1):  # DDP: all-reduce once, at the end
+                loss, metrics = policy_loss(model, mb, num_items, num_sequences, cfg, device)
+                loss.backward()
             loss_sum += loss.item()
             tokens = float(mb.loss_mask.sum())  # metrics are token means: weigh them by tokens
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.item() * tokens
+            for k, v in metrics.items():  # (every rank has every key, fillers included)
+                sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
             weight_total += tokens
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+        grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         optimizer.step()
         losses.append(loss_sum)
-    logs = {k: v / max(weight_total, 1.0) for k, v in sums.items()}
+    # every rank's sums, in one all-reduce; each rank's loss was scaled by the world size
+    keys = list(sums)
+    totals = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weight_total] + losses, dtype=torch.float64))
+    weight_total, losses = float(totals[len(keys)]), (totals[len(keys) + 1 :] / distributed.world_size()).tolist()
+    logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, totals)}
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms))
     return logs
+
+
+def total_norm(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s result as a float (a replicated DTensor under FSDP2)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,8 +497,9 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step, cfg)
 
-    # 1. rollouts
-    batch_rows = [rows[i] for i in prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)]
+    # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
+    indices = prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)
+    batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
     rollout = generate_rollouts(model, tokenizer, [r["prompt"] for r in batch_rows], cfg, G)
     generate_time = time.perf_counter() - start
 
@@ -418,7 +508,11 @@ def train_step(
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
     penalty = overlong_penalty(rollout.lengths, cfg)
     rewards = total_reward(per_fn, weights, penalty)  # [B]
-    advantages = group_advantages(rewards, G, std=cfg.advantage_std, scale=cfg.scale_rewards)
+    # over every rank's rewards, in rank order (the single-process batch), so that "batch" scaling sees
+    # them all; each group lies within one rank, and this rank keeps its own completions' advantages
+    all_rewards = distributed.all_gather(rewards)
+    mine = slice(distributed.rank() * len(rewards), (distributed.rank() + 1) * len(rewards))
+    advantages = group_advantages(all_rewards, G, std=cfg.advantage_std, scale=cfg.scale_rewards)[mine]
     zero_signal = zero_signal_groups(rewards, G)  # [B/G]
 
     # 3. the update, on the groups that carry a signal if so asked
@@ -436,7 +530,7 @@ def train_step(
     if cfg.drop_zero_signal_groups:
         batch = batch.rows(torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1))
     update_logs: dict[str, float] = {}
-    if len(batch) > 0 and batch.loss_mask.sum() > 0:
+    if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
         if cfg.num_iterations > 1:
             batch.old_logps = completion_logps(model, batch, cfg, device)
         if ref_model is not None:
@@ -444,9 +538,13 @@ def train_step(
         model.train()
         update_logs = update(model, optimizer, batch, cfg, device)
 
-    # 4. the step's log
+    # 4. the step's log, over every rank's completions
     step_time = time.perf_counter() - start
-    lengths = rollout.lengths.float()
+    rewards = all_rewards
+    per_fn, penalty, zero_signal, lengths, truncated = (
+        distributed.all_gather(t)
+        for t in (per_fn, penalty, zero_signal.float(), rollout.lengths.float(), rollout.truncated.float())
+    )
     scored = rewards[~torch.isnan(rewards)]
     return {
         "step": step + 1,
@@ -456,16 +554,16 @@ def train_step(
         "unscorable_frac": float(torch.isnan(rewards).float().mean()),
         "zero_signal_groups": int(zero_signal.sum()),
         "zero_signal_frac": float(zero_signal.float().mean()),
-        "updated_completions": len(batch),
+        "updated_completions": distributed.all_reduce(len(batch)),
         "completion_length/mean": float(lengths.mean()),
         "completion_length/max": float(lengths.max()),
-        "truncated_frac": float(rollout.truncated.float().mean()),
+        "truncated_frac": float(truncated.mean()),
         **update_logs,  # loss, grad_norm, kl, entropy, clip ratios (absent when nothing was updated)
         "lr": learning_rate(step, cfg),
         "step_time": step_time,
         "generate_time": generate_time,
         "tokens_per_s": float(lengths.sum()) / step_time,  # completion tokens sampled and trained on
-        "peak_memory_mb": peak_memory_mb(device),
+        "peak_memory_mb": distributed.all_reduce(peak_memory_mb(device), "max"),
         "sample": rollout.prompts[0] + rollout.completions[0],
     }
 
@@ -521,31 +619,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(step: int, model, ref_model, optimizer, cfg: GRPOConfig) -> None:
-    """Write ``checkpoint.pt`` via a temporary file and ``os.replace``, so a crash never leaves half a file."""
-    if not is_main_process():
-        return
+    """Write ``checkpoint.pt`` via a temporary file and ``os.replace``, so a crash never leaves half a file.
+
+    Every rank calls this: full (unsharded) weights and optimizer state are gathered for rank 0, which
+    writes them with every rank's RNG state; the others wait until the file is there.
+    """
+    ranks = distributed.world_size()
     state = {
         "step": step,
-        "model": model.state_dict(),
-        "ref_model": ref_model.state_dict() if ref_model is not None else None,
-        "optimizer": optimizer.state_dict(),
-        "rng": rng_state(),
+        "model": distributed.model_state(model),
+        "ref_model": distributed.model_state(ref_model) if ref_model is not None else None,
+        "optimizer": distributed.optimizer_state(model, optimizer),
+        "rng": rng_state() if ranks == 1 else distributed.all_gather_objects(rng_state()),  # a list: one per rank
         "config": dataclasses.asdict(cfg),
     }
-    path = checkpoint_path(cfg)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if is_main_process():
+        path = checkpoint_path(cfg)
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    distributed.barrier()
 
 
 def load_checkpoint(model, ref_model, optimizer, cfg: GRPOConfig) -> int:
-    """Restore everything ``save_checkpoint`` wrote; returns the number of steps already done."""
+    """Restore everything ``save_checkpoint`` wrote (every rank reads the file); returns the steps done."""
     state = torch.load(checkpoint_path(cfg), map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
+    distributed.load_model_state(model, state["model"])
     if ref_model is not None and state["ref_model"] is not None:
-        ref_model.load_state_dict(state["ref_model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+        distributed.load_model_state(ref_model, state["ref_model"])
+    distributed.load_optimizer_state(model, optimizer, state["optimizer"])
+    set_rng_state(distributed.this_ranks(state["rng"]))
     return int(state["step"])
 
 
@@ -579,30 +682,37 @@ def train(
     rows: ``{"prompt": str, ...}``; the other columns reach each reward function as keyword lists.
     reward_fns: ``{name: fn}`` or a list (named by ``__name__``); ``fn(prompts, completions, **columns)``
     returns one ``float | None`` per completion.
+
+    Under torchrun, with ``cfg.distributed`` "ddp" or "fsdp", every rank calls this with the same
+    arguments; ``cfg.prompts_per_step`` (the global batch) is split evenly among the ranks.
     """
+    distributed.setup(cfg.distributed)
+    if cfg.prompts_per_step % distributed.world_size():
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
     reward_fns = as_named(reward_fns)
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
         raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
-    set_seed(cfg.seed)
-    model = prepare_model(model, cfg, device)
-    ref_model = make_reference_model(model) if cfg.beta > 0 else None
-    optimizer = make_optimizer(model, cfg)
+    set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
+    policy = prepare_model(model, cfg, device)
+    ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True) if cfg.beta > 0 else None
+    optimizer = make_optimizer(policy, cfg)
     start_step = 0
     if cfg.resume and os.path.exists(checkpoint_path(cfg)):
-        start_step = load_checkpoint(model, ref_model, optimizer, cfg)
+        start_step = load_checkpoint(policy, ref_policy, optimizer, cfg)
     log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=is_main_process(), resume_step=start_step)
 
     bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
                disable=not (cfg.progress and is_main_process()), desc="GRPO", dynamic_ncols=True)
     for step in bar:
-        record = train_step(step, model, ref_model, tokenizer, optimizer, rows, reward_fns, cfg, device)
+        record = train_step(step, policy, ref_policy, tokenizer, optimizer, rows, reward_fns, cfg, device)
         record = log.write(record)
         bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None})
         done = step + 1
         if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0):
-            save_checkpoint(done, model, ref_model, optimizer, cfg)
+            save_checkpoint(done, policy, ref_policy, optimizer, cfg)
     bar.close()
+    distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
     if cfg.plot and is_main_process():
         plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))
     return log.records

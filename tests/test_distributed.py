@@ -1,0 +1,243 @@
+"""Data parallelism on CPU: 2 processes under torchrun with gloo, DDP and FSDP2, against one process.
+
+Each test launches ``python -m torch.distributed.run --nproc-per-node 2 tests/test_distributed.py
+SCENARIO OUT`` (this file is also the worker); rank 0 saves what it measured to OUT, and the test
+compares it here with the same computation in this (single) process.
+
+- equivalence: one update on a fixed global batch of rollouts (no sampling involved), each rank taking
+  its share, must give the single-process gradients (compared directly: Adam's first step would hide
+  a wrong scale), parameters after an AdamW step, and logged loss / metrics; for every loss type, for
+  DDP and FSDP2, with equal and unequal shares (as ``drop_zero_signal_groups`` leaves), and with the
+  embeddings tied to ``lm_head`` under FSDP2.
+- resume: a 2-rank run (DDP, FSDP2) interrupted after 1 of 2 steps and resumed ends where the straight
+  run does; the FSDP2 checkpoint also resumes in a single process.
+- demo: ``torchrun --nproc-per-node 2 -m grpo demo --distributed ddp`` (shortened) learns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SPLITS = {"even": 6, "uneven": 9}  # rows of the 12 on rank 0 (whole groups of 3)
+CASES = [(kind, loss, split, False) for kind in ("ddp", "fsdp") for loss in LOSS_TYPES for split in SPLITS]
+CASES += [("fsdp", "dapo", "uneven", True), ("ddp", "grpo", "even", True)]
+
+
+# ---------------------------------------------------------------------------- shared by both sides
+def tiny_model(tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def config(loss_type: str, **overrides):
+    from grpo.trainer import GRPOConfig
+
+    base = dict(
+        loss_type=loss_type, beta=0.05, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
+        weight_decay=0.01, max_grad_norm=1e9, backend="torch", progress=False, plot=False, entropy_coef=0.01,
+    )
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def fixed_batch():
+    """12 rollouts (4 prompts x G=3): left-padded prompts, completions of 0..6 tokens, an off-policy ratio."""
+    from grpo.trainer import UpdateBatch
+
+    g = torch.Generator().manual_seed(0)
+    B, P, T, V = 12, 4, 6, 24
+    prompt_len = torch.randint(1, P + 1, (B,), generator=g)
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
+    completion_len = torch.randint(0, T + 1, (B,), generator=g)
+    completion_len[3] = T
+    loss_mask = (torch.arange(T) < completion_len[:, None]).long()
+    completion_ids = torch.randint(2, V, (B, T), generator=g) * loss_mask
+    input_ids = torch.cat([torch.randint(2, V, (B, P), generator=g) * prompt_mask, completion_ids], 1)
+    return UpdateBatch(
+        input_ids=input_ids, attention_mask=torch.cat([prompt_mask, loss_mask], 1), prompt_len=P,
+        completion_ids=completion_ids, loss_mask=loss_mask, advantages=torch.randn(B, generator=g),
+        old_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
+        ref_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
+    )
+
+
+def one_update(kind: str, loss_type: str, tied: bool, batch, micro_batch_size):
+    """Gradients, parameters after one AdamW step, and logs: every value full (unsharded), on CPU."""
+    from grpo import distributed
+    from grpo.trainer import make_optimizer, prepare_model, update
+
+    cfg = config(loss_type, distributed=kind, micro_batch_size=micro_batch_size)
+    policy = prepare_model(tiny_model(tied), cfg, torch.device("cpu"))
+    optimizer = make_optimizer(policy, cfg)
+    logs = update(policy, optimizer, batch, cfg, torch.device("cpu"))
+    grads = {}
+    for name, p in policy.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name.removeprefix("module.").removeprefix("model.")] = grad.detach().clone()
+    return grads, distributed.model_state(policy), logs
+
+
+# ---------------------------------------------------------------------------- the workers (under torchrun)
+def worker_equivalence(out: str) -> None:
+    from grpo import distributed
+
+    distributed.setup("ddp")
+    rank, batch = distributed.rank(), fixed_batch()
+    results = {}
+    for kind, loss_type, split, tied in CASES:
+        n0 = SPLITS[split]
+        mine = batch.rows(torch.arange(0, n0) if rank == 0 else torch.arange(n0, len(batch)))
+        results[(kind, loss_type, split, tied)] = one_update(kind, loss_type, tied, mine, micro_batch_size=4)
+    if rank == 0:
+        torch.save(results, out)
+
+
+def worker_resume(out: str) -> None:
+    from grpo import distributed
+    from grpo.demo import accuracy, build_model_and_tokenizer, format_reward, problems
+    from grpo.trainer import GRPOConfig, train
+
+    distributed.setup("ddp")
+    rewards = {"accuracy": accuracy, "format": format_reward, "length": lambda p, c, **_: [len(x) / 10 for x in c]}
+    base = os.path.dirname(out)
+    results = {"initial": build_model_and_tokenizer(seed=0)[0].state_dict()}
+    for kind in ("ddp", "fsdp"):
+        def run(name, **kw):
+            model, tokenizer = build_model_and_tokenizer(seed=0)
+            cfg = GRPOConfig(
+                output_dir=os.path.join(base, f"{kind}-{name}"), num_steps=2, prompts_per_step=4, num_generations=4,
+                max_new_tokens=8, learning_rate=1e-3, beta=0.05, micro_batch_size=3, drop_zero_signal_groups=True,
+                backend="torch", progress=False, plot=False, save_every=0, distributed=kind,
+            )
+            records = train(model, tokenizer, problems()[:12], rewards, dataclasses.replace(cfg, **kw))
+            return records, {k: v.clone() for k, v in model.state_dict().items()}
+
+        straight = run("straight")
+        run("resumed", num_steps=1)
+        resumed = run("resumed", resume=True)
+        results[kind] = (straight, resumed)
+    if rank_is_main():
+        torch.save(results, out)
+
+
+def rank_is_main() -> bool:
+    from grpo import distributed
+
+    return distributed.is_main_process()
+
+
+# ---------------------------------------------------------------------------- the launcher
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_one_update_on_two_ranks_matches_one_process(tmp_path):
+    out = tmp_path / "equivalence.pt"
+    torchrun([__file__, "equivalence", str(out)])
+    results = torch.load(out, weights_only=False)
+    batch = fixed_batch()
+    torch.set_num_threads(1)
+    report, single = [], {}
+    for (kind, loss_type, split, tied), (grads, state, logs) in results.items():
+        if (loss_type, tied) not in single:
+            single[loss_type, tied] = one_update("none", loss_type, tied, batch, micro_batch_size=None)
+        ref_grads, ref_state, ref_logs = single[loss_type, tied]
+        assert ref_grads.keys() == grads.keys() and ref_logs.keys() == logs.keys()
+        assert max(float(g.abs().max()) for g in ref_grads.values()) > 1e-3  # a gradient worth comparing
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {loss_type} {split} grad {name}: {m}")
+        # Adam's first step is lr * g / (|g| + 1e-8): where |g| ~ 1e-8 it magnifies the fp32 rounding of g
+        # by ~lr / 4e-8, so the parameters get a tolerance of 1% of a step (the gradients were exact above)
+        for name in ref_state:
+            torch.testing.assert_close(state[name], ref_state[name], rtol=0, atol=1e-5, msg=lambda m: f"{kind} {loss_type} {split} param {name}: {m}")
+        for key in ref_logs:
+            assert logs[key] == pytest_approx(ref_logs[key]), (kind, loss_type, split, key, logs[key], ref_logs[key])
+        report.append(f"{kind:4} {loss_type:7} {split:6} tied={tied!s:5} max|dgrad|={max_diff(grads, ref_grads):.1e} "
+                      f"max|dparam|={max_diff(state, ref_state):.1e}")
+    print("\n".join(report))
+
+
+def pytest_approx(value):
+    import pytest
+
+    return pytest.approx(value, rel=1e-5, abs=1e-6)
+
+
+def test_two_rank_run_resumes_as_the_uninterrupted_run(tmp_path):
+    out = tmp_path / "resume.pt"
+    torchrun([__file__, "resume", str(out)])
+    results = torch.load(out, weights_only=False)
+    initial = results.pop("initial")
+    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
+    for kind, ((straight, p_straight), (resumed, p_resumed)) in results.items():
+        assert any(not torch.equal(v, initial[k]) for k, v in p_straight.items()), f"{kind}: the model did not train"
+        assert [r["step"] for r in resumed] == [1, 2], kind
+        assert all(r.get("grad_norm", 0) > 0 for r in straight), kind
+        assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
+            {k: v for k, v in r.items() if k not in drop} for r in straight
+        ], kind
+        for k, v in p_straight.items():
+            torch.testing.assert_close(p_resumed[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{kind} {k}: {m}")
+    # the FSDP2 checkpoint (full weights, optimizer state keyed by name) resumes in one process too
+    from grpo.demo import accuracy, build_model_and_tokenizer, format_reward, problems
+    from grpo.trainer import GRPOConfig, train
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = GRPOConfig(output_dir=str(tmp_path / "fsdp-straight"), num_steps=3, prompts_per_step=4, num_generations=4,
+                     max_new_tokens=8, learning_rate=1e-3, beta=0.05, backend="torch", progress=False, plot=False,
+                     save_every=0, resume=True)
+    records = train(model, tokenizer, problems()[:12], {"accuracy": accuracy, "format": format_reward}, cfg)
+    assert [r["step"] for r in records] == [1, 2, 3] and math.isfinite(records[-1]["loss"])
+
+
+def test_two_rank_demo_learns(tmp_path):
+    import json
+
+    start = time.perf_counter()
+    proc = torchrun(["-m", "grpo", "demo", "--distributed", "ddp", "--sft-steps", "200", "--grpo-steps", "30", "--backend", "torch",
+                     "--no-progress", "--output-dir", str(tmp_path / "demo")])
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    print(proc.stdout[-1500:], f"({time.perf_counter() - start:.0f}s)")
+    assert before["greedy"] <= 0.4
+    assert after["sampled"] >= before["sampled"] + 0.3 and after["greedy"] >= 0.7
+    assert proc.stdout.count("accuracy before GRPO") == 1  # printed by rank 0 only
+
+
+if __name__ == "__main__":  # a worker, started by torchrun
+    scenario, out_path = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    {"equivalence": worker_equivalence, "resume": worker_resume}[scenario](out_path)
