@@ -95,10 +95,10 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
     """Rows per chunk for the fused-linear path.
 
     A chunk holds its logits (in the weight's dtype, overwritten by their gradient) plus, in the
-    torch path, fp32 working copies; ~256 MiB on a GPU, ~16 MiB on a CPU keeps that small next to
+    torch path, fp32 working copies; ~256 MiB on a GPU, ~64 MiB on a CPU keeps that small next to
     the weight and the activations, while each matmul is still large enough to run at full rate.
     """
-    budget = (256 if device.type == "cuda" else 16) * 2**20
+    budget = (256 if device.type == "cuda" else 64) * 2**20
     per_row = vocab_size * (torch.finfo(dtype).bits // 8 + 4)
     rows = max(16, budget // per_row)
     return 1 << (int(rows).bit_length() - 1)  # a power of two: friendly tile shapes
