@@ -1,9 +1,10 @@
 """autograd.Functions that bind the row kernels' forward to their backward.
 
 ``TokenLogprobs``: logits -> (logp, entropy), saving only the logits (a reference, not a copy) and
-two fp32 numbers per row. ``FusedLinearTokenLogprobs``: hidden, weight, bias -> (logp, entropy),
-where each chunk's logits exist only while that chunk is processed, in the forward and again in the
-backward.
+three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLoss``: logits -> the token-level GRPO
+loss in the same single pass (Triton only). ``FusedLinearTokenLogprobs``: hidden, weight, bias ->
+(logp, entropy), where each chunk's logits exist only while that chunk is processed, in the forward
+and again in the backward.
 """
 
 from __future__ import annotations
