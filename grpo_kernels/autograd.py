@@ -172,7 +172,7 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
             if need_weight:
                 _accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
             if need_bias:
-                grad_bias += grad_logits.float().sum(0)
+                grad_bias += grad_logits.sum(0, dtype=torch.float32)  # no fp32 copy of the chunk
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
