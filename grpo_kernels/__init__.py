@@ -4,12 +4,14 @@
     grpo_loss(logits, completion_ids, advantages, mask)  # -> GRPOLossOutput(loss, per_token_logps, metrics)
     fused_linear_grpo_loss(hidden, lm_head.weight, ...)  # the [tokens, vocab] logits never exist
 
-``grpo_kernels.reference`` holds the plain-PyTorch spec with the same signatures.
+``grpo_kernels.reference`` holds the plain-PyTorch spec with the same signatures; ``docs/api.md`` is the
+user-facing API reference.
 """
 
 from .functional import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs
 from .modules import FusedLinearGRPOLoss, GRPOLoss
-from .reference import GRPOLossOutput
+from .objective import GRPOLossOutput
+from .options import GRPOInputs, GRPOOptions
 
 __all__ = [
     "token_logprobs",
@@ -19,5 +21,7 @@ __all__ = [
     "GRPOLoss",
     "FusedLinearGRPOLoss",
     "GRPOLossOutput",
+    "GRPOOptions",
+    "GRPOInputs",
 ]
 __version__ = "0.1.0"

@@ -2,17 +2,18 @@
 
 Every public function validates its inputs here, once, before any backend runs, so that bad input
 fails with a message naming the argument instead of a silent wrong answer or a crash in a kernel.
+Scalar hyper-parameters are checked when ``options.GRPOOptions`` is built; tensors against the
+batch shape by :func:`check_grpo_inputs`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+import numbers
+from typing import Any, Optional, Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-BACKENDS = ("auto", "triton", "torch", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -24,6 +25,40 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
+
+
+def check_number(name: str, value: object, low: Optional[float] = None, high: Optional[float] = None,
+                 high_open: bool = False) -> float:
+    """A finite real Python/NumPy number (not a bool, not a tensor), optionally within [low, high]."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_temperature(temperature: object) -> float:
+    temperature = check_number("temperature", temperature)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return temperature
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -68,20 +103,6 @@ def check_ids_in_range(ids: torch.Tensor, vocab_size: int, ignore_index: int, na
         )
 
 
-def check_temperature(temperature: object) -> float:
-    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a Python number, got {type(temperature).__name__}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    return float(temperature)
-
-
-def check_backend(backend: object) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend  # type: ignore[return-value]
-
-
 def check_per_token(name: str, value: Optional[object], b: int, t: int, allow_column: bool = False) -> Optional[torch.Tensor]:
     """A per-token float tensor [B, T] (or [B, 1] when allow_column)."""
     if value is None:
@@ -96,25 +117,28 @@ def check_per_token(name: str, value: Optional[object], b: int, t: int, allow_co
     return value
 
 
-def check_grpo_args(
-    b: int,
-    t: int,
-    advantages: object,
-    completion_mask: Optional[object],
-    old_logps: Optional[object],
-    ref_logps: Optional[object],
-    beta: float,
-    eps_low: float,
-    eps_high: Optional[float],
-    delta: Optional[float],
-    loss_type: str,
-    max_completion_length: Optional[int],
-    num_items_in_batch: Optional[object],
-    importance_sampling_level: str,
-    is_ratio: Optional[object],
-    entropy_coef: float,
-) -> float:
-    """Validate every GRPO option for a [B, T] batch; returns the effective eps_high."""
+def check_num_items_in_batch(value: Any) -> None:
+    """None, a positive finite real number, or a 0-d/1-element numeric tensor holding one."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got shape {_shape(value)} {value.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        value = value.item()
+    n = check_number("num_items_in_batch", value)
+    if not n > 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {n}")
+
+
+def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, advantages: object,
+                      completion_mask: Optional[object], inputs: Any, options: Any, name: str = "logits") -> None:
+    """The tensors of a GRPO call against the [B, T, V] logits (or [B, T, H] hidden states)."""
+    if len(leading_shape) != 3:
+        raise ValueError(f"{name} must have shape [B, T, {'H' if name == 'hidden' else 'V'}], got {list(leading_shape)}")
+    b, t = leading_shape[0], leading_shape[1]
+    check_token_ids(completion_ids, torch.Size((b, t)), "completion_ids", name)
     advantages = check_tensor("advantages", advantages)
     if not advantages.is_floating_point():
         raise TypeError(f"advantages must be a float tensor, got {advantages.dtype}")
@@ -124,31 +148,21 @@ def check_grpo_args(
         completion_mask = check_tensor("completion_mask", completion_mask)
         if completion_mask.shape != (b, t):
             raise ValueError(f"completion_mask must have shape [{b}, {t}], got {_shape(completion_mask)}")
-    check_per_token("old_logps", old_logps, b, t)
-    check_per_token("ref_logps", ref_logps, b, t)
-    check_per_token("is_ratio", is_ratio, b, t, allow_column=True)
-    for name, value in (("beta", beta), ("eps_low", eps_low), ("entropy_coef", entropy_coef)):
-        if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
-    if beta != 0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps [{b}, {t}] (the reference model's log-probs)")
-    if not 0 <= eps_low < 1:
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
-    eps_high = eps_low if eps_high is None else eps_high
-    if isinstance(eps_high, torch.Tensor) or not isinstance(eps_high, (int, float)) or eps_high < 0:
-        raise ValueError(f"eps_high must be a number >= 0 or None, got {eps_high!r}")
-    if delta is not None and not delta > 1 + eps_high:
-        raise ValueError(f"delta must be > 1 + eps_high = {1 + eps_high}, got {delta}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
-        )
-    if max_completion_length is not None and (not isinstance(max_completion_length, int) or max_completion_length < 1):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
-    if num_items_in_batch is not None:
-        n = num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) and not torch.compiler.is_compiling() else num_items_in_batch
-        if isinstance(n, (int, float)) and not n > 0:
-            raise ValueError(f"num_items_in_batch must be > 0, got {n}")
-    return float(eps_high)
+    check_per_token("old_logps", inputs.old_logps, b, t)
+    check_per_token("ref_logps", inputs.ref_logps, b, t)
+    check_per_token("is_ratio", inputs.is_ratio, b, t, allow_column=True)
+    check_num_items_in_batch(inputs.num_items_in_batch)
+    if options.beta != 0 and inputs.ref_logps is None:
+        raise ValueError(f"beta={options.beta} needs ref_logps [{b}, {t}] (the reference model's log-probs)")
+
+
+def check_linear(hidden: object, weight: object, bias: Optional[object]) -> None:
+    """hidden [..., H], weight [V, H] (lm_head.weight), bias [V] or None; float dtypes."""
+    hidden = check_logits(hidden, "hidden")
+    weight = check_logits(weight, "weight")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape [V, {hidden.shape[-1]}] (lm_head.weight), got {list(weight.shape)}")
+    if bias is not None:
+        bias = check_logits(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")

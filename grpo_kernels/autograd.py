@@ -1,95 +1,93 @@
-"""autograd.Functions that bind the row kernels' forward to their backward.
+"""autograd.Functions that bind a backend's row kernels' forward to their backward.
 
 ``TokenLogprobs``: logits -> (logp, entropy), saving only the logits (a reference, not a copy) and
 three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLoss``: logits -> the token-level GRPO
-loss in the same single pass (Triton only). ``FusedLinearTokenLogprobs``: hidden, weight, bias ->
-(logp, entropy), where each chunk's logits exist only while that chunk is processed, in the forward
-and again in the backward.
+loss in the same single pass (backends with ``fused_grpo``). ``FusedLinearTokenLogprobs``: hidden,
+weight, bias -> (logp, entropy), where each chunk's logits exist only while that chunk is processed,
+in the forward and again in the backward.
+
+Each Function receives the backend object (``grpo_kernels.backends``) and calls only its methods.
+Backwards are ``once_differentiable``: a double backward (``create_graph=True``) raises instead of
+returning a gradient without a graph. With ``inplace_backward`` the logits' gradient is written into
+the logits buffer and the buffer's version counter is bumped, so autograd raises (instead of using a
+corrupted tensor) when anything else saved the logits: an op whose backward needs its output
+(``tanh`` soft-capping, ``exp``), or a second backward through the same graph.
 """
 
 from __future__ import annotations
 
-import os
-from types import ModuleType
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .kernels import torch_rows
-
-
-def triton_rows() -> ModuleType:
-    from .kernels import triton_rows as module  # imported lazily: Triton is heavy to import
-
-    return module
+from .backends import RowBackend
 
 
-def row_kernels(backend: str, device: torch.device) -> ModuleType:
-    """The row-kernel module for a resolved backend name ("triton" or "torch")."""
-    if backend == "auto":
-        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        backend = "triton" if device.type == "cuda" or (device.type == "cpu" and interpret) else "torch"
-    if backend == "triton":
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(
-                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before importing triton) for CPU tensors"
-            )
-        return triton_rows()
-    if backend == "torch":
-        return torch_rows
-    raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
+def _gradient_buffer(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    return logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """A kernel wrote into ``logits``: tell autograd, so a later reader of the old values raises."""
+    if out is logits:
+        torch.autograd.graph.increment_version(logits)
 
 
 class TokenLogprobs(torch.autograd.Function):
     """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T]), both float32."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, ignore_index, kernels, with_entropy, inplace_backward):
-        logp, entropy, row_max, log_sum = kernels.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
+    def forward(ctx, logits, targets, backend: RowBackend, temperature: float, ignore_index: int,
+                with_entropy: bool, inplace_backward: bool):
+        logp, entropy, row_max, log_sum = backend.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
         ctx.set_materialize_grads(False)  # an unused output passes None, not a tensor of zeros
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy)
-        ctx.config = (temperature, ignore_index, kernels, inplace_backward)
+        ctx.config = (backend, temperature, ignore_index, inplace_backward)
         return logp, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, ignore_index, kernels, inplace_backward = ctx.config
-        out = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        kernels.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, temperature, ignore_index, out)
+        backend, temperature, ignore_index, inplace_backward = ctx.config
+        out = _gradient_buffer(logits, inplace_backward)
+        backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, temperature, ignore_index, out)
+        _written_in_place(logits, out)
         return out, None, None, None, None, None, None
 
 
 class FusedGRPOLoss(torch.autograd.Function):
-    """Token-level GRPO loss from logits in one Triton pass; the backward is one more pass.
+    """Token-level GRPO loss from logits in one pass; the backward is one more pass.
 
-    forward -> (loss 0-d, logp [B, T], entropy [B, T]); only the loss is differentiable. Saved: the
-    logits (a reference), and five fp32 numbers per token.
+    forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], backend, inputs, options,
+    ignore_index, inplace_backward) -> (loss 0-d, logp [B, T], entropy [B, T]); only the loss is
+    differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature,
-                ignore_index, hyper, inplace_backward):
-        eps_low, eps_high, delta, beta, entropy_coef = hyper
-        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = triton_rows().grpo_forward_rows(
-            logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature, ignore_index,
-            eps_low, eps_high, delta, beta, entropy_coef,
+    def forward(ctx, logits, targets, advantages, weights, backend: RowBackend, inputs, options,
+                ignore_index: int, inplace_backward: bool):
+        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = backend.grpo_forward_rows(
+            logits, targets, advantages, weights, inputs, options, ignore_index
         )
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
-        ctx.config = (temperature, ignore_index, inplace_backward, entropy_coef != 0)
+        ctx.config = (backend, options.temperature, ignore_index, inplace_backward, options.entropy_coef != 0)
         ctx.mark_non_differentiable(logp, entropy)
         return loss.sum(), logp, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
-        temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
-        out = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        triton_rows().backward_rows(
+        backend, temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
+        out = _gradient_buffer(logits, inplace_backward)
+        backend.backward_rows(
             logits, targets, row_max, log_sum, entropy, coef_logp * grad_loss,
             coef_entropy * grad_loss if has_entropy_term else None, temperature, ignore_index, out,
         )
-        return (out,) + (None,) * 10
+        _written_in_place(logits, out)
+        return (out,) + (None,) * 8
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -134,24 +132,26 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, kernels, with_entropy, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, temperature: float, ignore_index: int,
+                with_entropy: bool, chunk_size: int):
         n = hidden.shape[0]
         logp, entropy, row_max, log_sum = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             logits = _chunk_logits(hidden[rows], weight, bias)
-            stats = kernels.forward_rows(logits.unsqueeze(0), targets[rows].unsqueeze(0), temperature, ignore_index, with_entropy)
+            stats = backend.forward_rows(logits.unsqueeze(0), targets[rows].unsqueeze(0), temperature, ignore_index, with_entropy)
             for out, value in zip((logp, entropy, row_max, log_sum), stats):
                 out[rows] = value[0]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
-        ctx.config = (temperature, ignore_index, kernels, chunk_size)
+        ctx.config = (backend, temperature, ignore_index, chunk_size)
         return logp, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, ignore_index, kernels, chunk_size = ctx.config
+        backend, temperature, ignore_index, chunk_size = ctx.config
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -162,10 +162,9 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
             logits = _chunk_logits(hidden[rows], weight, bias)
             g_logp = None if grad_logp is None else grad_logp[rows].unsqueeze(0)
             g_ent = None if grad_entropy is None else grad_entropy[rows].unsqueeze(0)
-            grad_logits = kernels.backward_rows(
+            grad_logits = backend.backward_rows(
                 logits.unsqueeze(0), targets[rows].unsqueeze(0), row_max[rows].unsqueeze(0), log_sum[rows].unsqueeze(0),
-                entropy[rows].unsqueeze(0),
-                g_logp, g_ent, temperature, ignore_index, out=logits.unsqueeze(0),
+                entropy[rows].unsqueeze(0), g_logp, g_ent, temperature, ignore_index, logits.unsqueeze(0),
             )[0]
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight

@@ -10,7 +10,9 @@ from conftest import assert_close64
 from grpo_cases import OPTION_CASES, build_kwargs, make_batch
 from spec64 import grpo64, logprobs64
 
+from grpo_kernels import objective as O
 from grpo_kernels import reference as R
+from grpo_kernels.options import GRPOInputs, GRPOOptions
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("case", list(OPTION_CASES))
@@ -79,10 +81,9 @@ def test_worked_example_of_clipped_objective(ratio, adv, kl, objective):
     logp = torch.tensor([[-1.0]])
     old = logp - math.log(ratio)
     ref = logp + _kl_to_log_diff(kl)
-    loss, _, kl_t = R.per_token_loss(
-        logp, torch.zeros_like(logp), torch.tensor([adv]), torch.ones_like(logp), old_logps=old, ref_logps=ref,
-        beta=0.04, eps_low=0.2, eps_high=0.2, delta=None, importance_sampling_level="token", is_ratio=None,
-        entropy_coef=0.0,
+    loss, _, kl_t = O.per_token_loss(
+        logp, torch.zeros_like(logp), torch.tensor([adv]), torch.ones_like(logp),
+        GRPOInputs(old_logps=old, ref_logps=ref), GRPOOptions(beta=0.04, eps_low=0.2, eps_high=0.2),
     )
     assert kl_t.item() == pytest.approx(kl, rel=1e-5)
     assert -loss.item() == pytest.approx(objective, abs=5e-5)

@@ -13,7 +13,7 @@ from conftest import DEVICE, assert_close64, poison_
 from spec64 import logprobs64
 
 import grpo_kernels as gk
-from grpo_kernels.autograd import row_kernels
+from grpo_kernels import backends
 
 BACKENDS = ["triton", "torch"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -90,7 +90,7 @@ def test_strided_view_of_model_logits(backend, dtype):
 def test_strided_view_is_not_copied(monkeypatch):
     """The row kernel sees the original storage and strides of a [B, T, V] slice."""
     seen = {}
-    kernels = row_kernels("torch", torch.device("cpu"))
+    kernels = backends.resolve("torch", torch.device("cpu"))
     original = kernels.forward_rows
 
     def spy(logits, *args, **kwargs):

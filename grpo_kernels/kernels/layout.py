@@ -25,7 +25,3 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     except RuntimeError:
         return x.reshape(-1, x.shape[-2], x.shape[-1])
 
-
-def row_stride(x3: torch.Tensor, dim: int) -> int:
-    """Stride of a leading dimension; a size-1 dimension may report any stride, so report 0."""
-    return x3.stride(dim) if x3.shape[dim] > 1 else 0

@@ -1,7 +1,7 @@
 """Memory-lean PyTorch row kernels: the same maths as the Triton kernels, a chunk of rows at a time.
 
 Only one chunk's fp32 copy of the logits exists at once, so the extra memory is
-``chunk_rows * V * 4`` bytes instead of a full fp32 ``[N, V]`` copy (or two, with the softmax).
+``default_chunk_rows(V) * V * 4`` bytes (16 MiB) instead of a full fp32 ``[N, V]`` copy (or two, with the softmax).
 """
 
 from __future__ import annotations
@@ -73,11 +73,10 @@ def forward_rows(
     temperature: float,
     ignore_index: int,
     with_entropy: bool = True,
-    chunk_rows: Optional[int] = None,
 ):
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T]."""
     b, t, v = logits.shape
-    rows = chunk_rows or default_chunk_rows(v)
+    rows = default_chunk_rows(v)
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
     for bs, ts in row_chunks(b, t, rows):
         for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index, with_entropy)):
@@ -97,14 +96,13 @@ def backward_rows(
     temperature: float,
     ignore_index: int,
     out: torch.Tensor,
-    chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
 
     ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, divided by the temperature.
     """
     b, t, v = logits.shape
-    rows = chunk_rows or default_chunk_rows(v)
+    rows = default_chunk_rows(v)
     for bs, ts in row_chunks(b, t, rows):
         tgt = targets[bs, ts]
         valid = tgt != ignore_index

@@ -1,0 +1,144 @@
+"""Backends: the row kernels behind the public functions, behind one explicit interface.
+
+A backend computes, for every row of ``[B, T, V]`` logits, the target's log-prob, the entropy and
+the two softmax statistics the backward needs (``forward_rows``), and writes ``d loss / d logits``
+from per-row gradients (``backward_rows``). A backend with ``fused_grpo = True`` also evaluates the
+token-level GRPO loss inside the log-prob pass (``grpo_forward_rows``). The autograd Functions in
+``grpo_kernels.autograd`` receive the backend object and call nothing else.
+
+To add a backend (another GPU, a CUDA C++ kernel): subclass :class:`RowBackend`, implement its
+methods with the same shapes and dtypes, and register an instance in :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+from typing import ClassVar, Dict, Optional, Tuple
+
+import torch
+
+from .kernels import torch_rows
+
+RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class RowBackend:
+    """The interface every backend implements. Per-row outputs are float32 [B, T].
+
+    ``forward_rows(logits [B, T, V], targets [B, T], temperature, ignore_index, with_entropy)``
+        -> ``(logp, entropy, row_max, log_sum)``: ``row_max`` and ``log_sum`` are the max of
+        ``z = logits / temperature`` and ``log sum exp(z - max)``; rows whose target is
+        ``ignore_index`` are never read and give 0.
+    ``backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
+        temperature, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
+        ``logits`` itself) in ``out``'s dtype and returns it; a ``None`` gradient means zero.
+    """
+
+    name: ClassVar[str]
+    fused_grpo: ClassVar[bool] = False  # has grpo_forward_rows (the token-level loss in the log-prob pass)
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError (naming ``backend``) when this backend cannot run on ``device``."""
+
+    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
+        raise NotImplementedError
+
+    def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
+                      temperature, ignore_index, out) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
+        """Only where ``fused_grpo``: see ``kernels.triton_rows.grpo_forward_rows``."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
+
+    def __repr__(self) -> str:
+        return f"<{self.name} row backend>"
+
+
+class TorchBackend(RowBackend):
+    """Chunked PyTorch: one chunk's fp32 copy at a time (``kernels/torch_rows.py``); any device."""
+
+    name = "torch"
+
+    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
+        return torch_rows.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
+
+    def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
+                      temperature, ignore_index, out) -> torch.Tensor:
+        return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
+                                        temperature, ignore_index, out)
+
+
+def triton_interprets() -> bool:
+    """Whether our Triton kernels run in Triton's CPU interpreter.
+
+    That is fixed when ``kernels.triton_rows`` is imported (``@triton.jit`` reads
+    ``TRITON_INTERPRET`` then), so once it is imported we ask its kernels, not the variable, which may
+    have been set or cleared since; before that, the variable decides (it is read at import).
+    """
+    module = sys.modules.get(__name__.rsplit(".", 1)[0] + ".kernels.triton_rows")
+    if module is None:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(module.token_logprobs_fwd_kernel, InterpretedFunction)
+
+
+class TritonBackend(RowBackend):
+    """Fused Triton kernels (``kernels/triton_rows.py``): CUDA tensors, or CPU tensors in the interpreter."""
+
+    name = "triton"
+    fused_grpo = True
+
+    @staticmethod
+    def _module() -> ModuleType:
+        from .kernels import triton_rows  # imported lazily: Triton is heavy to import
+
+        return triton_rows
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type == "cpu" and not triton_interprets():
+            raise ValueError(
+                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton kernels are first "
+                "imported for CPU tensors"
+            )
+
+    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
+        return self._module().forward_rows(logits=logits, targets=targets, temperature=temperature,
+                                           ignore_index=ignore_index, with_entropy=with_entropy)
+
+    def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
+                      temperature, ignore_index, out) -> torch.Tensor:
+        return self._module().backward_rows(
+            logits=logits, targets=targets, row_max=row_max, log_sum=log_sum, entropy=entropy, grad_logp=grad_logp,
+            grad_entropy=grad_entropy, temperature=temperature, ignore_index=ignore_index, out=out,
+        )
+
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
+        return self._module().grpo_forward_rows(
+            logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
+            ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, temperature=options.temperature,
+            ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
+            beta=options.beta, entropy_coef=options.entropy_coef,
+        )
+
+
+REGISTRY: Dict[str, RowBackend] = {backend.name: backend for backend in (TritonBackend(), TorchBackend())}
+
+
+def resolve(name: str, device: torch.device) -> RowBackend:
+    """The backend for a name ("auto", "triton", "torch") and the tensors' device.
+
+    "auto" is Triton for CUDA tensors, and for CPU tensors when Triton runs in its interpreter;
+    otherwise the chunked torch path.
+    """
+    if name == "auto":
+        use_triton = device.type == "cuda" or (device.type == "cpu" and triton_interprets())
+        name = "triton" if use_triton else "torch"
+    backend = REGISTRY.get(name)
+    if backend is None:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(REGISTRY) + ('reference',)}, got {name!r}")
+    backend.check_device(device)
+    return backend

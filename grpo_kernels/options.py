@@ -1,0 +1,112 @@
+"""The GRPO loss's configuration, defined once.
+
+``GRPOOptions`` holds the scalar hyper-parameters (validated when it is built); ``GRPOInputs`` holds
+the optional per-call tensors. Both are frozen dataclasses carried from the public functions and
+modules through autograd to the kernels. The public functions take their fields as flat keywords:
+:func:`grpo_keywords` gives a function the signature ``help()`` shows, generated from these fields,
+so an option is added here and nowhere else (plus, if it is token-local, its term in
+``objective.per_token_loss`` and the Triton epilogue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+
+import torch
+
+from . import _validation as V
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+BACKENDS = ("auto", "triton", "torch", "reference")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """Scalar hyper-parameters of the GRPO loss (see ``docs/api.md``). Validated on construction.
+
+    ``eps_high=None`` means ``eps_low`` and is resolved here, so ``options.eps_high`` is always a
+    number. All are runtime values for the kernels: a new value compiles no new kernel.
+    """
+
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; > 0 needs ref_logps"})
+    eps_low: float = field(default=0.2, metadata={"help": "lower clip: ratio >= 1 - eps_low"})
+    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clip: ratio <= 1 + eps_high; None = eps_low"})
+    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: the unclipped ratio is capped at delta"})
+    temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
+    loss_type: str = field(default="dapo", metadata={"help": "reduction over tokens", "choices": LOSS_TYPES})
+    max_completion_length: Optional[int] = field(default=None, metadata={"help": "dr_grpo's constant; None = T"})
+    importance_sampling_level: str = field(
+        default="token", metadata={"help": "token ratios, or sequence (GSPO)", "choices": IMPORTANCE_SAMPLING_LEVELS}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: the loss subtracts entropy_coef * H"})
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("beta", V.check_number("beta", self.beta))
+        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_open=True))
+        eps_high = self.eps_low if self.eps_high is None else self.eps_high
+        set_("eps_high", V.check_number("eps_high", eps_high, low=0.0))
+        if self.delta is not None:
+            set_("delta", V.check_number("delta", self.delta))
+            if not self.delta > 1 + self.eps_high:
+                raise ValueError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}")
+        set_("temperature", V.check_temperature(self.temperature))
+        V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        if self.max_completion_length is not None:
+            V.check_positive_int("max_completion_length", self.max_completion_length)
+        set_("entropy_coef", V.check_number("entropy_coef", self.entropy_coef))
+
+
+@dataclass(frozen=True)
+class GRPOInputs:
+    """Optional per-call tensors of the GRPO loss; shapes are checked against the batch later.
+
+    ``old_logps`` / ``ref_logps`` [B, T], ``is_ratio`` [B, T] or [B, 1], ``num_items_in_batch`` a
+    positive number or 0-d tensor. All are constants of the loss: no gradient flows to them.
+    """
+
+    old_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the sampling policy; None = on-policy"})
+    ref_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the reference model (KL term)"})
+    is_ratio: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] or [B, 1] rollout importance weight, scales the policy term"})
+    num_items_in_batch: Any = field(default=None, metadata={"help": "dapo's normaliser: global count of loss tokens"})
+
+
+OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOOptions))
+INPUT_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOInputs))
+
+
+def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs, GRPOOptions]:
+    """Flat keywords -> (GRPOInputs, GRPOOptions); an unknown keyword is a TypeError naming it."""
+    unknown = [k for k in kwargs if k not in OPTION_NAMES and k not in INPUT_NAMES]
+    if unknown:
+        raise TypeError(
+            f"{where}() got an unexpected keyword argument {unknown[0]!r}; "
+            f"GRPO keywords are {', '.join(INPUT_NAMES + OPTION_NAMES)}"
+        )
+    inputs = GRPOInputs(**{k: v for k, v in kwargs.items() if k in INPUT_NAMES})
+    options = GRPOOptions(**{k: v for k, v in kwargs.items() if k in OPTION_NAMES})
+    return inputs, options
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def grpo_keywords(fn: F) -> F:
+    """Give ``fn(..., **grpo_kwargs)`` the signature with every GRPOInputs and GRPOOptions field.
+
+    ``help(grpo_loss)`` and ``inspect.signature`` then list the flat keywords, their defaults and
+    types, although they are defined once, in the dataclasses above.
+    """
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for cls in (GRPOInputs, GRPOOptions):
+        for f in dataclasses.fields(cls):
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+    fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
