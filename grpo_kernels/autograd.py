@@ -7,8 +7,8 @@ weight, bias -> (logp, entropy), where each chunk's logits exist only while that
 in the forward and again in the backward.
 
 Each Function receives the backend object (``grpo_kernels.backends``) and calls only its methods.
-Backwards are ``once_differentiable``: a double backward (``create_graph=True``) raises instead of
-returning a gradient without a graph. With ``inplace_backward`` the logits' gradient is written into
+Backwards are first order: a double backward (``create_graph=True``) raises a RuntimeError instead
+of returning a gradient without a graph (use ``backend="reference"`` for higher-order gradients). With ``inplace_backward`` the logits' gradient is written into
 the logits buffer and the buffer's version counter is bumped, so autograd raises (instead of using a
 corrupted tensor) when anything else saved the logits: an op whose backward needs its output
 (``tanh`` soft-capping, ``exp``), or a second backward through the same graph.
@@ -16,12 +16,27 @@ corrupted tensor) when anything else saved the logits: an op whose backward need
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .backends import RowBackend
+
+
+def _first_order(backward: Callable) -> Callable:
+    """Refuse ``create_graph=True`` (autograd runs a backward with grad mode on only then)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "grpo_kernels' fused kernels give first-order gradients only: backward(create_graph=True) / "
+                "double backward is not supported; use backend='reference' for higher-order gradients"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 def _gradient_buffer(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
@@ -47,7 +62,7 @@ class TokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, row_max, log_sum, entropy = ctx.saved_tensors
         backend, temperature, ignore_index, inplace_backward = ctx.config
@@ -77,7 +92,7 @@ class FusedGRPOLoss(torch.autograd.Function):
         return loss.sum(), logp, entropy
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
         backend, temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
@@ -148,7 +163,7 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         backend, temperature, ignore_index, chunk_size = ctx.config
