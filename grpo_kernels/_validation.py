@@ -152,6 +152,16 @@ def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, adva
     check_per_token("ref_logps", inputs.ref_logps, b, t)
     check_per_token("is_ratio", inputs.is_ratio, b, t, allow_column=True)
     check_num_items_in_batch(inputs.num_items_in_batch)
+    if inputs.segment_ids is not None:
+        segment_ids = check_tensor("segment_ids", inputs.segment_ids)
+        if segment_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"segment_ids must be an int32 or int64 tensor, got {segment_ids.dtype}")
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"segment_ids must have shape [{b}, {t}], got {_shape(segment_ids)}")
+        if advantages.shape != (b, t):
+            raise ValueError(f"advantages must be per token [{b}, {t}] with segment_ids (one row holds several sequences), got {_shape(advantages)}")
+        if inputs.is_ratio is not None and inputs.is_ratio.shape != (b, t):
+            raise ValueError(f"is_ratio must be per token [{b}, {t}] with segment_ids, got {_shape(inputs.is_ratio)}")
     if options.beta != 0 and inputs.ref_logps is None:
         raise ValueError(f"beta={options.beta} needs ref_logps [{b}, {t}] (the reference model's log-probs)")
 

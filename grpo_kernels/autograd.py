@@ -2,7 +2,7 @@
 
 ``TokenLogprobs``: logits -> (logp, entropy), saving only the logits (a reference, not a copy) and
 three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLoss``: logits -> the token-level GRPO
-loss in the same single pass (backends with ``fused_grpo``). ``FusedLinearTokenLogprobs``: hidden,
+loss in the same single pass (backends whose ``fuses(options)`` is true). ``FusedLinearTokenLogprobs``: hidden,
 weight, bias -> (logp, entropy), where each chunk's logits exist only while that chunk is processed,
 in the forward and again in the backward.
 

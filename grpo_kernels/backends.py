@@ -2,8 +2,8 @@
 
 A backend computes, for every row of ``[B, T, V]`` logits, the target's log-prob, the entropy and
 the two softmax statistics the backward needs (``forward_rows``), and writes ``d loss / d logits``
-from per-row gradients (``backward_rows``). A backend with ``fused_grpo = True`` also evaluates the
-token-level GRPO loss inside the log-prob pass (``grpo_forward_rows``). The autograd Functions in
+from per-row gradients (``backward_rows``). A backend whose ``fuses(options)`` is true also evaluates
+that token-level GRPO loss inside the log-prob pass (``grpo_forward_rows``). The autograd Functions in
 ``grpo_kernels.autograd`` receive the backend object and call nothing else.
 
 To add a backend (another GPU, a CUDA C++ kernel): subclass :class:`RowBackend`, implement its
@@ -20,6 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
+from .options import CLIPPED_LOSS_TYPES
 
 RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -37,7 +38,10 @@ class RowBackend:
     """
 
     name: ClassVar[str]
-    fused_grpo: ClassVar[bool] = False  # has grpo_forward_rows (the token-level loss in the log-prob pass)
+    def fuses(self, options) -> bool:
+        """Whether ``grpo_forward_rows`` evaluates this configuration's loss in the log-prob pass
+        (token-local objectives only); otherwise the shared objective runs after the row kernel."""
+        return False
 
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError (naming ``backend``) when this backend cannot run on ``device``."""
@@ -50,7 +54,7 @@ class RowBackend:
         raise NotImplementedError
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
-        """Only where ``fused_grpo``: see ``kernels.triton_rows.grpo_forward_rows``."""
+        """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows``."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
     def __repr__(self) -> str:
@@ -90,7 +94,10 @@ class TritonBackend(RowBackend):
     """Fused Triton kernels (``kernels/triton_rows.py``): CUDA tensors, or CPU tensors in the interpreter."""
 
     name = "triton"
-    fused_grpo = True
+
+    def fuses(self, options) -> bool:
+        return (options.importance_sampling_level == "token" and options.loss_type in CLIPPED_LOSS_TYPES
+                and not options.use_bias_correction_kl)
 
     @staticmethod
     def _module() -> ModuleType:

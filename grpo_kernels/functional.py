@@ -102,7 +102,7 @@ def grpo_loss(
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     row_backend = backends.resolve(backend, logits.device)
-    if row_backend.fused_grpo and options.importance_sampling_level == "token":
+    if row_backend.fuses(options):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
     # Sequence-level ratios (GSPO) need each sequence's mean log-ratio before any token's loss, and
     # the torch path has no fused epilogue: log-probs from the row kernel, then the O(B*T) maths.
@@ -112,9 +112,11 @@ def grpo_loss(
 
 def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInputs, options: GRPOOptions,
                      inplace_backward) -> GRPOLossOutput:
-    """Token-level GRPO on a backend whose kernel computes the loss in the log-prob pass."""
+    """Token-level GRPO on a backend whose kernel computes the loss in the log-prob pass
+    (``FusedGRPOLoss``); the per-token weights (the reduction) and the metrics come from ``objective``."""
     rows = as_rows(logits)
-    weights = objective.token_weights(mask, options, inputs.num_items_in_batch)
+    sequences = objective.Sequences(mask, inputs.segment_ids)
+    weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences)
     adv = objective.per_token_advantages(advantages, mask)
     kernel_inputs = GRPOInputs(  # constants of the loss, masked positions already never read
         old_logps=None if inputs.old_logps is None else inputs.old_logps.detach(),
@@ -127,9 +129,8 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
     )
     logp, entropy = logp.view(ids.shape), entropy.view(ids.shape)
     with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
-        metric_inputs = GRPOInputs(old_logps=inputs.old_logps, ref_logps=inputs.ref_logps)
-        _, ratio, kl = objective.per_token_loss(logp, entropy, advantages, mask, metric_inputs, options)
-        metrics = objective.loss_metrics(entropy, ratio, kl, advantages, mask, options)
+        terms = objective.per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
+        metrics = objective.loss_metrics(entropy, terms, advantages, mask, options, sequences)
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 

@@ -19,7 +19,8 @@ import torch
 
 from . import _validation as V
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "torch", "reference")
 IGNORE_INDEX = -100
@@ -44,6 +45,13 @@ class GRPOOptions:
         default="token", metadata={"help": "token ratios, or sequence (GSPO)", "choices": IMPORTANCE_SAMPLING_LEVELS}
     )
     entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: the loss subtracts entropy_coef * H"})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio (TRL)"})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature where A > 0"})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature where A <= 0"})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo: power k of the gamma weight where A >= 0"})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "vespo: decay lambda where A >= 0"})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "vespo: power k where A < 0"})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "vespo: decay lambda where A < 0"})
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -61,6 +69,14 @@ class GRPOOptions:
         if self.max_completion_length is not None:
             V.check_positive_int("max_completion_length", self.max_completion_length)
         set_("entropy_coef", V.check_number("entropy_coef", self.entropy_coef))
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise TypeError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            set_(name, V.check_number(name, getattr(self, name)))
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            set_(name, V.check_number(name, getattr(self, name), low=0.0))
 
 
 @dataclass(frozen=True)
@@ -68,13 +84,16 @@ class GRPOInputs:
     """Optional per-call tensors of the GRPO loss; shapes are checked against the batch later.
 
     ``old_logps`` / ``ref_logps`` [B, T], ``is_ratio`` [B, T] or [B, 1], ``num_items_in_batch`` a
-    positive number or 0-d tensor. All are constants of the loss: no gradient flows to them.
+    positive number or 0-d tensor, ``segment_ids`` [B, T] int (packed rows: the tokens of a row that
+    share an id form one sequence; ids at mask-0 positions are never read). All are constants of the
+    loss: no gradient flows to them.
     """
 
     old_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the sampling policy; None = on-policy"})
     ref_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the reference model (KL term)"})
     is_ratio: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] or [B, 1] rollout importance weight, scales the policy term"})
     num_items_in_batch: Any = field(default=None, metadata={"help": "dapo's normaliser: global count of loss tokens"})
+    segment_ids: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] int: packed rows, one id per sequence"})
 
 
 OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOOptions))

@@ -81,7 +81,7 @@ def test_worked_example_of_clipped_objective(ratio, adv, kl, objective):
     logp = torch.tensor([[-1.0]])
     old = logp - math.log(ratio)
     ref = logp + _kl_to_log_diff(kl)
-    loss, _, kl_t = O.per_token_loss(
+    loss, _, kl_t, _ = O.per_token_loss(
         logp, torch.zeros_like(logp), torch.tensor([adv]), torch.ones_like(logp),
         GRPOInputs(old_logps=old, ref_logps=ref), GRPOOptions(beta=0.04, eps_low=0.2, eps_high=0.2),
     )
