@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .backends import RowBackend
+from .options import LogitTransform
 
 
 def _first_order(backward: Callable) -> Callable:
@@ -53,21 +54,21 @@ class TokenLogprobs(torch.autograd.Function):
     """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T]), both float32."""
 
     @staticmethod
-    def forward(ctx, logits, targets, backend: RowBackend, temperature: float, ignore_index: int,
+    def forward(ctx, logits, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
                 with_entropy: bool, inplace_backward: bool):
-        logp, entropy, row_max, log_sum = backend.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
+        logp, entropy, row_max, log_sum = backend.forward_rows(logits, targets, transform, ignore_index, with_entropy)
         ctx.set_materialize_grads(False)  # an unused output passes None, not a tensor of zeros
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy)
-        ctx.config = (backend, temperature, ignore_index, inplace_backward)
+        ctx.config = (backend, transform, ignore_index, inplace_backward)
         return logp, entropy
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        backend, temperature, ignore_index, inplace_backward = ctx.config
+        backend, transform, ignore_index, inplace_backward = ctx.config
         out = _gradient_buffer(logits, inplace_backward)
-        backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, temperature, ignore_index, out)
+        backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, transform, ignore_index, out)
         _written_in_place(logits, out)
         return out, None, None, None, None, None, None
 
@@ -87,7 +88,7 @@ class FusedGRPOLoss(torch.autograd.Function):
             logits, targets, advantages, weights, inputs, options, ignore_index
         )
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
-        ctx.config = (backend, options.temperature, ignore_index, inplace_backward, options.entropy_coef != 0)
+        ctx.config = (backend, options.transform, ignore_index, inplace_backward, options.entropy_coef != 0)
         ctx.mark_non_differentiable(logp, entropy)
         return loss.sum(), logp, entropy
 
@@ -95,11 +96,11 @@ class FusedGRPOLoss(torch.autograd.Function):
     @_first_order
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
-        backend, temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
+        backend, transform, ignore_index, inplace_backward, has_entropy_term = ctx.config
         out = _gradient_buffer(logits, inplace_backward)
         backend.backward_rows(
             logits, targets, row_max, log_sum, entropy, coef_logp * grad_loss,
-            coef_entropy * grad_loss if has_entropy_term else None, temperature, ignore_index, out,
+            coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
         _written_in_place(logits, out)
         return (out,) + (None,) * 8

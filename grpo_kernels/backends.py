@@ -20,7 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
-from .options import CLIPPED_LOSS_TYPES
+from .options import CLIPPED_LOSS_TYPES, LogitTransform
 
 RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -28,13 +28,14 @@ RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class RowBackend:
     """The interface every backend implements. Per-row outputs are float32 [B, T].
 
-    ``forward_rows(logits [B, T, V], targets [B, T], temperature, ignore_index, with_entropy)``
-        -> ``(logp, entropy, row_max, log_sum)``: ``row_max`` and ``log_sum`` are the max of
-        ``z = logits / temperature`` and ``log sum exp(z - max)``; rows whose target is
-        ``ignore_index`` are never read and give 0.
+    ``forward_rows(logits [B, T, V], targets [B, T], transform, ignore_index, with_entropy)``
+        -> ``(logp, entropy, row_max, log_sum)``: ``row_max`` and ``log_sum`` are the max of the
+        transformed logits ``z`` (``options.LogitTransform``: logit scale, softcap, temperature)
+        and ``log sum exp(z - max)``; rows whose target is ``ignore_index`` are never read and give 0.
     ``backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-        temperature, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
+        transform, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
         ``logits`` itself) in ``out``'s dtype and returns it; a ``None`` gradient means zero.
+    ``transform`` may also be a bare temperature.
     """
 
     name: ClassVar[str]
@@ -46,11 +47,11 @@ class RowBackend:
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError (naming ``backend``) when this backend cannot run on ``device``."""
 
-    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
         raise NotImplementedError
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      temperature, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out) -> torch.Tensor:
         raise NotImplementedError
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
@@ -66,13 +67,16 @@ class TorchBackend(RowBackend):
 
     name = "torch"
 
-    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
-        return torch_rows.forward_rows(logits, targets, temperature, ignore_index, with_entropy)
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
+        t = LogitTransform.of(transform)
+        return torch_rows.forward_rows(logits, targets, t.temperature, ignore_index, with_entropy,
+                                       softcap=t.softcap, logit_scale=t.logit_scale)
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      temperature, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out) -> torch.Tensor:
+        t = LogitTransform.of(transform)
         return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                                        temperature, ignore_index, out)
+                                        t.temperature, ignore_index, out, softcap=t.softcap, logit_scale=t.logit_scale)
 
 
 def triton_interprets() -> bool:
@@ -112,21 +116,28 @@ class TritonBackend(RowBackend):
                 "imported for CPU tensors"
             )
 
-    def forward_rows(self, logits, targets, temperature, ignore_index, with_entropy) -> RowStats:
-        return self._module().forward_rows(logits=logits, targets=targets, temperature=temperature,
-                                           ignore_index=ignore_index, with_entropy=with_entropy)
+    @staticmethod
+    def _transform_keywords(transform) -> dict:
+        t = LogitTransform.of(transform)
+        if t.softcap is not None:
+            raise NotImplementedError("softcap in the Triton kernels")
+        return dict(temperature=t.temperature / t.logit_scale)
+
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
+        return self._module().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
+                                           with_entropy=with_entropy, **self._transform_keywords(transform))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      temperature, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out) -> torch.Tensor:
         return self._module().backward_rows(
             logits=logits, targets=targets, row_max=row_max, log_sum=log_sum, entropy=entropy, grad_logp=grad_logp,
-            grad_entropy=grad_entropy, temperature=temperature, ignore_index=ignore_index, out=out,
+            grad_entropy=grad_entropy, ignore_index=ignore_index, out=out, **self._transform_keywords(transform),
         )
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
         return self._module().grpo_forward_rows(
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
-            ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, temperature=options.temperature,
+            ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
             ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
             beta=options.beta, entropy_coef=options.entropy_coef,
         )

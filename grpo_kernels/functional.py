@@ -18,14 +18,14 @@ from . import backends, objective, reference
 from .autograd import FusedGRPOLoss, FusedLinearTokenLogprobs, TokenLogprobs, default_chunk_size
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
-from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, grpo_keywords, split_grpo_keywords
+from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords, split_grpo_keywords
 
 
-def _logprobs_rows(logits, targets, temperature, ignore_index, with_entropy, backend, inplace_backward=False):
+def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False):
     """(logp, entropy) with the shape of ``targets``; logits [..., V] viewed as rows without a copy."""
     rows = as_rows(logits)
     logp, entropy = TokenLogprobs.apply(
-        rows, targets.reshape(rows.shape[:2]), backend, temperature, ignore_index, with_entropy, inplace_backward
+        rows, targets.reshape(rows.shape[:2]), backend, transform, ignore_index, with_entropy, inplace_backward
     )
     return logp.view(targets.shape), entropy.view(targets.shape)
 
@@ -37,12 +37,16 @@ def token_logprobs(
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
     backend: str = "auto",
 ):
-    """``log_softmax(logits / temperature)[target]``, float32 [...], without materialising the softmax.
+    """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
+    ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
+    temperature`` without ``softcap``: Gemma's final-logit soft-capping, Cohere's logit scale).
 
     logits [..., V] fp16/bf16/fp32 (strided views fine, last dim contiguous); targets [...] int32/int64.
-    With ``return_entropy`` also returns the entropy of ``softmax(logits / temperature)``, float32 [...].
+    With ``return_entropy`` also returns the entropy of ``softmax(z)``, float32 [...].
     Positions whose target is ``ignore_index`` give 0 and a zero gradient, and their logits are never
     read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
     raises); the gradient has the logits' dtype.
@@ -50,14 +54,15 @@ def token_logprobs(
     V.check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         return reference.token_logprobs(
-            logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
+            logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+            softcap=softcap, logit_scale=logit_scale,
         )
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-    temperature = V.check_temperature(temperature)
+    transform = LogitTransform(temperature, softcap, logit_scale)
     V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
     row_backend = backends.resolve(backend, logits.device)
-    logp, entropy = _logprobs_rows(logits, targets, temperature, ignore_index, return_entropy, row_backend)
+    logp, entropy = _logprobs_rows(logits, targets, transform, ignore_index, return_entropy, row_backend)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -106,7 +111,7 @@ def grpo_loss(
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
     # Sequence-level ratios (GSPO) need each sequence's mean log-ratio before any token's loss, and
     # the torch path has no fused epilogue: log-probs from the row kernel, then the O(B*T) maths.
-    logp, entropy = _logprobs_rows(logits, ids, options.temperature, IGNORE_INDEX, True, row_backend, inplace_backward)
+    logp, entropy = _logprobs_rows(logits, ids, options.transform, IGNORE_INDEX, True, row_backend, inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 

@@ -27,6 +27,37 @@ IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
+class LogitTransform:
+    """What the softmax sees: ``z = softcap * tanh(logit_scale * logits / softcap) / temperature``
+    (``logit_scale * logits / temperature`` when ``softcap`` is None), as Gemma-2/3 (final-logit
+    soft-capping) and Cohere (``logit_scale``) compute their logits, then the sampling temperature."""
+
+    temperature: float = 1.0
+    softcap: Optional[float] = None
+    logit_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperature", V.check_temperature(self.temperature))
+        if self.softcap is not None:
+            object.__setattr__(self, "softcap", V.check_number("softcap", self.softcap))
+            if not self.softcap > 0:
+                raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+        object.__setattr__(self, "logit_scale", V.check_number("logit_scale", self.logit_scale))
+        if not self.logit_scale > 0:
+            raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
+
+    @staticmethod
+    def of(value: "float | LogitTransform") -> "LogitTransform":
+        """A bare temperature, or a transform already."""
+        return value if isinstance(value, LogitTransform) else LogitTransform(temperature=value)
+
+    @property
+    def is_plain(self) -> bool:
+        """Only a temperature (the common case, and the cheapest kernel)."""
+        return self.softcap is None and self.logit_scale == 1.0
+
+
+@dataclass(frozen=True)
 class GRPOOptions:
     """Scalar hyper-parameters of the GRPO loss (see ``docs/api.md``). Validated on construction.
 
@@ -39,6 +70,8 @@ class GRPOOptions:
     eps_high: Optional[float] = field(default=None, metadata={"help": "upper clip: ratio <= 1 + eps_high; None = eps_low"})
     delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: the unclipped ratio is capped at delta"})
     temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
+    softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
+    logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
     loss_type: str = field(default="dapo", metadata={"help": "reduction over tokens", "choices": LOSS_TYPES})
     max_completion_length: Optional[int] = field(default=None, metadata={"help": "dr_grpo's constant; None = T"})
     importance_sampling_level: str = field(
@@ -63,7 +96,10 @@ class GRPOOptions:
             set_("delta", V.check_number("delta", self.delta))
             if not self.delta > 1 + self.eps_high:
                 raise ValueError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}")
-        set_("temperature", V.check_temperature(self.temperature))
+        transform = LogitTransform(self.temperature, self.softcap, self.logit_scale)
+        set_("temperature", transform.temperature)
+        set_("softcap", transform.softcap)
+        set_("logit_scale", transform.logit_scale)
         V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
         V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         if self.max_completion_length is not None:
@@ -77,6 +113,11 @@ class GRPOOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             set_(name, V.check_number(name, getattr(self, name), low=0.0))
+
+    @property
+    def transform(self) -> LogitTransform:
+        """The logits' transform before the softmax (temperature, softcap, logit_scale)."""
+        return LogitTransform(self.temperature, self.softcap, self.logit_scale)
 
 
 @dataclass(frozen=True)

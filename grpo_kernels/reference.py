@@ -15,7 +15,7 @@ import torch
 from . import _validation as V
 from . import objective
 from .objective import GRPOLossOutput
-from .options import IGNORE_INDEX, grpo_keywords, split_grpo_keywords
+from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords
 
 
 def token_logprobs(
@@ -25,26 +25,34 @@ def token_logprobs(
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ):
-    """``log_softmax(logits / temperature)[target]`` the way trainers write it.
+    """``log_softmax(z)[target]`` the way trainers write it, ``z`` the transformed logits
+    (``options.LogitTransform``: ``softcap * tanh(logit_scale * logits / softcap) / temperature``).
 
     logits [..., V] fp16/bf16/fp32; targets [...] int32/int64. Returns float32 [...] (and the
-    entropy of ``softmax(logits / temperature)``, float32 [...], if ``return_entropy``). Positions
-    whose target is ``ignore_index`` give 0 and no gradient; their logits are never read.
+    entropy of ``softmax(z)``, float32 [...], if ``return_entropy``). Positions whose target is
+    ``ignore_index`` give 0 and no gradient; their logits are never read.
     """
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-    temperature = V.check_temperature(temperature)
+    transform = LogitTransform(temperature, softcap, logit_scale)
     V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
-    return _token_logprobs(logits, targets, temperature, ignore_index, return_entropy)
+    return _token_logprobs(logits, targets, transform, ignore_index, return_entropy)
 
 
-def _token_logprobs(logits, targets, temperature, ignore_index, return_entropy):
+def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, return_entropy):
     valid = targets != ignore_index
     # Rows without a target are replaced by zeros before any arithmetic (a select, so a NaN there
     # reaches neither the outputs nor the gradient).
     logits = torch.where(valid.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    z = logits.float()
+    if transform.logit_scale != 1.0:
+        z = z * transform.logit_scale
+    if transform.softcap is not None:
+        z = transform.softcap * torch.tanh(z / transform.softcap)
+    log_probs = torch.log_softmax(z / transform.temperature, dim=-1)
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
     logp = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
     logp = torch.where(valid, logp, torch.zeros_like(logp))
@@ -74,7 +82,7 @@ def grpo_loss(
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
     V.check_ids_in_range(ids, logits.shape[-1], IGNORE_INDEX, "completion_ids")
-    logp, entropy = _token_logprobs(logits, ids, options.temperature, IGNORE_INDEX, True)
+    logp, entropy = _token_logprobs(logits, ids, options.transform, IGNORE_INDEX, True)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
@@ -96,13 +104,15 @@ def fused_linear_token_logprobs(
     temperature: float = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     return token_logprobs(
         _project(hidden, weight, bias, targets != ignore_index), targets, temperature=temperature,
-        ignore_index=ignore_index, return_entropy=return_entropy,
+        ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
     )
 
 

@@ -32,20 +32,36 @@ def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
             yield slice(b0, min(b, b0 + per)), slice(0, t)
 
 
-def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh fp32 copy of a chunk, divided by the temperature in place."""
+def _scaled(x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
+    """A fresh fp32 copy of a chunk, transformed in place:
+    ``z = softcap * tanh(logit_scale * x / softcap) / temperature`` (no tanh without softcap)."""
     z = x.to(torch.float32, copy=True)
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
     if temperature != 1.0:
         z.div_(temperature)
     return z
 
 
-def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, with_entropy: bool):
+def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> None:
+    """``grad`` (d loss / d z, fp32) times ``dz / dx = logit_scale * (1 - tanh^2(logit_scale x / softcap)) / temperature``."""
+    if softcap is not None:
+        t = x.to(torch.float32, copy=True).mul_(logit_scale / softcap).tanh_()
+        grad.mul_(t.mul_(t).neg_().add_(1.0))
+    if logit_scale != 1.0:
+        grad.mul_(logit_scale)
+    if temperature != 1.0:
+        grad.div_(temperature)
+
+
+def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ignore_index: int, with_entropy: bool):
     """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t].
 
     Two fp32 buffers of the chunk's size: ``shift = z - max`` (in place) and ``e = exp(shift)``.
     """
-    shift = _scaled(x, temperature)
+    shift = _scaled(x, *transform)
     row_max = shift.amax(-1, keepdim=True)
     shift.sub_(row_max)
     e = torch.exp(shift)
@@ -73,13 +89,17 @@ def forward_rows(
     temperature: float,
     ignore_index: int,
     with_entropy: bool = True,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ):
-    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T]."""
+    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T].
+
+    Statistics of the transformed logits ``z`` (see :func:`_scaled`)."""
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
     for bs, ts in row_chunks(b, t, rows):
-        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], temperature, ignore_index, with_entropy)):
+        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], (temperature, softcap, logit_scale), ignore_index, with_entropy)):
             out[bs, ts] = value
     return tuple(outputs)
 
@@ -96,10 +116,13 @@ def backward_rows(
     temperature: float,
     ignore_index: int,
     out: torch.Tensor,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
 
-    ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, divided by the temperature.
+    ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, times ``dz / dx`` (the
+    temperature, softcap and logit scale: :func:`_chain_rule_`).
     """
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
@@ -107,7 +130,7 @@ def backward_rows(
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
         # log p = (z - max) - log s, in place in one fp32 buffer; p in a second one.
-        log_p = _scaled(logits[bs, ts], temperature)
+        log_p = _scaled(logits[bs, ts], temperature, softcap, logit_scale)
         log_p.sub_(row_max[bs, ts].unsqueeze(-1)).sub_(log_sum[bs, ts].unsqueeze(-1))
         p = torch.exp(log_p)
         if grad_entropy is not None:
@@ -121,13 +144,12 @@ def backward_rows(
             safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
             # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
             # before the one rounding, so a confident prediction keeps its small gradient.
-            log_p_target = (_scaled(logits[bs, ts].gather(-1, safe), temperature)
+            log_p_target = (_scaled(logits[bs, ts].gather(-1, safe), temperature, softcap, logit_scale)
                             - row_max[bs, ts].unsqueeze(-1) - log_sum[bs, ts].unsqueeze(-1))
             target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
             grad.sub_(p.mul_(g))
             grad.scatter_(-1, safe, target_term)
-        grad.masked_fill_(~valid.unsqueeze(-1), 0.0)
-        if temperature != 1.0:
-            grad.div_(temperature)
+        _chain_rule_(grad, logits[bs, ts], temperature, softcap, logit_scale)
+        grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read
         out[bs, ts] = grad.to(out.dtype)
     return out
