@@ -7,11 +7,15 @@
   never enters the sandbox.
 * *value tests* -- assert statements of the forms ``assert E == L`` / ``L == E``, ``E != L``,
   ``E is L`` (``L`` a literal, ``ast.literal_eval``-able), ``math.isclose(E, L, ...)`` and
-  ``abs(E - L) < L2`` / ``<=``, optionally after setup statements: only ``E`` (and the setup
-  statements) are sent into the sandbox; its value leaves as tagged JSON of exact builtin types
-  (no custom ``__eq__``) and the harness compares it with ``L`` outside. Writing a forged value
-  line is no better than returning that value from the solution: the program never sees ``L``.
-  All value tests of a completion run in one process.
+  ``abs(E - L) < L2`` / ``<=``, optionally after setup statements, where ``E`` is
+  *program-controlled*: built only from names the test does not bind, calls of such names or
+  of a few builtins whose every result the program could return itself (``len``, ``sorted``,
+  ``int`` ...), displays, arithmetic and subscripts -- no comparison, lambda, comprehension or
+  helper the test defines, since a forged value would skip that logic. Only ``E`` (and the
+  setup) enter the sandbox; its value leaves as tagged JSON of exact builtin types (no custom
+  ``__eq__``) and the harness compares it with ``L`` outside. A forged value line is then no
+  better than returning that value from the solution, and the program never sees ``L``. All
+  value tests of a completion run in one process.
 * *statement tests* -- every other test: each runs in its own process, after the code; the test
   passes when, after the statement ran without raising, the harness receives a random nonce
   that exists only in a local variable of the bootstrap's frame. Exiting early, printing, or
@@ -20,7 +24,8 @@
 **What remains possible** (said plainly): for statement tests the verdict is in-process, so
 (1) a CPython memory-safety bug that lets pure Python read its own memory would reveal the
 nonce (the known routes are closed: frames via ``sys._getframe``, tracebacks, generators and
-coroutines, ``gc``, ``/proc/self/mem``, ctypes, building code objects, ``marshal``); and
+coroutines, ``gc``, ``/proc/self/mem`` (no ``/proc`` is mounted), ctypes and the ``_test*``
+modules, building code objects, ``marshal``); and
 (2) the program can make the statement itself pass by the usual Python means -- objects whose
 ``__eq__`` always returns True, monkeypatching what the test calls -- exactly as it could in
 any harness that runs the test in the program's process. Value tests close (2) for the
@@ -32,8 +37,8 @@ the trainer runs as root or as an ordinary user, via an unprivileged user namesp
 
 * new mount, PID, network, IPC and UTS namespaces; the filesystem is a fresh read-only tmpfs
   holding read-only nosuid bind mounts of the Python runtime and system libraries only, a
-  minimal ``/dev`` (null, zero, random, urandom), a ``/proc`` that shows only the sandbox's own
-  process, and a size-capped private ``/tmp`` as working directory. The project tree, the data,
+  minimal ``/dev`` (null, zero, random, urandom), no ``/proc``, and a size-capped private
+  ``/tmp`` as working directory. The project tree, the data,
   ``/etc``, the home directories and every writable host directory are simply not there;
 * no capabilities: as root the program runs as uid 65534; otherwise as an unprivileged user
   inside a user namespace whose capabilities ``execve`` dropped; ``no_new_privs`` is set;
@@ -50,6 +55,7 @@ If the namespaces cannot be created the run fails closed: :attr:`RunResult.error
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import math
 import os
@@ -269,14 +275,98 @@ def _is_isclose(func: ast.AST) -> bool:
         isinstance(func, ast.Name) and func.id == "isclose")
 
 
-def split_test(test: str) -> ValueTest | None:
-    """The value-test reading of an assert test, or None (it runs as a statement test)."""
+# Builtins whose every possible result the program could just as well return itself: a forged
+# value of ``len(f(x))`` is no better than a solution returning a list of that length.
+_TRANSPARENT_BUILTINS = frozenset({"len", "sorted", "list", "tuple", "set", "frozenset", "dict",
+                                   "str", "int", "float", "complex", "round", "abs", "sum", "min",
+                                   "max", "bool", "reversed", "repr"})
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def bound_names(tree: ast.AST) -> set[str]:
+    """Every name a piece of test code binds (assignments, defs, imports, parameters ...)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names.update(node.names)
+    return names
+
+
+def program_controlled(node: ast.AST, test_names: set[str]) -> bool:
+    """Whether every value ``node`` can take is one the solution could produce directly
+    (see the module docstring): then reporting it from inside forges nothing."""
+    def ok(n: ast.AST) -> bool:
+        if isinstance(n, ast.Constant):
+            return True
+        if isinstance(n, ast.Name):
+            return n.id not in test_names
+        if isinstance(n, (ast.List, ast.Tuple, ast.Set)):
+            return all(ok(e) for e in n.elts)
+        if isinstance(n, ast.Dict):
+            return all(k is None or ok(k) for k in n.keys) and all(ok(v) for v in n.values)
+        if isinstance(n, ast.Starred):
+            return ok(n.value)
+        if isinstance(n, ast.UnaryOp):
+            return not isinstance(n.op, ast.Not) and ok(n.operand)
+        if isinstance(n, ast.BinOp):
+            return ok(n.left) and ok(n.right)
+        if isinstance(n, ast.Subscript):
+            return ok(n.value) and ok(n.slice)
+        if isinstance(n, ast.Slice):
+            return all(p is None or ok(p) for p in (n.lower, n.upper, n.step))
+        if isinstance(n, ast.Attribute):
+            return ok(n.value)
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Name):
+                if f.id in test_names or (f.id in _BUILTIN_NAMES and f.id not in _TRANSPARENT_BUILTINS):
+                    return False
+            elif isinstance(f, ast.Attribute):
+                # a method of something the program made, or an attribute of a program name
+                if not ok(f.value) or (isinstance(f.value, ast.Name) and f.value.id in _BUILTIN_NAMES):
+                    return False
+            else:
+                return False
+            return all(ok(a) for a in n.args) and all(ok(k.value) for k in n.keywords)
+        return False  # comparisons, bool ops, lambdas, comprehensions, conditionals, walrus ...
+
+    return ok(node)
+
+
+def split_test(test: str, test_names: set[str] | None = None) -> ValueTest | None:
+    """The value-test reading of an assert test, or None (it runs as a statement test).
+
+    ``test_names``: names bound by any test of the same completion (they share a namespace);
+    by default those of ``test`` itself.
+    """
     try:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     if not tree.body or not isinstance(tree.body[-1], ast.Assert):
         return None
+    names = bound_names(tree) if test_names is None else test_names
+    found = _split_assert(tree)
+    if found is None or not program_controlled(ast.parse(found.expr, mode="eval").body, names):
+        return None
+    return found
+
+
+def _split_assert(tree: ast.Module) -> ValueTest | None:
     prefix = ast.unparse(ast.Module(body=tree.body[:-1], type_ignores=[])) if tree.body[:-1] else ""
     t = tree.body[-1].test
     if isinstance(t, ast.Compare) and len(t.ops) == 1:
@@ -384,7 +474,13 @@ def run_asserts(code: str, tests: list[str], *, timeout: float = 5.0, **kw) -> l
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
     """The units of sandboxed work behind :func:`run_asserts`: callables returning
     ``[(test index, passed), ...]``, so that a caller may run them in parallel."""
-    split = [split_test(t) for t in tests]
+    names: set[str] = set()
+    for t in tests:
+        try:
+            names |= bound_names(ast.parse(t))
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            pass
+    split = [split_test(t, names) for t in tests]
     value_idx = [i for i, s in enumerate(split) if s is not None]
     jobs = []
     if value_idx:

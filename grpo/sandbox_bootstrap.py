@@ -9,8 +9,8 @@ library only and must not rely on module globals to keep secrets (the untrusted 
 PID, network, IPC and UTS namespaces (plus a user namespace when not root), forks the future
 PID 1 of the new PID namespace and waits for it. That child builds the filesystem view -- a
 fresh tmpfs root holding read-only, nosuid bind mounts of the Python runtime and system
-libraries only, a minimal ``/dev``, a ``/proc`` of its own PID namespace and a size-capped
-``/tmp`` that is the working directory -- pivots into it, sets resource limits, drops every
+libraries only, a minimal ``/dev``, no ``/proc``, and a size-capped ``/tmp`` that is the
+working directory -- pivots into it, sets resource limits, drops every
 privilege (setuid to 65534 as root; an unmapped, capability-free user after ``execve`` in a
 user namespace; ``no_new_privs`` always) and ``execve``s the interpreter again as stage
 ``run``. Any failure exits with :data:`JAIL_FAILED` after writing the reason to the result
@@ -144,9 +144,8 @@ def _build_and_exec(job, res_fd, alive_r, is_root, libc, check, fail):
     for dev in ("null", "zero", "random", "urandom"):
         open(new + "/dev/" + dev, "w").close()
         mount("/dev/" + dev, new + "/dev/" + dev, None, MS_BIND)
-    os.symlink("/proc/self/fd", new + "/dev/fd")
-    os.mkdir(new + "/proc", 0o555)
-    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # No /proc at all: nothing of other processes, and not /proc/self/mem either (a process may
+    # always read its own memory there, which would reveal a statement test's nonce).
     os.mkdir(new + "/tmp", 0o755)
     mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
           "size=%dk,mode=0700" % max(64, job["tmp_bytes"] >> 10))
@@ -327,6 +326,11 @@ def _make_hook():
         "_xxsubinterpreters.create", "os.setsid", "os.setpgid"})
     PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "resource.",
                 "_posixsubprocess.", "sys.remote_exec", "winreg.")
+    # Modules that can read or write raw memory, or run processes without an audit event.
+    BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
+                                 "_testinternalcapi", "_testbuffer", "_testmultiphase",
+                                 "_testimportmultiple", "_xxtestfuzz", "_ctypes_test",
+                                 "_xxsubinterpreters", "_xxinterpchannels", "gc"})
     # Events whose last argument(s) are dir_fd (-1 or None when absent).
     DIR_FD_ARGS = {"os.mkdir": 1, "os.remove": 1, "os.rmdir": 1, "os.rename": 2,
                    "os.symlink": 1, "os.link": 2, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
@@ -346,6 +350,11 @@ def _make_hook():
             # A directory descriptor would serve as dir_fd for opens the hook cannot resolve.
             if isinstance(flags, int) and flags & (O_PATH | O_DIRECTORY) or isdir(p):
                 raise PermissionError("sandbox: directory descriptors are not available")
+            return
+        if event == "import":
+            name = args[0] if args else ""
+            if isinstance(name, str) and name.partition(".")[0] in BLOCKED_IMPORTS:
+                raise ImportError("sandbox: module %s is not available" % name)
             return
         if event == "object.__getattr__":
             if len(args) > 1 and args[1] in FRAME_ATTRS:
