@@ -19,17 +19,20 @@
 * *statement tests* -- every other test: each runs in its own process, after the code; the test
   passes when, after the statement ran without raising, the harness receives a random nonce
   that exists only in a local variable of the bootstrap's frame. Exiting early, printing, or
-  writing to descriptors forges nothing.
+  writing to descriptors forges nothing. Inside its asserts, ``==`` / ``!=`` go through a
+  guard (:func:`guard_statement`) that refuses to call a custom ``__eq__`` against a plain
+  value: an "equal to anything" object fails ``assert r == 2``.
 
 **What remains possible** (said plainly): for statement tests the verdict is in-process, so
 (1) a CPython memory-safety bug that lets pure Python read its own memory would reveal the
 nonce (the known routes are closed: frames via ``sys._getframe``, tracebacks, generators and
 coroutines, ``gc``, ``/proc/self/mem`` (no ``/proc`` is mounted), ctypes and the ``_test*``
 modules, building code objects, ``marshal``); and
-(2) the program can make the statement itself pass by the usual Python means -- objects whose
-``__eq__`` always returns True, monkeypatching what the test calls -- exactly as it could in
-any harness that runs the test in the program's process. Value tests close (2) for the
-common ``assert f(x) == literal`` form. In every mode the program may of course print, spin
+(2) the program can make the statement itself pass by the usual Python means that the guard
+does not cover -- monkeypatching what the test calls (builtins, modules), custom ``__eq__``
+on *both* sides of a comparison, a truthy object for a bare ``assert check(x)`` -- as in any
+harness that runs the test in the program's process. Value tests close (2) for the common
+``assert f(x) == literal`` form. In every mode the program may of course print, spin
 or crash: that only fails its own tests.
 
 **Containment** (``grpo/sandbox_bootstrap.py`` builds it; the same on every machine, whether
@@ -495,8 +498,11 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
     for i, s in enumerate(split):
         if s is None:
             def statement_job(i: int = i) -> list[tuple[int, bool]]:
+                statement = guard_statement(tests[i])
+                if statement is None:
+                    return [(i, False)]
                 nonce = secrets.token_hex(16)
-                r = run(code, mode="statement", run_job={"statement": tests[i], "nonce": nonce},
+                r = run(code, mode="statement", run_job={"statement": statement, "nonce": nonce},
                         timeout=timeout, **kw)
                 if r.error is not None:
                     raise SandboxUnavailable(r.error)
@@ -504,6 +510,49 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
                          and r.results.splitlines() == [nonce])]
             jobs.append(statement_job)
     return jobs
+
+
+class _GuardEquality(ast.NodeTransformer):
+    """``a == b`` / ``a != b`` inside assert statements -> ``__grpo_eq__(a, b, negate)``."""
+
+    def __init__(self) -> None:
+        self.in_assert = 0
+
+    def visit_Assert(self, node: ast.Assert) -> ast.AST:
+        self.in_assert += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.in_assert -= 1
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        node = self.generic_visit(node)
+        if self.in_assert and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            negate = ast.Constant(isinstance(node.ops[0], ast.NotEq))
+            return ast.copy_location(ast.Call(ast.Name("__grpo_eq__", ast.Load()),
+                                              [node.left, node.comparators[0], negate], []), node)
+        return node
+
+
+def guard_statement(test: str) -> str | None:
+    """The statement test as the body of ``def __grpo_test__(__grpo_eq__)``, its assert
+    equalities routed through the bootstrap's guard (a custom object never equals a plain
+    value). The guard arrives as an argument, hence as a local or closure cell of every
+    function the test defines: the solution cannot rebind it through its globals. None when
+    the test does not parse (it then fails)."""
+    try:
+        tree = ast.parse(test)
+        body = _GuardEquality().visit(tree).body or [ast.Pass()]
+        fn = ast.FunctionDef(name="__grpo_test__", args=ast.arguments(
+            posonlyargs=[], args=[ast.arg("__grpo_eq__")], vararg=None, kwonlyargs=[],
+            kw_defaults=[], kwarg=None, defaults=[]), body=body, decorator_list=[], returns=None,
+            type_comment=None)
+        module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+        source = ast.unparse(module)
+        compile(source, "<test>", "exec")
+        return source
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def capabilities() -> dict:

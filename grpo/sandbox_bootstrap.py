@@ -232,9 +232,14 @@ def _run(argv):
         # The nonce lives only in this frame's locals (frames cannot be reached, see the hook).
         nonce, statement = job["nonce"], job["statement"]
         del job
+        guard = _equality_guard()
+        private = {}
         try:
             exec_(compile_(code, "solution.py", "exec"), glb)
-            exec_(compile_(statement, "<test>", "exec"), glb)
+            # statement defines __grpo_test__(__grpo_eq__) (see grpo._sandbox.guard_statement);
+            # the definition lands in a dict the solution cannot reach, its globals are glb.
+            exec_(compile_(statement, "<test>", "exec"), glb, private)
+            private["__grpo_test__"](guard)
         except BaseException as e:
             _report(e)
             exit_(1)
@@ -260,6 +265,41 @@ def _run(argv):
             line = dumps({"i": i, "x": type(e).__name__})
         write(res_fd, enc(line + "\n"))
     exit_(0)
+
+
+def _equality_guard():
+    """``eq(a, b, negate)``: ``a == b`` (or ``!=``), except that a value of exact builtin types
+    never compares with anything else (an object with a custom ``__eq__``): the result is then
+    False either way, so the assert fails. Builtins are captured before the solution runs."""
+    type_, len_, isinstance_ = type, len, isinstance
+    scalars = (int, float, complex, str, bytes, bool, type(None))
+    containers = (list, tuple, set, frozenset)
+
+    def plain(v, budget):
+        stack = [v]
+        while stack:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            x = stack.pop()
+            t = type_(x)
+            if t in scalars:
+                continue
+            if t in containers:
+                stack.extend(x)
+            elif t is dict:
+                stack.extend(x.keys())
+                stack.extend(x.values())
+            else:
+                return False
+        return True
+
+    def eq(a, b, negate):
+        if plain(a, [100000]) != plain(b, [100000]):
+            return False
+        return (a != b) if negate else (a == b)
+
+    return eq
 
 
 def _encoder():
