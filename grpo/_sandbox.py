@@ -69,7 +69,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
@@ -463,20 +463,11 @@ def _value_results(text: str, n: int) -> list[object]:
     return [v if c == 1 else _NO_VALUE for v, c in zip(values, seen)]
 
 
-def run_asserts(code: str, tests: list[str], *, timeout: float = 5.0, **kw) -> list[bool]:
-    """Per-test pass flags for assert-style tests (value tests together, statement tests one
-    process each; ``timeout`` per process). Raises SandboxUnavailable when the jail cannot be
-    built."""
-    passed = [False] * len(tests)
-    for job in assert_jobs(code, tests, timeout=timeout, **kw):
-        for i, ok in job():
-            passed[i] = ok
-    return passed
-
-
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
-    """The units of sandboxed work behind :func:`run_asserts`: callables returning
-    ``[(test index, passed), ...]``, so that a caller may run them in parallel."""
+    """Assert tests as units of sandboxed work: callables returning ``[(test index, passed)]``
+    (value tests share one run, each statement test gets its own; ``timeout`` per run), for a
+    caller to run in parallel. A callable raises SandboxUnavailable when the jail cannot be
+    built."""
     names: set[str] = set()
     for t in tests:
         try:

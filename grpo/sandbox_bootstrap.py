@@ -28,8 +28,6 @@ def _jail(argv):
     import ctypes
     import json
     import os
-    import signal
-    import sys
 
     job_fd, res_fd = int(argv[0]), int(argv[1])
     job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
@@ -86,13 +84,12 @@ def _jail(argv):
         os._exit(128 + os.WTERMSIG(status))
     os.close(alive_w)
     try:
-        _build_and_exec(job, res_fd, alive_r, is_root, libc, check, fail)
+        _build_and_exec(job, res_fd, alive_r, is_root, libc, check)
     except Exception as e:  # noqa: BLE001 - fail closed, with the reason
         fail("%s: %s" % (type(e).__name__, e))
 
 
-def _build_and_exec(job, res_fd, alive_r, is_root, libc, check, fail):
-    import ctypes
+def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
     import os
     import resource
     import select
