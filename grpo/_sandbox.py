@@ -1,281 +1,116 @@
-"""Run untrusted Python from model completions in a contained child process.
+"""Run untrusted Python from model completions so that its verdict cannot be forged.
 
-Each run is a fresh ``python -I -B`` started with ``subprocess`` (fork+exec in C, safe from any
-thread). A small bootstrap runs first, while it may still hold privileges, and then executes
-the completion. Layers, outermost first (each one is tried; what applied is reported in
-:attr:`RunResult.features`):
+**How a verdict is reached** (the untrusted program never holds what it would need to fake it):
 
-* **Process group + wall clock.** The child leads a new session; on timeout the parent sends
-  SIGKILL to the whole group. The leader is not reaped until the group has been killed, so its
-  group id cannot be reused meanwhile. ``RLIMIT_CPU`` backs this up if the parent dies.
-* **Network.** A new network namespace (``unshare(CLONE_NEWNET)``; as non-root, together with a
-  user namespace): no interface but a down loopback, so nothing can be reached.
-* **Filesystem.** A fresh working directory. As root: a private mount namespace with new,
-  size-capped tmpfs on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and the code runs as user
-  ``nobody`` (65534), which cannot write, delete or chmod anything root owns. ``RLIMIT_FSIZE``
-  caps every file, stdout included.
-* **Resources.** ``RLIMIT_AS`` (memory), ``RLIMIT_NPROC = 0`` (no new processes: enforced for
-  non-root users, hence the switch to ``nobody``; it also forbids threads), ``RLIMIT_NOFILE``,
-  ``RLIMIT_CORE = 0``; stdin is ``/dev/null`` unless the test supplies input.
-* **Audit hook** (``sys.addaudithook``, cannot be removed from Python): refuses process
-  creation, sockets, ctypes, signals, tracing and frame / gc introspection, and file writes,
-  deletions and renames outside the working directory. It is a second layer, not the boundary:
-  it also protects machines where the OS layers are unavailable.
+* *stdin/stdout tests*: the program gets the input on stdin; the harness, outside, compares
+  its whole stdout with the expected output and requires exit status 0. The expected output
+  never enters the sandbox.
+* *value tests* -- assert statements of the forms ``assert E == L`` / ``L == E``, ``E != L``,
+  ``E is L`` (``L`` a literal, ``ast.literal_eval``-able), ``math.isclose(E, L, ...)`` and
+  ``abs(E - L) < L2`` / ``<=``, optionally after setup statements, where ``E`` is
+  *program-controlled*: built only from names the test does not bind, calls of such names or
+  of a few builtins whose every result the program could return itself (``len``, ``sorted``,
+  ``int`` ...), displays, arithmetic and subscripts -- no comparison, lambda, comprehension or
+  helper the test defines, since a forged value would skip that logic. Only ``E`` (and the
+  setup) enter the sandbox; its value leaves as tagged JSON of exact builtin types (no custom
+  ``__eq__``) and the harness compares it with ``L`` outside. A forged value line is then no
+  better than returning that value from the solution, and the program never sees ``L``. All
+  value tests of a completion run in one process.
+* *statement tests* -- every other test: each runs in its own process, after the code; the test
+  passes when, after the statement ran without raising, the harness receives a random nonce
+  that exists only in a local variable of the bootstrap's frame. Exiting early, printing, or
+  writing to descriptors forges nothing. Inside its asserts, ``==`` / ``!=`` go through a
+  guard (:func:`guard_statement`) that refuses to call a custom ``__eq__`` against a plain
+  value: an "equal to anything" object fails ``assert r == 2``.
 
-Results of assert tests travel on a separate file descriptor, each line tagged with a random
-nonce that only the bootstrap's local variables hold (reaching them needs the frame access the
-audit hook refuses), so printing or exiting early cannot fake a pass.
+**What remains possible** (said plainly): for statement tests the verdict is in-process, so
+(1) a CPython memory-safety bug that lets pure Python read its own memory would reveal the
+nonce (the known routes are closed: frames via ``sys._getframe``, tracebacks, generators and
+coroutines, ``gc``, ``/proc/self/mem`` (no ``/proc`` is mounted), ctypes and the ``_test*``
+modules, building code objects, ``marshal``); and
+(2) the program can make the statement itself pass by the usual Python means that the guard
+does not cover -- monkeypatching what the test calls (builtins, modules), custom ``__eq__``
+on *both* sides of a comparison, a truthy object for a bare ``assert check(x)`` -- as in any
+harness that runs the test in the program's process. Value tests close (2) for the common
+``assert f(x) == literal`` form. In every mode the program may of course print, spin
+or crash: that only fails its own tests.
+
+**Containment** (``grpo/sandbox_bootstrap.py`` builds it; the same on every machine, whether
+the trainer runs as root or as an ordinary user, via an unprivileged user namespace):
+
+* new mount, PID, network, IPC and UTS namespaces; the filesystem is a fresh read-only tmpfs
+  holding read-only nosuid bind mounts of the Python runtime and system libraries only, a
+  minimal ``/dev`` (null, zero, random, urandom), no ``/proc``, and a size-capped private
+  ``/tmp`` as working directory. The project tree, the data,
+  ``/etc``, the home directories and every writable host directory are simply not there;
+* no capabilities: as root the program runs as uid 65534; otherwise as an unprivileged user
+  inside a user namespace whose capabilities ``execve`` dropped; ``no_new_privs`` is set;
+* rlimits: address space, file size (stdout included), CPU, no new processes or threads
+  (``RLIMIT_NPROC = 0``), 64 descriptors; the wall clock is enforced from outside with SIGKILL
+  to the process group, and the sandbox dies with its parent (``PR_SET_PDEATHSIG``);
+* an audit hook as a second layer (frame / gc / ``/proc`` / directory-descriptor / process /
+  socket / ctypes access refused; its state is immutable and unreachable without frames).
+
+If the namespaces cannot be created the run fails closed: :attr:`RunResult.error` is set and
+``grpo.rewards`` scores the completion ``None`` (unscorable) instead of running it unconfined.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import json
+import math
 import os
+import platform
 import secrets
 import select
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
 
-NOBODY = 65534
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_FILE_MB = 16
+DEFAULT_TMP_MB = 64
 MAX_OUTPUT_BYTES = DEFAULT_FILE_MB << 20
-
-# The bootstrap runs as ``python -I -B -c BOOTSTRAP job.json``. Everything lives inside _main()
-# so that no secret sits in module globals that the untrusted code could import.
-_BOOTSTRAP = r'''
-def _main():
-    import builtins, json, os, sys, resource
-    job_path = sys.argv[1]
-    with open(job_path) as f:
-        job = json.load(f)
-    try:
-        os.unlink(job_path)
-    except OSError:
-        pass
-    nonce, rfd = job["nonce"], job["result_fd"]
-    write, compile_, exec_, enc = os.write, builtins.compile, builtins.exec, str.encode
-    feats = {"netns": False, "mountns": False, "private_tmp": False, "nobody": False}
-    is_root = os.geteuid() == 0
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        NEWNET, NEWNS, NEWUSER = 0x40000000, 0x00020000, 0x10000000
-        if is_root:
-            feats["netns"] = libc.unshare(NEWNET) == 0
-            feats["mountns"] = libc.unshare(NEWNS) == 0
-            # Private propagation first: otherwise the tmpfs below would appear on the host.
-            MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 16384, 1 << 18, 2, 4
-            if feats["mountns"] and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-                ok = True
-                for d in (b"/tmp", b"/var/tmp", b"/dev/shm"):
-                    if os.path.isdir(d):
-                        ok &= libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV,
-                                         b"size=64m,mode=1777") == 0
-                feats["private_tmp"] = ok
-                if ok:
-                    _expose_sys_path(libc)
-        else:
-            feats["netns"] = libc.unshare(NEWUSER | NEWNET) == 0
-    except Exception:
-        pass
-    workdir = job["workdir"]  # already the cwd; its parent is 0700, so never chdir by path
-    if feats["private_tmp"]:
-        workdir = "/tmp/sandbox"
-        os.mkdir(workdir, 0o700)
-        os.chown(workdir, job["uid"], job["uid"])
-        os.chdir(workdir)
-    mem = job["memory_bytes"]
-    for name, value in (("RLIMIT_AS", mem), ("RLIMIT_FSIZE", job["file_bytes"]),
-                        ("RLIMIT_CORE", 0), ("RLIMIT_NOFILE", 64),
-                        ("RLIMIT_CPU", job["cpu_seconds"]), ("RLIMIT_NPROC", 0)):
-        try:
-            resource.setrlimit(getattr(resource, name), (value, value))
-        except (ValueError, OSError, AttributeError):
-            pass
-    if is_root:
-        try:
-            os.setgroups([])
-            os.setgid(job["uid"])
-            os.setuid(job["uid"])
-            feats["nobody"] = True
-        except OSError:
-            pass
-    os.environ.update(HOME=workdir, TMPDIR=workdir)
-    feats["audit"] = bool(job["audit"])
-    write(rfd, enc(nonce + " F " + json.dumps(feats) + "\n"))  # rfd is write-only
-    code, tests, mode = job["code"], job["tests"], job["mode"]
-    if job["audit"]:
-        sys.addaudithook(_make_hook(os.path.realpath(workdir), job["private"]))
-    del job
-    if mode == "stdio":
-        glb = {"__name__": "__main__", "__builtins__": builtins}
-        status = 0
-        try:
-            exec_(compile_(code, "solution.py", "exec"), glb)
-        except SystemExit as e:
-            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException as e:
-            _report(e)
-            status = 1
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            status = 1
-        os._exit(status)
-    glb = {"__name__": "solution", "__builtins__": builtins}
-    try:
-        exec_(compile_(code, "solution.py", "exec"), glb)
-    except BaseException as e:
-        _report(e)
-        os._exit(1)
-    for i, test in enumerate(tests):
-        ok = False
-        try:
-            exec_(compile_(test, "<test %d>" % i, "exec"), glb)
-            ok = True
-        except BaseException as e:
-            _report(e)
-        write(rfd, enc("%s T %d %d\n" % (nonce, i, ok)))
-    os._exit(0)
+MAX_VALUE_BYTES = 1 << 20  # one reported value; bigger ones fail their test
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
+JAIL_FAILED = 97  # see sandbox_bootstrap.JAIL_FAILED
 
 
-def _expose_sys_path(libc):
-    # The interpreter may live where "nobody" cannot read (e.g. under /root): bind-mount every
-    # such import directory read-only into the private /tmp and import from there instead.
-    import os, sys
-    MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
-
-    def world_readable(path):
-        cur = "/"
-        try:
-            for comp in os.path.realpath(path).split("/")[1:]:
-                if not os.stat(cur).st_mode & 0o001:
-                    return False
-                cur = os.path.join(cur, comp)
-            return os.stat(cur).st_mode & 0o005 == 0o005
-        except OSError:
-            return False
-
-    os.mkdir("/tmp/.imports", 0o755)
-    moved = {}
-    for i, entry in enumerate(sys.path):
-        if entry and os.path.isdir(entry) and not world_readable(entry):
-            dst = "/tmp/.imports/%d" % i
-            os.mkdir(dst, 0o755)
-            if libc.mount(os.fsencode(entry), os.fsencode(dst), None, MS_BIND | MS_REC, None) == 0:
-                libc.mount(None, os.fsencode(dst), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
-                moved[entry.rstrip("/")] = dst
-
-    def remap(path):
-        for src, dst in moved.items():
-            if path == src or path.startswith(src + "/"):
-                return dst + path[len(src):]
-        return path
-
-    sys.path[:] = [remap(p) for p in sys.path]
-    for mod in list(sys.modules.values()):  # packages already imported (collections, encodings)
-        search = getattr(mod, "__path__", None)
-        if isinstance(search, list):
-            search[:] = [remap(p) for p in search]
-    sys.path_importer_cache.clear()
+@lru_cache(maxsize=1)
+def _bootstrap_source() -> str:
+    return resources.files("grpo").joinpath("sandbox_bootstrap.py").read_text(encoding="utf-8")
 
 
-def _report(e):
-    import sys
-    try:
-        sys.stderr.write("%s: %s\n" % (type(e).__name__, e))
-        sys.stderr.flush()
-    except BaseException:
-        pass
-
-
-def _make_hook(root, private):
-    import os
-    realpath, sep = os.path.realpath, os.sep
-    WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    # Frame access (sys._getframe, f_code) stays allowed: namedtuple and warnings need it.
-    BLOCKED = {"os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp",
-               "os.kill", "os.killpg", "signal.pthread_kill", "sys._current_frames",
-               "sys.setprofile", "sys.settrace", "gc.get_objects", "gc.get_referrers",
-               "gc.get_referents", "os.startfile", "pty.spawn", "webbrowser.open",
-               "os.chroot", "os.setns", "os.unshare"}
-    PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "resource.",
-                "_posixsubprocess.", "http.", "urllib.", "ftplib.", "smtplib.", "telnetlib.")
-    PATH_ARGS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,),
-                 "os.symlink": (0, 1), "os.link": (0, 1), "os.truncate": (0,), "os.chmod": (0,),
-                 "os.chown": (0,), "os.utime": (0,), "os.chflags": (0,), "os.lchflags": (0,),
-                 "os.setxattr": (0,), "os.removexattr": (0,), "os.mkfifo": (0,),
-                 "os.mknod": (0,), "shutil.rmtree": (0,), "shutil.copyfile": (1,),
-                 "shutil.copytree": (1,), "shutil.move": (0, 1), "os.chdir": ()}
-
-    def inside(path):
-        if isinstance(path, int):
-            return True  # an already-open descriptor: opening it was checked
-        try:
-            p = os.fsdecode(path)
-            rp = realpath(p)
-        except Exception:
-            return False
-        return rp == root or rp.startswith(root + sep) or rp == "/dev/null"
-
-    def secret(path):
-        # The harness's own files (results, job) and re-opening descriptors via /proc.
-        try:
-            p = realpath(os.fsdecode(path))
-        except Exception:
-            return True
-        if p.startswith(("/proc/", "/dev/fd/")) and "/fd/" in p:
-            return True
-        return (p == private or p.startswith(private + sep)) and not (
-            p == root or p.startswith(root + sep))
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = (tuple(args) + (None, None, None))[:3]
-            if not isinstance(path, int) and secret(path):
-                raise PermissionError("sandbox: harness file")
-            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-                isinstance(flags, int) and flags & WRITE_FLAGS)
-            if writing and not inside(path):
-                raise PermissionError("sandbox: writing outside the working directory")
-        elif event in BLOCKED or event.startswith(PREFIXES):
-            if event.startswith("ctypes."):
-                raise ImportError("sandbox: ctypes is not available")
-            raise PermissionError("sandbox: %s is not allowed" % event)
-        elif event in PATH_ARGS:
-            for i in PATH_ARGS[event]:
-                if i < len(args) and not inside(args[i]):
-                    raise PermissionError("sandbox: %s outside the working directory" % event)
-
-    return hook
-
-
-_main()
-'''
+@lru_cache(maxsize=1)
+def _runtime() -> tuple[str, tuple[str, ...]]:
+    """The real interpreter (not a venv shim) and the host paths the jail exposes read-only."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+             prefix, os.path.dirname(os.path.dirname(exe))]
+    seen: list[str] = []
+    for p in paths:
+        if os.path.lexists(p) and p != "/" and not any(p == q or p.startswith(q + "/") for q in seen):
+            seen.append(p)
+    return exe, tuple(seen)
 
 
 @dataclass
 class RunResult:
-    """What one sandboxed run produced."""
+    """What one sandboxed run produced. ``error``: the sandbox could not be built (fail closed)."""
 
     returncode: int | None
     stdout: str
     stderr: str
     timed_out: bool
-    tests_passed: list[bool] = field(default_factory=list)
-    features: dict = field(default_factory=dict)
-
-
-def _child_env(workdir: str) -> dict[str, str]:
-    # A clean environment: the trainer's variables (tokens, paths) are none of the code's business.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "HOME": workdir, "TMPDIR": workdir, "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    results: str = ""
+    error: str | None = None
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
@@ -304,87 +139,76 @@ def _read_capped(f, limit: int = MAX_OUTPUT_BYTES) -> str:
     return f.read(limit).decode("utf-8", errors="replace")
 
 
-def run(code: str, *, mode: str, tests: list[str] | None = None, stdin: str | None = None,
-        timeout: float = 5.0, memory_mb: int = DEFAULT_MEMORY_MB, file_mb: int = DEFAULT_FILE_MB,
-        audit: bool = True) -> RunResult:
-    """Run ``code`` in the sandbox; ``mode`` is ``"asserts"`` (run ``tests`` after it) or ``"stdio"``.
+def _memfd(data: bytes, name: str) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
-    ``timeout`` is the wall-clock limit of the whole run, interpreter start included.
+
+def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None = None,
+        timeout: float = 5.0, memory_mb: int = DEFAULT_MEMORY_MB,
+        file_mb: int = DEFAULT_FILE_MB, audit: bool = True) -> RunResult:
+    """Run ``code`` in the jail. ``mode``: ``"stdio"``, ``"values"`` or ``"statement"``
+    (``run_job`` carries ``tests`` / ``statement`` and ``nonce``; see the module docstring).
+    ``audit=False`` leaves the audit hook out, so tests can check what the OS layers hold alone.
+
+    ``timeout`` is the wall-clock limit of the whole run, interpreter starts included.
     """
-    root = tempfile.mkdtemp(prefix="grpo-sandbox-")  # 0700: the child's files live in work/
-    is_root = os.geteuid() == 0
+    exe, binds = _runtime()
+    source = _bootstrap_source()
+    run_job = dict(run_job or {}, mode=mode, code=code, audit=bool(audit))
+    job = {"binds": list(binds), "python": exe, "source": source, "run_job": json.dumps(run_job),
+           "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_mb) << 20,
+           "tmp_bytes": DEFAULT_TMP_MB << 20, "cpu_seconds": int(math.ceil(timeout)) + 1,
+           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155)}
+    fds: list[int] = []
     try:
-        work = os.path.join(root, "work")
-        os.mkdir(work, 0o700)
-        if is_root:
-            os.chown(work, NOBODY, NOBODY)
-        nonce = secrets.token_hex(16)
-        job_path = os.path.join(root, "job.json")
-        res_path = os.path.join(root, "results")
-        # Write-only for the child: it must not read back the nonce it was given.
-        res_fd = os.open(res_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with open(os.path.join(root, "stdout"), "w+b") as out, \
-                open(os.path.join(root, "stderr"), "w+b") as err, \
-                open(res_fd, "wb") as res:
-            with open(os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-                json.dump({"nonce": nonce, "code": code, "tests": list(tests or []),
-                           "mode": mode, "workdir": work, "uid": NOBODY,
-                           "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_mb) << 20,
-                           "audit": bool(audit), "cpu_seconds": int(timeout) + 2,
-                           "result_fd": res.fileno(), "private": os.path.realpath(root)}, f)
-            stdin_f = subprocess.DEVNULL
-            if stdin is not None:
-                in_path = os.path.join(root, "stdin")
-                with open(in_path, "wb") as f:
-                    f.write(stdin.encode("utf-8", errors="replace"))
-                stdin_f = open(in_path, "rb")
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, job_path],
-                    stdin=stdin_f, stdout=out, stderr=err, pass_fds=(res.fileno(),),
-                    cwd=work, env=_child_env(work), start_new_session=True, close_fds=True)
-            finally:
-                if stdin is not None:
-                    stdin_f.close()
+        job_fd = _memfd(json.dumps(job).encode(), "job")
+        fds.append(job_fd)
+        stdin_fd = _memfd((stdin or "").encode("utf-8", errors="replace"), "stdin")
+        fds.append(stdin_fd)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                tempfile.TemporaryFile() as res:
+            # Write-only for the sandbox: it must not read back what it (or the harness) wrote.
+            res_w = os.open(f"/proc/self/fd/{res.fileno()}", os.O_WRONLY | os.O_APPEND)
+            fds.append(res_w)
+            proc = subprocess.Popen(
+                [exe, "-I", "-S", "-B", "-c", source, "jail", str(job_fd), str(res_w)],
+                stdin=stdin_fd, stdout=out, stderr=err, pass_fds=(job_fd, res_w), cwd="/",
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
+                close_fds=True)
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
             exited = _wait_exit(proc, timeout)
-            # Kill the whole group whether or not the leader exited: nothing may outlive a run.
+            # Kill the whole group whether or not the leader exited: nothing may outlive a run
+            # (and the jail's PID 1 dies with its parent, PR_SET_PDEATHSIG).
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-            with open(res_path, "rb") as f:
-                passed, features = _parse_results(_read_capped(f), nonce, len(tests or []))
-            return RunResult(returncode=None if not exited else proc.returncode,
+            results = _read_capped(res)
+            error = None
+            if proc.returncode == JAIL_FAILED:
+                error = next((ln[2:] for ln in results.splitlines() if ln.startswith("E ")),
+                             "sandbox could not be built")
+            return RunResult(returncode=proc.returncode if exited else None,
                              stdout=_read_capped(out), stderr=_read_capped(err, 65536),
-                             timed_out=not exited, tests_passed=passed, features=features)
+                             timed_out=not exited, results=results, error=error)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        for fd in fds:
+            os.close(fd)
 
 
-def _parse_results(text: str, nonce: str, n_tests: int) -> tuple[list[bool], dict]:
-    """Only lines carrying this run's nonce count; a test without a line failed."""
-    passed = [False] * n_tests
-    features: dict = {}
-    for line in text.splitlines():
-        parts = line.split(" ", 2)
-        if len(parts) < 3 or parts[0] != nonce:
-            continue
-        if parts[1] == "F":
-            try:
-                features = json.loads(parts[2])
-            except ValueError:
-                pass
-        elif parts[1] == "T":
-            idx, _, ok = parts[2].partition(" ")
-            if idx.isdigit() and int(idx) < n_tests and ok.strip() == "1":
-                passed[int(idx)] = True
-    return passed, features
+class SandboxUnavailable(RuntimeError):
+    """The jail could not be built on this machine; nothing was run."""
 
 
-def run_asserts(code: str, tests: list[str], *, timeout: float = 5.0, **kw) -> list[bool]:
-    """Per-test pass flags for assert-style tests run after ``code`` in one process."""
-    return run(code, mode="asserts", tests=tests, timeout=timeout, **kw).tests_passed
+# --------------------------------------------------------------------------------------------
+# stdin/stdout tests
+# --------------------------------------------------------------------------------------------
 
 
 def outputs_match(actual: str, expected: str) -> bool:
@@ -399,11 +223,331 @@ def outputs_match(actual: str, expected: str) -> bool:
 
 
 def run_stdio_test(code: str, stdin: str, expected: str, *, timeout: float = 5.0, **kw) -> bool:
-    """Pass when the program exits 0 within the timeout and prints exactly ``expected``."""
+    """Pass when the program exits 0 within the timeout and prints exactly ``expected``.
+
+    Raises SandboxUnavailable when the jail cannot be built.
+    """
     r = run(code, mode="stdio", stdin=stdin, timeout=timeout, **kw)
+    if r.error is not None:
+        raise SandboxUnavailable(r.error)
     return not r.timed_out and r.returncode == 0 and outputs_match(r.stdout, expected)
 
 
+# --------------------------------------------------------------------------------------------
+# Assert tests: split into value tests and statement tests
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ValueTest:
+    """``prefix`` runs inside; ``expr``'s value comes out; ``check(value)`` decides outside."""
+
+    prefix: str
+    expr: str
+    op: str  # "==", "!=", "is", "isclose", "absdiff<", "absdiff<="
+    expected: object
+    extra: tuple = ()  # isclose: (rel_tol, abs_tol); absdiff: (tolerance,)
+
+    def check(self, value: object) -> bool:
+        e = self.expected
+        try:
+            if self.op == "==":
+                return bool(value == e)
+            if self.op == "!=":
+                return bool(value != e)
+            if self.op == "is":
+                return value is e
+            if self.op == "isclose":
+                return math.isclose(value, e, rel_tol=self.extra[0], abs_tol=self.extra[1])
+            diff = abs(value - e)
+            return bool(diff < self.extra[0] if self.op == "absdiff<" else diff <= self.extra[0])
+        except Exception:  # noqa: BLE001 - e.g. comparing a str with a float
+            return False
+
+
+def _literal(node: ast.AST) -> tuple[bool, object]:
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _is_isclose(func: ast.AST) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "isclose"
+            and isinstance(func.value, ast.Name) and func.value.id == "math") or (
+        isinstance(func, ast.Name) and func.id == "isclose")
+
+
+# Builtins whose every possible result the program could just as well return itself: a forged
+# value of ``len(f(x))`` is no better than a solution returning a list of that length.
+_TRANSPARENT_BUILTINS = frozenset({"len", "sorted", "list", "tuple", "set", "frozenset", "dict",
+                                   "str", "int", "float", "complex", "round", "abs", "sum", "min",
+                                   "max", "bool", "reversed", "repr"})
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def bound_names(tree: ast.AST) -> set[str]:
+    """Every name a piece of test code binds (assignments, defs, imports, parameters ...)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names.update(node.names)
+    return names
+
+
+def program_controlled(node: ast.AST, test_names: set[str]) -> bool:
+    """Whether every value ``node`` can take is one the solution could produce directly
+    (see the module docstring): then reporting it from inside forges nothing."""
+    def ok(n: ast.AST) -> bool:
+        if isinstance(n, ast.Constant):
+            return True
+        if isinstance(n, ast.Name):
+            return n.id not in test_names
+        if isinstance(n, (ast.List, ast.Tuple, ast.Set)):
+            return all(ok(e) for e in n.elts)
+        if isinstance(n, ast.Dict):
+            return all(k is None or ok(k) for k in n.keys) and all(ok(v) for v in n.values)
+        if isinstance(n, ast.Starred):
+            return ok(n.value)
+        if isinstance(n, ast.UnaryOp):
+            return not isinstance(n.op, ast.Not) and ok(n.operand)
+        if isinstance(n, ast.BinOp):
+            return ok(n.left) and ok(n.right)
+        if isinstance(n, ast.Subscript):
+            return ok(n.value) and ok(n.slice)
+        if isinstance(n, ast.Slice):
+            return all(p is None or ok(p) for p in (n.lower, n.upper, n.step))
+        if isinstance(n, ast.Attribute):
+            return ok(n.value)
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Name):
+                if f.id in test_names or (f.id in _BUILTIN_NAMES and f.id not in _TRANSPARENT_BUILTINS):
+                    return False
+            elif isinstance(f, ast.Attribute):
+                # a method of something the program made, or an attribute of a program name
+                if not ok(f.value) or (isinstance(f.value, ast.Name) and f.value.id in _BUILTIN_NAMES):
+                    return False
+            else:
+                return False
+            return all(ok(a) for a in n.args) and all(ok(k.value) for k in n.keywords)
+        return False  # comparisons, bool ops, lambdas, comprehensions, conditionals, walrus ...
+
+    return ok(node)
+
+
+def split_test(test: str, test_names: set[str] | None = None) -> ValueTest | None:
+    """The value-test reading of an assert test, or None (it runs as a statement test).
+
+    ``test_names``: names bound by any test of the same completion (they share a namespace);
+    by default those of ``test`` itself.
+    """
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
+        return None
+    names = bound_names(tree) if test_names is None else test_names
+    found = _split_assert(tree)
+    if found is None or not program_controlled(ast.parse(found.expr, mode="eval").body, names):
+        return None
+    return found
+
+
+def _split_assert(tree: ast.Module) -> ValueTest | None:
+    prefix = ast.unparse(ast.Module(body=tree.body[:-1], type_ignores=[])) if tree.body[:-1] else ""
+    t = tree.body[-1].test
+    if isinstance(t, ast.Compare) and len(t.ops) == 1:
+        left, right, op = t.left, t.comparators[0], t.ops[0]
+        op_name = {ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.Lt: "<", ast.LtE: "<="}.get(type(op))
+        if op_name in ("==", "!=", "is"):
+            ok_r, lit_r = _literal(right)
+            ok_l, lit_l = _literal(left)
+            if ok_r and not ok_l:
+                expr, lit = left, lit_r
+            elif ok_l and not ok_r:
+                expr, lit = right, lit_l
+            else:
+                return None
+            if op_name == "is" and lit not in (True, False, None):
+                return None
+            return ValueTest(prefix, ast.unparse(expr), op_name, lit)
+        if op_name in ("<", "<="):
+            ok_tol, tol = _literal(right)
+            if (ok_tol and isinstance(left, ast.Call) and isinstance(left.func, ast.Name)
+                    and left.func.id == "abs" and len(left.args) == 1 and not left.keywords
+                    and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):
+                a, b = left.args[0].left, left.args[0].right
+                ok_b, lit_b = _literal(b)
+                ok_a, lit_a = _literal(a)
+                if ok_b != ok_a:
+                    expr, lit = (a, lit_b) if ok_b else (b, lit_a)
+                    return ValueTest(prefix, ast.unparse(expr), "absdiff" + op_name, lit, (tol,))
+        return None
+    if isinstance(t, ast.Call) and _is_isclose(t.func) and len(t.args) == 2:
+        kw = {"rel_tol": 1e-9, "abs_tol": 0.0}
+        for k in t.keywords:
+            ok, v = _literal(k.value)
+            if not ok or k.arg not in kw:
+                return None
+            kw[k.arg] = v
+        (ok_a, lit_a), (ok_b, lit_b) = _literal(t.args[0]), _literal(t.args[1])
+        if ok_a == ok_b:
+            return None
+        expr, lit = (t.args[0], lit_b) if ok_b else (t.args[1], lit_a)
+        return ValueTest(prefix, ast.unparse(expr), "isclose", lit, (kw["rel_tol"], kw["abs_tol"]))
+    return None
+
+
+_NO_VALUE = object()
+
+
+def decode_value(v: object, depth: int = 0) -> object:
+    """Inverse of the bootstrap's encoder; raises ValueError on anything malformed."""
+    if depth > 100:
+        raise ValueError("too deep")
+    if v is None or isinstance(v, bool):
+        return v
+    if not isinstance(v, dict) or len(v) != 1:
+        raise ValueError("malformed value")
+    (tag, x), = v.items()
+    if tag == "i" and isinstance(x, str) and len(x) <= 5000:
+        return int(x)
+    if tag == "f" and isinstance(x, str) and len(x) <= 64:
+        return float(x)
+    if tag == "c" and isinstance(x, list) and len(x) == 2:
+        return complex(decode_value(x[0], depth + 1), decode_value(x[1], depth + 1))
+    if tag == "s" and isinstance(x, str):
+        return x
+    if tag == "b" and isinstance(x, str):
+        return bytes.fromhex(x)
+    if tag in ("l", "t", "S", "F") and isinstance(x, list):
+        items = [decode_value(i, depth + 1) for i in x]
+        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+    if tag == "d" and isinstance(x, list):
+        return {decode_value(k, depth + 1): decode_value(i, depth + 1) for k, i in x}
+    raise ValueError("malformed value")
+
+
+def _value_results(text: str, n: int) -> list[object]:
+    """The reported value of each test (``_NO_VALUE`` when missing, repeated or malformed)."""
+    values: list[object] = [_NO_VALUE] * n
+    seen = [0] * n
+    for line in text.splitlines():
+        if len(line) > MAX_VALUE_BYTES:
+            continue
+        try:
+            rec = json.loads(line)
+            i = rec["i"]
+            if type(i) is not int or not 0 <= i < n:
+                continue
+            seen[i] += 1
+            values[i] = decode_value(rec["v"]) if "v" in rec else _NO_VALUE
+        except (ValueError, KeyError, TypeError, RecursionError, MemoryError):
+            continue
+    return [v if c == 1 else _NO_VALUE for v, c in zip(values, seen)]
+
+
+def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
+    """Assert tests as units of sandboxed work: callables returning ``[(test index, passed)]``
+    (value tests share one run, each statement test gets its own; ``timeout`` per run), for a
+    caller to run in parallel. A callable raises SandboxUnavailable when the jail cannot be
+    built."""
+    names: set[str] = set()
+    for t in tests:
+        try:
+            names |= bound_names(ast.parse(t))
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            pass
+    split = [split_test(t, names) for t in tests]
+    value_idx = [i for i, s in enumerate(split) if s is not None]
+    jobs = []
+    if value_idx:
+        def values_job() -> list[tuple[int, bool]]:
+            payload = {"tests": [[split[i].prefix, split[i].expr] for i in value_idx]}
+            r = run(code, mode="values", run_job=payload, timeout=timeout, **kw)
+            if r.error is not None:
+                raise SandboxUnavailable(r.error)
+            got = _value_results(r.results, len(value_idx))
+            return [(i, v is not _NO_VALUE and split[i].check(v)) for i, v in zip(value_idx, got)]
+        jobs.append(values_job)
+    for i, s in enumerate(split):
+        if s is None:
+            def statement_job(i: int = i) -> list[tuple[int, bool]]:
+                statement = guard_statement(tests[i])
+                if statement is None:
+                    return [(i, False)]
+                nonce = secrets.token_hex(16)
+                r = run(code, mode="statement", run_job={"statement": statement, "nonce": nonce},
+                        timeout=timeout, **kw)
+                if r.error is not None:
+                    raise SandboxUnavailable(r.error)
+                return [(i, not r.timed_out and r.returncode == 0
+                         and r.results.splitlines() == [nonce])]
+            jobs.append(statement_job)
+    return jobs
+
+
+class _GuardEquality(ast.NodeTransformer):
+    """``a == b`` / ``a != b`` inside assert statements -> ``__grpo_eq__(a, b, negate)``."""
+
+    def __init__(self) -> None:
+        self.in_assert = 0
+
+    def visit_Assert(self, node: ast.Assert) -> ast.AST:
+        self.in_assert += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.in_assert -= 1
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        node = self.generic_visit(node)
+        if self.in_assert and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            negate = ast.Constant(isinstance(node.ops[0], ast.NotEq))
+            return ast.copy_location(ast.Call(ast.Name("__grpo_eq__", ast.Load()),
+                                              [node.left, node.comparators[0], negate], []), node)
+        return node
+
+
+def guard_statement(test: str) -> str | None:
+    """The statement test as the body of ``def __grpo_test__(__grpo_eq__)``, its assert
+    equalities routed through the bootstrap's guard (a custom object never equals a plain
+    value). The guard arrives as an argument, hence as a local or closure cell of every
+    function the test defines: the solution cannot rebind it through its globals. None when
+    the test does not parse (it then fails)."""
+    try:
+        tree = ast.parse(test)
+        body = _GuardEquality().visit(tree).body or [ast.Pass()]
+        fn = ast.FunctionDef(name="__grpo_test__", args=ast.arguments(
+            posonlyargs=[], args=[ast.arg("__grpo_eq__")], vararg=None, kwonlyargs=[],
+            kw_defaults=[], kwarg=None, defaults=[]), body=body, decorator_list=[], returns=None,
+            type_comment=None)
+        module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+        source = ast.unparse(module)
+        compile(source, "<test>", "exec")
+        return source
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
 def capabilities() -> dict:
-    """Which containment layers work on this machine (runs a trivial program)."""
-    return run("pass", mode="asserts", tests=[], timeout=10.0).features
+    """Whether the jail can be built here: ``{"jail": bool, "error": str | None, "root": bool}``."""
+    r = run("pass", mode="stdio", timeout=20.0)
+    return {"jail": r.error is None and r.returncode == 0, "error": r.error,
+            "root": os.geteuid() == 0}

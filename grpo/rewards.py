@@ -15,45 +15,50 @@ TRL-style reward functions ``fn(prompts, completions, **columns) -> list[float |
 :func:`math_accuracy_reward`, :func:`format_reward_func`, :func:`code_reward_func`, collected in
 :data:`REWARD_FUNCTIONS` under ``"accuracy"``, ``"format"`` and ``"code"``.
 
-How bounded time is achieved for math: SymPy work runs in persistent worker processes (fresh
-interpreters started with ``subprocess``, never a fork of the trainer, so torch's threads and the
-trainer's ``__main__`` are not copied) that serve requests over a pipe. A request that outlives
-its timeout gets its worker killed (SIGKILL) and replaced on the next call, so even a power tower
-stuck inside C code costs at most ``timeout``. Calls may come from any thread: each one checks
-out a whole worker. Pure numbers never leave the calling process (see
-``grpo._math_normalize.fast_equal``).
+How bounded time is achieved: everything done in the caller's process is linear string work
+on length-capped text (no regex that can backtrack: answer and code blocks are found with
+``str.find``); SymPy work runs in persistent worker processes (:mod:`grpo.math_worker`: fresh
+interpreters, never a fork of the trainer) that are killed (SIGKILL) and replaced when a request
+outlives its ``timeout``, so even a power tower stuck inside C code costs at most ``timeout``.
+Calls may come from any thread: each one checks out a whole worker. Pure numbers never leave the
+calling process (``grpo._math_normalize.fast_equal``).
+
+``timeout`` arguments must be finite and in (0, 1 day] (:func:`check_timeout`): anything else
+raises ValueError / TypeError naming ``timeout`` -- a configuration error, never model output.
+The other exception is :class:`VerifierUnavailable`, raised by ``math_equal`` /
+``math_accuracy`` when no SymPy worker can start (logged once); the TRL-style
+``math_accuracy_reward`` turns it into ``None`` (unscorable) instead.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
+import math
 import os
 import re
-import select
-import subprocess
-import sys
-import threading
-import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
 from grpo import _math_normalize as _mn
 from grpo import _sandbox
+from grpo.math_worker import VerifierUnavailable, WorkerError, WorkerPool
 
 __all__ = [
     "extract_answer", "math_equal", "math_accuracy", "format_reward", "code_reward",
     "code_rewards", "math_accuracy_reward", "format_reward_func", "code_reward_func",
-    "REWARD_FUNCTIONS", "completion_text",
+    "REWARD_FUNCTIONS", "completion_text", "VerifierUnavailable",
 ]
 
 MAX_TEXT_CHARS = 1_000_000  # completions longer than this are not parsed at all
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Answer extraction and format
 # --------------------------------------------------------------------------------------------
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
@@ -71,9 +76,19 @@ def _last_box(text: str) -> str | None:
             return None  # truncated: the model never closed its answer
         return rest[start + 1:end].strip() or None
     if rest[:1].isspace():  # "\boxed 5": the next token
-        m = re.match(r"\s+([^\s$]+)", rest)
+        m = re.match(r"\s+([^\s$]{1,200})", rest)
         return m.group(1) if m else None
     return None
+
+
+def _last_answer_block(text: str) -> str | None:
+    """Body of the last ``<answer>...</answer>``: the last close tag and the open tag nearest
+    before it (two ``rfind`` calls: linear, where a lazy regex is quadratic on repeated tags)."""
+    close = text.rfind("</answer>")
+    if close < 0:
+        return None
+    start = text.rfind("<answer>", 0, close)
+    return None if start < 0 else text[start + len("<answer>"):close]
 
 
 def extract_answer(text: Any) -> str | None:
@@ -87,9 +102,8 @@ def extract_answer(text: Any) -> str | None:
         text = completion_text(text)
         if not text or len(text) > MAX_TEXT_CHARS:
             return None
-        blocks = _ANSWER_RE.findall(text)
-        if blocks:
-            body = blocks[-1]
+        body = _last_answer_block(text)
+        if body is not None:
             if _BOX_RE.search(body):
                 return _last_box(body)
             return body.strip() or None
@@ -104,8 +118,9 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 def format_reward(completion: Any, *, think_prefilled: bool = False) -> float:
     """1.0 for exactly ``<think>...</think><answer>...</answer>``, else 0.0.
 
-    Each block appears once, both are non-blank, only whitespace may surround them, and no tag
-    appears inside another block. ``think_prefilled=True`` is for chat templates that already
+    Each block appears once, both hold a visible character (zero-width, format, control and
+    combining characters and unicode blanks do not count: see :func:`_visible`), only such
+    invisible characters may surround them, and no tag appears inside another block. ``think_prefilled=True`` is for chat templates that already
     emitted ``<think>``: the completion starts inside the think block, so it must not contain
     ``<think>`` itself.
     """
@@ -121,7 +136,7 @@ def format_reward(completion: Any, *, think_prefilled: bool = False) -> float:
             think_start = 0
         else:
             head, _, _ = text.partition("<think>")
-            if head.strip():
+            if _visible(head):
                 return 0.0
             think_start = text.index("<think>") + len("<think>")
         think_end = text.index("</think>")
@@ -133,11 +148,26 @@ def format_reward(completion: Any, *, think_prefilled: bool = False) -> float:
         between = text[think_end + len("</think>"):ans_open]
         answer = text[ans_open + len("<answer>"):ans_close]
         after = text[ans_close + len("</answer>"):]
-        if not think.strip() or not answer.strip() or between.strip() or after.strip():
+        if not _visible(think) or not _visible(answer) or _visible(between) or _visible(after):
             return 0.0
         return 1.0
     except Exception:  # noqa: BLE001
         return 0.0
+
+
+# Characters that render as nothing: spaces and separators (Z*), format characters such as
+# U+200B/U+2060/U+FEFF/U+00AD (Cf), controls (Cc), unassigned/private/surrogates (Cn/Co/Cs),
+# combining marks without a base (M*), and the Hangul/Braille blanks that are category Lo/So.
+_INVISIBLE_CATEGORIES = ("Z", "C", "M")
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800\u180e\u17b4\u17b5")
+
+
+def _visible(text: str) -> bool:
+    """Whether ``text`` holds a character that is seen when rendered (linear)."""
+    for c in text:
+        if c not in _BLANK_LETTERS and not unicodedata.category(c).startswith(_INVISIBLE_CATEGORIES):
+            return True
+    return False
 
 
 def completion_text(completion: Any) -> str:
@@ -158,136 +188,41 @@ def completion_text(completion: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Math workers
+# Math workers (grpo.math_worker)
 # --------------------------------------------------------------------------------------------
 
-_WORKER_SCRIPT = os.path.abspath(_mn.__file__)
-_WORKER_MEMORY = 3 << 30  # RLIMIT_AS of a math worker: room for SymPy, not for a blow-up
-_STARTUP_TIMEOUT = 120.0  # importing SymPy on a loaded machine; not charged to any request
-
-
-class _WorkerError(Exception):
-    """The worker died, timed out or said something unreadable; it has been killed."""
-
-
-class _MathWorker:
-    """One persistent SymPy process speaking JSON lines over its stdin/stdout."""
-
-    def __init__(self) -> None:
-        # subprocess = fork+exec in C: safe from any thread, and the child is a fresh
-        # interpreter, so neither torch's threads nor the trainer's __main__ come along.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", _WORKER_SCRIPT, str(os.getpid()), str(_WORKER_MEMORY)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            close_fds=True, start_new_session=True,
-        )
-        self._buf = b""
-        try:
-            ready = self._read_line(time.monotonic() + _STARTUP_TIMEOUT)
-        except _WorkerError:
-            self.kill()
-            raise
-        if not ready.get("ready"):
-            self.kill()
-            raise _WorkerError("worker did not start")
-
-    def _read_line(self, deadline: float) -> dict:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _WorkerError("timeout")
-            readable, _, _ = select.select([fd], [], [], left)
-            if readable:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    raise _WorkerError("worker exited")
-                self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        try:
-            return json.loads(line)
-        except ValueError as e:
-            raise _WorkerError("bad reply") from e
-
-    def ask(self, pred: str, gold: str, timeout: float) -> bool | None:
-        """Send one comparison; raises _WorkerError (after killing the worker) on any failure."""
-        deadline = time.monotonic() + timeout
-        try:
-            self.proc.stdin.write(json.dumps({"p": pred, "g": gold}).encode() + b"\n")
-            self.proc.stdin.flush()
-            reply = self._read_line(deadline)
-        except (OSError, ValueError, _WorkerError) as e:
-            self.kill()
-            raise _WorkerError(str(e)) from e
-        return reply.get("r")
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class _WorkerPool:
-    """Up to ``size`` workers; a call checks one out, so concurrent threads never share one."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._idle: list[_MathWorker] = []
-        self._all: set[_MathWorker] = set()
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(size)
-
-    def compare(self, pred: str, gold: str, timeout: float) -> bool | None:
-        with self._slots:
-            with self._lock:
-                worker = self._idle.pop() if self._idle else None
-            if worker is None:
-                worker = _MathWorker()
-                with self._lock:
-                    self._all.add(worker)
-            try:
-                result = worker.ask(pred, gold, timeout)
-            except _WorkerError:
-                with self._lock:
-                    self._all.discard(worker)
-                raise
-            with self._lock:
-                self._idle.append(worker)
-            return result
-
-    def shutdown(self) -> None:
-        with self._lock:
-            workers, self._all, self._idle = list(self._all), set(), []
-        for w in workers:
-            w.kill()
-
-
 _POOL_SIZE = max(1, min(4, os.cpu_count() or 1))
-_pool = _WorkerPool(_POOL_SIZE)
+_pool = WorkerPool(_POOL_SIZE)
 atexit.register(lambda: _pool.shutdown())
 
 
 def _forget_pool_in_child() -> None:
     # A forked child (e.g. a DataLoader worker) must not talk over the parent's pipes.
     global _pool
-    _pool = _WorkerPool(_POOL_SIZE)
+    _pool = WorkerPool(_POOL_SIZE)
 
 
 os.register_at_fork(after_in_child=_forget_pool_in_child)
 
+MAX_TIMEOUT = 86_400.0  # seconds; longer is a configuration error, not a budget
+
+
+def check_timeout(timeout: Any) -> float:
+    """``timeout`` as a float; ValueError/TypeError naming it unless finite and in (0, 1 day]."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    t = float(timeout)
+    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be finite, > 0 and <= {MAX_TIMEOUT:g} seconds, got {timeout!r}")
+    return t
+
 
 def _compare(pred: Any, gold: Any, timeout: float) -> bool | None:
-    """True/False, or None when the gold answer cannot be parsed. Never raises."""
+    """True/False, or None when the gold answer cannot be parsed.
+
+    Raises only VerifierUnavailable (no worker can start): every other failure of the answer
+    (too long, timeout, a crash of the worker) is "not equal".
+    """
     try:
         g = _mn.clean(gold)
         if not g:
@@ -299,31 +234,36 @@ def _compare(pred: Any, gold: Any, timeout: float) -> bool | None:
             quick = _mn.fast_equal(p, g)
             if quick is not None:
                 return quick
+    except Exception:  # noqa: BLE001 - cleaning is bounded string work; a bug is "not equal"
+        return False
+    try:
         # An empty prediction still goes to the worker, which reports an unparseable gold.
-        return _pool.compare(p, g, max(0.05, float(timeout)))
-    except Exception:  # noqa: BLE001 - timeouts and dead workers score as "not equal"
+        return _pool.compare(p, g, timeout)
+    except WorkerError:
         return False
 
 
 def math_equal(pred: Any, gold: Any, *, timeout: float = 5.0) -> bool:
-    """Whether ``pred`` and ``gold`` are the same mathematical answer. Never raises.
+    """Whether ``pred`` and ``gold`` are the same mathematical answer.
+
+    Never raises on any ``pred`` / ``gold``; raises ValueError/TypeError for an invalid
+    ``timeout`` and :class:`VerifierUnavailable` when no SymPy worker can start.
 
     Rules (full text in ``grpo._math_normalize``): structural split first -- sets and lists of
     several answers are unordered, tuples and intervals ordered with matching brackets,
     matrices cell by cell, ``\\pm a`` is the set ``{a, -a}``; ``x = 5`` equals ``5``; equations
     compare up to a constant factor; then SymPy equivalence of the leaves.
 
-    Floats against exact values: decimals are exact rationals (``0.5 == 1/2``). A decimal that
-    is not exactly equal still matches when it has at least 4 significant digits and is the
-    other value correctly rounded (within half a unit of its last digit) or truncated to its
-    number of decimals: ``0.3333 == 1/3``, ``0.6666 == 2/3``, ``1.414 == sqrt(2)``, but
-    ``1.415 != sqrt(2)``, ``0.33 != 1/3``, ``3.14 != pi``, and integers are never approximated.
+    Decimals are the exact rationals they spell and equal only equal values (``0.5 == 1/2``,
+    ``0.3333 != 1/3``, ``3.000 != 3.0001``); ``h:mm`` answers compare as times; a predicted
+    ``x%`` is ``x/100``; units are dropped but never a digit, and digits are never joined across
+    spaces.
 
     Bounded: parsing and simplification run in a worker process that is killed after
     ``timeout`` seconds (result False); values that would be enormous (``10^{10^{10}}``) are
     refused before evaluation; inputs over 2000 characters are refused outright.
     """
-    return _compare(pred, gold, timeout) is True
+    return _compare(pred, gold, check_timeout(timeout)) is True
 
 
 def math_accuracy(completion: Any, answer: Any, *, timeout: float = 5.0) -> float:
@@ -331,32 +271,58 @@ def math_accuracy(completion: Any, answer: Any, *, timeout: float = 5.0) -> floa
 
     ``answer`` may be a bare answer or a worked solution containing ``\\boxed{...}``. A
     completion without a boxed / ``<answer>`` final answer scores 0.0: guessing the last
-    number of free text would reward answer-less outputs.
+    number of free text would reward answer-less outputs. Raises like :func:`math_equal`.
     """
-    try:
-        pred = extract_answer(completion)
-        gold = _gold_answer(answer)
-        if pred is None or gold is None:
-            return 0.0
-        return 1.0 if math_equal(pred, gold, timeout=timeout) else 0.0
-    except Exception:  # noqa: BLE001
+    timeout = check_timeout(timeout)
+    pred = extract_answer(completion)
+    gold = _gold_answer(answer)
+    if pred is None or gold is None:
         return 0.0
+    return 1.0 if _compare(pred, gold, timeout) is True else 0.0
 
 
 def _gold_answer(answer: Any) -> str | None:
-    if answer is None:
+    try:
+        if answer is None:
+            return None
+        text = completion_text(answer) if not isinstance(answer, (int, float)) else str(answer)
+        if len(text) > MAX_TEXT_CHARS:
+            return None
+        if _BOX_RE.search(text) or "<answer>" in text:
+            return extract_answer(text)
+        return text.strip() or None
+    except Exception:  # noqa: BLE001
         return None
-    text = completion_text(answer) if not isinstance(answer, (int, float)) else str(answer)
-    if _BOX_RE.search(text) or "<answer>" in text:
-        return extract_answer(text)
-    return text.strip() or None
 
 
 # --------------------------------------------------------------------------------------------
 # Code
 # --------------------------------------------------------------------------------------------
 
-_FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.S | re.I)
+_FENCE_LANGS = ("python3", "python", "py")
+
+
+def _last_python_block(text: str) -> str | None:
+    """Body of the last complete ```python block (linear scan over the fences, no regex).
+
+    Fences pair up left to right: an opening fence is ``` plus a language tag on its line, the
+    next ``` closes it.
+    """
+    last, pos = None, 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return last
+        eol = text.find("\n", start + 3)
+        if eol < 0:
+            return last
+        tag = text[start + 3:eol].strip(" \t").lower()
+        end = text.find("```", eol + 1)
+        if end < 0:
+            return last
+        if tag in _FENCE_LANGS:
+            last = text[eol + 1:end]
+        pos = end + 3
 
 
 def extract_code(completion: Any) -> str | None:
@@ -364,13 +330,11 @@ def extract_code(completion: Any) -> str | None:
     text = completion_text(completion)
     if not text or len(text) > MAX_TEXT_CHARS:
         return None
-    blocks = _FENCE_RE.findall(text)
-    if blocks:
-        return blocks[-1]
-    answers = _ANSWER_RE.findall(text)
-    if answers and answers[-1].strip():
-        return answers[-1]
-    return None
+    block = _last_python_block(text)
+    if block is not None:
+        return block
+    body = _last_answer_block(text)
+    return body if body is not None and body.strip() else None
 
 
 def _normalise_tests(tests: Any) -> list | None:
@@ -393,61 +357,81 @@ def _normalise_tests(tests: Any) -> list | None:
     return None
 
 
-def _jobs(code: str, tests: list, timeout: float) -> list[Callable[[], list[bool]]]:
-    """Units of sandboxed work: one run for all assert tests, one run per stdin test."""
+def _jobs(code: str, tests: list, timeout: float) -> list[Callable[[], list[tuple[int, bool]]]]:
+    """Units of sandboxed work, each returning ``[(test index, passed)]`` (see ``grpo._sandbox``:
+    value tests share one run, statement tests and stdin tests get one run each)."""
     if isinstance(tests[0], str):
-        return [lambda: _sandbox.run_asserts(code, tests, timeout=timeout)]
-    return [lambda t=t: [_sandbox.run_stdio_test(code, t["input"], t["output"], timeout=timeout)]
-            for t in tests]
+        return _sandbox.assert_jobs(code, tests, timeout=timeout)
+    return [lambda i=i, t=t: [(i, _sandbox.run_stdio_test(code, t["input"], t["output"],
+                                                          timeout=timeout))]
+            for i, t in enumerate(tests)]
+
+
+_sandbox_failure_logged = False
 
 
 def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: float = 5.0,
                  max_workers: int | None = None) -> list[float | None]:
     """Score many completions in parallel (thread pool over sandboxed subprocesses).
 
-    ``tests[i]`` belongs to ``completions[i]``. Returns the fraction of tests passed per
-    completion, or None where its tests are missing or malformed. Assert tests run in one
-    process per completion (``timeout`` bounds the whole run; tests not reached fail);
-    stdin/stdout tests run in one process each (``timeout`` per test).
+    ``tests[i]`` belongs to ``completions[i]``; the two must have the same length (ValueError
+    otherwise). Returns the fraction of tests passed per completion, or None where its tests are
+    missing or malformed, or where the sandbox cannot be built on this machine (logged once:
+    code is never run unconfined). ``timeout`` bounds each sandboxed process.
     """
-    units: list[tuple[int, Callable[[], list[bool]]]] = []
+    timeout = check_timeout(timeout)
+    completions, tests = list(completions), list(tests)
+    if len(tests) != len(completions):
+        raise ValueError(f"tests has {len(tests)} rows for {len(completions)} completions")
+    units: list[tuple[int, Callable[[], list[tuple[int, bool]]]]] = []
     totals: list[int | None] = []
     for i, (completion, test) in enumerate(zip(completions, tests)):
         norm = _normalise_tests(test)
         code = extract_code(completion)
         totals.append(None if norm is None else len(norm))
         if norm is not None and code is not None:
-            units.extend((i, job) for job in _jobs(code, norm, float(timeout)))
+            units.extend((i, job) for job in _jobs(code, norm, timeout))
     passed = [0] * len(totals)
+    unavailable: set[int] = set()
 
-    def run(unit: tuple[int, Callable[[], list[bool]]]) -> tuple[int, int]:
+    def run(unit: tuple[int, Callable[[], list[tuple[int, bool]]]]) -> tuple[int, int | None]:
+        global _sandbox_failure_logged
         try:
-            return unit[0], sum(unit[1]())
-        except Exception:  # noqa: BLE001
+            return unit[0], sum(ok for _, ok in unit[1]())
+        except _sandbox.SandboxUnavailable as e:
+            if not _sandbox_failure_logged:
+                _sandbox_failure_logged = True
+                log.error("grpo.rewards: the code sandbox cannot be built (%s); code rewards "
+                          "are unscorable", e)
+            return unit[0], None
+        except Exception:  # noqa: BLE001 - a failure of one run fails its tests
             return unit[0], 0
 
     workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
     if units:
         with ThreadPoolExecutor(max_workers=min(workers, len(units))) as ex:
             for i, n in ex.map(run, units):
-                passed[i] += n
-    return [None if t is None else passed[i] / t for i, t in enumerate(totals)]
+                if n is None:
+                    unavailable.add(i)
+                else:
+                    passed[i] += n
+    return [None if t is None or i in unavailable else passed[i] / t
+            for i, t in enumerate(totals)]
 
 
 def code_reward(completion: Any, tests: Any, *, timeout: float = 5.0) -> float:
-    """Fraction of ``tests`` the completion's code passes, run in the sandbox. Never raises.
+    """Fraction of ``tests`` the completion's code passes, run in the sandbox.
 
     The code is the last fenced ```python block, else the ``<answer>`` body. ``tests`` is a
     list of statements (``assert f(2) == 4``; passes when it raises nothing after the code ran)
     or of ``{"input", "output"}`` pairs (stdin in; the whole stdout must equal ``output`` line by
     line with trailing whitespace stripped, and the program must exit 0). See
-    ``grpo._sandbox`` for what the sandbox enforces.
+    ``grpo._sandbox`` for how verdicts are reached and what the sandbox enforces. Never raises
+    on any completion; raises ValueError/TypeError for an invalid ``timeout``. Scores 0.0
+    where :func:`code_rewards` says None (use ``code_rewards`` to tell them apart).
     """
-    try:
-        result = code_rewards([completion], [tests], timeout=timeout)[0]
-        return 0.0 if result is None else float(result)
-    except Exception:  # noqa: BLE001
-        return 0.0
+    result = code_rewards([completion], [tests], timeout=timeout)[0]
+    return 0.0 if result is None else float(result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,13 +452,18 @@ def _column(name: str, value: Any, n: int) -> list:
 
 def math_accuracy_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Any = None,
                          *, timeout: float = 5.0, **kwargs: Any) -> list[float | None]:
-    """TRL reward: 1.0 / 0.0 per completion; None where the gold answer is missing or unparseable."""
+    """TRL reward: 1.0 / 0.0 per completion; None where the gold answer is missing or
+    unparseable, or where no SymPy worker can start (:class:`VerifierUnavailable`, logged once)."""
+    timeout = check_timeout(timeout)
     golds = [_gold_answer(a) for a in _column("answer", answer, len(completions))]
 
     def score(i: int) -> float | None:
         if golds[i] is None:
             return None
-        verdict = _compare(extract_answer(completions[i]), golds[i], timeout)
+        try:
+            verdict = _compare(extract_answer(completions[i]), golds[i], timeout)
+        except VerifierUnavailable:
+            return None  # logged once by the worker pool
         return None if verdict is None else float(verdict)
 
     with ThreadPoolExecutor(max_workers=_POOL_SIZE) as ex:

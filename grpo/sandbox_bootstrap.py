@@ -1,0 +1,429 @@
+"""The program that ``grpo._sandbox`` runs to contain one untrusted Python run.
+
+It is not imported: ``grpo._sandbox`` reads this file with ``importlib.resources`` and passes it
+to ``python -I -S -B -c SOURCE STAGE ...``, once per stage, so it depends on the standard
+library only and must not rely on module globals to keep secrets (the untrusted code can
+``import __main__``). Two stages:
+
+``jail`` (trusted, outside): reads the job from an inherited descriptor, creates new mount,
+PID, network, IPC and UTS namespaces (plus a user namespace when not root), forks the future
+PID 1 of the new PID namespace and waits for it. That child builds the filesystem view -- a
+fresh tmpfs root holding read-only, nosuid bind mounts of the Python runtime and system
+libraries only, a minimal ``/dev``, no ``/proc``, and a size-capped ``/tmp`` that is the
+working directory -- pivots into it, sets resource limits, drops every
+privilege (setuid to 65534 as root; an unmapped, capability-free user after ``execve`` in a
+user namespace; ``no_new_privs`` always) and ``execve``s the interpreter again as stage
+``run``. Any failure exits with :data:`JAIL_FAILED` after writing the reason to the result
+descriptor: the sandbox fails closed.
+
+``run`` (inside the jail): reads its job from a memfd, installs an audit hook, runs the code,
+then the tests, and reports on the result descriptor (write-only for it).
+"""
+
+JAIL_FAILED = 97  # exit status of a jail that could not be built
+JAILED_UID = 65534
+
+
+def _jail(argv):
+    import ctypes
+    import json
+    import os
+
+    job_fd, res_fd = int(argv[0]), int(argv[1])
+    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
+    os.close(job_fd)
+
+    def fail(why):
+        try:
+            os.write(res_fd, ("E " + why.replace("\n", " ") + "\n").encode())
+        finally:
+            os._exit(JAIL_FAILED)
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret, what):
+        if ret != 0:
+            fail("%s: %s" % (what, os.strerror(ctypes.get_errno())))
+
+    NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = (
+        0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+    is_root = os.geteuid() == 0
+    uid, gid = os.geteuid(), os.getegid()
+    flags = NEWNS | NEWUTS | NEWIPC | NEWPID | NEWNET | (0 if is_root else NEWUSER)
+    check(libc.unshare(flags), "unshare")
+    if not is_root:
+        # Map our own uid to 65534 inside: we hold every capability of the new namespace until
+        # execve, which clears them because the uid inside is not 0.
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (JAILED_UID, uid)),
+                               ("gid_map", "%d %d 1" % (JAILED_UID, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        except OSError as e:
+            fail("user namespace maps: %s" % e)
+    alive_r, alive_w = os.pipe()  # the child watches this to learn that we died
+    pid = os.fork()
+    if pid:
+        os.close(alive_r)
+        os.close(res_fd)
+        for fd in (0, 1, 2):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except ChildProcessError:
+                os._exit(JAIL_FAILED)
+            except InterruptedError:
+                continue
+        if os.WIFEXITED(status):
+            os._exit(os.WEXITSTATUS(status))
+        os._exit(128 + os.WTERMSIG(status))
+    os.close(alive_w)
+    try:
+        _build_and_exec(job, res_fd, alive_r, is_root, libc, check)
+    except Exception as e:  # noqa: BLE001 - fail closed, with the reason
+        fail("%s: %s" % (type(e).__name__, e))
+
+
+def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
+    import os
+    import resource
+    import select
+    import signal
+
+    PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+        1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+    MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MNT_DETACH = 1024, 2048, 1 << 21, 2
+    # statvfs flag -> mount flag: a bind remount inside a user namespace must keep the flags
+    # that are locked on the source mount.
+    ST_TO_MS = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC),
+                (1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
+
+    def mount(src, dst, fstype, flags, data=None):
+        enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+        check(libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)),
+              "mount %s on %s" % (src, dst))
+
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(JAIL_FAILED)  # the waiting parent is already gone
+    os.close(alive_r)
+
+    new = "/tmp"  # any existing directory: the mount namespace is ours alone
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for host in job["binds"]:
+        inside = new + host
+        if os.path.islink(host):
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            os.symlink(os.readlink(host), inside)
+            continue
+        if os.path.isdir(host):
+            os.makedirs(inside, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            open(inside, "w").close()
+        mount(host, inside, None, MS_BIND | MS_REC)
+        locked = 0
+        st = os.statvfs(host).f_flag
+        for st_bit, ms_bit in ST_TO_MS:
+            if st & st_bit:
+                locked |= ms_bit
+        mount(None, inside, None,
+              MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
+    os.mkdir(new + "/dev", 0o755)
+    mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for dev in ("null", "zero", "random", "urandom"):
+        open(new + "/dev/" + dev, "w").close()
+        mount("/dev/" + dev, new + "/dev/" + dev, None, MS_BIND)
+    # No /proc at all: nothing of other processes, and not /proc/self/mem either (a process may
+    # always read its own memory there, which would reveal a statement test's nonce).
+    os.mkdir(new + "/tmp", 0o755)
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=%dk,mode=0700" % max(64, job["tmp_bytes"] >> 10))
+    if is_root:
+        os.chown(new + "/tmp", JAILED_UID, JAILED_UID)
+    # pivot_root(".", "."), then detach the old root stacked beneath: nothing of the host's tree
+    # is left in this namespace except the bind mounts above.
+    os.chdir(new)
+    check(libc.syscall(job["sys_pivot_root"], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detach old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    try:
+        libc.sethostname(b"sandbox", 7)
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+    os.chdir("/tmp")
+
+    # The runner's job travels in a memfd: no file of it exists anywhere.
+    run_fd = os.memfd_create("job", 0)
+    os.write(run_fd, job["run_job"].encode())
+    os.set_inheritable(run_fd, True)
+    os.set_inheritable(res_fd, True)
+    for name, value in (("RLIMIT_AS", job["memory_bytes"]), ("RLIMIT_FSIZE", job["file_bytes"]),
+                        ("RLIMIT_CORE", 0), ("RLIMIT_NOFILE", 64),
+                        ("RLIMIT_CPU", job["cpu_seconds"]),
+                        ("RLIMIT_MEMLOCK", 0), ("RLIMIT_MSGQUEUE", 0)):
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError, AttributeError):
+            pass
+    if is_root:
+        os.setgroups([])
+        os.setresgid(JAILED_UID, JAILED_UID, JAILED_UID)
+        os.setresuid(JAILED_UID, JAILED_UID, JAILED_UID)  # clears every capability
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
+           "TMPDIR": "/tmp", "PYTHONHASHSEED": "0"}
+    exe = job["python"]
+    os.execve(exe, [exe, "-I", "-S", "-B", "-c", job["source"], "run", str(run_fd), str(res_fd)], env)
+
+
+# ------------------------------------------------------------------------------------------
+# Stage "run": inside the jail
+# ------------------------------------------------------------------------------------------
+
+
+def _run(argv):
+    import builtins
+    import json
+    import os
+    import sys
+
+    run_fd, res_fd = int(argv[0]), int(argv[1])
+    job = json.loads(os.pread(run_fd, os.fstat(run_fd).st_size, 0))
+    os.close(run_fd)
+    write, compile_, exec_, eval_ = os.write, builtins.compile, builtins.exec, builtins.eval
+    exit_, dumps, enc = os._exit, json.dumps, str.encode
+    mode, code = job["mode"], job["code"]
+    # No new processes or threads. Set here, after execve: set at setuid time, a limit already
+    # exceeded by other sandboxes of the same uid would make that execve fail (EAGAIN).
+    import resource
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    if job["audit"]:
+        sys.addaudithook(_make_hook())
+    glb = {"__name__": "__main__" if mode == "stdio" else "solution", "__builtins__": builtins}
+    if mode == "stdio":
+        del job
+        status = 0
+        try:
+            exec_(compile_(code, "solution.py", "exec"), glb)
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:
+            _report(e)
+            status = 1
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            status = 1
+        exit_(status & 0xFF)
+    if mode == "statement":
+        # The nonce lives only in this frame's locals (frames cannot be reached, see the hook).
+        nonce, statement = job["nonce"], job["statement"]
+        del job
+        guard = _equality_guard()
+        private = {}
+        try:
+            exec_(compile_(code, "solution.py", "exec"), glb)
+            # statement defines __grpo_test__(__grpo_eq__) (see grpo._sandbox.guard_statement);
+            # the definition lands in a dict the solution cannot reach, its globals are glb.
+            exec_(compile_(statement, "<test>", "exec"), glb, private)
+            private["__grpo_test__"](guard)
+        except BaseException as e:
+            _report(e)
+            exit_(1)
+        write(res_fd, enc(nonce + "\n"))
+        exit_(0)
+    # mode == "values": the expected values never enter this process; only computed values leave.
+    tests = job["tests"]
+    del job
+    try:
+        exec_(compile_(code, "solution.py", "exec"), glb)
+    except BaseException as e:
+        _report(e)
+        exit_(1)
+    encode = _encoder()
+    for i, (prefix, expr) in enumerate(tests):
+        try:
+            if prefix:
+                exec_(compile_(prefix, "<test %d>" % i, "exec"), glb)
+            value = eval_(compile_(expr, "<test %d>" % i, "eval"), glb)
+            line = dumps({"i": i, "v": encode(value)})
+        except BaseException as e:
+            _report(e)
+            line = dumps({"i": i, "x": type(e).__name__})
+        write(res_fd, enc(line + "\n"))
+    exit_(0)
+
+
+def _equality_guard():
+    """``eq(a, b, negate)``: ``a == b`` (or ``!=``), except that a value of exact builtin types
+    never compares with anything else (an object with a custom ``__eq__``): the result is then
+    False either way, so the assert fails. Builtins are captured before the solution runs."""
+    type_, len_, isinstance_ = type, len, isinstance
+    scalars = (int, float, complex, str, bytes, bool, type(None))
+    containers = (list, tuple, set, frozenset)
+
+    def plain(v, budget):
+        stack = [v]
+        while stack:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            x = stack.pop()
+            t = type_(x)
+            if t in scalars:
+                continue
+            if t in containers:
+                stack.extend(x)
+            elif t is dict:
+                stack.extend(x.keys())
+                stack.extend(x.values())
+            else:
+                return False
+        return True
+
+    def eq(a, b, negate):
+        if plain(a, [100000]) != plain(b, [100000]):
+            return False
+        return (a != b) if negate else (a == b)
+
+    return eq
+
+
+def _encoder():
+    """Values as tagged JSON: exact builtin types only (an object with a custom ``__eq__`` is
+    refused, so "equal to anything" cannot leave the process)."""
+    import math
+
+    def encode(v, depth=0):
+        if depth > 100:
+            raise ValueError("value nested too deeply")
+        t = type(v)
+        if v is None or t is bool:
+            return v
+        if t is int:
+            return {"i": str(v)}
+        if t is float:
+            return {"f": repr(v) if math.isfinite(v) else str(v)}
+        if t is complex:
+            return {"c": [encode(v.real), encode(v.imag)]}
+        if t is str:
+            return {"s": v}
+        if t is bytes:
+            return {"b": v.hex()}
+        if t in (list, tuple, set, frozenset):
+            items = sorted(v, key=repr) if t in (set, frozenset) else v
+            return {{list: "l", tuple: "t", set: "S", frozenset: "F"}[t]:
+                    [encode(x, depth + 1) for x in items]}
+        if t is dict:
+            return {"d": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
+        raise TypeError("cannot report a %s" % t.__name__)
+
+    return encode
+
+
+def _report(e):
+    import sys
+    try:
+        sys.stderr.write("%s: %s\n" % (type(e).__name__, e))
+        sys.stderr.flush()
+    except BaseException:
+        pass
+
+
+def _make_hook():
+    """Audit hook: a second layer inside the jail. Everything it closes over is immutable."""
+    import os
+
+    realpath = os.path.realpath
+    isdir = os.path.isdir
+    O_PATH = getattr(os, "O_PATH", 0)
+    O_DIRECTORY = os.O_DIRECTORY
+    # Reaching a frame is the one way to read the harness's locals (the nonce of a statement
+    # test) from Python; sys._getframe is refused with ValueError, which namedtuple, enum and
+    # typing already catch.
+    FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions"})
+    FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
+    BLOCKED = frozenset({
+        "os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.kill",
+        "os.killpg", "signal.pthread_kill", "sys.setprofile", "sys.settrace",
+        "sys.addaudithook", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+        "os.chroot", "os.setns", "os.unshare", "code.__new__", "marshal.loads", "marshal.load",
+        "function.__new__", "os.exec", "os.spawn", "pty.spawn", "mmap.__new__",
+        "setopencode", "cpython.run_file", "cpython.PyInterpreterState_New",
+        "_xxsubinterpreters.create", "os.setsid", "os.setpgid"})
+    PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "resource.",
+                "_posixsubprocess.", "sys.remote_exec", "winreg.")
+    # Modules that can read or write raw memory, or run processes without an audit event.
+    BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
+                                 "_testinternalcapi", "_testbuffer", "_testmultiphase",
+                                 "_testimportmultiple", "_xxtestfuzz", "_ctypes_test",
+                                 "_xxsubinterpreters", "_xxinterpchannels", "gc"})
+    # Events whose last argument(s) are dir_fd (-1 or None when absent).
+    DIR_FD_ARGS = {"os.mkdir": 1, "os.remove": 1, "os.rmdir": 1, "os.rename": 2,
+                   "os.symlink": 1, "os.link": 2, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
+                   "os.mkfifo": 1, "os.mknod": 1}
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, None))[:3]
+            if isinstance(path, int):
+                return
+            try:
+                p = realpath(os.fsdecode(path))
+            except Exception:
+                raise PermissionError("sandbox: unreadable path")
+            if p == "/proc" or p.startswith("/proc/") or p.startswith("/dev/fd"):
+                raise PermissionError("sandbox: /proc is not available")
+            # A directory descriptor would serve as dir_fd for opens the hook cannot resolve.
+            if isinstance(flags, int) and flags & (O_PATH | O_DIRECTORY) or isdir(p):
+                raise PermissionError("sandbox: directory descriptors are not available")
+            return
+        if event == "import":
+            name = args[0] if args else ""
+            if isinstance(name, str) and name.partition(".")[0] in BLOCKED_IMPORTS:
+                raise ImportError("sandbox: module %s is not available" % name)
+            return
+        if event == "object.__getattr__":
+            if len(args) > 1 and args[1] in FRAME_ATTRS:
+                raise AttributeError("sandbox: frames are not available")
+            return
+        if event in FRAME_EVENTS:
+            raise ValueError("sandbox: frames are not available")
+        if event in BLOCKED or event.startswith(PREFIXES):
+            if event.startswith("ctypes."):
+                raise ImportError("sandbox: ctypes is not available")
+            raise PermissionError("sandbox: %s is not allowed" % event)
+        n = DIR_FD_ARGS.get(event)
+        if n:
+            if any(a is not None and a != -1 for a in tuple(args)[-n:]):
+                raise PermissionError("sandbox: dir_fd is not allowed")
+        elif event in ("os.listdir", "os.scandir", "os.fwalk") and args and isinstance(args[0], int):
+            raise PermissionError("sandbox: listing a directory descriptor is not allowed")
+
+    return hook
+
+
+def main():
+    import sys
+
+    stage, rest = sys.argv[1], sys.argv[2:]
+    if stage == "jail":
+        _jail(rest)
+    elif stage == "run":
+        _run(rest)
+    else:
+        raise SystemExit("unknown stage %r" % stage)
+
+
+if __name__ == "__main__":
+    main()
