@@ -3,7 +3,7 @@
 A wrong rule is trained into the model, so every function here is conservative (a false
 positive is a reward hack), bounded in time (a hang stalls the run) and never raises.
 
-Public API (``shared/API.md``)::
+Public API (``docs/api.md``)::
 
     extract_answer(text) -> str | None
     math_equal(pred, gold, *, timeout=5.0) -> bool

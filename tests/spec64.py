@@ -1,4 +1,4 @@
-"""An independent float64 statement of ../shared/API.md, written for the tests.
+"""An independent float64 statement of docs/api.md (the loss contract), written for the tests.
 
 It shares no code with ``grpo_kernels``: the reductions are spelled out per sequence, the entropy
 comes from ``lse - sum p*z`` rather than ``-sum p log p``, and everything runs in float64 so its own
@@ -13,9 +13,15 @@ from typing import Optional
 import torch
 
 
-def logprobs64(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100):
-    """(logp, entropy) float64 [...]; 0 where the target is ignore_index."""
-    z = logits.double() / temperature
+def logprobs64(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100,
+               softcap=None, logit_scale: float = 1.0):
+    """(logp, entropy) float64 [...]; 0 where the target is ignore_index.
+
+    The softmax sees ``softcap * tanh(logit_scale * logits / softcap) / temperature``."""
+    z = logits.double() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     valid = targets != ignore_index
     index = torch.where(valid, targets, 0).long()
@@ -69,6 +75,8 @@ def grpo64(
     vespo_k_neg=3.0,
     vespo_lambda_neg=2.0,
     segment_ids=None,
+    softcap=None,
+    logit_scale=1.0,
     logprobs=None,
 ):
     """(loss, per-token logp, metrics) in float64, from logits [B, T, V] (or precomputed (logp, H)).
@@ -78,7 +86,7 @@ def grpo64(
     m = torch.ones(b, t, dtype=torch.float64) if mask is None else mask.double()
     m = m * (ids != -100).double()
     ids = torch.where(m != 0, ids, -100)
-    logp, ent = logprobs64(logits, ids, temperature) if logprobs is None else logprobs
+    logp, ent = logprobs64(logits, ids, temperature, softcap=softcap, logit_scale=logit_scale) if logprobs is None else logprobs
     eps_high = eps_low if eps_high is None else eps_high
     adv = advantages.double()
     adv = adv[:, None].expand(b, t) if adv.dim() == 1 else adv
