@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_reward, problems, run_demo
+from grpo.rollout import completion_mask
 from grpo.trainer import (
-    GRPOConfig, UpdateBatch, completion_mask, generate_rollouts, overlong_penalty, prepare_model,
-    total_reward, train, update,
+    GRPOConfig, UpdateBatch, as_policy, default_rollout, overlong_penalty, prepare_model, total_reward, train, update,
 )
 
 
@@ -53,6 +53,11 @@ def tiny_config(tmp_path, **overrides) -> GRPOConfig:
 def fresh_model():
     model, tokenizer = build_model_and_tokenizer(seed=0)
     return model, tokenizer
+
+
+def generate_rollouts(model, tokenizer, prompts, cfg, num_generations):
+    """Completions as the trainer samples them."""
+    return default_rollout(model, tokenizer, cfg).generate(as_policy(model), prompts, num_generations)
 
 
 def params(model) -> dict[str, torch.Tensor]:
