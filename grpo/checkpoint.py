@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import distributed
+from .atomic import write_atomically
 
 FILENAME = "checkpoint.pt"
 
@@ -54,7 +55,10 @@ def save(
     optimizer: torch.optim.Optimizer,
     config: dict[str, Any],
 ) -> None:
-    """Write the checkpoint via a temporary file and ``os.replace``, so a crash never leaves half a file.
+    """Write the checkpoint via a temporary file, fsync and ``os.replace``, so a crash never leaves half a file.
+
+    Refuses (``ValueError`` naming the tensors, nothing written) when a weight or optimizer moment is
+    NaN or inf: such a checkpoint would only crash, or silently poison, the run that resumes from it.
 
     Every rank calls this: full (unsharded) weights and optimizer state are gathered for rank 0, which
     writes them with every rank's RNG state; the others wait until the file is there. ``config`` is
@@ -69,11 +73,29 @@ def save(
         "rng": rng_state() if ranks == 1 else distributed.all_gather_objects(rng_state()),  # a list: one per rank
         "config": config,
     }
+    # rank 0 holds the full state: it checks, and every rank learns the verdict (so all raise, none hangs)
+    bad = non_finite_tensors({k: state[k] for k in ("model", "ref_model", "optimizer")}) if distributed.is_main_process() else []
+    if distributed.all_reduce(len(bad)):
+        raise ValueError(
+            f"refusing to write {path}: non-finite values in {', '.join(bad[:5]) or 'the state on rank 0'}"
+            f"{f' and {len(bad) - 5} more tensors' if len(bad) > 5 else ''}"
+        )
     if distributed.is_main_process():
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_atomically(path, lambda f: torch.save(state, f))
     distributed.barrier()
+
+
+def non_finite_tensors(tree: Any, prefix: str = "") -> list[str]:
+    """Names (dotted paths) of the floating-point tensors in nested dicts / lists that hold a NaN or an inf."""
+    if isinstance(tree, torch.Tensor):
+        return [prefix] if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else []
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return []
+    return [name for k, v in items for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
 
 
 def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer) -> int:

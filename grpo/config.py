@@ -73,9 +73,10 @@ FINITE = Bounds()
 PROBABILITY_LIKE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
 
 
-def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None) -> Any:
-    """A config field with its help text, and its choices or range when it has them."""
-    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
+def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "") -> Any:
+    """A config field with its help text, and its choices or range when it has them (``why``: the reason
+    for a range that is not obvious, added to the error)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why})
 
 
 @dataclass
@@ -91,7 +92,10 @@ class GRPOConfig:
     num_steps: int = option(100, "training steps (one batch of rollouts each)", bounds=at_least(1))
     # rollouts
     prompts_per_step: int = option(8, "prompts per step, over all ranks (the global batch)", bounds=at_least(1))
-    num_generations: int = option(8, "G: completions sampled per prompt, the group its advantages are relative to", bounds=at_least(1))
+    num_generations: int = option(
+        8, "G: completions sampled per prompt, the group its advantages are relative to", bounds=at_least(2),
+        why="a group of one completion is its own baseline, so every advantage would be 0 and GRPO would learn nothing",
+    )
     max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
     temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
@@ -164,7 +168,8 @@ class GRPOConfig:
                 for i, x in enumerate(value if isinstance(value, list) else [value]):
                     if not bounds.holds(x):
                         where = f"{f.name}[{i}]" if isinstance(value, list) else f.name
-                        raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}")
+                        why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
+                        raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
         # the rules that tie fields together
         eps_high = self.eps_low if self.eps_high is None else self.eps_high
         if self.delta is not None and not self.delta > 1 + eps_high:

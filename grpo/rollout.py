@@ -105,6 +105,8 @@ class HFGenerate:
         device = next(policy.parameters()).device
         repeated = [p for p in prompts for _ in range(num_generations)]
         enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        if enc.input_ids.shape[1] == 0:
+            raise ValueError(f"all {len(prompts)} prompts are empty after tokenization: a completion needs a prompt token to follow")
         was_training = policy.training
         policy.eval()
         sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)

@@ -15,6 +15,12 @@ One training step:
 
 The knobs are ``GRPOConfig``'s (``grpo.config``); the prompt order is ``grpo.data``'s.
 
+Nothing non-finite gets through: a reward that is not a finite number counts as unscorable (``None``)
+with a warning naming the function and row (``score``); advantages are computed overflow-free
+(``grpo.advantages``); an optimizer step whose loss or gradient norm is not finite is skipped and
+counted in the log line's ``skipped_updates`` (``update``); and ``grpo.checkpoint`` refuses to write
+non-finite weights. Bad rows fail before the run starts (``grpo.data.check_rows``).
+
 Shapes: ``B`` completions in a step (``prompts_per_step * G``), ``P`` prompt positions (left padded),
 ``T`` completion positions (right padded), ``H`` hidden size, ``V`` vocabulary.
 
@@ -32,10 +38,12 @@ import copy
 import dataclasses
 import importlib.util
 import math
+import numbers
 import os
 import random
 import resource
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -47,7 +55,7 @@ from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 from . import checkpoint, distributed
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
-from .data import columns_of, prompts_for_step, shard_for_rank
+from .data import check_rows, columns_of, prompts_for_step, shard_for_rank
 from .logs import RunLog, plot_curves
 from .rollout import Completions, HFGenerate, Rollout, autocast, generation_eos
 
@@ -187,15 +195,45 @@ def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dict[str, list]) -> torch.Tensor:
-    """Rewards [B, F] float32, one column per function; ``None`` becomes NaN."""
-    per_fn = []
-    for name, fn in reward_fns.items():
+def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [B, F] float64, one column per function; nonfinite [F] int64, per function).
+
+    Each function returns one value per completion: a real number (any numeric type, or a one-element
+    tensor) or ``None`` (unscorable), which becomes NaN. A number that is not finite (+-inf, NaN) is
+    not a score either: it is treated as unscorable too, counted in ``nonfinite`` and reported in a
+    ``RuntimeWarning`` naming the function and the first such row, so it never reaches an advantage.
+    Rewards stay float64, so a huge finite one (1e39) is a score, not an overflow. A value of any other
+    type (a str, a list) is a bug in the function: ``TypeError`` naming it and the row.
+    """
+    B = len(rollout.completions)
+    per_fn, nonfinite = torch.full((B, len(reward_fns)), math.nan, dtype=torch.float64), []
+    for j, (name, fn) in enumerate(reward_fns.items()):
         values = fn(rollout.prompts, rollout.completions, **columns)
-        if len(values) != len(rollout.completions):
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(rollout.completions)} completions")
-        per_fn.append([math.nan if v is None else float(v) for v in values])
-    return torch.tensor(per_fn, dtype=torch.float32).T.reshape(len(rollout.completions), len(reward_fns))
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise TypeError(f"reward function {name!r} must return a list of {B} floats or None, got {type(values).__name__}")
+        if len(values) != B:
+            raise ValueError(f"reward function {name!r} returned {len(values)} values for {B} completions")
+        bad = []
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, numbers.Real):
+                raise TypeError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}: expected a number or None")
+            if math.isfinite(float(v)):
+                per_fn[i, j] = float(v)
+            else:
+                bad.append(i)
+        if bad:
+            i = bad[0]
+            warnings.warn(
+                f"reward function {name!r} returned {float(values[i])} for row {i} (prompt {rollout.prompts[i][:60]!r}); "
+                f"{len(bad)} values of this step were not finite: treated as unscorable (None)",
+                RuntimeWarning, stacklevel=2,
+            )
+        nonfinite.append(len(bad))
+    return per_fn, torch.tensor(nonfinite, dtype=torch.int64)
 
 
 def overlong_penalty(lengths: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
@@ -208,10 +246,17 @@ def overlong_penalty(lengths: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
 
 
 def total_reward(per_fn: torch.Tensor, weights: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over functions that scored [B]; NaN where none did (such completions get advantage 0)."""
+    """Weighted sum over functions that scored [B] float64; NaN where none did (such completions get advantage 0).
+
+    A sum too large for float64 (rewards near 1e308) is unscorable too, with a ``RuntimeWarning``.
+    """
+    per_fn = per_fn.to(torch.float64)
     unscorable = torch.isnan(per_fn).all(-1)
-    total = torch.nansum(per_fn * weights, dim=-1) + penalty
-    return torch.where(unscorable, torch.full_like(total, math.nan), total)
+    total = torch.nansum(per_fn * weights.to(torch.float64), dim=-1) + penalty.to(torch.float64)
+    overflow = ~unscorable & ~torch.isfinite(total)
+    if bool(overflow.any()):
+        warnings.warn(f"the weighted reward of row {int(torch.nonzero(overflow)[0])} overflows float64: treated as unscorable", RuntimeWarning, stacklevel=2)
+    return torch.where(unscorable | overflow, torch.full_like(total, math.nan), total)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,12 +353,15 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches.
 
     Under data parallelism ``batch`` is this rank's share (possibly empty); the logs are global.
+    An iteration whose loss (on any rank) or gradient norm is not finite does not step the optimizer:
+    AdamW would carry a NaN into every weight and its moments. It is counted in ``skipped_updates``
+    and reported in a ``RuntimeWarning``; its loss / grad_norm are logged as they were (null in JSON).
     """
     num_items = count_loss_tokens(batch.loss_mask)
     num_sequences = distributed.all_reduce(len(batch))
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    weight_total, losses, grad_norms = 0.0, [], []
+    weight_total, losses, grad_norms, skipped = 0.0, [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -328,14 +376,19 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
                 sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
             weight_total += tokens
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-        optimizer.step()
         losses.append(loss_sum)
+        if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
+            skipped += 1  # (every rank skips: the gradient norm is global, the flag all-reduced)
+            optimizer.zero_grad(set_to_none=True)
+            warnings.warn(f"optimizer step skipped: the loss ({loss_sum}) or gradient norm ({grad_norms[-1]}) is not finite", RuntimeWarning, stacklevel=2)
+            continue
+        optimizer.step()
     # every rank's sums, in one all-reduce; each rank's loss was scaled by the world size
     keys = list(sums)
     totals = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weight_total] + losses, dtype=torch.float64))
     weight_total, losses = float(totals[len(keys)]), (totals[len(keys) + 1 :] / distributed.world_size()).tolist()
     logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, totals)}
-    logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms))
+    logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
 
 
@@ -373,8 +426,8 @@ def train_step(
     generate_time = time.perf_counter() - start
 
     # 2. rewards -> advantages
-    per_fn = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F]
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
+    per_fn, nonfinite = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F] float64, [F]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float64)
     penalty = overlong_penalty(rollout.lengths, cfg)
     rewards = total_reward(per_fn, weights, penalty)  # [B]
     # over every rank's rewards, in rank order (the single-process batch), so that "batch" scaling sees
@@ -414,12 +467,13 @@ def train_step(
         distributed.all_gather(t)
         for t in (per_fn, penalty, zero_signal.float(), rollout.lengths.float(), rollout.truncated.float())
     )
+    nonfinite = distributed.all_reduce(nonfinite)
     scored = rewards[~torch.isnan(rewards)]
     return {
         "step": step + 1,
         "reward": float(scored.mean()) if scored.numel() else math.nan,
         "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
-        **reward_logs(per_fn, list(reward_fns), penalty, cfg),
+        **reward_logs(per_fn, nonfinite, list(reward_fns), penalty, cfg),
         "unscorable_frac": float(torch.isnan(rewards).float().mean()),
         "zero_signal_groups": int(zero_signal.sum()),
         "zero_signal_frac": float(zero_signal.float().mean()),
@@ -427,7 +481,7 @@ def train_step(
         "completion_length/mean": float(lengths.mean()),
         "completion_length/max": float(lengths.max()),
         "truncated_frac": float(truncated.mean()),
-        **update_logs,  # loss, grad_norm, kl, entropy, clip ratios (absent when nothing was updated)
+        **update_logs,  # loss, grad_norm, skipped_updates, kl, entropy, clip ratios (absent when nothing was updated)
         "lr": learning_rate(step, cfg),
         "step_time": step_time,
         "generate_time": generate_time,
@@ -437,14 +491,16 @@ def train_step(
     }
 
 
-def reward_logs(per_fn: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:
-    """Mean and std of every reward function (over the completions it scored), and "accuracy"."""
+def reward_logs(per_fn: torch.Tensor, nonfinite: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:
+    """Mean and std of every reward function (over the completions it scored), its count of non-finite
+    values (treated as unscorable), and "accuracy"."""
     logs = {}
     for j, name in enumerate(names):
         col = per_fn[:, j]
         col = col[~torch.isnan(col)]
         logs[f"rewards/{name}/mean"] = float(col.mean()) if col.numel() else math.nan
         logs[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else 0.0
+        logs[f"rewards/{name}/nonfinite"] = int(nonfinite[j])
         if name == cfg.accuracy_reward:
             logs["accuracy"] = logs[f"rewards/{name}/mean"]
     if cfg.overlong_buffer > 0:
@@ -497,6 +553,7 @@ def train(
     Under torchrun, with ``cfg.distributed`` "ddp" or "fsdp", every rank calls this with the same
     arguments; ``cfg.prompts_per_step`` (the global batch) is split evenly among the ranks.
     """
+    check_rows(rows)  # before anything is loaded or sampled
     distributed.setup(cfg.distributed)
     if cfg.prompts_per_step % distributed.world_size():
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
@@ -513,7 +570,7 @@ def train(
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
     if cfg.resume and os.path.exists(checkpoint_path):
         start_step = checkpoint.load(checkpoint_path, policy, ref_policy, optimizer)
-    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step)
+    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
 
     bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
                disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)

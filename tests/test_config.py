@@ -51,7 +51,7 @@ def test_choice_lists_are_the_owners_own():
         ("top_p", 0.0), ("top_p", 1.5), ("beta", -0.1), ("beta", math.inf), ("delta", 1.0), ("delta", math.nan),
         ("entropy_coef", math.nan), ("weight_decay", -1.0), ("adam_beta1", 1.0), ("adam_beta2", -0.5),
         ("max_grad_norm", 0.0), ("max_grad_norm", math.nan), ("overlong_penalty", -1.0),
-        ("num_steps", 0), ("prompts_per_step", 0), ("num_generations", 0), ("max_new_tokens", 0),
+        ("num_steps", 0), ("prompts_per_step", 0), ("num_generations", 0), ("num_generations", 1), ("max_new_tokens", 0),
         ("num_iterations", 0), ("micro_batch_size", 0), ("chunk_size", 0), ("warmup_steps", -1), ("save_every", -1),
         ("overlong_buffer", -1), ("seed", -1), ("seed", 2**32),
     ],

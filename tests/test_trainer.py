@@ -172,6 +172,8 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
 
     model, tokenizer = fresh_model()
     train(model, tokenizer, rows, REWARDS, tiny_config(tmp_path / "b", **dict(opts, num_steps=2)))
+    with open(tmp_path / "b" / "run" / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "reward": 0.')  # killed while logging the step after the checkpoint
     torch.manual_seed(1234)  # whatever the process did in between must not matter
     model, tokenizer = fresh_model()  # a new process would build the model again
     with torch.no_grad():
