@@ -165,9 +165,10 @@ class GRPOConfig:
             if choices is not None and value not in choices:
                 raise ValueError(f"GRPOConfig.{f.name} must be one of {choices}, got {value!r}")
             if bounds is not None and value is not None:
-                for i, x in enumerate(value if isinstance(value, list) else [value]):
+                is_list = isinstance(value, (list, tuple))
+                for i, x in enumerate(value if is_list else [value]):
                     if not bounds.holds(x):
-                        where = f"{f.name}[{i}]" if isinstance(value, list) else f.name
+                        where = f"{f.name}[{i}]" if is_list else f.name
                         why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
                         raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
         # the rules that tie fields together
@@ -214,7 +215,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
             return
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is list:
-        ok, expected = isinstance(value, list) and all(_is_real(v) for v in value), "a list of numbers"
+        ok, expected = isinstance(value, (list, tuple)) and all(_is_real(v) for v in value), "a list of numbers"
     else:
         ok = {bool: lambda v: isinstance(v, bool), int: _is_int, float: _is_real, str: lambda v: isinstance(v, str)}[hint](value)
         expected = {bool: "True or False", int: "an int", float: "a number", str: "a str"}[hint]

@@ -209,8 +209,12 @@ def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dic
     per_fn, nonfinite = torch.full((B, len(reward_fns)), math.nan, dtype=torch.float64), []
     for j, (name, fn) in enumerate(reward_fns.items()):
         values = fn(rollout.prompts, rollout.completions, **columns)
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise TypeError(f"reward function {name!r} must return a list of {B} floats or None, got {type(values).__name__}")
+        try:
+            if isinstance(values, (str, bytes, Mapping)):
+                raise TypeError
+            values = list(values)  # (a tuple, an array or a tensor of B values will do)
+        except TypeError:
+            raise TypeError(f"reward function {name!r} must return a list of {B} floats or None, got {type(values).__name__}") from None
         if len(values) != B:
             raise ValueError(f"reward function {name!r} returned {len(values)} values for {B} completions")
         bad = []

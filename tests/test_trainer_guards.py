@@ -60,13 +60,25 @@ def test_non_finite_rewards_are_unscorable_with_a_warning_naming_function_and_ro
     assert nonfinite.tolist() == [3]
 
 
-@pytest.mark.parametrize("values, kind", [(["1.0"] * 4, TypeError), (None, TypeError), ([[1.0]] * 4, TypeError)])
+@pytest.mark.parametrize(
+    "values, kind",
+    [(["1.0"] * 4, TypeError), (None, TypeError), ([[1.0]] * 4, TypeError), (1.0, TypeError), (torch.tensor(1.0), TypeError),
+     ("1234", TypeError), ([1.0] * 3, ValueError)],
+)
 def test_a_reward_of_the_wrong_type_is_refused_naming_the_function(values, kind):
     def broken(prompts, completions, **_):
         return values
 
     with pytest.raises(kind, match="reward function 'broken'"):
         score({"broken": broken}, completions(4), {})
+
+
+def test_rewards_as_tuples_arrays_and_tensors_are_read():
+    import numpy as np
+
+    for values in ((1.0, None, 0.5, 2), np.array([1.0, 7.0, 0.5, 2.0], dtype=np.float32), torch.tensor([1.0, 0.0, 0.5, 2.0])):
+        per_fn, _ = score({"f": lambda p, c, **_: values}, completions(4), {})
+        assert per_fn[[0, 2, 3], 0].tolist() == [1.0, 0.5, 2.0] and per_fn.shape == (4, 1)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
