@@ -523,14 +523,23 @@ def peak_memory_mb(device: torch.device) -> float:
 # the loop
 # --------------------------------------------------------------------------------------------------
 def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> dict[str, RewardFn]:
-    if isinstance(reward_fns, Mapping):
-        return dict(reward_fns)
-    return {reward_name(fn): fn for fn in reward_fns}
+    """``{name: fn}`` from a mapping or a list (named by ``__name__``; two of one name are an error, not one dropped)."""
+    named = list(reward_fns.items()) if isinstance(reward_fns, Mapping) else [(reward_name(fn), fn) for fn in reward_fns]
+    if not named:
+        raise ValueError("reward_fns is empty: GRPO needs at least one reward function")
+    for name, fn in named:
+        if not callable(fn):
+            raise TypeError(f"reward function {name!r} is not callable: {fn!r}")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward functions share a name ({names}): pass a {{name: fn}} dict")
+    return dict(named)
 
 
 def set_seed(seed: int) -> None:
     import numpy as np
 
+    seed %= 2**32  # (numpy's range; the trainer adds the rank to the configured seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -557,14 +566,18 @@ def train(
     Under torchrun, with ``cfg.distributed`` "ddp" or "fsdp", every rank calls this with the same
     arguments; ``cfg.prompts_per_step`` (the global batch) is split evenly among the ranks.
     """
+    if not isinstance(cfg, GRPOConfig):
+        raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
+    if rollout is not None and not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
     check_rows(rows)  # before anything is loaded or sampled
+    reward_fns = as_named(reward_fns)
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
+        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
     distributed.setup(cfg.distributed)
     if cfg.prompts_per_step % distributed.world_size():
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
-    reward_fns = as_named(reward_fns)
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
-        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
     set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
     policy = prepare_model(model, cfg, device)
     ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True) if cfg.beta > 0 else None

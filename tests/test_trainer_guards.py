@@ -257,6 +257,20 @@ def test_jsonl_with_a_byte_order_mark_and_crlf_loads(tmp_path):
     assert load_jsonl(str(path), "question") == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 
 
+def test_reward_functions_are_checked_before_the_run(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(ValueError, match="share a name"):  # two lambdas: one would have been dropped
+        train(model, tokenizer, problems()[:4], [lambda p, c, **_: [0.0] * len(c), lambda p, c, **_: [1.0] * len(c)], cfg)
+    with pytest.raises(ValueError, match="at least one reward function"):
+        train(model, tokenizer, problems()[:4], {}, cfg)
+    with pytest.raises(TypeError, match="reward function 'x' is not callable"):
+        train(model, tokenizer, problems()[:4], {"x": 1.0}, cfg)
+    with pytest.raises(TypeError, match="rollout must implement"):
+        train(model, tokenizer, problems()[:4], {"format": format_reward}, cfg, rollout=object())
+    assert not os.path.exists(cfg.output_dir)  # refused before anything was written
+
+
 # ---------------------------------------------------------------------------- config
 def test_one_generation_per_prompt_is_refused():
     with pytest.raises(ValueError, match=r"num_generations must be >= 2.*advantage"):
