@@ -91,10 +91,12 @@ def train_command(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
     parser.add_argument("--data", required=True, help="JSONL: one object per prompt, e.g. {\"prompt\": ..., \"answer\": ...}")
-    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--prompt-key", default="prompt", help="the JSONL field that holds the prompt (default: prompt)")
     parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap prompts in the tokenizer's chat template (default: when it has one)")
-    parser.add_argument("--rewards", nargs="+", default=["accuracy", "format"])
+    parser.add_argument("--rewards", nargs="+", default=["accuracy", "format"],
+                        help="reward functions: names of grpo.rewards.REWARD_FUNCTIONS, functions of grpo.rewards, "
+                             "or module:function (default: accuracy format)")
     add_config_flags(parser, GRPOConfig)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
