@@ -39,6 +39,21 @@ class Completions:
         """[B] int64: completion tokens, EOS included."""
         return self.completion_mask.sum(-1)
 
+    def check(self, rows: int, engine: str = "the rollout engine") -> "Completions":
+        """Itself, once its fields agree with the layout above for ``rows`` completions; else ``ValueError``."""
+        names = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+        for name in names:
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f"{engine} returned {name} as {type(getattr(self, name)).__name__}, not a tensor")
+        P, T = self.prompt_ids.shape[-1], self.completion_ids.shape[-1]
+        for name, expected in zip(names, ((rows, P), (rows, P), (rows, T), (rows, T), (rows,))):
+            if tuple(getattr(self, name).shape) != expected:
+                raise ValueError(f"{engine} returned {name} of shape {list(getattr(self, name).shape)}, expected {list(expected)}")
+        for name in ("prompts", "completions"):
+            if len(getattr(self, name)) != rows:
+                raise ValueError(f"{engine} returned {len(getattr(self, name))} {name}, expected {rows}")
+        return self
+
 
 @runtime_checkable
 class Rollout(Protocol):

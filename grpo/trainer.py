@@ -426,7 +426,7 @@ def train_step(
     # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
     indices = prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
-    rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G)
+    rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G).check(len(batch_rows) * G, type(rollout_engine).__name__)
     generate_time = time.perf_counter() - start
 
     # 2. rewards -> advantages

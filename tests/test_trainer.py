@@ -228,6 +228,15 @@ def test_another_rollout_engine_plugs_in(tmp_path):
     assert [r["reward"] for r in records] == [0.5, 0.5] and records[0]["completion_length/max"] == 4  # <answer> 1 </answer> <eos>
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
+    class OneShort(ScriptedRollout):
+        def generate(self, *args, **kwargs):
+            out = super().generate(*args, **kwargs)
+            out.completion_mask = out.completion_mask[:-1]
+            return out
+
+    with pytest.raises(ValueError, match=r"OneShort returned completion_mask of shape \[15, 4\], expected \[16, 4\]"):
+        train(model, tokenizer, problems()[:8], {"answered": answered}, tiny_config(tmp_path / "short"), rollout=OneShort(tokenizer))
+
 
 def test_triton_backend_end_to_end(tmp_path):
     """One step through the Triton kernels (the interpreter on CPU), as on a GPU."""
