@@ -36,8 +36,8 @@ class Bounds:
     finite: bool = True
 
     def holds(self, x: float) -> bool:
-        if math.isnan(x) or (self.finite and math.isinf(x)):
-            return False
+        if not isinstance(x, numbers.Integral) and (math.isnan(x) or (self.finite and math.isinf(x))):
+            return False  # (an int is finite, and may be too large for a float)
         if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
             return False
         return self.high is None or (x < self.high if self.high_open else x <= self.high)
@@ -70,7 +70,7 @@ def above(low: float, finite: bool = True) -> Bounds:
 
 
 FINITE = Bounds()
-PROBABILITY_LIKE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
+ZERO_TO_ONE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
 
 
 def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "") -> Any:
@@ -113,7 +113,7 @@ class GRPOConfig:
                             "means, or the sum over tokens divided by their count (bnpo, dapo: the whole batch's) or by "
                             "completions * max_new_tokens (dr_grpo)", choices=LOSS_TYPES)
     beta: float = option(0.0, "KL coefficient; > 0 keeps a frozen reference model", bounds=at_least(0))
-    eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low", bounds=PROBABILITY_LIKE)
+    eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low", bounds=ZERO_TO_ONE)
     eps_high: Optional[float] = option(None, "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28", bounds=at_least(0))
     delta: Optional[float] = option(None, "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high)", bounds=above(1))
     importance_sampling_level: str = option("token", "the importance ratio per token, or per sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
@@ -124,8 +124,8 @@ class GRPOConfig:
     # optimisation
     learning_rate: float = option(1e-6, "AdamW learning rate (after warm-up)", bounds=at_least(0))
     weight_decay: float = option(0.0, "AdamW weight decay", bounds=at_least(0))
-    adam_beta1: float = option(0.9, "AdamW beta1", bounds=PROBABILITY_LIKE)
-    adam_beta2: float = option(0.99, "AdamW beta2", bounds=PROBABILITY_LIKE)
+    adam_beta1: float = option(0.9, "AdamW beta1", bounds=ZERO_TO_ONE)
+    adam_beta2: float = option(0.99, "AdamW beta2", bounds=ZERO_TO_ONE)
     warmup_steps: int = option(0, "linear learning-rate warm-up, in steps", bounds=at_least(0))
     max_grad_norm: float = option(1.0, "clip the gradient norm to this (inf: measure only)", bounds=above(0, finite=False))
     micro_batch_size: Optional[int] = option(None, "completions per forward/backward (None: the whole batch)", bounds=at_least(1))

@@ -53,7 +53,7 @@ def test_choice_lists_are_the_owners_own():
         ("max_grad_norm", 0.0), ("max_grad_norm", math.nan), ("overlong_penalty", -1.0),
         ("num_steps", 0), ("prompts_per_step", 0), ("num_generations", 0), ("num_generations", 1), ("max_new_tokens", 0),
         ("num_iterations", 0), ("micro_batch_size", 0), ("chunk_size", 0), ("warmup_steps", -1), ("save_every", -1),
-        ("overlong_buffer", -1), ("seed", -1), ("seed", 2**32),
+        ("overlong_buffer", -1), ("seed", -1), ("seed", 2**32), ("seed", 10**400),
     ],
 )
 def test_out_of_range_value_is_refused_naming_the_field(field, value):
