@@ -19,8 +19,10 @@ __all__ = ["group_advantages", "zero_signal_groups", "GRPOConfig", "train"]
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in ("GRPOConfig", "train"):
-        return getattr(importlib.import_module(".trainer", __name__), name)
-    if name in ("trainer", "demo", "data", "rewards", "tokenizer", "logs"):
+    if name == "GRPOConfig":
+        return importlib.import_module(".config", __name__).GRPOConfig
+    if name == "train":
+        return importlib.import_module(".trainer", __name__).train
+    if name in ("trainer", "config", "rollout", "checkpoint", "data", "logs", "distributed", "demo", "rewards", "tokenizer"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -10,10 +10,10 @@
 Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...).
 ``--prompts-per-step`` is the global batch, split evenly among the ranks.
 The data is JSONL with a prompt column and any others (e.g. ``answer``), which reach the reward
-functions as keyword lists. A reward is a built-in name (``accuracy``: ``grpo.rewards.math_accuracy``
-against the ``answer`` column; ``format``: ``grpo.rewards.format_reward``; ``code``:
-``grpo.rewards.code_reward`` against the ``tests`` column), a TRL-style function of ``grpo.rewards``,
-or ``package.module:function`` for your own ``fn(prompts, completions, **columns) -> list[float | None]``.
+functions as keyword lists. A reward is a name of ``grpo.rewards.REWARD_FUNCTIONS`` (``accuracy``: math answers against the
+``answer`` column; ``format``: ``<think>..</think><answer>..</answer>``; ``code``: tests in the
+``tests`` column), another TRL-style function of ``grpo.rewards``, or ``package.module:function`` for
+your own ``fn(prompts, completions, **columns) -> list[float | None]``.
 """
 
 from __future__ import annotations
@@ -28,40 +28,20 @@ from typing import Callable, Optional
 
 
 # ---------------------------------------------------------------------------- rewards by name
-def _accuracy(prompts, completions, answer, **_):
-    from grpo.rewards import math_accuracy
-
-    return [math_accuracy(c, a) for c, a in zip(completions, answer)]
-
-
-def _format(prompts, completions, **_):
-    from grpo.rewards import format_reward
-
-    return [format_reward(c) for c in completions]
-
-
-def _code(prompts, completions, tests, **_):
-    from grpo.rewards import code_reward
-
-    return [code_reward(c, t) for c, t in zip(completions, tests)]
-
-
-# used when grpo.rewards has no REWARD_FUNCTIONS registry of TRL-style functions by name
-BUILTIN_REWARDS = {"accuracy": _accuracy, "format": _format, "code": _code}
-
-
 def resolve_reward(name: str) -> Callable:
-    """A reward function from a built-in name, a function of ``grpo.rewards`` or ``module:function``."""
+    """A reward function from a name of ``grpo.rewards.REWARD_FUNCTIONS``, a function of ``grpo.rewards``
+    or ``module:function``."""
     if ":" in name:
         module, attr = name.split(":", 1)
         return getattr(importlib.import_module(module), attr)
     rewards = importlib.import_module("grpo.rewards")
-    registry = {**BUILTIN_REWARDS, **getattr(rewards, "REWARD_FUNCTIONS", {})}
-    if name in registry:
-        return registry[name]
+    if name in rewards.REWARD_FUNCTIONS:
+        return rewards.REWARD_FUNCTIONS[name]
     if callable(getattr(rewards, name, None)):
         return getattr(rewards, name)
-    raise SystemExit(f"unknown reward {name!r}: use one of {sorted(registry)}, a function of grpo.rewards, or module:function")
+    raise SystemExit(
+        f"unknown reward {name!r}: use one of {sorted(rewards.REWARD_FUNCTIONS)}, a function of grpo.rewards, or module:function"
+    )
 
 
 # ---------------------------------------------------------------------------- GRPOConfig as flags
@@ -76,36 +56,50 @@ def _flag_type(hint) -> tuple[Callable, Optional[str]]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
+    """One flag per field of ``config_cls``, its help, choices and range taken from the field's metadata."""
     hints = typing.get_type_hints(config_cls)
+    group = parser.add_argument_group(f"{config_cls.__name__} (in Python: grpo.{config_cls.__name__}(...))")
     for field in dataclasses.fields(config_cls):
         flag = "--" + field.name.replace("_", "-")
         kind, nargs = _flag_type(hints[field.name])
+        meta = field.metadata
+        bounds = f"{meta['bounds'].describe(integer=kind is int)}; " if meta.get("bounds") is not None else ""
+        text = meta.get("help", "").replace("%", "%%") + f" ({bounds}default: %(default)s)"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
+        elif meta.get("choices") is not None:
+            group.add_argument(flag, type=kind, choices=meta["choices"], default=field.default, help=text)
         else:
-            parser.add_argument(flag, type=kind, nargs=nargs, default=field.default, metavar=kind.__name__.upper())
+            group.add_argument(flag, type=kind, nargs=nargs, default=field.default, metavar=kind.__name__.upper(), help=text)
 
 
-def config_from_args(args: argparse.Namespace, config_cls):
-    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
+    """The config the flags describe; a value the config refuses is reported as a usage error."""
+    try:
+        return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
 
 
 # ---------------------------------------------------------------------------- commands
 def train_command(argv: list[str]) -> None:
     from . import distributed
     from .data import load_jsonl
-    from .trainer import GRPOConfig, load_model, train
+    from .config import GRPOConfig
+    from .trainer import load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
     parser.add_argument("--data", required=True, help="JSONL: one object per prompt, e.g. {\"prompt\": ..., \"answer\": ...}")
-    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--prompt-key", default="prompt", help="the JSONL field that holds the prompt (default: prompt)")
     parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap prompts in the tokenizer's chat template (default: when it has one)")
-    parser.add_argument("--rewards", nargs="+", default=["accuracy", "format"])
+    parser.add_argument("--rewards", nargs="+", default=["accuracy", "format"],
+                        help="reward functions: names of grpo.rewards.REWARD_FUNCTIONS, functions of grpo.rewards, "
+                             "or module:function (default: accuracy format)")
     add_config_flags(parser, GRPOConfig)
     args = parser.parse_args(argv)
-    cfg = config_from_args(args, GRPOConfig)
+    cfg = config_from_args(args, GRPOConfig, parser)
     reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
     model, tokenizer = load_model(args.model)
     rows = load_jsonl(args.data, args.prompt_key)

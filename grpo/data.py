@@ -4,31 +4,82 @@ The prompts of step ``s`` are a pure function of ``(seed, s)``: a fresh permutat
 epoch, read ``prompts_per_step`` at a time. So a resumed run sees exactly the prompts the
 uninterrupted run would, and under data parallelism each rank takes its own slice of a step's
 prompts (``shard_for_rank``: whole prompts, so a group of G completions never straddles ranks).
+
+Rows are checked before a run starts (``check_rows``): bad data fails with the row (or the file and
+line) named, not halfway through a run.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 
 def load_jsonl(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Rows of a JSONL file; every row must have ``prompt_key`` (renamed to ``"prompt"``)."""
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    """Rows of a JSONL file (UTF-8, one object per line, blank lines skipped); ``prompt_key`` is renamed to ``"prompt"``.
+
+    A line that is not UTF-8, not JSON or not an object, and a row that breaks ``check_rows``, is an
+    error naming the file and the line.
+    """
+    rows, line_numbers = [], []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # (a byte-order mark may open the file)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object per line, got {type(row).__name__}")
             if prompt_key not in row:
                 raise ValueError(f"{path}:{line_no}: no {prompt_key!r} field (has {sorted(row)})")
             row["prompt"] = row.pop(prompt_key)
             rows.append(row)
+            line_numbers.append(line_no)
     if not rows:
         raise ValueError(f"{path}: no rows")
+    check_rows(rows, where=lambda i: f"{path}:{line_numbers[i]}")
     return rows
+
+
+def check_rows(rows: Sequence[Mapping[str, Any]], where: Callable[[int], str] = lambda i: f"rows[{i}]") -> list[str]:
+    """Check the rows a trainer takes prompts from; returns their columns other than ``"prompt"``.
+
+    Each row is a mapping with a non-empty ``str`` prompt, and every row has the same columns: a
+    column missing from some rows is an error naming it and the first such row (a value that is
+    missing on purpose is written as ``None`` / JSON ``null``, and reaches the reward functions as
+    ``None``). ``where(i)`` names row ``i`` in messages (a file and line for ``load_jsonl``).
+    """
+    if not rows:
+        raise ValueError("no rows: the trainer needs at least one prompt")
+    columns: dict[str, int] = {}  # column -> first row that has it
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{where(i)}: a row must be a dict, got {type(row).__name__}")
+        if "prompt" not in row:
+            raise ValueError(f"{where(i)}: no 'prompt' (has {sorted(row)})")
+        if not isinstance(row["prompt"], str):
+            raise TypeError(f"{where(i)}: the prompt must be a str, got {type(row['prompt']).__name__}")
+        if not row["prompt"]:
+            raise ValueError(f"{where(i)}: empty prompt (a completion needs something to follow)")
+        for key in row:
+            columns.setdefault(key, i)
+    names = [k for k in columns if k != "prompt"]
+    for i, row in enumerate(rows):
+        for key in names:
+            if key not in row:
+                raise ValueError(
+                    f"{where(i)} has no {key!r} column, which {where(columns[key])} has: give every row every "
+                    f"column (None / null where a row has no value)"
+                )
+    return names
 
 
 def prompts_for_step(num_rows: int, step: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -41,10 +92,13 @@ def prompts_for_step(num_rows: int, step: int, prompts_per_step: int, seed: int)
     return indices
 
 
-def columns_of(rows: list[dict[str, Any]], repeat: int) -> dict[str, list]:
-    """Every column except ``prompt`` as lists, each entry repeated ``repeat`` times (once per completion)."""
-    keys = [k for k in rows[0] if k != "prompt"]
-    return {k: [row.get(k) for row in rows for _ in range(repeat)] for k in keys}
+def columns_of(rows: Sequence[Mapping[str, Any]], repeat: int) -> dict[str, list]:
+    """Every column except ``prompt`` as lists, each entry repeated ``repeat`` times (once per completion).
+
+    The columns are every row's (``check_rows``: one missing from some row is an error, never dropped).
+    """
+    names = check_rows(rows, where=lambda i: f"row {i}")
+    return {k: [row[k] for row in rows for _ in range(repeat)] for k in names}
 
 
 def shard_for_rank(indices: list[int], rank: int, world_size: int) -> list[int]:

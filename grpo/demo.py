@@ -32,7 +32,8 @@ from transformers.utils import logging as hf_logging
 
 from . import distributed
 from .tokenizer import char_tokenizer
-from .trainer import GRPOConfig, UpdateBatch, completion_hidden, generate_rollouts, lm_head, set_seed, train
+from .rollout import HFGenerate
+from .trainer import GRPOConfig, UpdateBatch, as_policy, completion_hidden, lm_head, set_seed, train
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -147,13 +148,13 @@ def warm_start(model, tokenizer, rows: list[dict], cfg: DemoConfig) -> list[floa
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], samples: int = 0) -> dict[str, float]:
     """Greedy accuracy (and, with ``samples``, mean accuracy of that many samples at temperature 1)."""
-    gen = GRPOConfig(max_new_tokens=12, temperature=1.0)
-    greedy = generate_rollouts(model, tokenizer, [r["prompt"] for r in rows], gen, 1, greedy=True)
+    engine, policy = HFGenerate(tokenizer, max_new_tokens=12, temperature=1.0), as_policy(model)
+    greedy = engine.generate(policy, [r["prompt"] for r in rows], 1, greedy=True)
     scores = accuracy(None, greedy.completions, [r["answer"] for r in rows])
     result = {"greedy": sum(s or 0.0 for s in scores) / len(rows)}
     result["format"] = sum(format_reward(None, greedy.completions)) / len(rows)
     if samples:
-        sampled = generate_rollouts(model, tokenizer, [r["prompt"] for r in rows], gen, samples)
+        sampled = engine.generate(policy, [r["prompt"] for r in rows], samples)
         answers = [r["answer"] for r in rows for _ in range(samples)]
         result["sampled"] = sum(s or 0.0 for s in accuracy(None, sampled.completions, answers)) / len(answers)
     return result

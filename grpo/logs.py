@@ -10,6 +10,8 @@ import math
 import os
 from typing import Iterable, Optional
 
+from .atomic import write_atomically
+
 # The curves drawn by plot_curves, in order; missing keys are skipped.
 PLOTTED = (
     ("reward", "reward (mean)"),
@@ -25,7 +27,11 @@ PLOTTED = (
 
 
 class RunLog:
-    """Appends per-step records to ``path`` (JSONL) and keeps them in ``records``."""
+    """Appends per-step records to ``path`` (JSONL) and keeps them in ``records``.
+
+    resume_step: keep the records of an existing log up to this step (a resumed run redoes the later
+    ones); None: start a new log.
+    """
 
     def __init__(self, path: str, enabled: bool = True, resume_step: Optional[int] = None) -> None:
         self.path, self.enabled = path, enabled
@@ -46,18 +52,33 @@ class RunLog:
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The records of a run's log; a last line cut short (the run was killed while writing it) is dropped.
+
+    Any other line that is not a JSON object is an error naming the file and line: the log is the
+    run's own, so that is damage, not something to skip over.
+    """
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    records = []
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if line_no == len(lines):  # no newline after it: the write was torn
+                break
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
 
 
 def write_jsonl_atomic(path: str, records: Iterable[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
 
 
 def plot_curves(records: list[dict], path: str, title: str = "GRPO") -> Optional[str]:

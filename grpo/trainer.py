@@ -1,8 +1,8 @@
 """GRPO, top to bottom: rollouts -> rewards -> group advantages -> an update with the fused loss.
 
 One training step:
-  1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with
-     Hugging Face ``generate`` (left-padded prompts, sampling, EOS ends a completion);
+  1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with a
+     rollout engine (``grpo.rollout``: Hugging Face ``generate`` unless ``train`` is given another);
   2. score every completion with weighted reward functions ``fn(prompts, completions, **columns)``
      (``None`` = unscorable), and turn the rewards into group-relative advantages;
   3. update the policy: its last hidden states and ``lm_head`` weight go to
@@ -10,7 +10,16 @@ One training step:
      cut into micro-batches whose gradients accumulate; the DAPO normaliser counts the tokens of the
      whole batch. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
      recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term.
-  4. log one JSON line, and now and then write a checkpoint from which a run resumes exactly.
+  4. log one JSON line, and now and then write a checkpoint (``grpo.checkpoint``) from which a run
+     resumes exactly.
+
+The knobs are ``GRPOConfig``'s (``grpo.config``); the prompt order is ``grpo.data``'s.
+
+Nothing non-finite gets through: a reward that is not a finite number counts as unscorable (``None``)
+with a warning naming the function and row (``score``); advantages are computed overflow-free
+(``grpo.advantages``); an optimizer step whose loss or gradient norm is not finite is skipped and
+counted in the log line's ``skipped_updates`` (``update``); and ``grpo.checkpoint`` refuses to write
+non-finite weights. Bad rows fail before the run starts (``grpo.data.check_rows``).
 
 Shapes: ``B`` completions in a step (``prompts_per_step * G``), ``P`` prompt positions (left padded),
 ``T`` completion positions (right padded), ``H`` hidden size, ``V`` vocabulary.
@@ -29,11 +38,12 @@ import copy
 import dataclasses
 import importlib.util
 import math
+import numbers
 import os
 import random
 import resource
 import time
-from contextlib import nullcontext
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -42,85 +52,19 @@ from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 
-from . import distributed
+from . import checkpoint, distributed
 from .advantages import group_advantages, zero_signal_groups
-from .data import columns_of, prompts_for_step, shard_for_rank
+from .config import GRPOConfig
+from .data import check_rows, columns_of, prompts_for_step, shard_for_rank
 from .logs import RunLog, plot_curves
+from .rollout import Completions, HFGenerate, Rollout, autocast, generation_eos
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
 
 # --------------------------------------------------------------------------------------------------
-# configuration
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class GRPOConfig:
-    """Every knob of a run. The defaults are TRL-like; the demo overrides many of them."""
-
-    output_dir: str = "runs/grpo"
-    seed: int = 0
-    num_steps: int = 100
-    # rollouts
-    prompts_per_step: int = 8
-    num_generations: int = 8  # G, completions per prompt
-    max_new_tokens: int = 256
-    temperature: float = 1.0  # used for sampling and, as in TRL, inside the loss
-    top_p: float = 1.0
-    # rewards and advantages
-    reward_weights: Optional[list[float]] = None  # one per reward function; None = all 1
-    advantage_std: str = "population"  # "population" (1/G) or "unbiased" (1/(G-1), TRL)
-    scale_rewards: str = "group"  # "group", "batch" or "none" (Dr. GRPO)
-    drop_zero_signal_groups: bool = False  # leave groups with all-equal rewards out of the update
-    mask_truncated_completions: bool = False  # completions without EOS add no loss
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last `overlong_buffer` tokens; 0 = off
-    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
-    accuracy_reward: str = "accuracy"  # the reward function logged as "accuracy", when present
-    # loss (see grpo_kernels.fused_linear_grpo_loss)
-    loss_type: str = "dapo"
-    beta: float = 0.0  # KL coefficient; > 0 loads a frozen reference model
-    eps_low: float = 0.2
-    eps_high: Optional[float] = None  # None = eps_low; DAPO's clip-higher uses e.g. 0.28
-    delta: Optional[float] = None  # two-sided clipping bound
-    importance_sampling_level: str = "token"  # or "sequence" (GSPO)
-    entropy_coef: float = 0.0
-    num_iterations: int = 1  # updates per batch of rollouts (mu in the GRPO paper)
-    backend: str = "auto"  # grpo_kernels backend: "auto", "triton", "torch", "reference"
-    chunk_size: Optional[int] = None  # rows of logits the fused loss materialises at once
-    # optimisation
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    micro_batch_size: Optional[int] = None  # completions per forward/backward; None = the whole batch
-    gradient_checkpointing: bool = False
-    bf16: bool = True  # bf16 autocast, on CUDA only
-    # logging and checkpoints
-    save_every: int = 50  # steps; 0 = only at the end
-    resume: bool = False  # continue from output_dir/checkpoint.pt when it exists
-    progress: bool = True
-    plot: bool = True
-    # several processes (launch with torchrun): "none", "ddp" or "fsdp" (FSDP2, fully_shard)
-    distributed: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.distributed not in distributed.KINDS:
-            raise ValueError(f"distributed must be one of {distributed.KINDS}, got {self.distributed!r}")
-        if self.num_iterations < 1 or self.num_generations < 1 or self.prompts_per_step < 1:
-            raise ValueError("num_iterations, num_generations and prompts_per_step must be >= 1")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be >= 1 or None")
-
-
-# --------------------------------------------------------------------------------------------------
 # processes, devices, models
 # --------------------------------------------------------------------------------------------------
-def is_main_process() -> bool:
-    """True on the process that writes logs and checkpoints (rank 0 once there are ranks)."""
-    return distributed.is_main_process()
-
-
 def default_device() -> torch.device:
     if distributed.world_size() > 1:
         return distributed.device()  # this rank's GPU
@@ -169,7 +113,7 @@ class Policy(torch.nn.Module):
 
     def _logps(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
         weight, bias = lm_head(self.model)
-        with autocast(device, cfg):
+        with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
         targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
         return fused_linear_token_logprobs(
@@ -178,14 +122,12 @@ class Policy(torch.nn.Module):
 
     def _loss(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
         weight, bias = lm_head(self.model)
-        with autocast(device, cfg):
+        with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
+        options = {**cfg.loss_options(), **loss_kwargs}  # (the caller's loss_type / num_items_in_batch win)
         return fused_linear_grpo_loss(
-            hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias, chunk_size=cfg.chunk_size,
-            old_logps=mb.old_logps, ref_logps=mb.ref_logps, beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            delta=cfg.delta, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens,
-            importance_sampling_level=cfg.importance_sampling_level, entropy_coef=cfg.entropy_coef,
-            backend=cfg.backend, **loss_kwargs,
+            hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
+            old_logps=mb.old_logps, ref_logps=mb.ref_logps, **options,
         )
 
 
@@ -226,17 +168,18 @@ def make_reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def autocast(device: torch.device, cfg: GRPOConfig):
-    """bf16 autocast on CUDA when asked for; fp32 otherwise."""
-    if device.type == "cuda" and cfg.bf16:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
 def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+
+
+def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> HFGenerate:
+    """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids."""
+    return HFGenerate(
+        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, bf16=cfg.bf16,
+        eos_token_id=generation_eos(model, tokenizer),
     )
 
 
@@ -246,87 +189,55 @@ def learning_rate(step: int, cfg: GRPOConfig) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# rollouts
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class Rollout:
-    """G completions for each of some prompts, prompt-major (rows ``g*G .. g*G+G-1`` share a prompt)."""
-
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    completion_ids: torch.Tensor  # [B, T] right-padded
-    completion_mask: torch.Tensor  # [B, T] 1 up to and including the first EOS
-    truncated: torch.Tensor  # [B] bool, no EOS within max_new_tokens
-    prompts: list[str]  # [B]
-    completions: list[str]  # [B] decoded, special tokens dropped
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(-1)
-
-
-def completion_mask(completion_ids: torch.Tensor, eos_token_id: Union[int, list[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [B, T] long: 1 up to and including the first EOS, truncated [B] bool: no EOS at all)."""
-    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
-    for eos in eos_ids:
-        is_eos |= completion_ids == eos
-    T = completion_ids.shape[1]
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    first_eos = torch.where(is_eos, positions, torch.full_like(positions, T)).min(-1).values  # [B]
-    mask = (positions <= first_eos.unsqueeze(-1)).long()
-    return mask, ~is_eos.any(-1)
-
-
-@torch.no_grad()
-def generate_rollouts(
-    model, tokenizer, prompts: list[str], cfg: GRPOConfig, num_generations: int, greedy: bool = False
-) -> Rollout:
-    """Sample ``num_generations`` completions per prompt (greedy: one each, no sampling)."""
-    policy = as_policy(model)
-    device = next(policy.parameters()).device
-    repeated = [p for p in prompts for _ in range(num_generations)]
-    enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    was_training = policy.training
-    policy.eval()
-    eos = unwrap(policy).generation_config.eos_token_id or tokenizer.eos_token_id  # an int or a list (chat models)
-    sampling = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
-    with autocast(device, cfg):
-        out = policy(
-            "generate",
-            input_ids=enc.input_ids,
-            attention_mask=enc.attention_mask,
-            max_new_tokens=cfg.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
-            use_cache=True,
-            **(dict(do_sample=False) if greedy else sampling),
-        )
-    policy.train(was_training)
-    prompt_len = enc.input_ids.shape[1]
-    completion_ids = out[:, prompt_len:]
-    mask, truncated = completion_mask(completion_ids, eos)
-    completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # pad after EOS
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Rollout(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts)
-
-
-# --------------------------------------------------------------------------------------------------
 # rewards and advantages
 # --------------------------------------------------------------------------------------------------
 def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def score(reward_fns: Mapping[str, RewardFn], rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
-    """Rewards [B, F] float32, one column per function; ``None`` becomes NaN."""
-    per_fn = []
-    for name, fn in reward_fns.items():
+def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [B, F] float64, one column per function; nonfinite [F] int64, per function).
+
+    Each function returns one value per completion: a real number (any numeric type, or a one-element
+    tensor) or ``None`` (unscorable), which becomes NaN. A number that is not finite (+-inf, NaN) is
+    not a score either: it is treated as unscorable too, counted in ``nonfinite`` and reported in a
+    ``RuntimeWarning`` naming the function and the first such row, so it never reaches an advantage.
+    Rewards stay float64, so a huge finite one (1e39) is a score, not an overflow. A value of any other
+    type (a str, a list) is a bug in the function: ``TypeError`` naming it and the row.
+    """
+    B = len(rollout.completions)
+    per_fn, nonfinite = torch.full((B, len(reward_fns)), math.nan, dtype=torch.float64), []
+    for j, (name, fn) in enumerate(reward_fns.items()):
         values = fn(rollout.prompts, rollout.completions, **columns)
-        if len(values) != len(rollout.completions):
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(rollout.completions)} completions")
-        per_fn.append([math.nan if v is None else float(v) for v in values])
-    return torch.tensor(per_fn, dtype=torch.float32).T.reshape(len(rollout.completions), len(reward_fns))
+        try:
+            if isinstance(values, (str, bytes, Mapping)):
+                raise TypeError
+            values = list(values)  # (a tuple, an array or a tensor of B values will do)
+        except TypeError:
+            raise TypeError(f"reward function {name!r} must return a list of {B} floats or None, got {type(values).__name__}") from None
+        if len(values) != B:
+            raise ValueError(f"reward function {name!r} returned {len(values)} values for {B} completions")
+        bad = []
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if not isinstance(v, numbers.Real):
+                raise TypeError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}: expected a number or None")
+            if math.isfinite(float(v)):
+                per_fn[i, j] = float(v)
+            else:
+                bad.append(i)
+        if bad:
+            i = bad[0]
+            warnings.warn(
+                f"reward function {name!r} returned {float(values[i])} for row {i} (prompt {rollout.prompts[i][:60]!r}); "
+                f"{len(bad)} values of this step were not finite: treated as unscorable (None)",
+                RuntimeWarning, stacklevel=2,
+            )
+        nonfinite.append(len(bad))
+    return per_fn, torch.tensor(nonfinite, dtype=torch.int64)
 
 
 def overlong_penalty(lengths: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
@@ -339,10 +250,17 @@ def overlong_penalty(lengths: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
 
 
 def total_reward(per_fn: torch.Tensor, weights: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over functions that scored [B]; NaN where none did (such completions get advantage 0)."""
+    """Weighted sum over functions that scored [B] float64; NaN where none did (such completions get advantage 0).
+
+    A sum too large for float64 (rewards near 1e308) is unscorable too, with a ``RuntimeWarning``.
+    """
+    per_fn = per_fn.to(torch.float64)
     unscorable = torch.isnan(per_fn).all(-1)
-    total = torch.nansum(per_fn * weights, dim=-1) + penalty
-    return torch.where(unscorable, torch.full_like(total, math.nan), total)
+    total = torch.nansum(per_fn * weights.to(torch.float64), dim=-1) + penalty.to(torch.float64)
+    overflow = ~unscorable & ~torch.isfinite(total)
+    if bool(overflow.any()):
+        warnings.warn(f"the weighted reward of row {int(torch.nonzero(overflow)[0])} overflows float64: treated as unscorable", RuntimeWarning, stacklevel=2)
+    return torch.where(unscorable | overflow, torch.full_like(total, math.nan), total)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,12 +357,15 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches.
 
     Under data parallelism ``batch`` is this rank's share (possibly empty); the logs are global.
+    An iteration whose loss (on any rank) or gradient norm is not finite does not step the optimizer:
+    AdamW would carry a NaN into every weight and its moments. It is counted in ``skipped_updates``
+    and reported in a ``RuntimeWarning``; its loss / grad_norm are logged as they were (null in JSON).
     """
     num_items = count_loss_tokens(batch.loss_mask)
     num_sequences = distributed.all_reduce(len(batch))
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    weight_total, losses, grad_norms = 0.0, [], []
+    weight_total, losses, grad_norms, skipped = 0.0, [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -459,14 +380,19 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
                 sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
             weight_total += tokens
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-        optimizer.step()
         losses.append(loss_sum)
+        if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
+            skipped += 1  # (every rank skips: the gradient norm is global, the flag all-reduced)
+            optimizer.zero_grad(set_to_none=True)
+            warnings.warn(f"optimizer step skipped: the loss ({loss_sum}) or gradient norm ({grad_norms[-1]}) is not finite", RuntimeWarning, stacklevel=2)
+            continue
+        optimizer.step()
     # every rank's sums, in one all-reduce; each rank's loss was scaled by the world size
     keys = list(sums)
     totals = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weight_total] + losses, dtype=torch.float64))
     weight_total, losses = float(totals[len(keys)]), (totals[len(keys) + 1 :] / distributed.world_size()).tolist()
     logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, totals)}
-    logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms))
+    logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
 
 
@@ -482,7 +408,7 @@ def train_step(
     step: int,
     model,
     ref_model,
-    tokenizer,
+    rollout_engine: Rollout,
     optimizer,
     rows: list[dict[str, Any]],
     reward_fns: Mapping[str, RewardFn],
@@ -500,12 +426,12 @@ def train_step(
     # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
     indices = prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
-    rollout = generate_rollouts(model, tokenizer, [r["prompt"] for r in batch_rows], cfg, G)
+    rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G).check(len(batch_rows) * G, type(rollout_engine).__name__)
     generate_time = time.perf_counter() - start
 
     # 2. rewards -> advantages
-    per_fn = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F]
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float32)
+    per_fn, nonfinite = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F] float64, [F]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float64)
     penalty = overlong_penalty(rollout.lengths, cfg)
     rewards = total_reward(per_fn, weights, penalty)  # [B]
     # over every rank's rewards, in rank order (the single-process batch), so that "batch" scaling sees
@@ -545,12 +471,13 @@ def train_step(
         distributed.all_gather(t)
         for t in (per_fn, penalty, zero_signal.float(), rollout.lengths.float(), rollout.truncated.float())
     )
+    nonfinite = distributed.all_reduce(nonfinite)
     scored = rewards[~torch.isnan(rewards)]
     return {
         "step": step + 1,
         "reward": float(scored.mean()) if scored.numel() else math.nan,
         "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
-        **reward_logs(per_fn, list(reward_fns), penalty, cfg),
+        **reward_logs(per_fn, nonfinite, list(reward_fns), penalty, cfg),
         "unscorable_frac": float(torch.isnan(rewards).float().mean()),
         "zero_signal_groups": int(zero_signal.sum()),
         "zero_signal_frac": float(zero_signal.float().mean()),
@@ -558,7 +485,7 @@ def train_step(
         "completion_length/mean": float(lengths.mean()),
         "completion_length/max": float(lengths.max()),
         "truncated_frac": float(truncated.mean()),
-        **update_logs,  # loss, grad_norm, kl, entropy, clip ratios (absent when nothing was updated)
+        **update_logs,  # loss, grad_norm, skipped_updates, kl, entropy, clip ratios (absent when nothing was updated)
         "lr": learning_rate(step, cfg),
         "step_time": step_time,
         "generate_time": generate_time,
@@ -568,14 +495,16 @@ def train_step(
     }
 
 
-def reward_logs(per_fn: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:
-    """Mean and std of every reward function (over the completions it scored), and "accuracy"."""
+def reward_logs(per_fn: torch.Tensor, nonfinite: torch.Tensor, names: list[str], penalty: torch.Tensor, cfg: GRPOConfig) -> dict[str, float]:
+    """Mean and std of every reward function (over the completions it scored), its count of non-finite
+    values (treated as unscorable), and "accuracy"."""
     logs = {}
     for j, name in enumerate(names):
         col = per_fn[:, j]
         col = col[~torch.isnan(col)]
         logs[f"rewards/{name}/mean"] = float(col.mean()) if col.numel() else math.nan
         logs[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else 0.0
+        logs[f"rewards/{name}/nonfinite"] = int(nonfinite[j])
         if name == cfg.accuracy_reward:
             logs["accuracy"] = logs[f"rewards/{name}/mean"]
     if cfg.overlong_buffer > 0:
@@ -591,79 +520,26 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# checkpoints: one file, written atomically; RNG states included so a resumed run is the same run
-# --------------------------------------------------------------------------------------------------
-def checkpoint_path(cfg: GRPOConfig) -> str:
-    return os.path.join(cfg.output_dir, "checkpoint.pt")
-
-
-def rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-
-
-def save_checkpoint(step: int, model, ref_model, optimizer, cfg: GRPOConfig) -> None:
-    """Write ``checkpoint.pt`` via a temporary file and ``os.replace``, so a crash never leaves half a file.
-
-    Every rank calls this: full (unsharded) weights and optimizer state are gathered for rank 0, which
-    writes them with every rank's RNG state; the others wait until the file is there.
-    """
-    ranks = distributed.world_size()
-    state = {
-        "step": step,
-        "model": distributed.model_state(model),
-        "ref_model": distributed.model_state(ref_model) if ref_model is not None else None,
-        "optimizer": distributed.optimizer_state(model, optimizer),
-        "rng": rng_state() if ranks == 1 else distributed.all_gather_objects(rng_state()),  # a list: one per rank
-        "config": dataclasses.asdict(cfg),
-    }
-    if is_main_process():
-        path = checkpoint_path(cfg)
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    distributed.barrier()
-
-
-def load_checkpoint(model, ref_model, optimizer, cfg: GRPOConfig) -> int:
-    """Restore everything ``save_checkpoint`` wrote (every rank reads the file); returns the steps done."""
-    state = torch.load(checkpoint_path(cfg), map_location="cpu", weights_only=False)
-    distributed.load_model_state(model, state["model"])
-    if ref_model is not None and state["ref_model"] is not None:
-        distributed.load_model_state(ref_model, state["ref_model"])
-    distributed.load_optimizer_state(model, optimizer, state["optimizer"])
-    set_rng_state(distributed.this_ranks(state["rng"]))
-    return int(state["step"])
-
-
-# --------------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------------
 def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> dict[str, RewardFn]:
-    if isinstance(reward_fns, Mapping):
-        return dict(reward_fns)
-    return {reward_name(fn): fn for fn in reward_fns}
+    """``{name: fn}`` from a mapping or a list (named by ``__name__``; two of one name are an error, not one dropped)."""
+    named = list(reward_fns.items()) if isinstance(reward_fns, Mapping) else [(reward_name(fn), fn) for fn in reward_fns]
+    if not named:
+        raise ValueError("reward_fns is empty: GRPO needs at least one reward function")
+    for name, fn in named:
+        if not callable(fn):
+            raise TypeError(f"reward function {name!r} is not callable: {fn!r}")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward functions share a name ({names}): pass a {{name: fn}} dict")
+    return dict(named)
 
 
 def set_seed(seed: int) -> None:
     import numpy as np
 
+    seed %= 2**32  # (numpy's range; the trainer adds the rank to the configured seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -676,6 +552,7 @@ def train(
     reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]],
     cfg: GRPOConfig,
     device: Optional[torch.device] = None,
+    rollout: Optional[Rollout] = None,
 ) -> list[dict[str, Any]]:
     """Run GRPO for ``cfg.num_steps`` steps (resuming when asked); returns every step's log.
 
@@ -683,36 +560,46 @@ def train(
     reward_fns: ``{name: fn}`` or a list (named by ``__name__``); ``fn(prompts, completions, **columns)``
     returns one ``float | None`` per completion.
 
+    rollout: the engine that samples completions (``grpo.rollout``); None = Hugging Face ``generate``
+    on the policy, with ``cfg``'s sampling settings.
+
     Under torchrun, with ``cfg.distributed`` "ddp" or "fsdp", every rank calls this with the same
     arguments; ``cfg.prompts_per_step`` (the global batch) is split evenly among the ranks.
     """
+    if not isinstance(cfg, GRPOConfig):
+        raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
+    if rollout is not None and not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
+    check_rows(rows)  # before anything is loaded or sampled
+    reward_fns = as_named(reward_fns)
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
+        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
     distributed.setup(cfg.distributed)
     if cfg.prompts_per_step % distributed.world_size():
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
-    reward_fns = as_named(reward_fns)
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
-        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
     set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
     policy = prepare_model(model, cfg, device)
     ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True) if cfg.beta > 0 else None
     optimizer = make_optimizer(policy, cfg)
-    start_step = 0
-    if cfg.resume and os.path.exists(checkpoint_path(cfg)):
-        start_step = load_checkpoint(policy, ref_policy, optimizer, cfg)
-    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=is_main_process(), resume_step=start_step)
+    rollout = rollout or default_rollout(model, tokenizer, cfg)
+    main_process = distributed.is_main_process()
+    start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
+    if cfg.resume and os.path.exists(checkpoint_path):
+        start_step = checkpoint.load(checkpoint_path, policy, ref_policy, optimizer)
+    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
 
     bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
-               disable=not (cfg.progress and is_main_process()), desc="GRPO", dynamic_ncols=True)
+               disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
     for step in bar:
-        record = train_step(step, policy, ref_policy, tokenizer, optimizer, rows, reward_fns, cfg, device)
+        record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device)
         record = log.write(record)
         bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None})
         done = step + 1
         if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0):
-            save_checkpoint(done, policy, ref_policy, optimizer, cfg)
+            checkpoint.save(checkpoint_path, done, policy, ref_policy, optimizer, dataclasses.asdict(cfg))
     bar.close()
     distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
-    if cfg.plot and is_main_process():
+    if cfg.plot and main_process:
         plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))
     return log.records

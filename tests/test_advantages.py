@@ -88,3 +88,32 @@ def test_accepts_lists_and_float64():
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(torch.ones(4), **kwargs)
+
+
+def reference(rewards: torch.Tensor, G: int, unbiased: bool, scale: str, eps: float = 1e-6) -> torch.Tensor:
+    """The formula in float64, straight: no NaN rewards, no overflow guard."""
+    r = rewards.double().view(-1, G)
+    centered = r - r.mean(-1, keepdim=True)
+    if scale == "group":
+        centered = centered / (r.std(-1, keepdim=True, unbiased=unbiased) + eps)
+    elif scale == "batch":
+        centered = centered / (r.std(unbiased=unbiased) + eps)
+    return centered.view(-1)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e6])
+def test_matches_a_float64_reference_on_random_rewards(scale, std, magnitude):
+    g = torch.Generator().manual_seed(7)
+    rewards = torch.randn(5 * 7, generator=g, dtype=torch.float64) * magnitude
+    rewards[7:14] = rewards[7]  # one group with no signal
+    actual = group_advantages(rewards, 7, std=std, scale=scale)
+    expected = reference(rewards, 7, std == "unbiased", scale)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-6, atol=1e-6 * (magnitude if scale == "none" else 1.0))
+
+
+def test_equal_rewards_with_eps_zero_give_zero_not_nan():
+    close(group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, eps=0.0), [0.0, 0.0, -1.0, 1.0], atol=1e-6)
+    close(group_advantages(torch.tensor([1.0, 1.0, 2.0, 2.0]), 2, eps=0.0, scale="batch"), [0.0] * 4, atol=0)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_reward, problems, run_demo
+from grpo.rollout import Completions, completion_mask
 from grpo.trainer import (
-    GRPOConfig, UpdateBatch, completion_mask, generate_rollouts, overlong_penalty, prepare_model,
-    total_reward, train, update,
+    GRPOConfig, UpdateBatch, as_policy, default_rollout, overlong_penalty, prepare_model, total_reward, train, update,
 )
 
 
@@ -53,6 +53,11 @@ def tiny_config(tmp_path, **overrides) -> GRPOConfig:
 def fresh_model():
     model, tokenizer = build_model_and_tokenizer(seed=0)
     return model, tokenizer
+
+
+def generate_rollouts(model, tokenizer, prompts, cfg, num_generations):
+    """Completions as the trainer samples them."""
+    return default_rollout(model, tokenizer, cfg).generate(as_policy(model), prompts, num_generations)
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -167,6 +172,8 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
 
     model, tokenizer = fresh_model()
     train(model, tokenizer, rows, REWARDS, tiny_config(tmp_path / "b", **dict(opts, num_steps=2)))
+    with open(tmp_path / "b" / "run" / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "reward": 0.')  # killed while logging the step after the checkpoint
     torch.manual_seed(1234)  # whatever the process did in between must not matter
     model, tokenizer = fresh_model()  # a new process would build the model again
     with torch.no_grad():
@@ -183,6 +190,52 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
     ]
     logged = (tmp_path / "b" / "run" / "log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in logged] == [1, 2, 3, 4]
+
+
+class ScriptedRollout:
+    """Another rollout engine, as vLLM would plug in: completions that do not come from ``generate``."""
+
+    texts = ("<answer>1</answer>", "<think>x</think>")
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def generate(self, policy, prompts, num_generations, *, greedy=False):
+        self.calls += 1
+        tok = self.tokenizer
+        repeated = [p for p in prompts for _ in range(num_generations)]
+        texts = [self.texts[i % 2] for i in range(len(repeated))]
+        enc = tok(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
+        tok.padding_side = "right"
+        out = tok([t + tok.eos_token for t in texts], return_tensors="pt", padding=True, add_special_tokens=False)
+        tok.padding_side = "left"
+        truncated = torch.zeros(len(texts), dtype=torch.bool)
+        return Completions(enc.input_ids, enc.attention_mask, out.input_ids, out.attention_mask, truncated, repeated, texts)
+
+
+def test_another_rollout_engine_plugs_in(tmp_path):
+    model, tokenizer = fresh_model()
+    engine = ScriptedRollout(tokenizer)
+    before = params(model)
+    seen = []
+
+    def answered(prompts, completions, **_):
+        seen.extend(completions)
+        return [float(c.startswith("<answer>")) for c in completions]
+
+    records = train(model, tokenizer, problems()[:8], {"answered": answered}, tiny_config(tmp_path), rollout=engine)
+    assert engine.calls == 2 and set(seen) == set(ScriptedRollout.texts)
+    assert [r["reward"] for r in records] == [0.5, 0.5] and records[0]["completion_length/max"] == 4  # <answer> 1 </answer> <eos>
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    class OneShort(ScriptedRollout):
+        def generate(self, *args, **kwargs):
+            out = super().generate(*args, **kwargs)
+            out.completion_mask = out.completion_mask[:-1]
+            return out
+
+    with pytest.raises(ValueError, match=r"OneShort returned completion_mask of shape \[15, 4\], expected \[16, 4\]"):
+        train(model, tokenizer, problems()[:8], {"answered": answered}, tiny_config(tmp_path / "short"), rollout=OneShort(tokenizer))
 
 
 def test_triton_backend_end_to_end(tmp_path):

@@ -1,0 +1,223 @@
+"""``GRPOConfig``: every knob of a run, each documented once, validated when the config is made.
+
+Each field carries its help text, and where it has them its allowed choices and range, in
+``dataclasses.field(metadata=...)``. ``__post_init__`` checks every field against them (and the few
+rules that tie fields together), and so does every later assignment, so a misspelt ``loss_type`` or a
+negative learning rate fails at once with the allowed values in the message, not after the model has
+loaded. ``python -m grpo train --help`` prints the same text and choices (``grpo.__main__``).
+
+The loss-side choice lists are ``grpo_kernels``'s own; the advantage ones ``grpo.advantages``'s, and
+the process kinds ``grpo.distributed``'s: each list lives in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from grpo_kernels._validation import BACKENDS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+from .advantages import SCALES, STD_KINDS
+from .distributed import KINDS as DISTRIBUTED_KINDS
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An interval a number must lie in (NaN never does; infinities only when ``finite`` is False)."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False  # low < x, not low <= x
+    high_open: bool = False  # x < high, not x <= high
+    finite: bool = True
+
+    def holds(self, x: float) -> bool:
+        if not isinstance(x, numbers.Integral) and (math.isnan(x) or (self.finite and math.isinf(x))):
+            return False  # (an int is finite, and may be too large for a float)
+        if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
+            return False
+        return self.high is None or (x < self.high if self.high_open else x <= self.high)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, integer: bool = False) -> str:
+        """E.g. ``">= 0, < 1"``, ``"> 0, finite"``; ``integer``: the value is an int (always finite)."""
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
+        if self.finite and not integer and (self.low is None or self.high is None):
+            parts.append("finite")
+        return ", ".join(parts)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else f"{x:g}"
+
+
+def at_least(low: float) -> Bounds:
+    return Bounds(low=low)
+
+
+def above(low: float, finite: bool = True) -> Bounds:
+    return Bounds(low=low, low_open=True, finite=finite)
+
+
+FINITE = Bounds()
+ZERO_TO_ONE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
+
+
+def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "") -> Any:
+    """A config field with its help text, and its choices or range when it has them (``why``: the reason
+    for a range that is not obvious, added to the error)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why})
+
+
+@dataclass
+class GRPOConfig:
+    """Every knob of a run. The defaults are TRL-like; the demo overrides many of them.
+
+    Fields are checked on construction and on assignment: a wrong type raises ``TypeError``, a value
+    outside its choices or range ``ValueError``, both naming the field and what it allows.
+    """
+
+    output_dir: str = option("runs/grpo", "where log.jsonl, curves.png and checkpoint.pt go")
+    seed: int = option(0, "seeds sampling, the prompt order and the initial RNG states", bounds=Bounds(0, 2**32, high_open=True))
+    num_steps: int = option(100, "training steps (one batch of rollouts each)", bounds=at_least(1))
+    # rollouts
+    prompts_per_step: int = option(8, "prompts per step, over all ranks (the global batch)", bounds=at_least(1))
+    num_generations: int = option(
+        8, "G: completions sampled per prompt, the group its advantages are relative to", bounds=at_least(2),
+        why="a group of one completion is its own baseline, so every advantage would be 0 and GRPO would learn nothing",
+    )
+    max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
+    temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
+    # rewards and advantages
+    reward_weights: Optional[list[float]] = option(None, "one weight per reward function (None: all 1)", bounds=FINITE)
+    advantage_std: str = option("population", "the group std: 'population' divides by G (the GRPO papers), 'unbiased' by G-1 (TRL)", choices=STD_KINDS)
+    scale_rewards: str = option("group", "divide advantages by the group's std, the batch's, or not at all ('none', Dr. GRPO)", choices=SCALES)
+    drop_zero_signal_groups: bool = option(False, "leave groups whose rewards are all equal (advantage 0) out of the update")
+    mask_truncated_completions: bool = option(False, "completions without EOS add no loss")
+    overlong_buffer: int = option(0, "DAPO's soft overlong penalty over the last this many tokens (0: off)", bounds=at_least(0))
+    overlong_penalty: float = option(1.0, "the overlong penalty at max_new_tokens", bounds=at_least(0))
+    accuracy_reward: str = option("accuracy", "the reward function also logged as 'accuracy', when there is one")
+    # loss (see grpo_kernels.fused_linear_grpo_loss)
+    loss_type: str = option("dapo", "how per-token losses are summed (grpo_kernels.grpo_loss): the mean of per-sequence "
+                            "means, or the sum over tokens divided by their count (bnpo, dapo: the whole batch's) or by "
+                            "completions * max_new_tokens (dr_grpo)", choices=LOSS_TYPES)
+    beta: float = option(0.0, "KL coefficient; > 0 keeps a frozen reference model", bounds=at_least(0))
+    eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low", bounds=ZERO_TO_ONE)
+    eps_high: Optional[float] = option(None, "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28", bounds=at_least(0))
+    delta: Optional[float] = option(None, "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high)", bounds=above(1))
+    importance_sampling_level: str = option("token", "the importance ratio per token, or per sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
+    entropy_coef: float = option(0.0, "subtracts entropy_coef * entropy per token from the loss", bounds=FINITE)
+    num_iterations: int = option(1, "mu: optimizer steps on each batch of rollouts", bounds=at_least(1))
+    backend: str = option("auto", "grpo_kernels backend for the fused loss", choices=BACKENDS)
+    chunk_size: Optional[int] = option(None, "rows of logits the fused loss materialises at once (None: its default)", bounds=at_least(1))
+    # optimisation
+    learning_rate: float = option(1e-6, "AdamW learning rate (after warm-up)", bounds=at_least(0))
+    weight_decay: float = option(0.0, "AdamW weight decay", bounds=at_least(0))
+    adam_beta1: float = option(0.9, "AdamW beta1", bounds=ZERO_TO_ONE)
+    adam_beta2: float = option(0.99, "AdamW beta2", bounds=ZERO_TO_ONE)
+    warmup_steps: int = option(0, "linear learning-rate warm-up, in steps", bounds=at_least(0))
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (inf: measure only)", bounds=above(0, finite=False))
+    micro_batch_size: Optional[int] = option(None, "completions per forward/backward (None: the whole batch)", bounds=at_least(1))
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    bf16: bool = option(True, "bf16 autocast (on CUDA only)")
+    # logging and checkpoints
+    save_every: int = option(50, "write a checkpoint every this many steps (0: only at the end)", bounds=at_least(0))
+    resume: bool = option(False, "continue from output_dir/checkpoint.pt when it exists")
+    progress: bool = option(True, "show a progress bar")
+    plot: bool = option(True, "draw curves.png at the end")
+    distributed: str = option("none", "several processes under torchrun: DDP, or FSDP2 (fully_shard)", choices=DISTRIBUTED_KINDS)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        object.__setattr__(self, "_validated", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assignments after construction are checked too; a refused one leaves the config as it was."""
+        if not self.__dict__.get("_validated", False):
+            object.__setattr__(self, name, value)
+            return
+        previous = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self.validate()
+        except (TypeError, ValueError):
+            object.__setattr__(self, name, previous)
+            raise
+
+    def validate(self) -> None:
+        """Raise ``TypeError`` / ``ValueError`` naming the first field that breaks its type, choices or range."""
+        hints = _type_hints()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_type(f.name, value, hints[f.name])
+            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
+            if choices is not None and value not in choices:
+                raise ValueError(f"GRPOConfig.{f.name} must be one of {choices}, got {value!r}")
+            if bounds is not None and value is not None:
+                is_list = isinstance(value, (list, tuple))
+                for i, x in enumerate(value if is_list else [value]):
+                    if not bounds.holds(x):
+                        where = f"{f.name}[{i}]" if is_list else f.name
+                        why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
+                        raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
+        # the rules that tie fields together
+        eps_high = self.eps_low if self.eps_high is None else self.eps_high
+        if self.delta is not None and not self.delta > 1 + eps_high:
+            raise ValueError(f"GRPOConfig.delta must be > 1 + eps_high = {1 + eps_high:g}, got {self.delta!r}")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.reward_weights is not None and not self.reward_weights:
+            raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
+
+    def loss_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``grpo_kernels.fused_linear_grpo_loss`` that come from the config."""
+        return dict(
+            beta=self.beta, eps_low=self.eps_low, eps_high=self.eps_high, delta=self.delta, temperature=self.temperature,
+            loss_type=self.loss_type, max_completion_length=self.max_new_tokens,
+            importance_sampling_level=self.importance_sampling_level, entropy_coef=self.entropy_coef,
+            chunk_size=self.chunk_size, backend=self.backend,
+        )
+
+
+# ------------------------------------------------------------------------------------------ type checks
+_HINTS: dict[str, Any] = {}
+
+
+def _type_hints() -> dict[str, Any]:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(GRPOConfig))
+    return _HINTS
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    optional = typing.get_origin(hint) is typing.Union  # Optional[X], the only union a field has
+    if optional:
+        if value is None:
+            return
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        ok, expected = isinstance(value, (list, tuple)) and all(_is_real(v) for v in value), "a list of numbers"
+    else:
+        ok = {bool: lambda v: isinstance(v, bool), int: _is_int, float: _is_real, str: lambda v: isinstance(v, str)}[hint](value)
+        expected = {bool: "True or False", int: "an int", float: "a number", str: "a str"}[hint]
+    if not ok:
+        raise TypeError(f"GRPOConfig.{name} must be {expected}{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")

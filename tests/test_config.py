@@ -1,0 +1,127 @@
+"""GRPOConfig: checked when made (and on assignment), its choices grpo_kernels's own, its flags documented."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import pytest
+
+import grpo_kernels
+from grpo_kernels import _validation
+from grpo import advantages, distributed
+from grpo.__main__ import main
+from grpo.config import GRPOConfig
+
+
+@pytest.mark.parametrize(
+    "field, value, choices",
+    [
+        ("loss_type", "gpro", _validation.LOSS_TYPES),
+        ("scale_rewards", "grup", advantages.SCALES),
+        ("advantage_std", "sample", advantages.STD_KINDS),
+        ("importance_sampling_level", "seq", _validation.IMPORTANCE_SAMPLING_LEVELS),
+        ("backend", "tirton", _validation.BACKENDS),
+        ("distributed", "deepspeed", distributed.KINDS),
+    ],
+)
+def test_unknown_choice_is_refused_with_the_choices(field, value, choices):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{field} must be one of") as error:
+        GRPOConfig(**{field: value})
+    assert all(c in str(error.value) for c in choices) and repr(value) in str(error.value)
+
+
+def test_choice_lists_are_the_owners_own():
+    """The loss-side lists come from grpo_kernels, the others from the module that uses them: never retyped."""
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(GRPOConfig) if f.metadata.get("choices")}
+    assert choices["loss_type"] is _validation.LOSS_TYPES
+    assert choices["importance_sampling_level"] is _validation.IMPORTANCE_SAMPLING_LEVELS
+    assert choices["backend"] is _validation.BACKENDS
+    assert choices["scale_rewards"] is advantages.SCALES and choices["advantage_std"] is advantages.STD_KINDS
+    assert choices["distributed"] is distributed.KINDS
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("learning_rate", -1e-6), ("learning_rate", math.nan), ("learning_rate", math.inf),
+        ("eps_low", 1.0), ("eps_low", -0.1), ("eps_low", math.nan), ("eps_high", -0.2), ("eps_high", math.nan),
+        ("temperature", 0.0), ("temperature", -1.0), ("temperature", math.inf), ("temperature", math.nan),
+        ("top_p", 0.0), ("top_p", 1.5), ("beta", -0.1), ("beta", math.inf), ("delta", 1.0), ("delta", math.nan),
+        ("entropy_coef", math.nan), ("weight_decay", -1.0), ("adam_beta1", 1.0), ("adam_beta2", -0.5),
+        ("max_grad_norm", 0.0), ("max_grad_norm", math.nan), ("overlong_penalty", -1.0),
+        ("num_steps", 0), ("prompts_per_step", 0), ("num_generations", 0), ("num_generations", 1), ("max_new_tokens", 0),
+        ("num_iterations", 0), ("micro_batch_size", 0), ("chunk_size", 0), ("warmup_steps", -1), ("save_every", -1),
+        ("overlong_buffer", -1), ("seed", -1), ("seed", 2**32), ("seed", 10**400),
+    ],
+)
+def test_out_of_range_value_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{field} must be"):
+        GRPOConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("learning_rate", "1e-6"), ("num_steps", 2.5), ("num_steps", True), ("resume", 1), ("loss_type", None),
+     ("eps_high", "0.28"), ("reward_weights", [1.0, "2"]), ("reward_weights", 1.0), ("output_dir", None)],
+)
+def test_wrong_type_is_refused_naming_the_field(field, value):
+    with pytest.raises(TypeError, match=rf"GRPOConfig\.{field} must be"):
+        GRPOConfig(**{field: value})
+
+
+def test_rules_that_tie_fields_together():
+    with pytest.raises(ValueError, match=r"delta must be > 1 \+ eps_high = 1.28"):
+        GRPOConfig(eps_high=0.28, delta=1.25)
+    GRPOConfig(eps_high=0.28, delta=1.3)
+    with pytest.raises(ValueError, match="reward_weights\\[1\\] must be finite"):
+        GRPOConfig(reward_weights=[1.0, math.inf])
+    with pytest.raises(ValueError, match="reward_weights"):
+        GRPOConfig(reward_weights=[])
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        GRPOConfig(max_new_tokens=8, overlong_buffer=9)
+
+
+def test_assignment_is_checked_and_a_refused_one_changes_nothing():
+    cfg = GRPOConfig()
+    cfg.loss_type = "grpo"
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        cfg.loss_type = "gpro"
+    assert cfg.loss_type == "grpo"
+    with pytest.raises(ValueError, match="learning_rate"):
+        cfg.learning_rate = -1.0
+    assert cfg.learning_rate == 1e-6
+    assert dataclasses.replace(cfg, beta=0.1).beta == 0.1  # replace builds (and checks) a new config
+
+
+def test_loss_options_are_keywords_of_the_fused_loss():
+    """Every loss option the config passes is a keyword of the loss it calls: none is dropped or made up."""
+    keywords = inspect.signature(grpo_kernels.fused_linear_grpo_loss).parameters
+    options = GRPOConfig(loss_type="grpo", eps_high=0.28, delta=2.0).loss_options()
+    assert set(options) <= set(keywords)
+    assert options["loss_type"] == "grpo" and options["eps_high"] == 0.28 and options["max_completion_length"] == 256
+
+
+def test_every_field_is_a_documented_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per flag: argparse would wrap (and hyphenate) the help
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--loss-type {grpo,bnpo,dr_grpo,dapo}" in text and "--scale-rewards {group,batch,none}" in text
+    assert "--backend {auto,triton,torch,reference}" in text and "--distributed {none,ddp,fsdp}" in text
+    for f in dataclasses.fields(GRPOConfig):
+        assert f.metadata["help"], f.name
+        assert "--" + f.name.replace("_", "-") in text
+        assert f.metadata["help"] in text, f.name
+    assert "(>= 0, < 1; default: 0.2)" in text  # eps_low's range
+
+
+def test_a_bad_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--model", "m", "--data", "d.jsonl", "--loss-type", "gpro"])
+    assert done.value.code == 2 and "invalid choice: 'gpro'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--model", "m", "--data", "d.jsonl", "--eps-low", "1.5"])
+    assert done.value.code == 2 and "GRPOConfig.eps_low must be >= 0, < 1, got 1.5" in capsys.readouterr().err
