@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from grpo_kernels._validation import BACKENDS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpo_kernels.options import BACKENDS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OPTION_NAMES, GRPOOptions
 
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
@@ -109,15 +109,17 @@ class GRPOConfig:
     overlong_penalty: float = option(1.0, "the overlong penalty at max_new_tokens", bounds=at_least(0))
     accuracy_reward: str = option("accuracy", "the reward function also logged as 'accuracy', when there is one")
     # loss (see grpo_kernels.fused_linear_grpo_loss)
-    loss_type: str = option("dapo", "how per-token losses are summed (grpo_kernels.grpo_loss): the mean of per-sequence "
-                            "means, or the sum over tokens divided by their count (bnpo, dapo: the whole batch's) or by "
-                            "completions * max_new_tokens (dr_grpo)", choices=LOSS_TYPES)
+    loss_type: str = option("dapo", "the objective and how per-token losses are summed (docs/api.md): the mean of "
+                            "per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, "
+                            "cispo, vespo: the whole batch's) or by completions * max_new_tokens (dr_grpo; luspo: by "
+                            "completions)", choices=LOSS_TYPES)
     beta: float = option(0.0, "KL coefficient; > 0 keeps a frozen reference model", bounds=at_least(0))
     eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low", bounds=ZERO_TO_ONE)
     eps_high: Optional[float] = option(None, "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28", bounds=at_least(0))
     delta: Optional[float] = option(None, "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high)", bounds=above(1))
     importance_sampling_level: str = option("token", "the importance ratio per token, or per sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
     entropy_coef: float = option(0.0, "subtracts entropy_coef * entropy per token from the loss", bounds=FINITE)
+    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (TRL's use_bias_correction_kl)")
     num_iterations: int = option(1, "mu: optimizer steps on each batch of rollouts", bounds=at_least(1))
     backend: str = option("auto", "grpo_kernels backend for the fused loss", choices=BACKENDS)
     chunk_size: Optional[int] = option(None, "rows of logits the fused loss materialises at once (None: its default)", bounds=at_least(1))
@@ -171,23 +173,24 @@ class GRPOConfig:
                         where = f"{f.name}[{i}]" if is_list else f.name
                         why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
                         raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
-        # the rules that tie fields together
-        eps_high = self.eps_low if self.eps_high is None else self.eps_high
-        if self.delta is not None and not self.delta > 1 + eps_high:
-            raise ValueError(f"GRPOConfig.delta must be > 1 + eps_high = {1 + eps_high:g}, got {self.delta!r}")
+        # the rules that tie fields together: the loss's own (GRPOOptions), then the trainer's
+        try:
+            GRPOOptions(**self._loss_fields())
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"GRPOConfig: {e}") from None
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})")
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
 
+    def _loss_fields(self) -> dict[str, Any]:
+        """The config's fields that are ``grpo_kernels.GRPOOptions`` fields (same names), and dr_grpo's length."""
+        fields = {name: getattr(self, name) for name in OPTION_NAMES if name in self.__dataclass_fields__}
+        return {**fields, "max_completion_length": self.max_new_tokens}
+
     def loss_options(self) -> dict[str, Any]:
         """The keyword arguments of ``grpo_kernels.fused_linear_grpo_loss`` that come from the config."""
-        return dict(
-            beta=self.beta, eps_low=self.eps_low, eps_high=self.eps_high, delta=self.delta, temperature=self.temperature,
-            loss_type=self.loss_type, max_completion_length=self.max_new_tokens,
-            importance_sampling_level=self.importance_sampling_level, entropy_coef=self.entropy_coef,
-            chunk_size=self.chunk_size, backend=self.backend,
-        )
+        return {**self._loss_fields(), "chunk_size": self.chunk_size, "backend": self.backend}
 
 
 # ------------------------------------------------------------------------------------------ type checks

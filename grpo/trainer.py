@@ -342,12 +342,15 @@ def policy_loss(model, mb: UpdateBatch, num_items: torch.Tensor, batch_size: int
 
     ``num_items``: loss tokens and ``batch_size``: sequences, both over the whole batch (every rank).
     DDP and FSDP2 average gradients over the ranks, so each rank's share is multiplied by their number.
-    "dapo" and "bnpo" divide by the whole batch's token count; "grpo" and "dr_grpo" divide by the
-    micro-batch's sequence count, which ``len(mb) / batch_size`` turns into the whole batch's.
+    "dapo", "bnpo", "cispo" and "vespo" divide by the whole batch's token count; "grpo", "sapo",
+    "dr_grpo" and "luspo" divide by the micro-batch's sequence count, which ``len(mb) / batch_size``
+    turns into the whole batch's.
     """
-    per_token = cfg.loss_type in ("dapo", "bnpo")  # bnpo: the token mean of the whole batch, i.e. dapo's loss
+    # Token-normalised losses divide by the whole batch's token count (bnpo's token mean of the whole
+    # batch is dapo's loss); the others by sequence counts, rescaled below.
+    per_token = cfg.loss_type in ("dapo", "bnpo", "cispo", "vespo")
     out = as_policy(model)(
-        "loss", mb, cfg, device, loss_type="dapo" if per_token else cfg.loss_type, num_items_in_batch=num_items
+        "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items
     )
     scale = 1.0 if per_token else len(mb) / batch_size
     return out.loss * (scale * distributed.world_size()), out.metrics
@@ -365,6 +368,7 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     num_sequences = distributed.all_reduce(len(batch))
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
+    extremes: dict[str, float] = {}
     weight_total, losses, grad_norms, skipped = 0.0, [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -377,6 +381,11 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
             loss_sum += loss.item()
             tokens = float(mb.loss_mask.sum())  # metrics are token means: weigh them by tokens
             for k, v in metrics.items():  # (every rank has every key, fillers included)
+                if k.endswith(("_min", "_max")):  # per-sequence extremes: the extreme over micro-batches
+                    if tokens and math.isfinite(v.item()):
+                        pick = min if k.endswith("_min") else max
+                        extremes[k] = pick(extremes.get(k, v.item()), v.item())
+                    continue
                 sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
             weight_total += tokens
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
@@ -392,8 +401,27 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     totals = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weight_total] + losses, dtype=torch.float64))
     weight_total, losses = float(totals[len(keys)]), (totals[len(keys) + 1 :] / distributed.world_size()).tolist()
     logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, totals)}
+    logs.update(global_extremes(extremes))
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
+
+
+def global_extremes(extremes: dict[str, float]) -> dict[str, float]:
+    """``*_min`` / ``*_max`` metrics over every rank (each rank holds the same keys when any has
+    tokens; a rank without sends +-inf, which the reduction ignores)."""
+    keys = sorted(k for k in _EXTREME_KEYS)
+    signed = torch.tensor([(-1.0 if k.endswith("_min") else 1.0) * extremes.get(k, -math.inf if k.endswith("_max") else math.inf)
+                           for k in keys], dtype=torch.float64)
+    reduced = distributed.all_reduce(signed, "max")  # max of -x is -(min of x)
+    out = {}
+    for k, v in zip(keys, reduced.tolist()):
+        value = -v if k.endswith("_min") else v
+        if math.isfinite(value):
+            out[k] = value
+    return out
+
+
+_EXTREME_KEYS = ("clip_ratio/low_min", "clip_ratio/high_max")
 
 
 def total_norm(norm: torch.Tensor) -> float:

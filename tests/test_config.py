@@ -9,7 +9,7 @@ import math
 import pytest
 
 import grpo_kernels
-from grpo_kernels import _validation
+from grpo_kernels import options as _validation  # the loss's choice lists live in grpo_kernels.options
 from grpo import advantages, distributed
 from grpo.__main__ import main
 from grpo.config import GRPOConfig
@@ -109,7 +109,7 @@ def test_every_field_is_a_documented_flag(capsys, monkeypatch):
         main(["train", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    assert "--loss-type {grpo,bnpo,dr_grpo,dapo}" in text and "--scale-rewards {group,batch,none}" in text
+    assert "--loss-type {grpo,bnpo,dr_grpo,dapo,luspo,cispo,sapo,vespo}" in text and "--scale-rewards {group,batch,none}" in text
     assert "--backend {auto,triton,torch,reference}" in text and "--distributed {none,ddp,fsdp}" in text
     for f in dataclasses.fields(GRPOConfig):
         assert f.metadata["help"], f.name
