@@ -63,25 +63,25 @@ class TokenLogprobs(torch.autograd.Function):
 class FusedGRPOLoss(torch.autograd.Function):
     """Token-level GRPO loss from logits in one Triton pass; the backward is one more pass.
 
-    forward -> (loss 0-d, logp [B, T], entropy [B, T]); only the loss is differentiable. Saved: the
-    logits (a reference), and five fp32 numbers per token.
+    forward -> (loss 0-d, logp, entropy, k3 kl [B, T], clip region int8 [B, T]); only the loss is
+    differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature,
                 ignore_index, hyper, inplace_backward):
         eps_low, eps_high, delta, beta, entropy_coef = hyper
-        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = triton_rows().grpo_forward_rows(
+        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = triton_rows().grpo_forward_rows(
             logits, targets, advantages, weights, old_logps, ref_logps, is_ratio, temperature, ignore_index,
             eps_low, eps_high, delta, beta, entropy_coef,
         )
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
         ctx.config = (temperature, ignore_index, inplace_backward, entropy_coef != 0)
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss.sum(), logp, entropy
+        ctx.mark_non_differentiable(logp, entropy, kl, clip)
+        return loss.sum(), logp, entropy, kl, clip
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+    def backward(ctx, grad_loss, *_grad_non_differentiable):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
         temperature, ignore_index, inplace_backward, has_entropy_term = ctx.config
         out = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)

@@ -120,19 +120,18 @@ def _fused_grpo_loss(logits, ids, advantages, mask, temperature, inplace_backwar
     weights = reference.token_weights(mask, options["loss_type"], options["max_completion_length"], options["num_items_in_batch"])
     hyper = (options["eps_low"], options["eps_high"], options["delta"], options["beta"], options["entropy_coef"])
     old, ref, is_ratio = options["old_logps"], options["ref_logps"], options["is_ratio"]
-    loss, logp, entropy = FusedGRPOLoss.apply(
+    loss, logp, entropy, kl, clip = FusedGRPOLoss.apply(
         rows, ids.reshape(rows.shape[:2]), advantages.detach(), weights, None if old is None else old.detach(),
         None if ref is None else ref.detach(), None if is_ratio is None else is_ratio.detach(), temperature,
         IGNORE_INDEX, hyper, inplace_backward,
     )
-    logp, entropy = logp.view(ids.shape), entropy.view(ids.shape)
-    with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
-        _, ratio, kl = reference.per_token_loss(
-            logp, entropy, advantages, mask, old_logps=old, ref_logps=ref, beta=options["beta"],
-            eps_low=options["eps_low"], eps_high=options["eps_high"], delta=options["delta"],
-            importance_sampling_level="token", is_ratio=None, entropy_coef=0.0,
-        )
-        metrics = reference.loss_metrics(entropy, ratio, kl, advantages, mask, options["eps_low"], options["eps_high"])
+    logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
+    with torch.no_grad():  # metrics: masked means of the per-token values the kernel wrote
+        count = mask.sum().clamp(min=1.0)
+        means = {"kl": kl} if ref is not None else {}
+        means.update({"entropy": entropy, "clip_ratio/low_mean": clip < 0, "clip_ratio/high_mean": clip > 0,
+                      "clip_ratio/region_mean": clip != 0})
+        metrics = {k: ((x * mask).sum() / count).detach() for k, x in means.items()}
     return GRPOLossOutput(loss, (logp * (mask != 0)).detach(), metrics)
 
 
