@@ -127,7 +127,7 @@ class Variant:
         return self.vocab * BYTES[self.dtype] % 16 == 0
 
 
-_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i64": "int64", "i32": "int32"}
+_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i64": "int64", "i32": "int32", "i8": "int8"}
 
 
 def _torch_dtype(name: str):

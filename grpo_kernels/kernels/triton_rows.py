@@ -474,7 +474,7 @@ def forward_rows(
         targets, logp, entropy, row_max, log_sum,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
         v, c, ignore_index,
-        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, num_warps=num_warps, **split,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
     return logp, entropy, row_max, log_sum
 
@@ -530,7 +530,7 @@ def grpo_forward_rows(
         v, c, ignore_index, eps_low, eps_high,
         float("inf") if delta is None else delta, beta, entropy_coef,
         BLOCK_V=block, VEC=vec, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
-        HAS_IS_RATIO=is_ratio is not None, num_warps=num_warps, **split,
+        HAS_IS_RATIO=is_ratio is not None, num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
     return loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip
 
