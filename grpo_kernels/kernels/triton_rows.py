@@ -158,7 +158,8 @@ def _finish_row(row_ptr, target, m, s, u, c, WITH_ENTROPY: tl.constexpr):
     """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit."""
     log2_s = tl.log2(s)
     x_target = tl.load(row_ptr + target).to(tl.float32)
-    logp = ((x_target - m) * c - log2_s) * _LN2
+    # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
+    logp = (x_target - m) * (c * _LN2) - log2_s * _LN2
     entropy = 0.0
     if WITH_ENTROPY:
         entropy = (log2_s - u / s) * _LN2
@@ -369,6 +370,7 @@ def token_logprobs_bwd_kernel(
             # g_l (1 - p_t) / T plus the entropy part p_t (b q_t - g_H H / T), never g_l - g_l p_t
             target_grad = g_logp * _one_minus_exp(q_t * _LN2)
             if HAS_GRAD_ENTROPY:
+                q_t = tl.maximum(q_t, _LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # as in the loop
                 target_grad += p_t * (b * q_t - g_entropy * entropy)
             tl.store(grad_row_ptr + target, target_grad.to(grad_ptr.dtype.element_ty))
 
