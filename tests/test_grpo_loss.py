@@ -179,8 +179,9 @@ def test_new_hyperparameter_values_compile_no_new_kernel():
     run_loss(logits, ids, advantages, mask, "triton", beta=0.1, **kw)
 
     def cache_size():
-        """Compiled variants of both row kernels (triton >= 3.2 keeps them per device)."""
-        kernels = (triton_rows.token_logprobs_fwd_kernel, triton_rows.token_logprobs_bwd_kernel)
+        """Compiled variants of every row kernel (triton >= 3.2 keeps them per device)."""
+        kernels = (triton_rows.token_logprobs_fwd_kernel, triton_rows.grpo_loss_fwd_kernel,
+                   triton_rows.row_stats_partial_kernel, triton_rows.token_logprobs_bwd_kernel)
         return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
 
     before = cache_size()
