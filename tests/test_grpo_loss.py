@@ -223,6 +223,9 @@ def test_fused_kernel_split_and_whole_row_paths_match_float64(splits, monkeypatc
     from grpo_kernels.kernels import triton_rows
 
     monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", splits)
+    chosen = []
+    choose = triton_rows.choose_splits
+    monkeypatch.setattr(triton_rows, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
     batch = make_batch(17 + splits, B=2, T=3, V=9001)
     logits, ids, mask = batch[:3]
     advantages, kw = build_kwargs(dict(use_old=True, use_ref=True, beta=0.04, entropy_coef=0.01), batch)
@@ -230,6 +233,7 @@ def test_fused_kernel_split_and_whole_row_paths_match_float64(splits, monkeypatc
     x64 = logits.double().requires_grad_()
     loss64, logp64, metrics64 = grpo64(x64, ids, advantages, mask, loss_type="bnpo", **kw)
     loss64.backward()
+    assert chosen and all(n == splits for n, _ in chosen), chosen  # forward and backward took that path
     assert_close64(out.loss, loss64, what="loss")
     assert_close64(out.per_token_logps, logp64, scale=10, what="per_token_logps")
     assert_close64(grad, x64.grad, scale=0.1 * x64.grad.abs().max().item(), what="grad")

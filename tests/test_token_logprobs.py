@@ -249,6 +249,9 @@ def test_split_and_whole_row_paths_match_float64(splits, dtype, monkeypatch):
     from grpo_kernels.kernels import triton_rows
 
     monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", splits)
+    chosen = []
+    choose = triton_rows.choose_splits
+    monkeypatch.setattr(triton_rows, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
     g = torch.Generator().manual_seed(41 + splits)
     b, t, v = 2, 3, 20011  # several blocks whatever the dtype, and a partial last block
     logits = torch.randn(b, t, v, generator=g) * 3
@@ -259,6 +262,7 @@ def test_split_and_whole_row_paths_match_float64(splits, dtype, monkeypatch):
     targets[1, 0] = -100
     targets[1, 2] = 7
     check_against_spec(logits, targets.to(DEVICE), 0.7, "triton", dtype)
+    assert chosen and all(n == splits for n, _ in chosen), chosen  # forward and backward took that path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
