@@ -382,7 +382,8 @@ def build(case: Case, device: torch.device) -> Runner:
         else:
             def run():
                 with torch.set_grad_enabled(grad):
-                    logp, entropy = gk.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True, backend=backend)
+                    logp, entropy = gk.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True,
+                                                                   backend=backend)
                     if grad:
                         torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
     else:

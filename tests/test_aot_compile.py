@@ -116,6 +116,7 @@ def test_vectorized_global_access(report, label):
         narrow = {bits: n for bits, n in stg.items() if bits != "128"}
         element_bits = str(8 * elem)
         assert set(narrow) <= {element_bits} and sum(narrow.values()) <= 1, (
-            f"{label}: gradient stores not 128-bit (one {element_bits}-bit store for the target allowed): STG widths {stg}"
+            f"{label}: gradient stores not 128-bit (one {element_bits}-bit store for the target allowed): "
+            f"STG widths {stg}"
         )
         assert stg.get("128", 0) >= vectors, f"{label}: STG widths {stg}, expected >= {vectors} STG.E.128"
