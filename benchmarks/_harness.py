@@ -26,7 +26,7 @@ import torch
 
 from grpo_kernels.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
 
-OPS = ("token_logprobs", "grpo_loss", "fused_linear_grpo_loss")
+OPS = ("token_logprobs", "grpo_loss", "fused_linear_grpo_loss", "fused_linear_token_logprobs")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("fwd", "fwd+bwd")
 
@@ -86,8 +86,17 @@ def liger_available() -> bool:
     return True
 
 
+def trl_available() -> bool:
+    """TRL's fused log-prob head (``trl/kernels/chunked_logprob.py``, TRL >= 1.x) is importable."""
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def implementations(device: str) -> List[str]:
-    """reference and torch everywhere; triton (and Liger-Kernel, when installed) on CUDA only.
+    """reference and torch everywhere; triton (and Liger-Kernel, TRL, when installed) on CUDA only.
 
     Triton on a CPU runs only in its interpreter, far too slow to time: it is left out there.
     """
@@ -96,6 +105,8 @@ def implementations(device: str) -> List[str]:
         impls.append("triton")
         if liger_available():
             impls.append("liger")
+        if trl_available():
+            impls.append("trl")
     only = os.environ.get("GRPO_BENCH_IMPLS")
     if only:
         impls = [i for i in impls if i in only.split(",")]
@@ -129,7 +140,7 @@ def gpu_cases(impls: List[str]) -> List[Case]:
     big_v = 151936  # Qwen2/2.5
     for op in ("token_logprobs", "grpo_loss"):
         headline_pass = "fwd" if op == "token_logprobs" else "fwd+bwd"
-        for impl in impls:
+        for impl in _impls_for(op, impls):
             for pass_ in PASSES:
                 if impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd":
                     continue  # Liger's selective log-softmax has no backward
@@ -138,13 +149,20 @@ def gpu_cases(impls: List[str]) -> List[Case]:
                     if impl == "torch" and prio:
                         prio += 5  # the CPU path on a GPU: after the kernels
                     out.append(Case(op, impl, n, v, "bf16", pass_, T=1024, rounds=10, priority=prio))
-    for impl in impls:
+    for impl in _impls_for("fused_linear_grpo_loss", impls):
         for n in (16384, 4096, 8192, 32768):
             out.append(Case("fused_linear_grpo_loss", impl, n, big_v, "bf16", "fwd+bwd", T=1024, H=4096, rounds=5,
                             sweep=True, priority=0 if n == 16384 else 10))
         out.append(Case("fused_linear_grpo_loss", impl, 16384, big_v, "bf16", "fwd", T=1024, H=4096, rounds=5, priority=5))
         for v in (32000, 128256):
             out.append(Case("fused_linear_grpo_loss", impl, 16384, v, "bf16", "fwd+bwd", T=1024, H=4096, rounds=5, priority=10))
+    # The fused log-prob head against TRL's (the reference would materialise 10 GB of fp32 logits)
+    for impl in _impls_for("fused_linear_token_logprobs", impls):
+        if impl == "reference":
+            continue
+        for pass_ in PASSES:
+            out.append(Case("fused_linear_token_logprobs", impl, 16384, big_v, "bf16", pass_, T=1024, H=4096, rounds=5,
+                            priority=5 if impl != "torch" else 15))
     return out
 
 
@@ -152,16 +170,26 @@ def smoke_cases(impls: List[str]) -> List[Case]:
     """Tiny shapes through every code path in seconds (to dry-run gpu_check.sh or the report)."""
     out = []
     for op in ("token_logprobs", "grpo_loss"):
-        for impl in impls:
+        for impl in _impls_for(op, impls):
             for pass_ in PASSES:
                 if impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd":
                     continue
                 for n in (64, 128):
                     out.append(Case(op, impl, n, 1024, "fp32", pass_, T=32, rounds=1))
-    for impl in impls:
+    for impl in _impls_for("fused_linear_grpo_loss", impls):
         for n in (64, 128):
             out.append(Case("fused_linear_grpo_loss", impl, n, 1024, "fp32", "fwd+bwd", T=32, H=64, rounds=1, sweep=True))
+    for impl in _impls_for("fused_linear_token_logprobs", impls):
+        for pass_ in PASSES:
+            out.append(Case("fused_linear_token_logprobs", impl, 128, 1024, "fp32", pass_, T=32, H=64, rounds=1))
     return out
+
+
+def _impls_for(op: str, impls: List[str]) -> List[str]:
+    """The implementations that have ``op``: Liger has no fused log-prob head case here, TRL only that one."""
+    if op == "fused_linear_token_logprobs":
+        return [i for i in impls if i != "liger"]
+    return [i for i in impls if i != "trl"]
 
 
 def cases(bench_set: str, device: str) -> List[Case]:
@@ -226,6 +254,33 @@ def _liger_fused_linear(case: Case):
         return LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False)
 
 
+def _trl_logprob_head():
+    """(hidden [N, H], weight [V, H], ids [N]) -> (logp [N], entropy [N]) through TRL's
+    ``ChunkedLogProbFunction``, whose arguments changed across TRL versions (>= 1.x: a vocabulary
+    ``chunk_size``, TRL's trainer default, and the optional outputs to compute)."""
+    import inspect
+
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    except Exception as exc:
+        raise Unavailable(f"trl.kernels.chunked_logprob: {exc}")
+    params = inspect.signature(ChunkedLogProbFunction.forward).parameters
+    if "chunk_size" in params:
+        try:
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
+        except Exception:
+            chunk = 32768
+
+        def head(hidden, weight, ids):
+            out = ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, chunk, None, 1.0, ("entropy",))
+            return out[0], out[1]
+    else:
+        def head(hidden, weight, ids):
+            out = ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0)
+            return out[0], out[1]
+    return head
+
+
 def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
@@ -240,10 +295,12 @@ def build(case: Case, device: torch.device) -> Runner:
     """
     import grpo_kernels as gk
 
-    if case.impl in ("triton", "liger") and device.type != "cuda":
+    if case.impl in ("triton", "liger", "trl") and device.type != "cuda":
         raise Unavailable(f"{case.impl} needs CUDA here (Triton on a CPU only runs in its interpreter)")
     if case.impl == "liger" and not liger_available():
         raise Unavailable("liger_kernel is not installed")
+    if case.impl == "trl" and not trl_available():
+        raise Unavailable("trl.kernels.chunked_logprob is not importable")
     dtype = DTYPES[case.dtype]
     grad = case.pass_ == "fwd+bwd"
     B, T, V = case.B, case.T, case.V
@@ -309,6 +366,26 @@ def build(case: Case, device: torch.device) -> Runner:
                     out = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, backend=backend)
                     if grad:
                         torch.autograd.grad(out.loss, [hidden, weight])
+    elif case.op == "fused_linear_token_logprobs":
+        H = case.H
+        hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(grad)
+        weight = (torch.randn(V, H, device=device, dtype=torch.float32) / H**0.5).to(dtype).requires_grad_(grad)
+        inputs.update(hidden=hidden, weight=weight)
+        if case.impl == "trl":
+            trl_head = _trl_logprob_head()
+
+            def run():
+                with torch.set_grad_enabled(grad):
+                    logp, entropy = trl_head(hidden.view(-1, H), weight, ids.view(-1))
+                    if grad:
+                        torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
+        else:
+            def run():
+                with torch.set_grad_enabled(grad):
+                    logp, entropy = gk.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True,
+                                                                   backend=backend)
+                    if grad:
+                        torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
     else:
         raise ValueError(f"unknown op {case.op!r}")
     return Runner(run, device, inputs)
@@ -345,8 +422,8 @@ def floors(case: Case) -> dict:
         return {"bytes_floor": reads_writes * case.N * case.V * elt}
     nhv = case.N * case.H * case.V
     useful = 2 * nhv if case.pass_ == "fwd" else 6 * nhv
-    # Ours recomputes each chunk's logits in the backward: 4 matmuls of 2*N*H*V flops each.
-    executed = 2 * nhv if case.pass_ == "fwd" else (8 * nhv if case.impl in ("torch", "triton") else 6 * nhv)
+    # Ours (and TRL's head) recompute each chunk's logits in the backward: 4 matmuls of 2*N*H*V flops each.
+    executed = 2 * nhv if case.pass_ == "fwd" else (8 * nhv if case.impl in ("torch", "triton", "trl") else 6 * nhv)
     return {"useful_flops": useful, "flops": executed}
 
 

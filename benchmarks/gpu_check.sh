@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # One check on a lent GPU (written for an H200), in at most ~6 minutes, with the machine's own
-# torch/triton (no installs, no network):
+# torch/triton (no network; nothing installed into its environment):
+#   0. optional comparators from wheels carried in .whl/ (see below)    -> .whl/site on PYTHONPATH
 #   1. machine + versions + date, copy bandwidth and matmul rate, once  -> OUT_DIR/env.json
 #   2. the GPU tests: `-m gpu` over tests/, then the kernel test files     -> OUT_DIR/tests*.log
 #   3. the GPU benchmark set (headline cases first, time-budgeted)        -> OUT_DIR/gpu.json
+#      side by side with Liger-Kernel (fused_selective_log_softmax, triton_grpo_loss,
+#      LigerFusedLinearGRPOLoss) and TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
+#      whenever they are importable
 #   4. the report                                                         -> OUT_DIR/gpu.md (+ PNGs)
 #
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (or OUT_DIR=...; default benchmarks/results/gpu-<date>)
 # Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 345), TEST_TIMEOUT_S
 # (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report).
 # Dry run without a GPU: GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke TEST_TIMEOUT_S=30 bash benchmarks/gpu_check.sh /tmp/x
+#
+# Comparators without network: put their wheels in .whl/ (git-ignored; WHEEL_DIR overrides) on a
+# machine that has network, before the run; the lent machine copies the working tree, ignored
+# folders named in its carry list included:
+#   pip download --no-deps -d .whl liger-kernel==0.8.5 trl==1.16.0
+#   # only if the GPU image lacks them (TRL's head imports trl.trainer): transformers accelerate datasets
+#   pip download --no-deps -d .whl transformers accelerate datasets
+# Step 0 installs every wheel there with --no-deps into .whl/site (never touching the machine's own
+# torch/triton) and puts it first on PYTHONPATH. No wheels: the comparators that are importable anyway run.
 # Exit status: 0 when every step ran and the tests passed, else the first failing step's status;
 # whatever was produced stays in OUT_DIR either way.
 set -euo pipefail
@@ -35,6 +48,25 @@ if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! $PY -c "import torch, sys; sys.exit
     exit 3
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$OUT_DIR/nvidia-smi.csv" 2>/dev/null || true
+
+# --- 0b. comparators from carried wheels, offline ------------------------------------------------
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+shopt -s nullglob
+WHEELS=("$WHEEL_DIR"/*.whl)
+shopt -u nullglob
+if [ "${#WHEELS[@]}" -gt 0 ]; then
+    WHEEL_SITE="$(cd "$WHEEL_DIR" && pwd)/site"
+    log "installing ${#WHEELS[@]} carried wheel(s) offline into $WHEEL_SITE: ${WHEELS[*]##*/}"
+    if $PY -m pip install --no-index --no-deps --quiet --upgrade --target "$WHEEL_SITE" "${WHEELS[@]}" >> "$LOG" 2>&1; then
+        export PYTHONPATH="$WHEEL_SITE:$PYTHONPATH"
+    else
+        fail 1 "offline install of $WHEEL_DIR/*.whl (the comparators are skipped)"
+    fi
+fi
+$PY -c "
+from benchmarks._harness import liger_available, trl_available
+print('comparators importable: liger_kernel', liger_available(), ', trl chunked_logprob', trl_available())
+" 2>> "$LOG" | tee -a "$LOG" || true
 
 # --- 1. environment and ceilings (copy bandwidth and matmul rate, measured once) --------------------
 log "machine info, copy bandwidth and matmul rate"

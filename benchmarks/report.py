@@ -20,7 +20,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 IMPL_ORDER = {"reference": 0, "torch": 1, "triton": 2, "liger": 3}
-OP_ORDER = {"token_logprobs": 0, "grpo_loss": 1, "fused_linear_grpo_loss": 2}
+OP_ORDER = {"token_logprobs": 0, "grpo_loss": 1, "fused_linear_grpo_loss": 2, "fused_linear_token_logprobs": 3}
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
 IMPL_STYLE = {
     "reference": dict(color="#d62728", marker="o", linestyle="--"),

@@ -77,24 +77,24 @@ class FusedGRPOLoss(torch.autograd.Function):
     """Token-level GRPO loss from logits in one pass; the backward is one more pass.
 
     forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], backend, inputs, options,
-    ignore_index, inplace_backward) -> (loss 0-d, logp [B, T], entropy [B, T]); only the loss is
-    differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
+    ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T], clip region int8 [B, T]);
+    only the loss is differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, advantages, weights, backend: RowBackend, inputs, options,
                 ignore_index: int, inplace_backward: bool):
-        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = backend.grpo_forward_rows(
+        loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = backend.grpo_forward_rows(
             logits, targets, advantages, weights, inputs, options, ignore_index
         )
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
         ctx.config = (backend, options.transform, ignore_index, inplace_backward, options.entropy_coef != 0)
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss.sum(), logp, entropy
+        ctx.mark_non_differentiable(logp, entropy, kl, clip)
+        return loss.sum(), logp, entropy, kl, clip
 
     @staticmethod
     @_first_order
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+    def backward(ctx, grad_loss, *_grad_non_differentiable):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
         backend, transform, ignore_index, inplace_backward, has_entropy_term = ctx.config
         out = _gradient_buffer(logits, inplace_backward)

@@ -20,7 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
-from .options import CLIPPED_LOSS_TYPES, LogitTransform
+from .options import LogitTransform
 
 RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -100,8 +100,8 @@ class TritonBackend(RowBackend):
     name = "triton"
 
     def fuses(self, options) -> bool:
-        return (options.importance_sampling_level == "token" and options.loss_type in CLIPPED_LOSS_TYPES
-                and not options.use_bias_correction_kl)
+        """Token-level ratios and a token-local objective (vespo's weight is per sequence)."""
+        return options.importance_sampling_level == "token" and options.loss_type != "vespo"
 
     @staticmethod
     def _module() -> ModuleType:
@@ -119,9 +119,7 @@ class TritonBackend(RowBackend):
     @staticmethod
     def _transform_keywords(transform) -> dict:
         t = LogitTransform.of(transform)
-        if t.softcap is not None:
-            raise NotImplementedError("softcap in the Triton kernels")
-        return dict(temperature=t.temperature / t.logit_scale)
+        return dict(temperature=t.temperature, softcap=t.softcap, logit_scale=t.logit_scale)
 
     def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
         return self._module().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
@@ -139,7 +137,9 @@ class TritonBackend(RowBackend):
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
             ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
             ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
-            beta=options.beta, entropy_coef=options.entropy_coef,
+            beta=options.beta, entropy_coef=options.entropy_coef, loss_type=options.loss_type,
+            use_bias_correction_kl=options.use_bias_correction_kl, sapo_temperature_pos=options.sapo_temperature_pos,
+            sapo_temperature_neg=options.sapo_temperature_neg,
         )
 
 

@@ -128,14 +128,14 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
         ref_logps=None if inputs.ref_logps is None else inputs.ref_logps.detach(),
         is_ratio=None if inputs.is_ratio is None else inputs.is_ratio.detach(),
     )
-    loss, logp, entropy = FusedGRPOLoss.apply(
+    loss, logp, entropy, kl, clip = FusedGRPOLoss.apply(
         rows, ids.reshape(rows.shape[:2]), adv, weights, row_backend, kernel_inputs, options, IGNORE_INDEX,
         inplace_backward,
     )
-    logp, entropy = logp.view(ids.shape), entropy.view(ids.shape)
-    with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
-        terms = objective.per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
-        metrics = objective.loss_metrics(entropy, terms, advantages, mask, options, sequences)
+    logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
+    # metrics: reductions of the per-token values the kernel wrote (clip: -1 low, +1 high)
+    metrics = objective.loss_metrics(entropy, kl if inputs.ref_logps is not None else None, clip < 0, clip > 0, mask,
+                                     options, sequences)
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 

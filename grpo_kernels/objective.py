@@ -237,15 +237,28 @@ def token_weights(mask: torch.Tensor, options: GRPOOptions, num_items_in_batch=N
 # --------------------------------------------------------------------------------------------------
 # metrics
 # --------------------------------------------------------------------------------------------------
-def loss_metrics(entropy: torch.Tensor, terms: TokenTerms, advantages: torch.Tensor, mask: torch.Tensor,
-                 options: GRPOOptions, sequences: Optional[Sequences] = None) -> dict:
+def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               options: GRPOOptions) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(low, high) clip flags as TRL counts them: for the clipped objectives ``r < 1 - eps_low`` with
+    ``A < 0`` and ``r > 1 + eps_high`` with ``A > 0``; for cispo (None, ``r > eps_high`` with ``A > 0``)."""
+    adv = per_token_advantages(advantages, mask)
+    if options.loss_type in CLIPPED_LOSS_TYPES:
+        return (ratio < 1 - options.eps_low) & (adv < 0), (ratio > 1 + options.eps_high) & (adv > 0)
+    if options.loss_type == "cispo":
+        return None, (ratio > options.eps_high) & (adv > 0)
+    return None, None
+
+
+def loss_metrics(entropy: torch.Tensor, kl: Optional[torch.Tensor], low: Optional[torch.Tensor],
+                 high: Optional[torch.Tensor], mask: torch.Tensor, options: GRPOOptions,
+                 sequences: Optional[Sequences] = None, vespo_phi: Optional[torch.Tensor] = None) -> dict:
     """What TRL logs, as 0-d detached float32 tensors: masked means over completion tokens of
-    ``kl`` and ``entropy``; the clip fractions (with ``importance_sampling_level="sequence"`` they
-    count sequences, not tokens); ``clip_ratio/low_min`` / ``high_max``, the smallest / largest
-    per-sequence clip fraction; cispo's ``cispo_clip_ratio`` and vespo's ``vespo/phi_seq_mean``."""
+    ``kl`` and ``entropy``; the clip fractions of the flags from :func:`clip_flags` (with
+    ``importance_sampling_level="sequence"`` they count sequences, not tokens);
+    ``clip_ratio/low_min`` / ``high_max``, the smallest / largest per-sequence clip fraction;
+    cispo's ``cispo_clip_ratio`` and vespo's ``vespo/phi_seq_mean``."""
     with torch.no_grad():
         sequences = sequences or Sequences(mask, None)
-        adv = per_token_advantages(advantages, mask)
         count = mask.sum().clamp(min=1.0)
         per_sequence_level = options.importance_sampling_level == "sequence"
 
@@ -263,13 +276,10 @@ def loss_metrics(entropy: torch.Tensor, terms: TokenTerms, advantages: torch.Ten
             return seq_fractions(flag).nan_to_num(0.0).sum() / max(sequences.count, 1)
 
         metrics = {}
-        if terms.kl is not None:
-            metrics["kl"] = token_mean(terms.kl)
+        if kl is not None:
+            metrics["kl"] = token_mean(kl)
         metrics["entropy"] = token_mean(entropy)
-        ratio = terms.ratio
         if options.loss_type in CLIPPED_LOSS_TYPES:
-            low = (ratio < 1 - options.eps_low) & (adv < 0)
-            high = (ratio > 1 + options.eps_high) & (adv > 0)
             metrics["clip_ratio/low_mean"] = clip_mean(low)
             metrics["clip_ratio/high_mean"] = clip_mean(high)
             metrics["clip_ratio/region_mean"] = clip_mean(low | high)
@@ -279,13 +289,12 @@ def loss_metrics(entropy: torch.Tensor, terms: TokenTerms, advantages: torch.Ten
             metrics["clip_ratio/low_min"] = _nan_extreme(low_seq, torch.min)
             metrics["clip_ratio/high_max"] = _nan_extreme(high_seq, torch.max)
         elif options.loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = clip_mean((ratio > options.eps_high) & (adv > 0))
+            metrics["cispo_clip_ratio"] = clip_mean(high)
         elif options.loss_type == "vespo":
-            phi = terms.extra["vespo_phi"]  # [B, 1] (one per row), or [B, T]
-            if phi.shape[-1] == 1:  # TRL: the mean over rows
-                metrics["vespo/phi_seq_mean"] = phi.sum() / max(phi.shape[0], 1)
+            if vespo_phi.shape[-1] == 1:  # one weight per row: TRL's mean over rows
+                metrics["vespo/phi_seq_mean"] = vespo_phi.sum() / max(vespo_phi.shape[0], 1)
             else:
-                metrics["vespo/phi_seq_mean"] = token_mean(phi)
+                metrics["vespo/phi_seq_mean"] = token_mean(vespo_phi)
     return {k: v.detach().float() for k, v in metrics.items()}
 
 
@@ -301,6 +310,8 @@ def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantage
     sequences = Sequences(mask, inputs.segment_ids)
     terms = per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
     reduced = (terms.loss * token_weights(mask, options, inputs.num_items_in_batch, sequences)).sum()
-    metrics = loss_metrics(entropy, terms, advantages, mask, options, sequences)
+    low, high = clip_flags(terms.ratio.detach(), advantages, mask, options)
+    metrics = loss_metrics(entropy.detach(), None if terms.kl is None else terms.kl.detach(), low, high, mask, options,
+                           sequences, terms.extra.get("vespo_phi"))
     per_token_logps = torch.where(mask != 0, logp.detach(), torch.zeros_like(logp))
     return GRPOLossOutput(reduced, per_token_logps, metrics)

@@ -15,8 +15,8 @@ Checked for each kernel x arch x logits dtype x vocabulary x flag set the launch
 - it compiles;
 - no spills: cuobjdump's LOCAL and STACK are 0, and ptxas's own ``-v`` report agrees;
 - with 16-byte-aligned rows, the logits are read with 128-bit loads (``LDG.E.128``), one per 16
-  bytes of each thread's slice of a block, and every gradient store of the backward is 128-bit
-  (``STG.E.128``).
+  bytes of each thread's slice of a block, and the gradient stores of the backward are 128-bit
+  (``STG.E.128``), but for one element-wide store: the target's exact term, written once per row.
 
 Run with ``-s`` to see the table; set GRPO_AOT_REPORT=path.json to keep the full report.
 """
@@ -113,5 +113,10 @@ def test_vectorized_global_access(report, label):
         # Only the target logit may be read on its own (16-bit); the block loads are all 128-bit.
         assert ldg.get("16", 0) <= 1, f"{label}: narrow logits loads {ldg}"
     if r["kernel"] == "bwd":
-        assert set(stg) == {"128"}, f"{label}: gradient stores not all 128-bit: STG widths {stg}"
-        assert stg["128"] >= vectors, f"{label}: STG widths {stg}, expected >= {vectors} STG.E.128"
+        narrow = {bits: n for bits, n in stg.items() if bits != "128"}
+        element_bits = str(8 * elem)
+        assert set(narrow) <= {element_bits} and sum(narrow.values()) <= 1, (
+            f"{label}: gradient stores not 128-bit (one {element_bits}-bit store for the target allowed): "
+            f"STG widths {stg}"
+        )
+        assert stg.get("128", 0) >= vectors, f"{label}: STG widths {stg}, expected >= {vectors} STG.E.128"

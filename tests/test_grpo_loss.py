@@ -182,7 +182,7 @@ def test_new_hyperparameter_values_compile_no_new_kernel():
         """Compiled variants of every row kernel, the fused GRPO forward (which takes beta, eps and
         delta) included (triton >= 3.2 keeps them per device)."""
         kernels = [k for k in vars(triton_rows).values() if hasattr(k, "device_caches")]
-        assert triton_rows.grpo_loss_fwd_kernel in kernels
+        assert triton_rows.grpo_loss_fwd_kernel in kernels and triton_rows.row_stats_partial_kernel in kernels
         return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
 
     before = cache_size()
@@ -215,3 +215,53 @@ def test_every_clip_region_values_gradients_and_metrics(backend, use_delta):
     for name, value in metrics64.items():
         assert_close64(out.metrics[name], value, what=name)
     assert metrics64["clip_ratio/low_mean"] > 0 and metrics64["clip_ratio/high_mean"] > 0
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_fused_kernel_split_and_whole_row_paths_match_float64(splits, monkeypatch):
+    """The fused GRPO forward on rows of several blocks, read whole (many rows) and split over
+    programs then merged (few rows), forced either way: loss, gradient and metrics against float64."""
+    from grpo_kernels.kernels import triton_rows
+
+    monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", splits)
+    chosen = []
+    choose = triton_rows.choose_splits
+    monkeypatch.setattr(triton_rows, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    batch = make_batch(17 + splits, B=2, T=3, V=9001)
+    logits, ids, mask = batch[:3]
+    advantages, kw = build_kwargs(dict(use_old=True, use_ref=True, beta=0.04, entropy_coef=0.01), batch)
+    out, grad = run_loss(logits, ids, advantages, mask, "triton", loss_type="bnpo", **kw)
+    x64 = logits.double().requires_grad_()
+    loss64, logp64, metrics64 = grpo64(x64, ids, advantages, mask, loss_type="bnpo", **kw)
+    loss64.backward()
+    assert chosen and all(n == splits for n, _ in chosen), chosen  # forward and backward took that path
+    assert_close64(out.loss, loss64, what="loss")
+    assert_close64(out.per_token_logps, logp64, scale=10, what="per_token_logps")
+    assert_close64(grad, x64.grad, scale=0.1 * x64.grad.abs().max().item(), what="grad")
+    assert set(out.metrics) == set(metrics64)
+    for name, value in metrics64.items():
+        assert_close64(out.metrics[name], value, what=name)
+
+
+def test_fused_forward_masked_rows_are_zero_and_never_read():
+    """grpo_forward_rows: a masked row (ignore_index) is never read (NaN logits there cannot leak)
+    and gets 0 in every per-token output, the metric inputs (kl, clip) included."""
+    from grpo_kernels.kernels import triton_rows
+
+    batch = make_batch(19, B=2, T=5, V=77)
+    logits, ids, _, old, ref, adv = batch[:6]
+    ids = ids.clone()
+    ids[0, 2] = ids[1, 4] = -100
+    logits = logits.clone()
+    logits[0, 2] = logits[1, 4] = float("nan")
+    outs = triton_rows.grpo_forward_rows(
+        logits.to(DEVICE), ids.to(DEVICE), adv.to(DEVICE), torch.ones(2, 5, device=DEVICE), old.to(DEVICE),
+        ref.to(DEVICE), None, 1.0, -100, 0.2, 0.2, None, 0.04, 0.01,
+    )
+    names = ("loss", "logp", "entropy", "row_max", "log_sum", "coef_logp", "coef_entropy", "kl", "clip")
+    assert len(outs) == len(names)
+    for name, x in zip(names, outs):
+        assert x[0, 2] == 0 and x[1, 4] == 0, name
+        if x.is_floating_point():
+            assert torch.isfinite(x).all(), name
+    assert outs[-1].dtype == torch.int8

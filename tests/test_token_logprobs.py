@@ -239,3 +239,67 @@ def test_row_offsets_beyond_int32():
     targets = torch.tensor([[3], [90]])
     logp = gk.token_logprobs(big, targets, backend="triton")
     assert_close64(logp, logprobs64(rows, targets)[0], what="logp", scale=5)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_and_whole_row_paths_match_float64(splits, dtype, monkeypatch):
+    """The row read whole (1 split: the many-rows path) and split over programs then merged (the
+    few-rows path), both forced on rows of several blocks, with -inf, ignored and confident rows."""
+    from grpo_kernels.kernels import triton_rows
+
+    monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", splits)
+    chosen = []
+    choose = triton_rows.choose_splits
+    monkeypatch.setattr(triton_rows, "choose_splits", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    g = torch.Generator().manual_seed(41 + splits)
+    b, t, v = 2, 3, 20011  # several blocks whatever the dtype, and a partial last block
+    logits = torch.randn(b, t, v, generator=g) * 3
+    logits[0, 1, : v // 2] = float("-inf")  # whole chunks of -inf
+    logits[1, 2, 7] = 40.0  # a confident row
+    logits = logits.to(dtype).to(DEVICE)
+    targets = torch.randint(v // 2, v, (b, t), generator=g)
+    targets[1, 0] = -100
+    targets[1, 2] = 7
+    check_against_spec(logits, targets.to(DEVICE), 0.7, "triton", dtype)
+    assert chosen and all(n == splits for n, _ in chosen), chosen  # forward and backward took that path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_huge_finite_logits(dtype, temperature):
+    """Finite logits near the dtype's maximum (>= 1e32 in fp32, the bf16 maximum): the first block's
+    rescaling of an empty sum must not make -inf * 0 = NaN; logp, entropy and gradient are finite
+    and match float64.
+
+    The float64 spec cannot be evaluated on these logits as they are: next to 3e38 its own ulp is
+    ~6e22, so lse - sum(p z) loses every O(1) digit. Softmax is shift-invariant, so the reference is
+    evaluated on x - max(x) (the maximum detached), where float64 is exact enough. Targets far below
+    the maximum (logp ~ -1e32 and ~ -FLT_MAX) are checked at T = 1, where that logp is finite in fp32."""
+    big = torch.finfo(dtype).max if dtype == torch.bfloat16 else 3e38
+    g = torch.Generator().manual_seed(43)
+    v = 300
+    logits = torch.randn(4, 1, v, generator=g, dtype=torch.float64)
+    logits[0] = logits[0] * 1e32  # one-hot softmax at 1e32 scale, both signs
+    logits[1, 0, [3, 77, 250]] = big  # three tied maxima
+    logits[2] = big  # a uniform row at the maximum
+    logits[3, 0, 11] = big  # one huge maximum and its opposite
+    logits[3, 0, 12] = -big
+    logits = logits.to(dtype).to(DEVICE)
+    targets = torch.tensor([[int(logits[0, 0].float().argmax())], [77], [5], [11]])
+    if temperature == 1.0:
+        targets[0, 0], targets[3, 0] = 9, 40
+    targets = targets.to(DEVICE)
+    w_logp, w_ent = torch.randn(2, 4, 1, generator=g)
+
+    x = logits.detach().clone().requires_grad_()
+    logp, entropy = gk.token_logprobs(x, targets, temperature=temperature, return_entropy=True, backend="triton")
+    ((logp * w_logp.to(DEVICE)).sum() + (entropy * w_ent.to(DEVICE)).sum()).backward()
+    x64 = logits.detach().double().cpu().requires_grad_()
+    logp64, ent64 = logprobs64(x64 - x64.detach().amax(-1, keepdim=True), targets.cpu(), temperature)
+    ((logp64 * w_logp.double()).sum() + (ent64 * w_ent.double()).sum()).backward()
+
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all() and torch.isfinite(x.grad).all()
+    assert_close64(logp, logp64, what="logp")
+    assert_close64(entropy, ent64, what="entropy")
+    assert_close64(x.grad, x64.grad, dtype, scale=grad_scale(dtype, x64.grad), what="grad")

@@ -119,7 +119,8 @@ class Variant:
     @property
     def label(self) -> str:
         f = ",".join(k for k, v in self.flags.items() if v) or "-"
-        return f"{self.kernel}-sm{self.arch}-{self.dtype}-V{self.vocab}-{f}-tgt{self.targets_dtype}"
+        rows = f"-T{self.seq_len}" if self.seq_len else ""
+        return f"{self.kernel}-sm{self.arch}-{self.dtype}-V{self.vocab}-{f}-tgt{self.targets_dtype}{rows}"
 
     @property
     def row_aligned(self) -> bool:
@@ -127,7 +128,7 @@ class Variant:
         return self.vocab * BYTES[self.dtype] % 16 == 0
 
 
-_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i64": "int64", "i32": "int32"}
+_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "i64": "int64", "i32": "int32", "i8": "int8"}
 
 
 def _torch_dtype(name: str):
@@ -281,7 +282,8 @@ def native_specialization_mismatches(launch: Launch, signature, attrs, arch: int
 
 def default_variants() -> List[Variant]:
     """Every kernel x arch x logits dtype x vocabulary x flag set the launchers use, one run with
-    int32 targets, and a vocabulary whose rows are not 16-byte aligned (V = 50,257) for reference."""
+    int32 targets, a vocabulary whose rows are not 16-byte aligned (V = 50,257) for reference, and
+    the split-vocabulary launches few rows get."""
     fwd_flags = [dict(with_entropy=True), dict(with_entropy=False)]
     bwd_flags = [dict(grad_logp=True, grad_entropy=True), dict(grad_logp=True, grad_entropy=False),
                  dict(grad_logp=False, grad_entropy=True)]
@@ -295,6 +297,10 @@ def default_variants() -> List[Variant]:
                 out += [Variant("bwd", arch, dtype, vocab, dict(f)) for f in bwd_flags]
     out.append(Variant("fwd", 90, "bf16", 151_936, dict(fwd_flags[0]), targets_dtype="i32"))
     out.append(Variant("fwd", 90, "bf16", 50_257, dict(fwd_flags[0])))
+    # 2 x 128 rows: too few to fill the GPU, so the vocabulary is split (the first launch is the
+    # partial-statistics kernel; the backward gets a 2-D grid)
+    out.append(Variant("fwd", 90, "bf16", 151_936, dict(fwd_flags[0]), seq_len=128))
+    out.append(Variant("bwd", 90, "bf16", 151_936, dict(bwd_flags[0]), seq_len=128))
     out.append(Variant("bwd", 90, "bf16", 50_257, dict(bwd_flags[0])))
     return out
 

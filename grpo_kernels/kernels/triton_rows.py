@@ -1,28 +1,63 @@
 """Triton row kernels: token log-prob and entropy from logits in one read, and their gradient.
 
-One program per row (a 1-D grid, so any number of rows). The forward walks the vocabulary in blocks
-with an online logsumexp: a running max ``m``, the rescaled sum ``s = sum exp(z - m)`` and
-``u = sum exp(z - m) * (z - m)``, all fp32. Then ``log p = (z - m) - log s`` (never ``z - lse``,
-whose rounding of ``lse`` would cost a confident token its gradient) and the entropy is
-``H = log s - u / s``: both terms are >= 0, so nothing cancels. The target logit is read once, on
-its own. The row keeps ``m`` and ``log s``; the backward recomputes ``p`` from them block by block
-and writes the gradient in the output's dtype. Offsets are int64 so ``N * V > 2**31`` indexes correctly, and rows are addressed by
-``(b, t)`` strides so a ``[B, T, V]`` slice of a larger tensor is read in place.
+Rows are ``[B, T, V]`` logits addressed by ``(b, t)`` strides (a slice of a larger tensor is read in
+place); row offsets are int64, so ``N * V > 2**31`` indexes correctly.
+
+Forward (one read of the row). A block of the row is a ``[BLOCK_V / VEC, VEC]`` tile: each tile row is one
+16-byte vector, and each thread owns whole tile rows ("slots"). Every slot keeps its own running
+statistics over the vocabulary loop, all fp32, in base 2 with ``c = log2(e) / T``::
+
+    m = max x    s = sum 2^((x - m) c)    u = sum 2^((x - m) c) * (x - m) c
+
+so the loop has no block-wide reduction (no shuffles, no barrier): the slots are merged once per row
+by the same online-softmax rule that merges two blocks. Then ``log p = (x_t - m) c - log2 s`` (in
+bits; never ``z - lse``, whose rounding of ``lse`` would cost a confident token its gradient) and
+``H = ln s - ln 2 * u / s``: both terms are >= 0, so nothing cancels. The target logit is read once.
+The main loop reads whole blocks without a mask; the partial last block is peeled off after it.
+
+Why ``(x - m) * c`` and not one FFMA ``x * c - m * c``: the FFMA form is exact only up to the
+rounding of ``m * c``, which is harmless for ordinary logits but is ~1e25 for logits near 1e32 and
+overflows ``2^`` (the row's own maximum would get p = inf). ``x - m`` is exact near the maximum,
+so the maximum gets exactly ``2^0 = 1`` at any magnitude, up to the bf16/fp32 maximum.
+
+-inf logits need no per-element select: the exponent is clamped at -FLT_MAX with a NaN-propagating
+max (``2^-FLT_MAX = 0`` and ``0 * -FLT_MAX = 0``, where ``0 * -inf`` would be NaN), and a NaN logit
+still makes its row NaN.
+
+The row keeps ``row_max`` (the maximum raw logit, not divided by T) and ``log_sum`` (``log2 s``):
+both private to this module's backward, which recomputes ``log2 p`` from them block by block, as
+``p * (a + b * log2 p)`` with per-row ``a`` and ``b``, and writes the gradient in the output's
+dtype; the target's exact ``g * (1 - p)`` (from an accurate ``1 - p``) is written once after the loop.
+
+Few rows (the fused-linear path's chunks of ~256 rows): each row's vocabulary is split over several
+programs (``row_stats_partial_kernel`` writes each chunk's ``(m, s, u)``), and the forward kernel
+then merges the partials instead of reading the row; the backward simply gets a 2-D grid.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-# Smaller than any finite fp32 logit, so the running max starts finite: exp(m_old - m_new) and
-# (m_old - m_new) * s stay well defined, and -inf logits simply contribute exp(-inf) = 0.
-_LOWEST = tl.constexpr(-3.4028234663852886e38)
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: the clamp that stands in for -inf
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+# log2 p below this is 0 in fp32 anyway (2^-150 rounds to 0); clamping there keeps b * log2 p finite.
+_LOG2P_FLOOR = tl.constexpr(-256.0)
+
+# Tests set this to force the split-vocabulary path (any number of rows) on the CPU interpreter.
+SPLITS_OVERRIDE: Optional[int] = None
+_MAX_SPLITS = 64
+_DEFAULT_SMS = 132  # an H200 / H100 SXM, assumed for meta tensors (AOT compilation, the SASS model)
 
 
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
 @triton.jit
 def _row_pointer(base, row, T, stride_b, stride_t):
     b = row // T
@@ -38,36 +73,167 @@ def _one_minus_exp(x):
 
 
 @triton.jit
-def _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr):
-    """One read of a row: (m, log s, entropy) of z = logits * inv_temperature, online over blocks."""
-    m = tl.full((), _LOWEST, tl.float32)
-    s = tl.zeros((), tl.float32)
-    u = tl.zeros((), tl.float32)
-    cols = tl.arange(0, BLOCK_V).to(tl.int64)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
-        m_new = tl.maximum(m, tl.max(z, 0))
-        shift = z - m_new
-        e = tl.exp(shift)
-        alpha = tl.exp(m - m_new)
-        s_old = s
-        s = s * alpha + tl.sum(e, 0)
+def _softcap(x, k, cap):
+    """Final-logit soft-capping ``cap * tanh(k * x)`` (``k = logit_scale / cap``), accurate near 0:
+    ``tanh |a| = (1 - e^{-2|a|}) / (1 + e^{-2|a|})`` with the accurate ``1 - e^y``. NaN stays NaN."""
+    a = x * k
+    e = _one_minus_exp(-2.0 * tl.abs(a))
+    t = e / (2.0 - e)
+    return cap * tl.where(a < 0.0, -t, t)
+
+
+@triton.jit
+def _load_row(ptr, cap_k, cap, SOFTCAP: tl.constexpr, mask=None):
+    """Logits as the softmax sees them before the temperature: raw, or soft-capped (the logit scale
+    without a cap is folded into the temperature by the launchers). Masked lanes are -inf."""
+    if mask is None:
+        x = tl.load(ptr).to(tl.float32)
+        if SOFTCAP:
+            x = _softcap(x, cap_k, cap)
+    else:
+        x = tl.load(ptr, mask=mask, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:  # tanh(-inf) = -1 would give the lanes past V a probability: keep them -inf
+            x = tl.where(mask, _softcap(x, cap_k, cap), float("-inf"))
+    return x
+
+
+@triton.jit
+def _softcap_slope(y, cap_scale, cap):
+    """d y / d x of ``y = cap * tanh(k x)``: ``logit_scale * (1 - (y / cap)^2)`` (``cap_scale = cap * k``)."""
+    t = y / cap
+    return cap_scale * (1.0 - t * t)
+
+
+@triton.jit
+def _tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """Offsets of a block as a [BLOCK_V / VEC, VEC] tile: tile row r is the 16-byte vector at r * VEC."""
+    return tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def _slot_update(x, m, s, u, c, WITH_ENTROPY: tl.constexpr):
+    """Fold a [BLOCK_V / VEC, VEC] tile of raw fp32 logits into the per-slot (m, s, u), one per tile row."""
+    m_new = tl.maximum(m, tl.max(x, 1))  # in-thread: a slot is one thread's 16-byte vector
+    # The old sums move to the new max: 2^dd with dd <= 0; clamped so a -FLT_MAX start or a huge
+    # jump gives alpha = 0 and alpha * dd = 0 (never 0 * -inf).
+    dd = tl.maximum((m - m_new) * c, _LOWEST)
+    alpha = tl.exp2(dd)
+    shift = tl.maximum((x - m_new[:, None]) * c, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.exp2(shift)
+    s_new = s * alpha + tl.sum(e, 1)
+    if WITH_ENTROPY:
+        # u is relative to the slot's max: moving it by dd adds dd to every shift, i.e. dd * s.
+        u = u * alpha + (alpha * dd) * s + tl.sum(e * shift, 1)
+    return m_new, s_new, u
+
+
+@triton.jit
+def _merge(m, s, u, c, WITH_ENTROPY: tl.constexpr):
+    """Merge per-slot (or per-chunk) statistics [K] into the row's (m, s, u): the same rule as above."""
+    m_row = tl.max(m, 0)
+    dd = tl.maximum((m - m_row) * c, _LOWEST)
+    a = tl.exp2(dd)
+    s_row = tl.sum(a * s, 0)
+    u_row = 0.0
+    if WITH_ENTROPY:
+        u_row = tl.sum(a * u + (a * dd) * s, 0)
+    return m_row, s_row, u_row
+
+
+@triton.jit
+def _chunk_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                 WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(m, s, u) of the row's blocks [blk_lo, blk_hi) (block k = elements [k, k+1) * BLOCK_V).
+
+    Whole blocks are read without a mask; a block that crosses V (only ever the row's last) is
+    peeled off after the loop. Block starts are multiples of the constexpr BLOCK_V, so the
+    compiler knows every vector is 16-byte aligned.
+    """
+    R: tl.constexpr = BLOCK_V // VEC
+    tile = _tile(BLOCK_V, VEC)
+    m = tl.full((R,), _LOWEST, tl.float32)
+    s = tl.zeros((R,), tl.float32)
+    u = tl.zeros((R,), tl.float32)
+    blk_hi = tl.minimum(blk_hi, tl.cdiv(V, BLOCK_V))  # the last split may be short
+    blk_full = tl.minimum(blk_hi, V // BLOCK_V)
+    for blk in range(blk_lo, blk_full):
+        x = _load_row(row_ptr + blk * BLOCK_V + tile, cap_k, cap, SOFTCAP)
+        m, s, u = _slot_update(x, m, s, u, c, WITH_ENTROPY)
+    if blk_full < blk_hi:
+        offs = blk_full * BLOCK_V + tile
+        x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
+        m, s, u = _slot_update(x, m, s, u, c, WITH_ENTROPY)
+    return _merge(m, s, u, c, WITH_ENTROPY)
+
+
+@triton.jit
+def _row_summary(
+    row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """The row's (m, s, u): read from the logits, or merged from the partial kernel's chunks."""
+    if SPLIT:
+        k = tl.arange(0, SPLITS_PAD)
+        base = row * num_splits
+        pm = tl.load(part_m_ptr + base + k, mask=k < num_splits, other=_LOWEST)
+        ps = tl.load(part_s_ptr + base + k, mask=k < num_splits, other=0.0)
+        pu = ps
         if WITH_ENTROPY:
-            # A -inf logit adds 0 (not 0 * -inf); a NaN one still adds NaN.
-            e_shift = tl.where(z == float("-inf"), 0.0, e * shift)
-            u = alpha * (u + (m - m_new) * s_old) + tl.sum(e_shift, 0)
-        m = m_new
-    log_s = tl.log(s)
-    return m, log_s, log_s - u / s
+            pu = tl.load(part_u_ptr + base + k, mask=k < num_splits, other=0.0)
+        m, s, u = _merge(pm, ps, pu, c, WITH_ENTROPY)
+    else:
+        m, s, u = _chunk_stats(row_ptr, 0, tl.cdiv(V, BLOCK_V), V, c, cap_k, cap, BLOCK_V, VEC, WITH_ENTROPY, SOFTCAP)
+    return m, s, u
+
+
+@triton.jit
+def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit."""
+    log2_s = tl.log2(s)
+    x_target = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+    # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
+    logp = (x_target - m) * (c * _LN2) - log2_s * _LN2
+    entropy = 0.0
+    if WITH_ENTROPY:
+        entropy = (log2_s - u / s) * _LN2
+    return logp, entropy, log2_s
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def row_stats_partial_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, part_m_ptr, part_s_ptr, part_u_ptr,
+    V, c, cap_k, cap, ignore_index, num_splits, blocks_per_split,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """Program (row, split): the (m, s, u) of one chunk of a row's vocabulary, for few rows."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    if target != ignore_index:  # a masked row is never read; the merge kernel writes its zeros
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        blk_lo = split * blocks_per_split
+        m, s, u = _chunk_stats(row_ptr, blk_lo, blk_lo + blocks_per_split, V, c, cap_k, cap, BLOCK_V, VEC, WITH_ENTROPY,
+                               SOFTCAP)
+        out = row * num_splits + split
+        tl.store(part_m_ptr + out, m)
+        tl.store(part_s_ptr + out, s)
+        if WITH_ENTROPY:
+            tl.store(part_u_ptr + out, u)
 
 
 @triton.jit
 def token_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
-    V, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+    V, c, cap_k, cap, ignore_index,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
@@ -80,11 +246,12 @@ def token_logprobs_fwd_kernel(
             tl.store(entropy_ptr + row, 0.0)
     else:
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m, log_s, entropy = _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V, WITH_ENTROPY)
-        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, (z_target - m) - log_s)
+        m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+                               BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY, SOFTCAP)
+        tl.store(logp_ptr + row, logp)
         tl.store(max_ptr + row, m)
-        tl.store(log_sum_ptr + row, log_s)
+        tl.store(log_sum_ptr + row, log2_s)
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, entropy)
 
@@ -93,16 +260,24 @@ def token_logprobs_fwd_kernel(
 def grpo_loss_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, advantages_ptr, weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
-    logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr,
-    V, inv_temperature, ignore_index, eps_low, eps_high, delta, beta, entropy_coef,
-    BLOCK_V: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr,
+    logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr, kl_ptr, clip_ptr,
+    part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+    V, c, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr, SOFTCAP: tl.constexpr,
+    OBJECTIVE: tl.constexpr, BIAS_CORRECTED_KL: tl.constexpr,
 ):
     """The token-level GRPO loss in the same pass as the log-prob.
 
-    Per row: log-prob and entropy, then ratio, clipped surrogate, k3 KL and entropy bonus, times the
-    token's weight in the reduction (``reference.token_weights``). Writes the weighted loss (summed by
-    the caller) and ``d loss / d logp`` and ``d loss / d entropy``, which the backward kernel scales
-    by the incoming gradient. The formulas are ``reference.per_token_loss``'s, differentiated by hand.
+    Per row: log-prob and entropy, then ratio, the policy term of ``OBJECTIVE`` (0: PPO's clipped
+    surrogate, 1: cispo, 2: sapo), k3 KL (times the ratio when ``BIAS_CORRECTED_KL``) and entropy
+    bonus, times the token's weight in the reduction (``objective.token_weights``). Writes the
+    weighted loss (summed by the caller) and ``d loss / d logp`` and ``d loss / d entropy``, which
+    the backward kernel scales by the incoming gradient, and what the metrics need: the KL (0
+    without reference log-probs) and the clip region (-1: ratio < 1 - eps_low with A < 0, +1:
+    ratio > 1 + eps_high with A > 0 (cispo: ratio > eps_high), else 0). This is the one hand-
+    differentiated copy of ``objective.per_token_loss`` and ``objective.clip_flags``; each term
+    carries its derivative beside it, and ``tests/test_objective.py`` checks them against autograd.
     """
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
@@ -114,46 +289,85 @@ def grpo_loss_fwd_kernel(
         tl.store(loss_ptr + row, 0.0)
         tl.store(coef_logp_ptr + row, 0.0)
         tl.store(coef_entropy_ptr + row, 0.0)
+        tl.store(kl_ptr + row, 0.0)
+        tl.store(clip_ptr + row, tl.zeros((), tl.int8))
     else:
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m, log_s, entropy = _row_softmax_stats(row_ptr, V, inv_temperature, BLOCK_V, True)
-        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        logp = (z_target - m) - log_s
+        m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+                               BLOCK_V, VEC, True, SPLIT, SPLITS_PAD, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, True, SOFTCAP)
         tl.store(logp_ptr + row, logp)
         tl.store(entropy_ptr + row, entropy)
         tl.store(max_ptr + row, m)
-        tl.store(log_sum_ptr + row, log_s)
+        tl.store(log_sum_ptr + row, log2_s)
 
         adv = tl.load(advantages_ptr + row)
         weight = tl.load(weights_ptr + row)
+        # ratio = exp(logp - old); d ratio / d logp = ratio.
+        # ratio = exp(logp - old); d ratio / d logp = ratio.
         if HAS_OLD:
             ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
         else:
             ratio = tl.exp(logp - logp)  # on-policy: 1, d ratio / d logp = 1; NaN stays NaN
-        unclipped = tl.minimum(ratio, delta)  # delta = +inf when unset
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
-        t1 = unclipped * adv
-        t2 = clipped * adv
-        # d/d ratio of each branch: a clamp passes the gradient inside its closed range, and
-        # torch.minimum splits it evenly on a tie (the usual case, inside the clip range).
-        d1 = tl.where(ratio <= delta, adv, 0.0)
-        d2 = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), adv, 0.0)
-        d_min = tl.where(t1 < t2, d1, tl.where(t2 < t1, d2, 0.5 * (d1 + d2)))
-        loss = -tl.minimum(t1, t2)
-        d_logp = -d_min * ratio
+        if OBJECTIVE == 0:  # PPO's clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo)
+            unclipped = tl.minimum(ratio, delta)  # delta = +inf when unset
+            clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+            t1 = unclipped * adv
+            t2 = clipped * adv
+            # surrogate = -min(t1, t2). d t1 / d ratio = adv inside ratio <= delta (a clamp passes the
+            # gradient inside its closed range), d t2 / d ratio = adv inside [1 - eps_low, 1 + eps_high];
+            # torch.minimum splits the gradient evenly on a tie (the usual case, inside the clip range).
+            d1 = tl.where(ratio <= delta, adv, 0.0)
+            d2 = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), adv, 0.0)
+            d_min = tl.where(t1 < t2, d1, tl.where(t2 < t1, d2, 0.5 * (d1 + d2)))
+            loss = -tl.minimum(t1, t2)
+            # d surrogate / d logp = -(d min / d ratio) * (d ratio / d logp) = -d_min * ratio
+            d_logp = -d_min * ratio
+            low = (ratio < 1.0 - eps_low) & (adv < 0.0)
+            high = (ratio > 1.0 + eps_high) & (adv > 0.0)
+        elif OBJECTIVE == 1:  # cispo: -sg(min(ratio, eps_high)) * A * logp
+            weight_is = tl.minimum(ratio, eps_high)
+            loss = -weight_is * adv * logp
+            # the capped ratio is detached: d / d logp = -min(ratio, eps_high) * A
+            d_logp = -weight_is * adv
+            low = ratio != ratio  # False (NaN-safe shape): cispo has no lower clip
+            high = (ratio > eps_high) & (adv > 0.0)
+        else:  # sapo: -(4 / tau) * sigmoid(tau (ratio - 1)) * A, tau by the sign of A
+            tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+            gate = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
+            loss = -(4.0 / tau) * gate * adv
+            # d sigmoid(y) / dy = gate (1 - gate), dy / d logp = tau * ratio:
+            # d / d logp = -(4 / tau) * gate (1 - gate) * tau * ratio * A = -4 gate (1 - gate) ratio A
+            d_logp = -4.0 * gate * (1.0 - gate) * ratio * adv
+            low = ratio != ratio
+            high = ratio != ratio
         if HAS_IS_RATIO:
+            # loss * is_ratio (a detached weight): d / d logp scales by the same is_ratio
             is_ratio = tl.load(is_ratio_ptr + row)
             loss = loss * is_ratio
             d_logp = d_logp * is_ratio
+        kl = 0.0
         if HAS_REF:
+            # k3 = exp(diff) - diff - 1 with diff = ref - logp;
+            # d k3 / d logp = -(exp(diff) - 1) = 1 - exp(diff)
             diff = tl.load(ref_logps_ptr + row) - logp
             exp_diff = tl.exp(diff)
-            loss += beta * (exp_diff - diff - 1.0)
-            d_logp += beta * (1.0 - exp_diff)
+            kl = exp_diff - diff - 1.0
+            if BIAS_CORRECTED_KL:
+                # kl * ratio: d / d logp = (1 - exp(diff)) * ratio + kl * ratio = -diff * ratio
+                d_kl = -diff * ratio
+                kl = kl * ratio
+            else:
+                d_kl = 1.0 - exp_diff
+            loss += beta * kl
+            d_logp += beta * d_kl
+        # entropy bonus -entropy_coef * H: d / d logp = 0, d / d H = -entropy_coef
         loss -= entropy_coef * entropy
         tl.store(loss_ptr + row, loss * weight)
         tl.store(coef_logp_ptr + row, d_logp * weight)
         tl.store(coef_entropy_ptr + row, -entropy_coef * weight)
+        tl.store(kl_ptr + row, kl)
+        tl.store(clip_ptr + row, (high.to(tl.int8) - low.to(tl.int8)).to(tl.int8))
 
 
 @triton.jit
@@ -161,55 +375,166 @@ def token_logprobs_bwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     grad_ptr, grad_stride_b, grad_stride_t,
     targets_ptr, max_ptr, log_sum_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    V, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    V, c, inv_temperature, cap_k, cap, ignore_index, blocks_per_split,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    """Program (row, split): d loss / d logits over one chunk of the row (the whole row: 1 split).
+
+    With q = log2 p = (x - m) c - log2 s and g_l, g_H the incoming gradients of logp and H:
+        d logp / d z_j = [j = t] - p_j,   d H / d z_j = -p_j (ln p_j + H),   z = x / T
+    so d loss / d x_j = p_j (a + b q_j) + [j = t] g_l / T with the per-row constants
+        a = -(g_l + g_H H) / T,   b = -g_H ln 2 / T.
+    The loop writes p_j (a + b q_j) everywhere; the target's exact value, with its accurate 1 - p,
+    is written once after it. With soft-capping, x above is ``y = cap tanh(k x)`` and each element
+    is further multiplied by ``dy / dx = logit_scale (1 - (y / cap)^2)``.
+    """
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
     grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
-    cols = tl.arange(0, BLOCK_V).to(tl.int64)
+    tile = _tile(BLOCK_V, VEC)
+    blk_lo = split * blocks_per_split
+    blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(V, BLOCK_V))
+    blk_full = tl.minimum(blk_hi, V // BLOCK_V)
     if target == ignore_index:
-        zeros = tl.zeros((BLOCK_V,), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            tl.store(grad_row_ptr + offs, zeros.to(grad_ptr.dtype.element_ty), mask=offs < V)
+        zeros = tl.zeros((BLOCK_V // VEC, VEC), tl.float32).to(grad_ptr.dtype.element_ty)
+        for blk in range(blk_lo, blk_hi):
+            offs = blk * BLOCK_V + tile
+            tl.store(grad_row_ptr + offs, zeros, mask=offs < V)
     else:
         m = tl.load(max_ptr + row)
-        log_s = tl.load(log_sum_ptr + row)
+        log2_s = tl.load(log_sum_ptr + row)
         g_logp = 0.0
-        g_entropy = 0.0
-        entropy = 0.0
         if HAS_GRAD_LOGP:
             g_logp = tl.load(grad_logp_ptr + row) * inv_temperature
-        # The target's term g * (1 - p), formed once in fp32 from an accurate 1 - p.
-        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        target_term = g_logp * _one_minus_exp((z_target - m) - log_s)
+        g_entropy = 0.0
+        entropy = 0.0
         if HAS_GRAD_ENTROPY:
             g_entropy = tl.load(grad_entropy_ptr + row) * inv_temperature
             entropy = tl.load(entropy_ptr + row)
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            in_row = offs < V
-            z = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temperature
-            log_p = (z - m) - log_s
-            p = tl.exp(log_p)
-            grad = tl.where(offs == target, target_term, -g_logp * p)
+        a = -(g_logp + g_entropy * entropy)
+        b = -g_entropy * _LN2
+        cap_scale = cap * cap_k  # the logit scale, dy/dx at 0 with soft-capping
+        # Read before the loop: with out = logits (in-place backward) the loop overwrites it.
+        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        q_t = (y_t - m) * c - log2_s
+        for blk in range(blk_lo, blk_full):
+            offs = blk * BLOCK_V + tile
+            x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP)
+            grad = _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY)
+            if SOFTCAP:
+                grad = grad * _softcap_slope(x, cap_scale, cap)
+            tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty))
+        if blk_full < blk_hi:
+            offs = blk_full * BLOCK_V + tile
+            x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
+            grad = _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY)
+            if SOFTCAP:
+                grad = grad * _softcap_slope(x, cap_scale, cap)
+            tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=offs < V)
+        if (target >= blk_lo * BLOCK_V) & (target < blk_hi * BLOCK_V):
+            # Another thread may have written the target's loop value: order its store first.
+            tl.debug_barrier()
+            p_t = tl.exp2(q_t)
+            # g_l (1 - p_t) / T plus the entropy part p_t (b q_t - g_H H / T), never g_l - g_l p_t
+            target_grad = g_logp * _one_minus_exp(q_t * _LN2)
             if HAS_GRAD_ENTROPY:
-                grad -= tl.where(z == float("-inf"), 0.0, g_entropy * p * (log_p + entropy))
-            tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+                q_t = tl.maximum(q_t, _LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # as in the loop
+                target_grad += p_t * (b * q_t - g_entropy * entropy)
+            if SOFTCAP:
+                target_grad = target_grad * _softcap_slope(y_t, cap_scale, cap)
+            tl.store(grad_row_ptr + target, target_grad.to(grad_ptr.dtype.element_ty))
 
 
-def launch_config(vocab_size: int, dtype: torch.dtype) -> Tuple[int, int]:
-    """(BLOCK_V, num_warps) for a vocabulary size and logits dtype.
+@triton.jit
+def _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY: tl.constexpr):
+    """p (a + b log2 p) for a [BLOCK_V / VEC, VEC] tile of raw fp32 logits; 0 for -inf logits, NaN for NaN."""
+    q = (x - m) * c - log2_s  # log2 p: x - m exact near the max, then one FFMA
+    if HAS_GRAD_ENTROPY:
+        # A clamp, not a select: p = 0 below the floor anyway, and b * q stays finite (no 0 * inf).
+        q = tl.maximum(q, _LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        return tl.exp2(q) * (a + b * q)
+    return tl.exp2(q) * a
 
-    A block is 16 elements per thread at most, so each thread issues a few 16-byte loads per
-    iteration and the running reductions are amortised over many elements without spilling.
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------
+def launch_config(vocab_size: int, dtype: torch.dtype, rows: int, sms: int = _DEFAULT_SMS) -> Tuple[int, int, int]:
+    """(BLOCK_V, VEC, num_warps) for a row length, logits dtype and number of rows.
+
+    VEC elements make one 16-byte vector; each thread holds two vectors per block (two 16-byte loads
+    in flight, ~32 registers with the statistics), so 4-warp CTAs fit 16 per SM and keep ~64 KB per
+    SM in flight, above HBM's latency-bandwidth product (~21-28 KB per SM on an H200). With fewer rows
+    than 16 CTAs per SM (then each row is also split), a CTA of 16 warps puts the same bytes in
+    flight per SM from a quarter of the CTAs. Small rows get a smaller block.
     """
-    block = 8192 if dtype in (torch.float16, torch.bfloat16) else 4096
-    block = max(16, min(block, triton.next_power_of_2(vocab_size)))
-    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return block, num_warps
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    num_warps = 4 if rows >= 16 * sms else 16
+    vectors = triton.next_power_of_2(triton.cdiv(vocab_size, vec))
+    num_warps = max(1, min(num_warps, vectors // 64))
+    return min(2 * 32 * num_warps, vectors) * vec, vec, num_warps
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; meta and CPU tensors (AOT, the model, the interpreter) assume an H200."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+
+def choose_splits(rows: int, n_blocks: int, num_warps: int, device: torch.device) -> Tuple[int, int]:
+    """(splits, blocks_per_split) for each row's vocabulary: 1 when the rows alone fill the GPU.
+
+    Aim for about as many CTAs as fit on the GPU at once (64 warps per SM), never a chunk of less
+    than two blocks (the combine step must stay small next to the reads).
+    """
+    if SPLITS_OVERRIDE is not None:
+        splits = max(1, min(int(SPLITS_OVERRIDE), n_blocks))
+    else:
+        resident = _sm_count(device) * max(1, 64 // num_warps)
+        splits = 1 if rows >= resident else min(_MAX_SPLITS, max(1, n_blocks // 2), math.ceil(resident / rows))
+    per_split = math.ceil(n_blocks / splits)
+    return math.ceil(n_blocks / per_split), per_split
+
+
+def _transform_args(temperature: float, softcap: Optional[float], logit_scale: float) -> dict:
+    """Kernel arguments of the logit transform ``softcap * tanh(logit_scale * x / softcap) / T``.
+
+    Without a cap the logit scale folds into the temperature (``c = log2(e) * scale / T``) and the
+    kernels compile exactly as without it; with one, ``cap_k = scale / softcap`` and ``cap``.
+    """
+    if softcap is None:
+        return dict(c=_LOG2E.value * logit_scale / temperature, inv_temperature=logit_scale / temperature,
+                    cap_k=0.0, cap=1.0, SOFTCAP=False)
+    return dict(c=_LOG2E.value / temperature, inv_temperature=1.0 / temperature, cap_k=logit_scale / softcap,
+                cap=float(softcap), SOFTCAP=True)
+
+
+# The fused GRPO forward's policy terms (OBJECTIVE constexpr); vespo's weight is sequence-level.
+_OBJECTIVES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "luspo": 0, "cispo": 1, "sapo": 2}
+
+
+def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps):
+    """Launch the split-vocabulary partial kernel when rows are few; returns the merge arguments."""
+    b, t, v = logits.shape
+    rows = b * t
+    splits, per_split = choose_splits(rows, triton.cdiv(v, block), num_warps, logits.device)
+    if splits == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=logits.device)
+        return dict(part_m_ptr=dummy, part_s_ptr=dummy, part_u_ptr=dummy, num_splits=1, SPLIT=False, SPLITS_PAD=1)
+    part = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
+    row_stats_partial_kernel[(rows, splits)](
+        logits, logits.stride(0), logits.stride(1), t,
+        targets, part[0], part[1], part[2],
+        v, c, cap_k, cap, ignore_index, splits, per_split,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=SOFTCAP, num_warps=num_warps,
+    )
+    return dict(part_m_ptr=part[0], part_s_ptr=part[1], part_u_ptr=part[2], num_splits=splits, SPLIT=True,
+                SPLITS_PAD=triton.next_power_of_2(splits))
 
 
 def forward_rows(
@@ -218,12 +543,15 @@ def forward_rows(
     temperature: float,
     ignore_index: int,
     with_entropy: bool = True,
-    chunk_rows: Optional[int] = None,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ):
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum).
 
-    All fp32 [B, T]; ``row_max`` and ``log_sum`` (max of z = logits / T and log sum exp(z - max))
-    are what the backward needs to recompute the softmax.
+    All fp32 [B, T], of ``softmax(softcap * tanh(logit_scale * logits / softcap) / temperature)``
+    (no tanh without ``softcap``). ``row_max`` (the largest, soft-capped, logit of the row) and
+    ``log_sum`` (``log2 sum 2^((x - row_max) c)``) are what ``backward_rows`` needs to recompute the
+    softmax; they are private to this module (``torch_rows`` keeps its own).
     """
     b, t, v = logits.shape
     targets = targets.contiguous()
@@ -233,12 +561,17 @@ def forward_rows(
     log_sum = torch.empty_like(logp)
     if b * t == 0:
         return logp, entropy, row_max, log_sum
-    block, num_warps = launch_config(v, logits.dtype)
+    block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
+    tf = _transform_args(temperature, softcap, logit_scale)
+    split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, with_entropy,
+                      block, vec, num_warps)
     token_logprobs_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, logp, entropy, row_max, log_sum,
-        v, 1.0 / temperature, ignore_index,
-        BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=num_warps,
+        split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
+        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=tf["SOFTCAP"],
+        num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
     return logp, entropy, row_max, log_sum
 
@@ -258,19 +591,32 @@ def grpo_forward_rows(
     delta: Optional[float],
     beta: float,
     entropy_coef: float,
+    loss_type: str = "dapo",
+    use_bias_correction_kl: bool = False,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ):
     """One pass of the token-level GRPO loss; per-token inputs are [B], [B, 1] or [B, T].
 
-    Returns ``(weighted_loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy)``, fp32
-    [B, T]: the reduced loss is ``weighted_loss.sum()`` and its gradient w.r.t. the logits is the row
-    backward with ``grad_logp = coef_logp * g`` and ``grad_entropy = coef_entropy * g``.
+    ``loss_type`` picks the policy term (the clipped surrogate, cispo or sapo; the reduction is in
+    ``weights``); vespo, whose weight is sequence-level, is not fused.
+
+    Returns ``(weighted_loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip)``,
+    [B, T]: fp32 except ``clip`` (int8: -1 low-clipped, +1 high-clipped, 0 neither). The reduced loss
+    is ``weighted_loss.sum()`` and its gradient w.r.t. the logits is the row backward with
+    ``grad_logp = coef_logp * g`` and ``grad_entropy = coef_entropy * g``; ``kl`` (k3, 0 without
+    ``ref_logps``) and ``clip`` make the metrics masked means. Masked rows give zeros.
     """
     b, t, v = logits.shape
-    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(7)]
+    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(8)]
+    outputs.append(torch.empty(b, t, dtype=torch.int8, device=logits.device))
     if b * t == 0:
         return tuple(outputs)
-    loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy = outputs
+    loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = outputs
     weights = weights.float().contiguous()
+    targets = targets.contiguous()
 
     def per_token(x: Optional[torch.Tensor]) -> torch.Tensor:
         """[B], [B, 1] or [B, T] -> contiguous fp32 [B, T]; an absent input passes a never-read stand-in."""
@@ -278,18 +624,25 @@ def grpo_forward_rows(
             return weights
         return (x.unsqueeze(-1) if x.dim() == 1 else x).float().expand(b, t).contiguous()
 
-    block, num_warps = launch_config(v, logits.dtype)
+    if loss_type not in _OBJECTIVES:
+        raise ValueError(f"loss_type {loss_type!r} has no fused Triton forward (one of {tuple(_OBJECTIVES)})")
+    block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
+    tf = _transform_args(temperature, softcap, logit_scale)
+    split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, True,
+                      block, vec, num_warps)
     grpo_loss_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
-        targets.contiguous(), per_token(advantages), weights,
+        targets, per_token(advantages), weights,
         per_token(old_logps), per_token(ref_logps), per_token(is_ratio),
-        logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy,
-        v, 1.0 / temperature, ignore_index, eps_low, eps_high,
-        float("inf") if delta is None else delta, beta, entropy_coef,
-        BLOCK_V=block, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
-        HAS_IS_RATIO=is_ratio is not None, num_warps=num_warps,
+        logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy, kl, clip,
+        split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
+        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
+        float("inf") if delta is None else delta, beta, entropy_coef, sapo_temperature_pos, sapo_temperature_neg,
+        BLOCK_V=block, VEC=vec, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
+        HAS_IS_RATIO=is_ratio is not None, SOFTCAP=tf["SOFTCAP"], OBJECTIVE=_OBJECTIVES[loss_type],
+        BIAS_CORRECTED_KL=bool(use_bias_correction_kl), num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
-    return loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy
+    return loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip
 
 
 def backward_rows(
@@ -303,22 +656,25 @@ def backward_rows(
     temperature: float,
     ignore_index: int,
     out: torch.Tensor,
-    chunk_rows: Optional[int] = None,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it."""
     b, t, v = logits.shape
     if b * t == 0:
         return out
-    block, num_warps = launch_config(v, logits.dtype)
+    block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
+    splits, per_split = choose_splits(b * t, triton.cdiv(v, block), num_warps, logits.device)
+    tf = _transform_args(temperature, softcap, logit_scale)
     dummy = row_max  # stands in for an absent gradient; never read (the constexpr flag is off)
-    token_logprobs_bwd_kernel[(b * t,)](
+    token_logprobs_bwd_kernel[(b * t, splits)](
         logits, logits.stride(0), logits.stride(1), t,
         out, out.stride(0), out.stride(1),
         targets.contiguous(), row_max.contiguous(), log_sum.contiguous(), entropy.contiguous(),
         dummy if grad_logp is None else grad_logp.float().contiguous(),
         dummy if grad_entropy is None else grad_entropy.float().contiguous(),
-        v, 1.0 / temperature, ignore_index,
-        BLOCK_V=block, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        num_warps=num_warps,
+        v, tf["c"], tf["inv_temperature"], tf["cap_k"], tf["cap"], ignore_index, per_split,
+        BLOCK_V=block, VEC=vec, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+        SOFTCAP=tf["SOFTCAP"], num_warps=num_warps,
     )
     return out
