@@ -88,7 +88,9 @@ def make_config(tmp_path, dtype: str, **overrides) -> "trl.GRPOConfig":
         logging_steps=1, disable_tqdm=True,
     )
     kwargs.update(overrides)
-    return trl.GRPOConfig(**kwargs)
+    with warnings.catch_warnings():  # transformers' own deprecation notices about TrainingArguments
+        warnings.simplefilter("ignore", FutureWarning)
+        return trl.GRPOConfig(**kwargs)
 
 
 def build(cls, model, tokenizer, args, **extra):
@@ -103,6 +105,23 @@ def build_pair(model_dir, tokenizer, args):
     stock = build(trl.GRPOTrainer, model_dir, tokenizer, args)
     ours = build(gk_trl.GRPOTrainer, model_dir, tokenizer, args, grpo_kernels_backend="torch")
     return stock, ours
+
+
+@pytest.fixture
+def core_calls(monkeypatch) -> list:
+    """Counts the calls the integration makes to grpo_kernels.fused_linear_token_logprobs (looked up
+    at call time), so a test knows our head computed the numbers, not a silent delegation to TRL's."""
+    import grpo_kernels
+
+    calls = []
+    real = grpo_kernels.fused_linear_token_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_kernels, "fused_linear_token_logprobs", counting)
+    return calls
 
 
 def uses_our_head(model) -> bool:
@@ -234,7 +253,7 @@ OPTION_CASES = [
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("overrides, vllm_is_ratio", LOSS_CASES + OPTION_CASES)
-def test_compute_loss_matches_trl(model_dir, tokenizer, tmp_path, dtype, overrides, vllm_is_ratio):
+def test_compute_loss_matches_trl(model_dir, tokenizer, tmp_path, core_calls, dtype, overrides, vllm_is_ratio):
     """Loss, every parameter's gradient and every logged metric equal TRL's own, under fp32 and under
     TRL's default bf16 autocast, with beta > 0 and the bias-corrected KL unless the case says otherwise."""
     args = make_config(tmp_path, dtype, **overrides)
@@ -243,9 +262,25 @@ def test_compute_loss_matches_trl(model_dir, tokenizer, tmp_path, dtype, overrid
     if stock.ref_model is not None:
         assert uses_our_head(ours.ref_model) and not uses_our_head(stock.ref_model)
     batch = make_batch(stock, seed=len(str(overrides)))
+    stock_result = run_loss(stock, batch, vllm_is_ratio)
+    assert core_calls == []
+    ours_result = run_loss(ours, batch, vllm_is_ratio)
+    assert core_calls == ["torch"]  # our head computed the policy's log-probs, once
     # With cast_lm_head_to_fp32 TRL's head computes in fp32 even under autocast, and so does ours.
     head_dtype = torch.float32 if overrides.get("cast_lm_head_to_fp32") else DTYPES[dtype]
-    assert_parity(run_loss(ours, batch, vllm_is_ratio), run_loss(stock, batch, vllm_is_ratio), head_dtype, str(overrides))
+    assert_parity(ours_result, stock_result, head_dtype, str(overrides))
+
+
+def test_head_runs_inside_the_wrapped_models_call(model_dir, tokenizer, tmp_path, core_calls):
+    """TRL calls `model(...)`; our head runs inside that call, so hooks of a wrapper (DDP, FSDP) or on
+    the module fire around it, as they do around TRL's head."""
+    args = make_config(tmp_path, "fp32", beta=0.0)
+    ours = build(gk_trl.GRPOTrainer, model_dir, tokenizer, args, grpo_kernels_backend="torch")
+    events = []
+    ours.model.register_forward_pre_hook(lambda module, args: events.append(("pre", len(core_calls))))
+    ours.model.register_forward_hook(lambda module, args, out: events.append(("post", len(core_calls))))
+    batch = make_batch(ours, seed=11)
+    assert events == [("pre", 0), ("post", 1)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +303,7 @@ def float64_logps_entropy(model, input_ids, attention_mask, keep: int, temperatu
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_head_matches_float64_and_trl(model_dir, tokenizer, tmp_path, dtype, backend):
+def test_head_matches_float64_and_trl(model_dir, tokenizer, tmp_path, core_calls, dtype, backend):
     """Per-token log-probs and entropies through TRL's _get_per_token_logps_and_entropies (inside
     accelerator.autocast()): ours equals TRL's head to fp32 rounding (both round the logits to the
     autocast dtype the same way), and both equal float64 within the dtype's tolerance. Gradients of
@@ -289,6 +324,7 @@ def test_head_matches_float64_and_trl(model_dir, tokenizer, tmp_path, dtype, bac
         (logp.sum() + entropy.sum()).backward()
         results[name] = (logp.detach(), entropy.detach(),
                          {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert core_calls == [backend]
     ref_logp, ref_entropy, valid = float64_logps_entropy(stock.model, ids, mask, C, 0.8)
     assert bool((results["ours"][0][~valid] == 0).all()) and bool((results["ours"][1][~valid] == 0).all())
     for name in ("trl", "ours"):  # both heads against float64, at the tolerance of their compute dtype
@@ -450,6 +486,49 @@ def test_moe_router_logits_fall_back():
     assert count_warnings(record) == 1 and uses_our_head(ours)  # ours installed; this call served by TRL's
     assert out_s.aux_loss is not None and torch.equal(out_o.aux_loss, out_s.aux_loss)
     assert torch.equal(out_o.log_probs, out_s.log_probs) and torch.equal(out_o.loss, out_s.loss)
+
+
+class AdapterWrappedHead(torch.nn.Module):
+    """Shaped like a PEFT LoRA layer: the original Linear as ``base_layer``, its weight exposed."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+@pytest.mark.parametrize("situation", ["peft_on_lm_head", "zero3", "dtensor"])
+def test_unservable_calls_fall_back(monkeypatch, core_calls, situation):
+    """Calls our head cannot serve go to TRL's head: its exact numbers, one warning naming why.
+    (ZeRO-3 and DTensor are simulated at the integration's own checks: neither runs on one CPU process.)"""
+    gk_trl._warned.clear()
+    if situation == "zero3":
+        monkeypatch.setattr(gk_trl, "_zero3_enabled", lambda: True)
+    if situation == "dtensor":
+        monkeypatch.setattr(gk_trl, "_is_dtensor", lambda t: True)
+
+    def make():
+        model = make_model()
+        if situation == "peft_on_lm_head":
+            model.lm_head = AdapterWrappedHead(model.lm_head)
+        return model
+
+    match = {"peft_on_lm_head": "PEFT", "zero3": "ZeRO-3", "dtensor": "DTensor"}[situation]
+    with pytest.warns(UserWarning, match=match) as record:
+        (out_s, out_o), (_, ours) = trl_vs_ours_on_model(make)
+        trl_vs_ours_on_model(make)
+    assert count_warnings(record) == 1 and uses_our_head(ours) and core_calls == []
+    assert torch.equal(out_o.log_probs, out_s.log_probs) and torch.equal(out_o.entropy, out_s.entropy)
 
 
 def test_output_contract_matches_trl():
