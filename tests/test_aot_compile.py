@@ -1,7 +1,7 @@
 """GPU readiness without a GPU: compile the row kernels ahead of time for sm_80 and sm_90a.
 
 Triton's NVIDIA backend needs no driver: ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``grpo_kernels.kernels.aot``
+cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``benchmarks.aot``
 captures the exact launch ``forward_rows`` / ``backward_rows`` make (meta tensors, so nothing is
 allocated), specializes it as Triton's launcher would (16-byte alignment -> ``tt.divisibility``),
 compiles it, and reads the cubin back with the wheel's ``cuobjdump``.
@@ -28,7 +28,7 @@ import os
 
 import pytest
 
-from grpo_kernels.kernels import aot
+from benchmarks import aot
 
 VARIANTS = aot.default_variants()
 IDS = [v.label for v in VARIANTS]
