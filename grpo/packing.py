@@ -277,6 +277,24 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
     return out
 
 
+def filler_micro_batch(like: PackedMicroBatch) -> PackedMicroBatch:
+    """A one-token packed row that adds nothing: no sequence (``len`` 0), no loss token, advantage 0.
+
+    Under FSDP2 every forward gathers weights, so every rank must make as many calls as the rank with
+    the most micro-batches: the others append fillers (as the trainer's ``UpdateBatch.filler``).
+    """
+    lay = like.layout
+    zeros = lambda: torch.zeros(1, 1, dtype=torch.long, device=lay.input_ids.device)  # noqa: E731
+    layout = PackedLayout(
+        rows=lay.rows.new_zeros(0), input_ids=zeros(), position_ids=zeros(), segment_ids=zeros(),
+        cu_seq_lens=torch.tensor([0, 1], dtype=torch.int32, device=lay.cu_seq_lens.device), max_length=1,
+        source=zeros() - 1, completion_shape=lay.completion_shape,
+    )
+    empty = lambda t: None if t is None else t.new_zeros((1, 1))  # noqa: E731
+    return PackedMicroBatch(layout, zeros() + IGNORE_INDEX, like.loss_mask.new_zeros((1, 1)),
+                            like.advantages.new_zeros((1, 1)), empty(like.old_logps), empty(like.ref_logps))
+
+
 def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-token ``values`` [1, L] of each micro-batch -> one padded [B, T] tensor for the whole step (0 elsewhere).
 

@@ -167,6 +167,21 @@ def test_pack_layout_and_round_trip(seed):
         assert torch.equal(again, torch.where(mb.layout.is_target, packed, torch.zeros_like(packed)))
 
 
+def test_filler_adds_nothing():
+    batch = padded_batch([2, 3], [3, 1])
+    batch.old_logps = torch.randn(batch.completion_ids.shape)
+    mb = packing.pack_batch(batch, None)[0]
+    filler = packing.filler_micro_batch(mb)
+    assert len(filler) == 0 and filler.num_tokens == 1 and packing.sequence_scale(filler, 2, "grpo") == 0
+    assert float(filler.loss_mask.sum()) == 0 and int(filler.completion_ids) == -100 and filler.old_logps.shape == (1, 1)
+    out = torch.full(batch.completion_ids.shape, 7.0)
+    assert torch.equal(filler.layout.unpack(torch.randn(1, 1), out), torch.full_like(out, 7.0))
+    model = tiny_model()
+    packing.use_packed_attention(model)
+    with torch.no_grad():
+        assert packing.packed_forward(model, filler.layout).shape == (1, 1, 64)
+
+
 def test_pack_rejects_unpackable_batches():
     batch = padded_batch([2, 3], [3, 1])
     bad = copy.copy(batch)
