@@ -253,6 +253,42 @@ def test_packed_sdpa_is_sdpa_without_packing_and_validates():
         packing.packed_forward_kwargs(model, lay)
 
 
+def test_flash_attention_gets_varlen_kwargs():
+    """flash_attention_2 / _3 get cu_seq_lens and max lengths (transformers' varlen path), no mask."""
+    batch = padded_batch([3, 5, 2], [4, 2, 6], seed=5)
+    lay = packing.pack_batch(batch, None)[0].layout
+    model = tiny_model()
+    model.config._attn_implementation = "flash_attention_2"  # (the kwargs only; the kernel needs a GPU)
+    assert packing.use_packed_attention(model) == "flash_attention_2"
+    kwargs = packing.packed_forward_kwargs(model, lay)
+    assert "attention_mask" not in kwargs and kwargs["use_cache"] is False
+    assert torch.equal(kwargs["cu_seq_lens_q"], torch.tensor([0, 8, 15, 22], dtype=torch.int32))
+    assert lay.rows.tolist() == [2, 0, 1]  # longest first
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 8 and isinstance(kwargs["max_length_q"], int)
+    assert torch.equal(kwargs["position_ids"], lay.position_ids)
+
+
+@pytest.mark.gpu
+def test_flash_attention_varlen_logprobs_equal_separate_sequences():
+    pytest.importorskip("flash_attn")
+    batch = padded_batch([5, 1, 3, 4, 2], [7, 5, 0, 9, 3], seed=1)
+    model = tiny_model()
+    expected = separate_logps64(model, batch)
+    model = model.to("cuda", torch.bfloat16)
+    model.set_attn_implementation("flash_attention_2")
+    mbs = packing.pack_batch(batch, 24)
+    for mb in mbs:
+        mb.layout.input_ids, mb.layout.position_ids = mb.layout.input_ids.cuda(), mb.layout.position_ids.cuda()
+        mb.layout.cu_seq_lens = mb.layout.cu_seq_lens.cuda()
+    with torch.no_grad():
+        got = []
+        for mb in mbs:
+            hidden = packing.packed_forward(model, mb.layout).float()
+            targets = torch.where(mb.layout.is_target, mb.completion_ids, torch.full_like(mb.completion_ids, -100)).cuda()
+            got.append(reference.fused_linear_token_logprobs(hidden, model.lm_head.weight.float(), targets).cpu())
+    assert_close64(packing.unpack_values(mbs, got), expected, dtype=torch.bfloat16, scale=6.0, what="flash varlen")
+
+
 # --------------------------------------------------------------------------------------------------
 # a packed step equals the padded one: loss and gradients, every reduction
 # --------------------------------------------------------------------------------------------------
