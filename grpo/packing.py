@@ -286,22 +286,24 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
     return out
 
 
-def filler_micro_batch(like: PackedMicroBatch) -> PackedMicroBatch:
+def filler_micro_batch(batch: Any) -> PackedMicroBatch:
     """A one-token packed row that adds nothing: no sequence (``len`` 0), no loss token, advantage 0.
 
-    Under FSDP2 every forward gathers weights, so every rank must make as many calls as the rank with
-    the most micro-batches: the others append fillers (as the trainer's ``UpdateBatch.filler``).
+    ``batch``: the padded update batch (as for :func:`pack_batch`; it may have no rows). Under FSDP2
+    every forward gathers weights, so every rank must make as many calls as the rank with the most
+    micro-batches: the others append fillers (as the trainer's ``UpdateBatch.filler``).
     """
-    lay = like.layout
-    zeros = lambda: torch.zeros(1, 1, dtype=torch.long, device=lay.input_ids.device)  # noqa: E731
+    device = batch.input_ids.device
+    one = lambda fill, dtype: torch.full((1, 1), fill, dtype=dtype, device=device)  # noqa: E731
     layout = PackedLayout(
-        rows=lay.rows.new_zeros(0), input_ids=zeros(), position_ids=zeros(), segment_ids=zeros(),
-        cu_seq_lens=torch.tensor([0, 1], dtype=torch.int32, device=lay.cu_seq_lens.device), max_length=1,
-        source=zeros() - 1, completion_shape=lay.completion_shape,
+        rows=torch.zeros(0, dtype=torch.long, device=device), input_ids=one(0, torch.long),
+        position_ids=one(0, torch.long), segment_ids=one(0, torch.long),
+        cu_seq_lens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_length=1,
+        source=one(-1, torch.long), completion_shape=tuple(batch.completion_ids.shape),
     )
-    empty = lambda t: None if t is None else t.new_zeros((1, 1))  # noqa: E731
-    return PackedMicroBatch(layout, zeros() + IGNORE_INDEX, like.loss_mask.new_zeros((1, 1)),
-                            like.advantages.new_zeros((1, 1)), empty(like.old_logps), empty(like.ref_logps))
+    optional = lambda t: None if t is None else one(0, torch.float32)  # noqa: E731
+    return PackedMicroBatch(layout, one(IGNORE_INDEX, torch.long), one(0, batch.loss_mask.dtype), one(0, torch.float32),
+                            optional(getattr(batch, "old_logps", None)), optional(getattr(batch, "ref_logps", None)))
 
 
 def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -170,8 +170,7 @@ def test_pack_layout_and_round_trip(seed):
 def test_filler_adds_nothing():
     batch = padded_batch([2, 3], [3, 1])
     batch.old_logps = torch.randn(batch.completion_ids.shape)
-    mb = packing.pack_batch(batch, None)[0]
-    filler = packing.filler_micro_batch(mb)
+    filler = packing.filler_micro_batch(batch)
     assert len(filler) == 0 and filler.num_tokens == 1 and packing.sequence_scale(filler, 2, "grpo") == 0
     assert float(filler.loss_mask.sum()) == 0 and int(filler.completion_ids) == -100 and filler.old_logps.shape == (1, 1)
     out = torch.full(batch.completion_ids.shape, 7.0)
@@ -180,6 +179,9 @@ def test_filler_adds_nothing():
     packing.use_packed_attention(model)
     with torch.no_grad():
         assert packing.packed_forward(model, filler.layout).shape == (1, 1, 64)
+    empty = copy.copy(batch)  # a rank left with no rows (e.g. every group dropped) still gets fillers
+    empty.input_ids, empty.completion_ids = batch.input_ids[:0], batch.completion_ids[:0]
+    assert packing.filler_micro_batch(empty).layout.completion_shape == (0, batch.completion_ids.shape[1])
 
 
 def test_pack_rejects_unpackable_batches():
