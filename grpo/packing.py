@@ -114,7 +114,7 @@ class PackedLayout:
     ``pack`` / ``unpack`` move per-completion-token values between the two layouts.
     """
 
-    rows: torch.Tensor  # [n] long: padded-batch row of each sequence, in packing order (= its segment id)
+    rows: torch.Tensor  # [n] long: padded-batch row of each sequence, in packing order (segment k is row rows[k])
     input_ids: torch.Tensor  # [1, L] prompt + completion tokens of each sequence, back to back
     position_ids: torch.Tensor  # [1, L] long, 0 at the start of every sequence
     segment_ids: torch.Tensor  # [1, L] long, k on the tokens of the k-th sequence
