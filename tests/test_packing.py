@@ -245,6 +245,15 @@ def test_packed_sdpa_is_sdpa_without_packing_and_validates():
         packed_impl = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids).logits
     real = batch.attention_mask.bool()
     assert torch.equal(sdpa[real], packed_impl[real])
+    # and generation (a cache, left-padded prompts) is unchanged
+    model.eval()
+    prompts, prompt_mask = batch.input_ids[:, : batch.prompt_len], batch.attention_mask[:, : batch.prompt_len]
+    gen = dict(attention_mask=prompt_mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        packed_gen = model.generate(prompts, **gen)
+        model.set_attn_implementation("sdpa")
+        assert torch.equal(packed_gen, model.generate(prompts, **gen))
+        packing.use_packed_attention(model)
     lay = packing.pack_batch(batch, None)[0].layout
     kwargs = packing.packed_forward_kwargs(model, lay)
     kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = torch.tensor([0, 3], dtype=torch.int32)
