@@ -326,6 +326,8 @@ def sequence_scale(mb: Union[PackedMicroBatch, PackedLayout], batch_size: int, l
     dapo / bnpo (token means with the step's ``num_items_in_batch``): 1. grpo / dr_grpo (a mean over
     the sequences of the call, with ``segment_ids``): ``len(mb) / batch_size``, this micro-batch's
     share of the step's sequences. The same rule the trainer's ``policy_loss`` applies to padded rows.
+    Exact when the loss counts every segment of the row as a sequence, one without loss tokens too,
+    as padded grpo counts such a row in ``B`` (``tests/test_packing.py::packed_reduce`` states it).
     """
     if loss_type in ("dapo", "bnpo"):
         return 1.0
