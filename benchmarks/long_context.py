@@ -1,0 +1,364 @@
+"""One GRPO training step at long context: peak memory and time, padded vs packed vs the naive path.
+
+The model is Qwen2-shaped and built in code with random weights (no download): 4 layers, hidden 256,
+4 heads (2 key/value heads), MLP 1024, the real 151,936-token vocabulary, untied ``lm_head``, fp32.
+One step = forward, GRPO loss forward+backward, model backward, AdamW step (its state is created
+in that step, so it counts in the peak), exactly as a trainer's update without generation:
+
+- ``packed``: ``grpo.packing``: sequences packed into rows of at most ``max_tokens`` tokens
+  (first-fit decreasing), ``packed_sdpa`` attention, ``fused_linear_grpo_loss`` on the packed rows
+  (dapo, per-token advantages, the step's token count as ``num_items_in_batch``).
+- ``padded``: the trainer's layout today: prompts left-padded, completions right-padded to the
+  step's longest, ``micro_batch_size`` rows per micro-batch, ``sdpa`` with the padding mask, the
+  same fused loss (which already skips masked positions: padding costs the model, not the loss).
+- ``naive``: the padded layout with the full ``[rows, T, V]`` logits from ``lm_head`` and
+  ``grpo_kernels.reference.grpo_loss`` (fp32 ``log_softmax`` over the vocabulary), as TRL-like
+  trainers do.
+
+Peak memory is the peak resident set size of a fresh process that builds the model and runs the
+step (``resource.getrusage(RUSAGE_SELF).ru_maxrss``): weights, gradients, AdamW state,
+activations, the Python/PyTorch runtime, everything. "Fits in X GiB" means that peak <= X GiB.
+
+    python -m benchmarks.long_context sweep --lengths 2048 4096 --modes packed packed+gc naive
+    python -m benchmarks.long_context group --scale 0.125          # G = 8 lognormal lengths
+    python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
+    python -m benchmarks.long_context run --mode packed --lengths 2048  # one measurement (what the others spawn)
+
+Each command prints JSON lines and a markdown table; ``--out FILE`` appends the JSON lines there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+MODEL_SHAPE = dict(
+    vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, tie_word_embeddings=False,
+)
+MODES = ("packed", "padded", "naive")  # each may take "+gc" (gradient checkpointing)
+PROMPT_TOKENS = 256  # prompt length of every sequence (at scale 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the model and the batch
+# --------------------------------------------------------------------------------------------------
+def build_model(max_positions: int, gradient_checkpointing: bool, attn_implementation: str, vocab_size: int = MODEL_SHAPE["vocab_size"]):
+    """The Qwen2-shaped benchmark model, fp32, seeded random weights, in training mode."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**MODEL_SHAPE, "vocab_size": vocab_size}, max_position_embeddings=max(max_positions, 1024))
+    config._attn_implementation = attn_implementation
+    model = Qwen2ForCausalLM(config).float().train()
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int = 0) -> list[int]:
+    """G reasoning-like sequence lengths: lognormal(log median, sigma) capped at ``cap``; the longest is
+    set to the cap (a step with a truncated completion pads to ``max_new_tokens``)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(G, generator=g, dtype=torch.float64)
+    lengths = [int(min(cap, max(16, round(median * math.exp(sigma * float(v)))))) for v in z]
+    lengths[max(range(G), key=lengths.__getitem__)] = cap
+    return lengths
+
+
+def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, seed: int = 0) -> SimpleNamespace:
+    """A padded update batch (the trainer's ``UpdateBatch`` fields) of sequences of ``lengths`` tokens each.
+
+    Each sequence has ``min(prompt_tokens, length - 1)`` prompt tokens (left-padded to the longest
+    prompt) and the rest completion (right-padded); every completion token is a loss token.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompts = [min(prompt_tokens, n - 1) for n in lengths]
+    completions = [n - p for n, p in zip(lengths, prompts)]
+    B, P, T = len(lengths), max(prompts), max(completions)
+    input_ids = torch.randint(0, vocab_size, (B, P + T), generator=g)
+    attention_mask = torch.zeros(B, P + T, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        attention_mask[b, P - p : P + c] = 1
+    input_ids = input_ids * attention_mask  # pad id 0
+    completion_mask = attention_mask[:, P:].clone()
+    return SimpleNamespace(
+        input_ids=input_ids, attention_mask=attention_mask, prompt_len=P, completion_ids=input_ids[:, P:],
+        loss_mask=completion_mask, advantages=torch.randn(B, generator=g), old_logps=None, ref_logps=None,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# one step
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class StepTimes:
+    forward: float = 0.0  # model forward
+    loss: float = 0.0  # loss forward + backward down to the hidden states (and lm_head)
+    backward: float = 0.0  # model backward from the hidden states
+    optimizer: float = 0.0
+    micro_batches: int = 0
+    model_tokens: int = 0  # tokens through the model, padding included
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.loss + self.backward + self.optimizer
+
+
+def _accumulate(times: StepTimes, hidden_fn, loss_fn) -> None:
+    """Forward, loss, backward of one micro-batch, each phase timed apart (the loss sees detached hidden states)."""
+    t0 = time.perf_counter()
+    hidden = hidden_fn()
+    t1 = time.perf_counter()
+    leaf = hidden.detach().requires_grad_()
+    loss_fn(leaf).backward()
+    t2 = time.perf_counter()
+    hidden.backward(leaf.grad)
+    t3 = time.perf_counter()
+    times.forward += t1 - t0
+    times.loss += t2 - t1
+    times.backward += t3 - t2
+    times.micro_batches += 1
+    times.model_tokens += hidden.shape[0] * hidden.shape[1]
+
+
+def train_step(model, optimizer, batch: SimpleNamespace, mode: str, max_tokens: Optional[int],
+               micro_batch_size: Optional[int]) -> StepTimes:
+    """One GRPO update (dapo, on-policy, beta 0) of ``batch`` in ``mode``; returns the phase times."""
+    from grpo import packing
+    from grpo_kernels import fused_linear_grpo_loss, reference
+
+    weight = model.lm_head.weight
+    num_items = batch.loss_mask.sum().float().clamp(min=1.0)
+    times = StepTimes()
+    optimizer.zero_grad(set_to_none=True)
+    if mode == "packed":
+        for mb in packing.pack_batch(batch, max_tokens):
+            _accumulate(
+                times, lambda: packing.packed_forward(model, mb.layout),
+                lambda h: fused_linear_grpo_loss(h, weight, mb.completion_ids, mb.advantages, mb.loss_mask,
+                                                 loss_type="dapo", num_items_in_batch=num_items, backend="torch").loss,
+            )
+    else:
+        B, P = batch.input_ids.shape[0], batch.prompt_len
+        size = micro_batch_size or B
+        for start in range(0, B, size):
+            rows = slice(start, min(start + size, B))
+            ids, am = batch.input_ids[rows], batch.attention_mask[rows]
+            cids, mask, adv = batch.completion_ids[rows], batch.loss_mask[rows], batch.advantages[rows]
+
+            def hidden_fn():
+                position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # as the trainer numbers left-padded rows
+                out = model.base_model(input_ids=ids, attention_mask=am, position_ids=position_ids, use_cache=False)
+                return out.last_hidden_state[:, P - 1 : -1]
+
+            if mode == "padded":
+                loss_fn = lambda h: fused_linear_grpo_loss(  # noqa: E731
+                    h, weight, cids, adv, mask, loss_type="dapo", num_items_in_batch=num_items, backend="torch").loss
+            else:  # naive: the [rows, T, V] logits, fp32 log_softmax
+                loss_fn = lambda h: reference.grpo_loss(  # noqa: E731
+                    model.lm_head(h), cids, adv, mask, loss_type="dapo", num_items_in_batch=num_items).loss
+            _accumulate(times, hidden_fn, loss_fn)
+    t0 = time.perf_counter()
+    optimizer.step()
+    times.optimizer = time.perf_counter() - t0
+    return times
+
+
+def run_one(mode: str, lengths: list[int], prompt_tokens: int, max_tokens: Optional[int],
+            micro_batch_size: Optional[int], steps: int) -> dict:
+    """Build the model, run ``steps`` steps; the result with this process's peak RSS."""
+    from grpo import packing
+
+    base, _, gc = mode.partition("+")
+    if base not in MODES or gc not in ("", "gc"):
+        raise ValueError(f"mode must be one of {MODES}, optionally with '+gc', got {mode!r}")
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    model = build_model(max(lengths), gc == "gc", "sdpa")
+    if base == "packed":
+        packing.use_packed_attention(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    batch = make_batch(lengths, prompt_tokens, model.config.vocab_size)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    per_step = [train_step(model, optimizer, batch, base, max_tokens, micro_batch_size) for _ in range(steps)]
+    last = per_step[-1]
+    return {
+        "mode": mode, "lengths": lengths, "tokens": sum(lengths), "prompt_tokens": prompt_tokens,
+        "max_tokens_per_microbatch": max_tokens, "micro_batch_size": micro_batch_size,
+        "micro_batches": last.micro_batches, "model_tokens": last.model_tokens,
+        "step_s": [round(t.total, 3) for t in per_step],
+        "forward_s": round(last.forward, 3), "loss_s": round(last.loss, 3), "backward_s": round(last.backward, 3),
+        "optimizer_s": round(last.optimizer, 3),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+        "rss_before_step_gib": rss_before / 2**20, "threads": torch.get_num_threads(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements in fresh processes
+# --------------------------------------------------------------------------------------------------
+def _rss_gib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def measure(mode: str, lengths: list[int], prompt_tokens: int = PROMPT_TOKENS, max_tokens: Optional[int] = None,
+            micro_batch_size: Optional[int] = None, steps: int = 1, budget_gib: Optional[float] = None,
+            timeout_s: Optional[float] = None) -> dict:
+    """``run_one`` in a fresh process. With ``budget_gib`` the process is killed once its RSS passes it
+    (then ``{"fits": False}``): a probe that does not fit fails early instead of exhausting the machine."""
+    cmd = [sys.executable, "-m", "benchmarks.long_context", "run", "--mode", mode, "--lengths", *map(str, lengths),
+           "--prompt-tokens", str(prompt_tokens), "--steps", str(steps)]
+    if max_tokens:
+        cmd += ["--max-tokens", str(max_tokens)]
+    if micro_batch_size:
+        cmd += ["--micro-batch-size", str(micro_batch_size)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    start, peak_seen = time.monotonic(), 0.0
+    while proc.poll() is None:
+        peak_seen = max(peak_seen, _rss_gib(proc.pid))
+        over_budget = budget_gib is not None and peak_seen > budget_gib
+        over_time = timeout_s is not None and time.monotonic() - start > timeout_s
+        if over_budget or over_time:
+            proc.kill()
+            proc.wait()
+            return {"mode": mode, "lengths": lengths, "fits": not over_budget if not over_time else None,
+                    "killed": "over budget" if over_budget else "timeout", "rss_seen_gib": peak_seen}
+        time.sleep(0.1)
+    out = proc.stdout.read()
+    if proc.returncode != 0:
+        return {"mode": mode, "lengths": lengths, "fits": False, "error": f"exit {proc.returncode}"}
+    result = json.loads(out.strip().splitlines()[-1])
+    result["fits"] = None if budget_gib is None else result["peak_rss_gib"] <= budget_gib
+    return result
+
+
+def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1, **kwargs) -> dict:
+    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``).
+
+    ``lo`` is probed first (it must fit), then ``hi`` (if it fits: ``>= hi``), then geometric midpoints.
+    """
+    probes = []
+
+    def fits(n: int) -> bool:
+        r = measure(mode, [n], budget_gib=budget_gib, **kwargs)
+        probes.append({"length": n, "fits": r.get("fits"), "peak_rss_gib": r.get("peak_rss_gib", r.get("rss_seen_gib")),
+                       "step_s": r.get("step_s")})
+        print(json.dumps(probes[-1]), flush=True)
+        return bool(r.get("fits"))
+
+    if not fits(lo):
+        return {"mode": mode, "budget_gib": budget_gib, "longest": None, "below": lo, "probes": probes}
+    if fits(hi):
+        return {"mode": mode, "budget_gib": budget_gib, "longest": hi, "at_least": True, "probes": probes}
+    while hi / lo > 1 + rel_tol:
+        mid = int(round(math.sqrt(lo * hi) / 64) * 64) or lo + 1
+        if mid <= lo or mid >= hi:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return {"mode": mode, "budget_gib": budget_gib, "longest": lo, "first_failing": hi, "probes": probes}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mode | tokens | lengths | micro-batches | model tokens | step s | fwd / loss / bwd / opt s | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "step_s" not in r:
+            lines.append(f"| {r['mode']} | {sum(r['lengths'])} | {r['lengths']} | | | {r.get('killed') or r.get('error')} | | |")
+            continue
+        lens = r["lengths"] if len(r["lengths"]) <= 8 else f"{len(r['lengths'])} seqs"
+        lines.append(
+            f"| {r['mode']} | {r['tokens']} | {lens} | {r['micro_batches']} | {r['model_tokens']} | "
+            f"{min(r['step_s']):.1f} | {r['forward_s']:.1f} / {r['loss_s']:.1f} / {r['backward_s']:.1f} / "
+            f"{r['optimizer_s']:.1f} | {r['peak_rss_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="one measurement in this process (JSON on the last line)")
+    run.add_argument("--mode", required=True)
+    run.add_argument("--lengths", type=int, nargs="+", required=True)
+    run.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    run.add_argument("--max-tokens", type=int, default=None)
+    run.add_argument("--micro-batch-size", type=int, default=None)
+    run.add_argument("--steps", type=int, default=1)
+    sweep = sub.add_parser("sweep", help="one sequence of each length, each mode, fresh processes")
+    sweep.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    sweep.add_argument("--modes", nargs="+", default=["packed", "packed+gc", "naive"])
+    sweep.add_argument("--budget-gib", type=float, default=None, help="kill a run whose RSS passes this")
+    group = sub.add_parser("group", help="G lognormal lengths: padded vs packed")
+    group.add_argument("--G", type=int, default=8)
+    group.add_argument("--scale", type=float, default=1.0, help="lengths (median 2048, cap 16384, prompt 256) times this")
+    group.add_argument("--modes", nargs="+", default=["padded", "packed"])
+    group.add_argument("--micro-batch-size", type=int, default=1, help="padded rows per micro-batch")
+    group.add_argument("--max-tokens", type=int, default=None, help="packed budget; default the cap")
+    group.add_argument("--repeats", type=int, default=1, help="alternating rounds of the modes")
+    bis = sub.add_parser("bisect", help="longest single sequence that fits in a memory budget")
+    bis.add_argument("--mode", required=True)
+    bis.add_argument("--budget-gib", type=float, required=True)
+    bis.add_argument("--lo", type=int, default=1024)
+    bis.add_argument("--hi", type=int, default=32768)
+    bis.add_argument("--rel-tol", type=float, default=0.1)
+    for q in (sweep, group, bis):
+        q.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args(argv)
+
+    if args.cmd == "run":
+        print(json.dumps(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps)))
+        return
+    results = []
+    if args.cmd == "sweep":
+        for n in args.lengths:
+            for mode in args.modes:
+                results.append(measure(mode, [n], budget_gib=args.budget_gib))
+                print(json.dumps(results[-1]), flush=True)
+    elif args.cmd == "group":
+        cap = int(16384 * args.scale)
+        lengths = group_lengths(args.G, 2048 * args.scale, cap)
+        prompt = int(PROMPT_TOKENS * args.scale)
+        for _ in range(args.repeats):
+            for mode in args.modes:
+                base = mode.partition("+")[0]
+                kw = dict(max_tokens=args.max_tokens or cap) if base == "packed" else dict(micro_batch_size=args.micro_batch_size)
+                results.append(measure(mode, lengths, prompt_tokens=prompt, **kw))
+                print(json.dumps(results[-1]), flush=True)
+        padded_tokens = args.G * max(lengths)
+        print(f"\nlengths {lengths}: {sum(lengths)} tokens, {padded_tokens} padded "
+              f"({1 - sum(lengths) / padded_tokens:.0%} padding)")
+    else:
+        results.append(bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol))
+        print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    if args.cmd != "bisect":
+        print(table(results))
+
+
+if __name__ == "__main__":
+    main()
