@@ -130,7 +130,13 @@ class GRPOConfig:
     adam_beta2: float = option(0.99, "AdamW beta2", bounds=ZERO_TO_ONE)
     warmup_steps: int = option(0, "linear learning-rate warm-up, in steps", bounds=at_least(0))
     max_grad_norm: float = option(1.0, "clip the gradient norm to this (inf: measure only)", bounds=above(0, finite=False))
-    micro_batch_size: Optional[int] = option(None, "completions per forward/backward (None: the whole batch)", bounds=at_least(1))
+    padding_free: bool = option(True, "pack whole sequences into one row per micro-batch, no padding (grpo.packing); "
+                                "attention stays within each sequence")
+    max_tokens_per_microbatch: Optional[int] = option(
+        None, "padding_free: tokens per packed micro-batch, filled longest first (None: the whole batch in one row)",
+        bounds=at_least(1))
+    micro_batch_size: Optional[int] = option(None, "padded steps (padding_free off): completions per forward/backward "
+                                             "(None: the whole batch)", bounds=at_least(1))
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     bf16: bool = option(True, "bf16 autocast (on CUDA only)")
     # logging and checkpoints

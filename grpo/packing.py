@@ -46,7 +46,8 @@ The loss normalisers equal the padded run's because they are computed once per s
 sequences, never per micro-batch: dapo divides by ``num_items_in_batch``, the loss tokens of the whole
 step (the trainer's ``count_loss_tokens``); grpo and dr_grpo reduce per sequence with ``segment_ids``
 and the trainer scales a micro-batch's loss by ``len(mb) / batch_size`` (sequences in this micro-batch
-over sequences in the step), as it does for padded micro-batches. See :func:`sequence_scale`.
+over sequences in the step, counting those with a loss token as the loss does), as it does for
+padded micro-batches. See :func:`sequence_scale`.
 
 Shapes: ``B`` sequences in the step, ``P`` prompt positions (left padded), ``T`` completion positions
 (right padded), ``L`` tokens in a packed row, ``n`` sequences in it.
@@ -320,20 +321,19 @@ def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[to
     return out
 
 
-def sequence_scale(mb: Union[PackedMicroBatch, PackedLayout], batch_size: int, loss_type: str) -> float:
-    """What a micro-batch's loss is multiplied by so that the micro-batch losses of a step sum to its loss.
+def sequence_scale(mb: PackedMicroBatch, batch_size: int, loss_type: str) -> float:
+    """What a packed micro-batch's loss is multiplied by so that the micro-batch losses of a step sum to its loss.
 
-    dapo / bnpo (token means with the step's ``num_items_in_batch``): 1. grpo / dr_grpo (a mean over
-    the sequences of the call, with ``segment_ids``): ``len(mb) / batch_size``, this micro-batch's
-    share of the step's sequences. The same rule the trainer's ``policy_loss`` applies to padded rows.
-    Exact when the loss counts every segment of the row as a sequence, one without loss tokens too,
-    as padded grpo counts such a row in ``B`` (``tests/test_packing.py::packed_reduce`` states it).
+    Token-normalised losses (dapo, bnpo as dapo, cispo, vespo: the step's ``num_items_in_batch``): 1.
+    The others reduce over the sequences of the call: ``grpo_kernels`` counts, with ``segment_ids``,
+    the sequences that have a loss token, so the micro-batch's share is that count over the step's
+    ``batch_size`` sequences (a sequence without loss tokens adds 0 to the step's sum, as a padded
+    empty row does, and is counted in ``batch_size`` as the padded ``B`` counts it).
     """
-    if loss_type in ("dapo", "bnpo"):
+    if loss_type in ("dapo", "bnpo", "cispo", "vespo"):
         return 1.0
-    if loss_type in ("grpo", "dr_grpo"):
-        return len(mb) / batch_size
-    raise ValueError(f"loss_type must be one of dapo, bnpo, grpo, dr_grpo, got {loss_type!r}")
+    with_loss_tokens = mb.segment_ids[mb.loss_mask != 0]
+    return int(torch.unique(with_loss_tokens).numel()) / batch_size
 
 
 # --------------------------------------------------------------------------------------------------

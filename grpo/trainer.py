@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, packing
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_rows, columns_of, prompts_for_step, shard_for_rank
@@ -111,7 +111,7 @@ class Policy(torch.nn.Module):
     def _generate(self, **kwargs) -> torch.Tensor:
         return self.model.generate(**kwargs)
 
-    def _logps(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
+    def _logps(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
@@ -120,11 +120,13 @@ class Policy(torch.nn.Module):
             hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
         )
 
-    def _loss(self, mb: "UpdateBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
+    def _loss(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
         options = {**cfg.loss_options(), **loss_kwargs}  # (the caller's loss_type / num_items_in_batch win)
+        if isinstance(mb, packing.PackedMicroBatch):
+            options["segment_ids"] = mb.segment_ids  # one row, several sequences
         return fused_linear_grpo_loss(
             hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
             old_logps=mb.old_logps, ref_logps=mb.ref_logps, **options,
@@ -156,6 +158,8 @@ def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device,
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if cfg.padding_free:  # attention that keeps packed sequences apart (flash-attn varlen, or packed SDPA)
+        packing.use_packed_attention(model)
     model.config.use_cache = True  # for generate; the training forward passes use_cache=False
     return distributed.wrap(Policy(model), cfg.distributed, device, frozen=frozen)
 
@@ -302,16 +306,34 @@ class UpdateBatch:
         )
 
 
-def micro_batches(batch: UpdateBatch, size: Optional[int]) -> list[UpdateBatch]:
-    """The batch cut into micro-batches of ``size`` rows, then padded with fillers to as many as the rank
+MicroBatch = Union[UpdateBatch, packing.PackedMicroBatch]
+
+
+def micro_batches(batch: UpdateBatch, cfg: GRPOConfig) -> list[MicroBatch]:
+    """The batch as micro-batches: packed rows of at most ``max_tokens_per_microbatch`` tokens
+    (``padding_free``), or ``micro_batch_size`` padded rows; then fillers up to as many as the rank
     with the most has: under FSDP2 every forward gathers weights, so all ranks make the same calls."""
-    chunks = batch.micro_batches(size)
-    return chunks + [batch.filler()] * (distributed.all_reduce(len(chunks), "max") - len(chunks))
+    if cfg.padding_free:
+        chunks, filler = packing.pack_batch(batch, cfg.max_tokens_per_microbatch), packing.filler_micro_batch(batch)
+    else:
+        chunks, filler = batch.micro_batches(cfg.micro_batch_size), batch.filler()
+    return chunks + [filler] * (distributed.all_reduce(len(chunks), "max") - len(chunks))
 
 
-def completion_hidden(model, batch: UpdateBatch) -> torch.Tensor:
-    """The last hidden states that predict the completion tokens, [B, T, H] (final norm applied)."""
+def sequences_in_loss(mb: MicroBatch) -> int:
+    """The sequence count a micro-batch's loss divides by (grpo, sapo, dr_grpo, luspo): its rows
+    (padded), or its sequences with a loss token (packed: ``segment_ids``, as grpo_kernels counts)."""
+    if isinstance(mb, packing.PackedMicroBatch):
+        return int(torch.unique(mb.segment_ids[mb.loss_mask != 0]).numel())
+    return len(mb)
+
+
+def completion_hidden(model, batch: MicroBatch) -> torch.Tensor:
+    """The last hidden states that predict the completion tokens (final norm applied): [B, T, H], or
+    [1, L, H] for a packed micro-batch (each position predicts the token its layout says)."""
     model = unwrap(model)
+    if isinstance(batch, packing.PackedMicroBatch):
+        return packing.packed_forward(model, batch.layout)
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
     out = model.base_model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids, use_cache=False
@@ -328,7 +350,11 @@ def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
 def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
     """Per-token log-probs [B, T] float32 of the completions under ``model`` (old policy or reference)."""
     policy = as_policy(model)
-    chunks = [policy("logps", mb, cfg, device) for mb in micro_batches(batch, cfg.micro_batch_size)]
+    mbs = micro_batches(batch, cfg)
+    chunks = [policy("logps", mb, cfg, device) for mb in mbs]
+    if cfg.padding_free:  # back to the padded [B, T] layout (fillers have no sequence)
+        real = [(mb, c) for mb, c in zip(mbs, chunks) if len(mb)]
+        return packing.unpack_values([mb for mb, _ in real], [c for _, c in real]) if real else batch.loss_mask.new_zeros(batch.loss_mask.shape, dtype=torch.float32)
     return torch.cat(chunks)[: len(batch)]  # (less any fillers)
 
 
@@ -337,7 +363,7 @@ def count_loss_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
     return distributed.all_reduce(loss_mask.sum().float()).clamp(min=1.0)
 
 
-def policy_loss(model, mb: UpdateBatch, num_items: torch.Tensor, batch_size: int, cfg: GRPOConfig, device: torch.device):
+def policy_loss(model, mb: MicroBatch, num_items: torch.Tensor, batch_size: int, cfg: GRPOConfig, device: torch.device):
     """The GRPO loss of one micro-batch, scaled so that the micro-batch losses of all ranks sum to the batch's loss.
 
     ``num_items``: loss tokens and ``batch_size``: sequences, both over the whole batch (every rank).
@@ -352,7 +378,7 @@ def policy_loss(model, mb: UpdateBatch, num_items: torch.Tensor, batch_size: int
     out = as_policy(model)(
         "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items
     )
-    scale = 1.0 if per_token else len(mb) / batch_size
+    scale = 1.0 if per_token else sequences_in_loss(mb) / batch_size
     return out.loss * (scale * distributed.world_size()), out.metrics
 
 
@@ -373,7 +399,7 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        chunks = micro_batches(batch, cfg.micro_batch_size)
+        chunks = micro_batches(batch, cfg)
         for i, mb in enumerate(chunks):
             with distributed.no_grad_sync(model, skip=i < len(chunks) - 1):  # DDP: all-reduce once, at the end
                 loss, metrics = policy_loss(model, mb, num_items, num_sequences, cfg, device)

@@ -101,7 +101,12 @@ class Sequences:
 
     def broadcast(self, per_seq: torch.Tensor) -> torch.Tensor:
         """A value per sequence back onto positions: [B, 1] (rows) or [B, T] (packed)."""
-        return per_seq.unsqueeze(-1) if not self.packed else per_seq[self.index]
+        if not self.packed:
+            return per_seq.unsqueeze(-1)
+        if self.count == 0:  # no position has a sequence: nothing to spread (every weight is 0 there);
+            # + the empty sum keeps the result in the graph, so the loss still has a (zero) gradient
+            return torch.zeros(self.mask.shape, dtype=per_seq.dtype, device=per_seq.device) + per_seq.sum()
+        return per_seq[self.index]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Each position's sequence total of ``x`` (0 where masked): [B, 1] or [B, T]."""

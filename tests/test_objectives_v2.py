@@ -178,3 +178,18 @@ def test_segment_ids_are_validated():
         gk.grpo_loss(logits, ids, adv, segment_ids=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="advantages"):
         gk.grpo_loss(logits, ids, adv[:, 0], segment_ids=torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "vespo"])
+def test_packed_row_without_loss_tokens(backend, loss_type):
+    """A packed micro-batch whose sequences have no loss token (a trainer's filler, a masked-out
+    truncated completion alone in its row): loss 0, zero gradient, finite metrics."""
+    logits = torch.randn(1, 6, 11).to(DEVICE).requires_grad_()
+    ids = torch.randint(0, 11, (1, 6)).to(DEVICE)
+    out = gk.grpo_loss(logits, ids, torch.randn(1, 6).to(DEVICE), torch.zeros(1, 6).to(DEVICE), backend=backend,
+                       loss_type=loss_type, segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]).to(DEVICE),
+                       importance_sampling_level="sequence")
+    out.loss.backward()
+    assert out.loss.item() == 0 and (logits.grad == 0).all()
+    assert all(torch.isfinite(v) or k.endswith(("_min", "_max")) for k, v in out.metrics.items())

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from grpo import packing
-from grpo_kernels import objective, reference
-from grpo_kernels.options import GRPOInputs, GRPOOptions
+from grpo_kernels import reference
+from grpo_kernels.options import GRPOOptions
 
 from conftest import assert_close64
 from spec64 import grpo64
@@ -172,6 +172,7 @@ def test_filler_adds_nothing():
     batch.old_logps = torch.randn(batch.completion_ids.shape)
     filler = packing.filler_micro_batch(batch)
     assert len(filler) == 0 and filler.num_tokens == 1 and packing.sequence_scale(filler, 2, "grpo") == 0
+    assert packing.sequence_scale(filler, 2, "dapo") == 1
     assert float(filler.loss_mask.sum()) == 0 and int(filler.completion_ids) == -100 and filler.old_logps.shape == (1, 1)
     out = torch.full(batch.completion_ids.shape, 7.0)
     assert torch.equal(filler.layout.unpack(torch.randn(1, 1), out), torch.full_like(out, 7.0))
@@ -303,21 +304,6 @@ def test_flash_attention_varlen_logprobs_equal_separate_sequences():
 # --------------------------------------------------------------------------------------------------
 # a packed step equals the padded one: loss and gradients, every reduction
 # --------------------------------------------------------------------------------------------------
-def packed_reduce(per_token: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor, num_sequences: int,
-                  loss_type: str, max_completion_length: int, num_items: torch.Tensor) -> torch.Tensor:
-    """A packed row's reduced loss with ``segment_ids`` semantics (contract v2): each segment is one
-    sequence for grpo's per-sequence mean and dr_grpo's sequence count; dapo uses the step's token count."""
-    weighted = (per_token * mask).reshape(-1)
-    if loss_type == "dapo":
-        return weighted.sum() / num_items
-    seg = segment_ids.reshape(-1)
-    if loss_type == "grpo":
-        sums = torch.zeros(num_sequences, dtype=weighted.dtype).index_add(0, seg, weighted)
-        counts = torch.zeros(num_sequences, dtype=weighted.dtype).index_add(0, seg, mask.reshape(-1).to(weighted.dtype))
-        return (sums / counts.clamp(min=1.0)).sum() / num_sequences
-    return weighted.sum() / (num_sequences * max_completion_length)  # dr_grpo
-
-
 @pytest.mark.parametrize("loss_type, gradient_checkpointing", [
     ("dapo", False), ("grpo", False), ("dr_grpo", False), ("grpo", True),
 ])
@@ -361,12 +347,12 @@ def test_packed_step_gradients_equal_padded(loss_type, gradient_checkpointing):
     packed_loss = 0.0
     for mb in mbs:
         hidden = packing.packed_forward(model, mb.layout)
-        targets = torch.where(mb.loss_mask != 0, mb.completion_ids, torch.full_like(mb.completion_ids, -100))
-        logp = reference.fused_linear_token_logprobs(hidden, model.lm_head.weight, targets)
-        per_token, _, _ = objective.per_token_loss(
-            logp, torch.zeros_like(logp), mb.advantages, mb.loss_mask.float(), GRPOInputs(old_logps=mb.old_logps), options)
-        loss = packed_reduce(per_token, mb.loss_mask.float(), mb.segment_ids, len(mb), loss_type,
-                             options.max_completion_length, num_items)
+        # the loss API's own packed reduction (segment_ids), as the trainer calls it
+        loss = reference.fused_linear_grpo_loss(
+            hidden, model.lm_head.weight, mb.completion_ids, mb.advantages, mb.loss_mask, old_logps=mb.old_logps,
+            segment_ids=mb.segment_ids, loss_type=loss_type, max_completion_length=options.max_completion_length,
+            eps_high=0.28, num_items_in_batch=num_items,
+        ).loss
         loss = loss * packing.sequence_scale(mb, B, loss_type)
         loss.backward()
         packed_loss += float(loss.detach())

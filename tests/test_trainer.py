@@ -18,7 +18,7 @@ import torch
 from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_reward, problems, run_demo
 from grpo.rollout import Completions, completion_mask
 from grpo.trainer import (
-    GRPOConfig, UpdateBatch, as_policy, default_rollout, overlong_penalty, prepare_model, total_reward, train, update,
+    GRPOConfig, UpdateBatch, as_policy, completion_logps, default_rollout, overlong_penalty, prepare_model, total_reward, train, update,
 )
 
 
@@ -133,33 +133,61 @@ def test_every_option_together_runs_and_stays_finite(tmp_path):
         assert math.isfinite(record.get(key, 0.0)), key
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_gradient_accumulation_matches_one_big_batch(tmp_path, loss_type):
-    """Micro-batch losses add up to the full batch's: DAPO divides each by the whole batch's token count."""
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo"])
+def test_gradient_accumulation_and_packing_match_one_big_padded_batch(tmp_path, loss_type):
+    """Micro-batch losses add up to the full batch's, padded (any micro_batch_size) or packed (any
+    token budget, padding_free): the normalisers are the whole batch's, and a sequence without loss
+    tokens counts as a padded empty row does."""
     model, tokenizer = fresh_model()
-    cfg = tiny_config(tmp_path, max_new_tokens=8, loss_type=loss_type)
+    cfg = tiny_config(tmp_path, max_new_tokens=8, loss_type=loss_type, eps_high=0.28 if loss_type != "cispo" else 1.5)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4=", "5+6="], cfg, num_generations=4)
+    loss_mask = rollout.completion_mask.clone()
+    loss_mask[3] = 0  # e.g. a truncated completion masked out: a sequence with no loss token
     batch = UpdateBatch(
         input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
         attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
         prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
-        loss_mask=rollout.completion_mask, advantages=torch.linspace(-1, 1, 12),
+        loss_mask=loss_mask, advantages=torch.linspace(-1, 1, 12),
     )
+    batch.old_logps = torch.full(loss_mask.shape, -1.5) * loss_mask  # off-policy: ratios away from 1
     results = []
-    for micro in (None, 5, 1):
+    settings = [dict(padding_free=False, micro_batch_size=None), dict(padding_free=False, micro_batch_size=5),
+                dict(padding_free=False, micro_batch_size=1), dict(padding_free=True, max_tokens_per_microbatch=None),
+                dict(padding_free=True, max_tokens_per_microbatch=20), dict(padding_free=True, max_tokens_per_microbatch=1)]
+    for setting in settings:
         m, _ = fresh_model()
-        c = dataclasses.replace(cfg, micro_batch_size=micro, max_grad_norm=1e9)
+        c = dataclasses.replace(cfg, max_grad_norm=1e9, **setting)
         m = prepare_model(m, c, torch.device("cpu"))
         start = params(m)
         logs = update(m, torch.optim.SGD(m.parameters(), lr=1.0), batch, c, torch.device("cpu"))
         results.append((logs, {k: start[k] - v for k, v in m.state_dict().items()}))  # the gradient
     (full, grad_full), *rest = results
     assert full["grad_norm"] > 0
-    for logs, grad in rest:
-        assert logs["loss"] == pytest.approx(full["loss"], abs=1e-6)
-        assert logs["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4)
+    for (logs, grad), setting in zip(rest, settings[1:]):
+        assert logs["loss"] == pytest.approx(full["loss"], abs=1e-6), setting
+        assert logs["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4), setting
         for k in grad_full:
-            torch.testing.assert_close(grad[k], grad_full[k], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(grad[k], grad_full[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{setting} {k}: {m}")
+
+
+def test_packed_old_logps_equal_padded(tmp_path):
+    """Old-policy / reference log-probs use the same packing and come back in the padded layout."""
+    model, tokenizer = fresh_model()
+    cfg = tiny_config(tmp_path, max_new_tokens=8)
+    rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=3)
+    batch = UpdateBatch(
+        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
+        loss_mask=rollout.completion_mask, advantages=torch.zeros(6),
+    )
+    padded = completion_logps(prepare_model(fresh_model()[0], dataclasses.replace(cfg, padding_free=False), torch.device("cpu")),
+                              batch, dataclasses.replace(cfg, padding_free=False), torch.device("cpu"))
+    packed_cfg = dataclasses.replace(cfg, padding_free=True, max_tokens_per_microbatch=9)
+    packed = completion_logps(prepare_model(fresh_model()[0], packed_cfg, torch.device("cpu")), batch, packed_cfg,
+                              torch.device("cpu"))
+    assert padded.shape == packed.shape and (padded[rollout.completion_mask != 0] != 0).all()
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
 
 
 def test_resume_continues_as_the_uninterrupted_run(tmp_path):
