@@ -115,12 +115,14 @@ class Variant:
     flags: Dict[str, bool]  # fwd: with_entropy; grpo: old, ref, is_ratio; bwd: grad_logp, grad_entropy
     targets_dtype: str = "i64"
     seq_len: int = 0  # 0: SEQ_LEN[vocab] or 4096
+    options: Tuple[Tuple[str, Any], ...] = ()  # further launcher keywords: softcap, loss_type, ...
 
     @property
     def label(self) -> str:
         f = ",".join(k for k, v in self.flags.items() if v) or "-"
         rows = f"-T{self.seq_len}" if self.seq_len else ""
-        return f"{self.kernel}-sm{self.arch}-{self.dtype}-V{self.vocab}-{f}-tgt{self.targets_dtype}{rows}"
+        extra = "".join(f"-{k}={v}" for k, v in self.options)
+        return f"{self.kernel}-sm{self.arch}-{self.dtype}-V{self.vocab}-{f}-tgt{self.targets_dtype}{rows}{extra}"
 
     @property
     def row_aligned(self) -> bool:
@@ -234,6 +236,7 @@ def launcher_call(variant: Variant) -> Launch:
         for name, prm in inspect.signature(fn).parameters.items():  # row statistics from the forward
             if name not in kwargs and prm.default is inspect.Parameter.empty:
                 kwargs[name] = row()
+    kwargs.update(dict(variant.options))
     launches = capture_launches(triton_rows, fn, **kwargs)
     if not launches:
         raise RuntimeError(f"{fn.__name__} launched no kernel")
@@ -302,6 +305,13 @@ def default_variants() -> List[Variant]:
     out.append(Variant("fwd", 90, "bf16", 151_936, dict(fwd_flags[0]), seq_len=128))
     out.append(Variant("bwd", 90, "bf16", 151_936, dict(bwd_flags[0]), seq_len=128))
     out.append(Variant("bwd", 90, "bf16", 50_257, dict(bwd_flags[0])))
+    # soft-capping (Gemma) and the other fused objectives: constexpr branches of the same kernels
+    softcap = (("softcap", 30.0),)
+    out.append(Variant("fwd", 90, "bf16", 151_936, dict(fwd_flags[0]), options=softcap))
+    out.append(Variant("bwd", 90, "bf16", 151_936, dict(bwd_flags[0]), options=softcap))
+    out.append(Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0]),
+                       options=(("loss_type", "cispo"), ("use_bias_correction_kl", True))))
+    out.append(Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0]), options=(("loss_type", "sapo"),) + softcap))
     return out
 
 
