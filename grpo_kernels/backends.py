@@ -53,6 +53,21 @@ class RowBackend:
         """Only where ``fused_grpo``: see ``kernels.triton_rows.grpo_forward_rows``."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
+    def forward_backward_rows(self, logits, targets, temperature, ignore_index, coefficients):
+        """Gradient in the forward (the fused-linear path), on rows the caller owns.
+
+        ``logits [n, V]``, ``targets [n]``: computes ``(logp, entropy)`` float32 [n], asks
+        ``coefficients(logp, entropy) -> (d loss/d logp [n], d loss/d entropy [n] or None)`` and writes
+        ``d loss / d logits`` over ``logits`` in place. This default is ``forward_rows``, then
+        ``backward_rows`` with ``out=logits``; a backend may fuse them (``TorchBackend`` does).
+        """
+        rows, tgt = logits.unsqueeze(0), targets.unsqueeze(0)
+        logp, entropy, row_max, log_sum = self.forward_rows(rows, tgt, temperature, ignore_index, True)
+        g_logp, g_entropy = coefficients(logp[0], entropy[0])
+        self.backward_rows(rows, tgt, row_max, log_sum, entropy, g_logp.unsqueeze(0),
+                           None if g_entropy is None else g_entropy.unsqueeze(0), temperature, ignore_index, rows)
+        return logp[0], entropy[0]
+
     def __repr__(self) -> str:
         return f"<{self.name} row backend>"
 
@@ -69,6 +84,9 @@ class TorchBackend(RowBackend):
                       temperature, ignore_index, out) -> torch.Tensor:
         return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
                                         temperature, ignore_index, out)
+
+    def forward_backward_rows(self, logits, targets, temperature, ignore_index, coefficients):
+        return torch_rows.forward_backward_rows(logits, targets, temperature, ignore_index, coefficients)
 
 
 def triton_interprets() -> bool:
