@@ -34,6 +34,9 @@ class RowBackend:
     ``backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
         temperature, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
         ``logits`` itself) in ``out``'s dtype and returns it; a ``None`` gradient means zero.
+    ``forward_backward_rows(logits [n, V], targets [n], temperature, ignore_index, coefficients)``
+        -> ``(logp, entropy)``, with ``d loss / d logits`` written over ``logits`` (the fused-linear
+        path's gradient in the forward); the default composes the two methods above.
     """
 
     name: ClassVar[str]
