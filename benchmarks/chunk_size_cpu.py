@@ -33,8 +33,9 @@ def main(argv=None) -> None:
     x = make_inputs(n, h, v, torch.device("cpu"))
 
     def with_chunk(c: int):
+        hidden, weight = leaves(x)
+
         def run():
-            hidden, weight = leaves(x)
             out = gk.fused_linear_grpo_loss(hidden, weight, x["ids"], x["adv"], x["mask"], old_logps=x["old"],
                                             ref_logps=x["ref"], beta=BETA, eps_low=EPS, chunk_size=c)
             torch.autograd.grad(out.loss, [hidden, weight])

@@ -59,12 +59,15 @@ def make_inputs(n: int, h: int, v: int, device: torch.device, seed: int = 0) -> 
 
 
 def leaves(x: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    """hidden and weight as leaves that require grad; made once per implementation, outside the timed
+    and measured calls (``torch.autograd.grad`` accumulates nothing into them)."""
     return x["hidden"].detach().clone().requires_grad_(), x["weight"].detach().clone().requires_grad_()
 
 
 def ours(x: dict, backend: str = "auto") -> Callable[[], Tuple[torch.Tensor, ...]]:
+    h, w = leaves(x)
+
     def run():
-        h, w = leaves(x)
         out = gk.fused_linear_grpo_loss(h, w, x["ids"], x["adv"], x["mask"], old_logps=x["old"], ref_logps=x["ref"],
                                         beta=BETA, eps_low=EPS, loss_type="dapo", backend=backend)
         return (out.loss.detach(),) + torch.autograd.grad(out.loss, [h, w])
@@ -77,8 +80,9 @@ def liger(x: dict, compiled: bool) -> Callable[[], Tuple[torch.Tensor, ...]]:
     module = LigerFusedLinearGRPOLoss(beta=BETA, compiled=compiled, use_ref_model=True, epsilon_low=EPS,
                                       epsilon_high=EPS, loss_type="dapo", temperature=1.0)
 
+    h, w = leaves(x)
+
     def run():
-        h, w = leaves(x)
         out = module(h, w, x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])
         loss = out[0] if isinstance(out, (tuple, list)) else out
         return (loss.detach(),) + torch.autograd.grad(loss, [h, w])
@@ -91,8 +95,9 @@ def trl_head(x: dict) -> Callable[[], Tuple[torch.Tensor, ...]]:
     options = GRPOOptions(beta=BETA, eps_low=EPS, loss_type="dapo")
     inputs = GRPOInputs(old_logps=x["old"], ref_logps=x["ref"])
 
+    h, w = leaves(x)
+
     def run():
-        h, w = leaves(x)
         out = ChunkedLogProbFunction.apply(h.reshape(-1, h.shape[-1]), w, None, x["ids"].reshape(-1), 1.0, 32768,
                                            None, 1.0, ("entropy",))
         logp, entropy = out[0].view(x["ids"].shape), out[1].view(x["ids"].shape)
@@ -102,16 +107,14 @@ def trl_head(x: dict) -> Callable[[], Tuple[torch.Tensor, ...]]:
 
 
 def implementations(x: dict, args) -> Tuple[Dict[str, Callable], Dict[str, str]]:
-    impls = {"reference": ours(x, "reference"), "ours": ours(x, args.backend)}
-    skipped = {}
-    try:
-        impls["liger"] = liger(x, args.liger_compiled)
-    except Exception as exc:  # not installed, or an API that moved
-        skipped["liger"] = f"{type(exc).__name__}: {exc}"
-    try:
-        impls["trl"] = trl_head(x)
-    except Exception as exc:
-        skipped["trl"] = f"{type(exc).__name__}: {exc}"
+    makers = {"reference": lambda: ours(x, "reference"), "ours": lambda: ours(x, args.backend),
+              "liger": lambda: liger(x, args.liger_compiled), "trl": lambda: trl_head(x)}
+    impls, skipped = {}, {}
+    for name in args.impls.split(","):
+        try:
+            impls[name] = makers[name]()
+        except Exception as exc:  # not installed, or an API that moved
+            skipped[name] = f"{type(exc).__name__}: {exc}"
     return impls, skipped
 
 
@@ -182,6 +185,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="NxHxV, e.g. 4096x512x32000")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto", help="ours: auto | torch | triton")
+    parser.add_argument("--impls", default="reference,ours,liger,trl", help="a subset, comma-separated")
     parser.add_argument("--liger-compiled", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

@@ -101,9 +101,11 @@ class FusedGRPOLoss(torch.autograd.Function):
 # 200 taken (predicted from datasheets, not measured). CPU: an effective figure fitted to this
 # project's 2-core machine (fp32; benchmarks/chunk_size_cpu.py): the per-call cost of streaming and
 # packing W and the fp32 d W, and of waking the thread pool, is what a skinny chunk fails to amortise.
-# Measured there, fwd+bwd time over the reference's at N = 4,096, H = 512, V = 32,000: 256 rows 0.85,
-# 512 rows 0.71, 1,024 rows 0.55, 2,048 rows 0.68 (one run, 3 interleaved rounds, a loaded machine).
-MACHINE_BALANCE = {"cuda": 200.0, "cpu": 128.0}
+# Measured there (fwd+bwd time over the reference's, 3 interleaved rounds, a shared machine): at
+# N = 4,096, H = 1,024, V = 32,000, 688 rows 0.57, 1,024 rows 0.54, 2,048 rows 0.52; at H = 512,
+# 256 rows 0.85, 512 rows 0.71, 1,024 rows 0.55, 2,048 rows 0.68; at N = 1,024, H = 1,024,
+# V = 151,936, 256 to 1,024 rows 0.57 to 0.62. So R = 172: 2,097 rows at H = 512 (the cap), 1,037 at 1,024.
+MACHINE_BALANCE = {"cuda": 200.0, "cpu": 172.0}
 # Most bytes one chunk's logits may take (they are overwritten by their gradient in place): next to
 # the fp32 d W accumulator and the activations this stays small (1 GiB at V = 152k is 3.5k bf16 rows).
 CHUNK_LOGITS_BUDGET = {"cuda": 1 << 30, "cpu": 256 << 20}
@@ -129,9 +131,10 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
     a GPU), at least :data:`MIN_CHUNK_ROWS`. Last, with ``num_tokens`` the ``N`` rows are split into
     ``ceil(N / c)`` equal chunks (multiples of 16), so no small remainder chunk runs at a low rate.
 
-    Examples (fp32, CPU, R = 128): H = 512 -> 1,024 rows; H = 1,024 -> 683, and a 4,096-token batch
-    -> 6 chunks of 688; V = 151,936 -> 441 (the cap). bf16 on a GPU (R = 200): H = 4,096,
-    V = 151,936 -> 841 rows (~244 MiB of logits).
+    Examples (fp32, CPU, R = 172): V = 32,000, H = 512 -> 2,097 rows (also the cap); H = 1,024 ->
+    1,037, a 4,096-token batch -> 4 chunks of 1,024; V = 151,936 -> 441 (the cap), 1,024 tokens ->
+    3 chunks of 352. bf16 on a GPU (R = 200, predicted): H = 4,096, V = 151,936 -> 842 rows (~244 MiB
+    of logits), 16,384 tokens -> 20 chunks of 832.
     """
     kind = "cuda" if device.type == "cuda" else "cpu"
     elt = torch.finfo(dtype).bits // 8
@@ -185,14 +188,19 @@ def addmm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _ADDMM_OUT_DTYPE[key]
 
 
-def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``acc [V, H] += grad_logits^T @ hidden``.
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, first: bool = False) -> None:
+    """``acc [V, H] += grad_logits^T @ hidden`` (``=`` for the ``first`` chunk, when ``acc`` is unset).
 
-    Same dtype (fp32 everywhere, or a weight-dtype accumulator): one in-place ``addmm_``. A 16-bit
-    chunk into an fp32 accumulator: ``addmm(..., out_dtype=float32)`` where the device has it (the
-    product stays fp32 inside the matmul, no copy), else in vocabulary tiles, each tile's product a
-    temporary of a few MiB instead of a second [V, H] copy.
+    Same dtype (fp32 everywhere, or a weight-dtype accumulator): one ``mm``/``addmm_`` into ``acc``.
+    A 16-bit chunk into an fp32 accumulator: ``addmm(..., out_dtype=float32)`` where the device has
+    it (the product stays fp32 inside the matmul, no copy), else in vocabulary tiles, each tile's
+    product a temporary of a few MiB instead of a second [V, H] copy.
     """
+    if first and grad_logits.dtype == acc.dtype:
+        torch.mm(grad_logits.t(), hidden, out=acc)  # no zero-fill, no read of the accumulator
+        return
+    if first:
+        acc.zero_()
     if grad_logits.dtype == acc.dtype:
         acc.addmm_(grad_logits.t(), hidden)
         return
@@ -205,9 +213,11 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
         acc[cols] += grad_logits[:, cols].t() @ hidden
 
 
-def _new_weight_grad(weight: torch.Tensor, accumulate_in_weight_dtype: bool) -> torch.Tensor:
+def _new_weight_grad(weight: torch.Tensor, accumulate_in_weight_dtype: bool, num_rows: int) -> torch.Tensor:
+    """The d W accumulator: unset (the first chunk writes it), or zeros when there are no rows."""
     dtype = weight.dtype if accumulate_in_weight_dtype else torch.float32
-    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    make = torch.empty if num_rows > 0 else torch.zeros
+    return make(weight.shape, dtype=dtype, device=weight.device)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +273,7 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype) if need_weight else None
+        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
@@ -280,7 +290,7 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
                 if need_hidden:
                     _write_hidden_grad(grad_hidden[rows], grad_logits, w)
                 if need_weight:
-                    _accumulate_weight_grad(grad_weight, grad_logits, h)
+                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=torch.float32)  # no fp32 copy of the chunk
         return (
@@ -335,7 +345,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         logp, entropy = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
         loss = torch.zeros((), dtype=torch.float32, device=device)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype) if need_weight else None
+        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
         with torch.autocast(device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
@@ -354,7 +364,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
                 if need_hidden:
                     _write_hidden_grad(grad_hidden[rows], grad_logits, w)
                 if need_weight:
-                    _accumulate_weight_grad(grad_weight, grad_logits, h)
+                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=torch.float32)
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -373,7 +383,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None  # the buffers now belong to the caller: no copy, no second use
         out = []
         for grad, dtype in zip(grads, ctx.out_dtypes):
-            if grad is not None:
+            if grad is not None and not (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0):
                 grad.mul_(grad_loss)  # in the accumulator's dtype (fp32 for d W and d b), before rounding
             out.append(_hand_over(grad, dtype))
         return (*out,) + (None,) * 9

@@ -115,7 +115,7 @@ def test_tied_embeddings_gradients_add_up(backend):
 def test_frozen_head_gets_no_weight_gradient(backend, monkeypatch):
     hidden, weight, bias, ids, mask, old, _, adv = make_inputs(3)
     calls = []
-    monkeypatch.setattr(ga, "_accumulate_weight_grad", lambda *a: calls.append(1))
+    monkeypatch.setattr(ga, "_accumulate_weight_grad", lambda *a, **k: calls.append(1))
     h = hidden.clone().to(DEVICE).requires_grad_()
     w, b, ids_d, adv_d, mask_d, old_d = (t.to(DEVICE) for t in (weight, bias, ids, adv, mask, old))
     out = gk.fused_linear_grpo_loss(h, w, ids_d, adv_d, mask_d, bias=b, old_logps=old_d, chunk_size=4, backend=backend)
@@ -331,7 +331,8 @@ def test_weight_gradient_accumulation_modes(accumulate_in_weight_dtype, path, mo
     advantages, kw = build_kwargs(OPTION_CASES["old_ref_beta"], batch)
     seen = []
     original = ga._accumulate_weight_grad
-    monkeypatch.setattr(ga, "_accumulate_weight_grad", lambda acc, g, h: (seen.append(acc.dtype), original(acc, g, h)))
+    monkeypatch.setattr(ga, "_accumulate_weight_grad",
+                        lambda acc, g, h, first=False: (seen.append(acc.dtype), original(acc, g, h, first)))
     _, ids, mask, *_ = batch
     h, w, b = leaves(hidden, weight, bias)
     if path == "grpo_loss":

@@ -171,7 +171,7 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     all_valid = bool(valid.all())
 
     def shifted(rows: slice, first: bool) -> torch.Tensor:
-        """z = logits / T - max (clamped to the lowest finite value: a -inf logit has e = 0 and adds 0)."""
+        """z = logits / T - max; -inf logits stay -inf (exp gives 0; see the entropy below)."""
         if in_place and not first:
             return logits[rows]  # already z
         z = logits[rows] if in_place else z_buf[: rows.stop - rows.start].copy_(logits[rows])
@@ -179,7 +179,7 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
             z.mul_(1.0 / temperature)
         if first:
             torch.amax(z, -1, keepdim=True, out=row_max[rows])
-        return z.sub_(row_max[rows]).clamp_(min=_LOWEST)
+        return z.sub_(row_max[rows])
 
     for r0 in range(0, n, block):  # sweep 1: statistics
         rows = slice(r0, min(n, r0 + block))
@@ -187,7 +187,12 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         e = torch.exp(z, out=e_buf[: rows.stop - r0])
         s = e.sum(-1, keepdim=True)
         torch.log(s, out=log_sum[rows])
-        dot = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1, 1)  # sum e*z, no [rows, V] temporary
+        dot = torch.linalg.vecdot(e, z).unsqueeze(-1)  # sum e*z
+        bad = torch.isnan(dot).squeeze(-1)
+        if bool(bad.any()):
+            # A -inf logit has e = 0 and must add 0, not 0 * -inf: those rows again with z clamped to
+            # the lowest finite value (rare, so no clamp pass for every row; a NaN logit stays NaN).
+            dot[bad] = torch.linalg.vecdot(e[bad], z[bad].clamp(min=_LOWEST)).unsqueeze(-1)
         entropy[rows] = (log_sum[rows] - dot / s).squeeze(-1)
         logp[rows] = (z.gather(-1, safe[rows]) - log_sum[rows]).squeeze(-1)
     zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -209,8 +214,8 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         e = torch.exp(z, out=e_buf[: rows.stop - r0])
         if g_entropy is None:
             grad = torch.mul(e, b[rows], out=z)
-        else:
-            grad = torch.addcmul(b[rows], z, a[rows], out=z).mul_(e)
+        else:  # z clamped: at a -inf logit e = 0 and the term is 0, not 0 * inf
+            grad = torch.addcmul(b[rows], z.clamp_(min=_LOWEST), a[rows], out=z).mul_(e)
         grad.scatter_(-1, safe[rows], target_term[rows])
         if not all_valid:
             grad.masked_fill_(~valid[rows].unsqueeze(-1), 0.0)
