@@ -164,8 +164,18 @@ def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _chunk_logits(hidden_chunk, weight, bias):
-    return torch.nn.functional.linear(hidden_chunk, weight, bias)
+def _chunk_logits(hidden_chunk, weight, bias, buffer: torch.Tensor) -> torch.Tensor:
+    """``hidden_chunk @ weight.T + bias`` written into the first rows of ``buffer``, one [chunk, V]
+    buffer reused by every chunk of a call: a fresh one per chunk would be mapped and faulted in anew
+    by the allocator each time (hundreds of MiB on a CPU)."""
+    out = buffer[: hidden_chunk.shape[0]]
+    if bias is None:
+        return torch.mm(hidden_chunk, weight.t(), out=out)
+    return torch.addmm(bias, hidden_chunk, weight.t(), out=out)
+
+
+def _logits_buffer(num_rows: int, chunk_size: int, weight: torch.Tensor) -> torch.Tensor:
+    return torch.empty(min(num_rows, chunk_size), weight.shape[0], dtype=weight.dtype, device=weight.device)
 
 
 _ADDMM_OUT_DTYPE: Dict[Tuple[str, torch.dtype], bool] = {}
@@ -254,9 +264,10 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         logp, entropy, row_max, log_sum = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
             for start in range(0, n, chunk_size):
                 rows = slice(start, min(n, start + chunk_size))
-                logits = _chunk_logits(hidden[rows].to(dtype), w, b)
+                logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
                 stats = backend.forward_rows(_as_rows(logits), _as_rows(targets[rows]), temperature, ignore_index, with_entropy)
                 for out, value in zip((logp, entropy, row_max, log_sum), stats):
                     out[rows] = value[0]
@@ -277,10 +288,11 @@ class FusedLinearTokenLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
             for start in range(0, n, chunk_size):
                 rows = slice(start, min(n, start + chunk_size))
                 h = hidden[rows].to(dtype)
-                logits = _chunk_logits(h, w, b)
+                logits = _chunk_logits(h, w, b, buffer)
                 g_logp = None if grad_logp is None else _as_rows(grad_logp[rows])
                 g_ent = None if grad_entropy is None else _as_rows(grad_entropy[rows])
                 grad_logits = backend.backward_rows(
@@ -349,10 +361,11 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
         with torch.autocast(device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
             for start in range(0, n, chunk_size):
                 rows = slice(start, min(n, start + chunk_size))
                 h = hidden[rows].to(dtype)
-                grad_logits = _chunk_logits(h, w, b)  # overwritten by its gradient below
+                grad_logits = _chunk_logits(h, w, b, buffer)  # overwritten by its gradient below
 
                 def chunk_coefficients(lp, ent, rows=rows):
                     chunk_loss, g_logp, g_entropy = coefficients(lp, ent, rows)

@@ -439,3 +439,16 @@ def test_torch_forward_backward_rows_matches_float64(dtype, with_entropy_grad, m
     assert buf.dtype == dtype
     assert_close64(buf, z64.grad, dtype, scale=grad_tol(torch.float32, z64.grad), what="d logits")
     assert buf[4].abs().max() == 0
+
+
+def test_gradient_in_forward_with_no_completion_token():
+    """Every position masked: loss 0, zero gradients (the d W accumulator is then zeros, not unset)."""
+    hidden, weight, bias, batch = linear_batch(900)
+    _, ids, mask, *_ = batch
+    h, w, b = leaves(hidden, weight, bias)
+    out = gk.fused_linear_grpo_loss(h, w, ids, torch.randn(B), torch.zeros_like(mask), bias=b, backend="torch")
+    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossBackward"
+    out.loss.backward()
+    assert out.loss.item() == 0
+    for grad in (h.grad, w.grad, b.grad):
+        assert torch.equal(grad, torch.zeros_like(grad))

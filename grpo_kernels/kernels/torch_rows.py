@@ -187,12 +187,13 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         e = torch.exp(z, out=e_buf[: rows.stop - r0])
         s = e.sum(-1, keepdim=True)
         torch.log(s, out=log_sum[rows])
-        dot = torch.linalg.vecdot(e, z).unsqueeze(-1)  # sum e*z
+        dot = e.mul_(z).sum(-1, keepdim=True)  # sum e*z in e's buffer (sweep 2 recomputes e)
         bad = torch.isnan(dot).squeeze(-1)
         if bool(bad.any()):
             # A -inf logit has e = 0 and must add 0, not 0 * -inf: those rows again with z clamped to
             # the lowest finite value (rare, so no clamp pass for every row; a NaN logit stays NaN).
-            dot[bad] = torch.linalg.vecdot(e[bad], z[bad].clamp(min=_LOWEST)).unsqueeze(-1)
+            zb = z[bad].clamp(min=_LOWEST)
+            dot[bad] = (torch.exp(zb) * zb).sum(-1, keepdim=True)
         entropy[rows] = (log_sum[rows] - dot / s).squeeze(-1)
         logp[rows] = (z.gather(-1, safe[rows]) - log_sum[rows]).squeeze(-1)
     zero = torch.zeros((), dtype=torch.float32, device=device)
