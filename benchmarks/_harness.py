@@ -87,26 +87,27 @@ def liger_available() -> bool:
 
 
 def trl_available() -> bool:
-    """TRL's fused log-prob head (``trl/kernels/chunked_logprob.py``, TRL >= 1.x) is importable."""
     try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
     except Exception:
         return False
     return True
 
 
 def implementations(device: str) -> List[str]:
-    """reference and torch everywhere; triton (and Liger-Kernel, TRL, when installed) on CUDA only.
+    """reference and torch everywhere; triton on CUDA only; Liger-Kernel and TRL's fused head when
+    installed (on a CPU only for the fused-linear operation: Liger's chunked loss and TRL's head are
+    plain PyTorch there, its from-logits kernels are Triton).
 
     Triton on a CPU runs only in its interpreter, far too slow to time: it is left out there.
     """
     impls = ["reference", "torch"]
     if device == "cuda":
         impls.append("triton")
-        if liger_available():
-            impls.append("liger")
-        if trl_available():
-            impls.append("trl")
+    if liger_available():
+        impls.append("liger")
+    if trl_available():
+        impls.append("trl")
     only = os.environ.get("GRPO_BENCH_IMPLS")
     if only:
         impls = [i for i in impls if i in only.split(",")]
@@ -122,15 +123,21 @@ def cpu_cases(impls: List[str]) -> List[Case]:
                 for n in (256, 512, 1024):
                     out.append(Case(op, impl, n, 32000, "fp32", pass_, T=256, rounds=2))
                 out.append(Case(op, impl, 512, 32000, "bf16", pass_, T=256, rounds=2))
+    out = [c for c in out if c.impl not in ("liger", "trl")]  # Liger's from-logits kernels are Triton
     for impl in impls:
-        # Memory sweep at H=512, V=32000 fp32, forward+backward: flat in N for ours, growing for the
-        # reference (which materialises the [N, V] logits; stopped at 8192, where it needs GBs).
-        for n in (2048, 4096, 8192, 16384):
-            if impl == "reference" and n > 8192:
-                continue
-            out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd+bwd", T=512, H=512, rounds=1, sweep=True))
-        for n in (2048, 4096):
-            out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd", T=512, H=512, rounds=1))
+        # Issue 14's table: fp32 forward+backward at V=32000, N 1k-4k, H 512 and 1024, and V=151936.
+        # The H=512 points are also the memory sweep (flat in N for the fused ones, growing for the
+        # reference, which materialises the [N, V] logits; stopped at 8192, where it needs GBs).
+        for h in (512, 1024):
+            for n in (1024, 2048, 4096, 8192, 16384):
+                if n > 4096 and (h != 512 or impl in ("liger", "trl") or (impl == "reference" and n > 8192)):
+                    continue
+                out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd+bwd", T=512, H=h,
+                                rounds=1 if n > 4096 else 3, sweep=h == 512))
+        out.append(Case("fused_linear_grpo_loss", impl, 1024, 151936, "fp32", "fwd+bwd", T=512, H=1024, rounds=2))
+        if impl not in ("liger", "trl"):
+            for n in (2048, 4096):
+                out.append(Case("fused_linear_grpo_loss", impl, n, 32000, "fp32", "fwd", T=512, H=512, rounds=1))
     return out
 
 
@@ -172,7 +179,7 @@ def smoke_cases(impls: List[str]) -> List[Case]:
     for op in ("token_logprobs", "grpo_loss"):
         for impl in _impls_for(op, impls):
             for pass_ in PASSES:
-                if impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd":
+                if (impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd") or impl == "trl":
                     continue
                 for n in (64, 128):
                     out.append(Case(op, impl, n, 1024, "fp32", pass_, T=32, rounds=1))
@@ -186,9 +193,12 @@ def smoke_cases(impls: List[str]) -> List[Case]:
 
 
 def _impls_for(op: str, impls: List[str]) -> List[str]:
-    """The implementations that have ``op``: Liger has no fused log-prob head case here, TRL only that one."""
+    """The implementations that have ``op``: Liger has no fused log-prob head case here; TRL has only
+    its fused head (and the fused-linear loss built on it)."""
     if op == "fused_linear_token_logprobs":
         return [i for i in impls if i != "liger"]
+    if op == "fused_linear_grpo_loss":
+        return impls
     return [i for i in impls if i != "trl"]
 
 
@@ -241,6 +251,10 @@ def _liger_selective_log_softmax():
     return fused_selective_log_softmax
 
 
+# The fused-linear cases' GRPO settings (issue 14): dapo, KL with beta 0.04, old log-probs.
+FUSED_LINEAR_BETA = 0.04
+
+
 def _liger_fused_linear(case: Case):
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -248,10 +262,18 @@ def _liger_fused_linear(case: Case):
         raise Unavailable(f"liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss: {exc}")
     compiled = os.environ.get("GRPO_BENCH_LIGER_COMPILED", "0") == "1"
     try:
-        return LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False, epsilon_low=0.2,
+        return LigerFusedLinearGRPOLoss(beta=FUSED_LINEAR_BETA, compiled=compiled, use_ref_model=True, epsilon_low=0.2,
                                         epsilon_high=0.2, loss_type="dapo", temperature=1.0)
     except TypeError:  # older signatures
-        return LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False)
+        return LigerFusedLinearGRPOLoss(beta=FUSED_LINEAR_BETA, compiled=compiled, use_ref_model=True)
+
+
+def _trl_fused_head():
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except Exception as exc:
+        raise Unavailable(f"trl.kernels.ChunkedLogProbFunction: {exc}")
+    return ChunkedLogProbFunction
 
 
 def _trl_logprob_head():
@@ -295,12 +317,12 @@ def build(case: Case, device: torch.device) -> Runner:
     """
     import grpo_kernels as gk
 
-    if case.impl in ("triton", "liger", "trl") and device.type != "cuda":
+    if (case.impl == "triton" or (case.impl == "liger" and case.op != "fused_linear_grpo_loss")) and device.type != "cuda":
         raise Unavailable(f"{case.impl} needs CUDA here (Triton on a CPU only runs in its interpreter)")
     if case.impl == "liger" and not liger_available():
         raise Unavailable("liger_kernel is not installed")
-    if case.impl == "trl" and not trl_available():
-        raise Unavailable("trl.kernels.chunked_logprob is not importable")
+    if case.impl == "trl" and case.op not in ("fused_linear_grpo_loss", "fused_linear_token_logprobs"):
+        raise Unavailable("TRL has a fused head only")
     dtype = DTYPES[case.dtype]
     grad = case.pass_ == "fwd+bwd"
     B, T, V = case.B, case.T, case.V
@@ -348,22 +370,43 @@ def build(case: Case, device: torch.device) -> Runner:
                         if grad:
                             torch.autograd.grad(out.loss, [logits])
     elif case.op == "fused_linear_grpo_loss":
+        # dapo with beta = 0.04: old and reference log-probs near the current ones, as in training.
         H = case.H
         hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(grad)
         weight = (torch.randn(V, H, device=device, dtype=torch.float32) / H**0.5).to(dtype).requires_grad_(grad)
-        inputs.update(hidden=hidden, weight=weight)
+        with torch.no_grad():
+            logp = gk.fused_linear_token_logprobs(hidden, weight, ids)
+        old = logp + 0.1 * torch.randn_like(logp)
+        ref = logp + 0.1 * torch.randn_like(logp)
+        inputs.update(hidden=hidden, weight=weight, old=old, ref=ref)
         if case.impl == "liger":
             module = _liger_fused_linear(case)
 
             def run():
                 with torch.set_grad_enabled(grad):
-                    loss = _first(module(hidden, weight, ids, mask, adv))
+                    loss = _first(module(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old))
                     if grad:
                         torch.autograd.grad(loss, [hidden, weight])
+        elif case.impl == "trl":
+            head = _trl_fused_head()
+            from grpo_kernels import objective
+            from grpo_kernels.options import GRPOInputs, GRPOOptions
+
+            options = GRPOOptions(beta=FUSED_LINEAR_BETA, loss_type="dapo")
+            grpo_inputs = GRPOInputs(old_logps=old, ref_logps=ref)
+
+            def run():  # TRL's head for log-probs and entropies, then the O(N) GRPO maths
+                with torch.set_grad_enabled(grad):
+                    lp, ent = head.apply(hidden.reshape(-1, H), weight, None, ids.reshape(-1), 1.0, 32768, None, 1.0,
+                                         ("entropy",))[:2]
+                    out = objective.grpo_loss_from_logprobs(lp.view(B, T), ent.view(B, T), adv, mask, grpo_inputs, options)
+                    if grad:
+                        torch.autograd.grad(out.loss, [hidden, weight])
         else:
             def run():
                 with torch.set_grad_enabled(grad):
-                    out = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, backend=backend)
+                    out = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=old, ref_logps=ref,
+                                                    beta=FUSED_LINEAR_BETA, backend=backend)
                     if grad:
                         torch.autograd.grad(out.loss, [hidden, weight])
     elif case.op == "fused_linear_token_logprobs":
@@ -422,8 +465,10 @@ def floors(case: Case) -> dict:
         return {"bytes_floor": reads_writes * case.N * case.V * elt}
     nhv = case.N * case.H * case.V
     useful = 2 * nhv if case.pass_ == "fwd" else 6 * nhv
-    # Ours (and TRL's head) recompute each chunk's logits in the backward: 4 matmuls of 2*N*H*V flops each.
-    executed = 2 * nhv if case.pass_ == "fwd" else (8 * nhv if case.impl in ("torch", "triton", "trl") else 6 * nhv)
+    # Token-level losses: ours forms the gradient in the forward, 3 matmuls of 2*N*H*V flops each;
+    # TRL's head, and our log-prob head (fused_linear_token_logprobs), recompute the logits in the backward (4).
+    recompute = case.impl == "trl" or (case.op == "fused_linear_token_logprobs" and case.impl in ("torch", "triton"))
+    executed = 2 * nhv if case.pass_ == "fwd" else (8 * nhv if recompute else 6 * nhv)
     return {"useful_flops": useful, "flops": executed}
 
 

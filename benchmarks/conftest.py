@@ -90,8 +90,8 @@ def _skippable(case: H.Case, exc: BaseException) -> str:
     """The skip reason for an exception that means "cannot run here"; re-raise anything else."""
     if H._is_oom(exc):
         return "out of memory"
-    if case.impl == "liger":  # a third-party API that changes between versions: record, do not fail
-        return f"liger_kernel failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if case.impl in ("liger", "trl"):  # a third-party API that changes between versions: record, do not fail
+        return f"{case.impl} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     raise exc
 
 

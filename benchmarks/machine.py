@@ -48,6 +48,12 @@ def versions() -> dict:
         info["liger_kernel"] = version("liger-kernel")
     except Exception:
         info["liger_kernel"] = None
+    try:
+        from importlib.metadata import version
+
+        info["trl"] = version("trl")
+    except Exception:
+        info["trl"] = None
     return info
 
 

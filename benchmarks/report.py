@@ -19,7 +19,7 @@ import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-IMPL_ORDER = {"reference": 0, "torch": 1, "triton": 2, "liger": 3}
+IMPL_ORDER = {"reference": 0, "torch": 1, "triton": 2, "liger": 3, "trl": 4}
 OP_ORDER = {"token_logprobs": 0, "grpo_loss": 1, "fused_linear_grpo_loss": 2, "fused_linear_token_logprobs": 3}
 PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
 IMPL_STYLE = {
@@ -27,6 +27,7 @@ IMPL_STYLE = {
     "torch": dict(color="#1f77b4", marker="s", linestyle="-"),
     "triton": dict(color="#2ca02c", marker="^", linestyle="-"),
     "liger": dict(color="#9467bd", marker="D", linestyle=":"),
+    "trl": dict(color="#8c564b", marker="v", linestyle="-."),
 }
 
 
@@ -143,7 +144,7 @@ def conditions_lines(cond: dict, data: dict) -> List[str]:
         if cond.get("torch_threads"):
             machine += f", {cond['torch_threads']} torch threads"
     lines = [f"- Machine: {machine}"]
-    versions = ", ".join(f"{k} {cond[k]}" for k in ("torch", "triton", "liger_kernel", "cuda", "python") if cond.get(k))
+    versions = ", ".join(f"{k} {cond[k]}" for k in ("torch", "triton", "liger_kernel", "trl", "cuda", "python") if cond.get(k))
     lines.append(f"- Versions: {versions}")
     lines.append(f"- Date: {cond.get('date') or data.get('datetime', '?')}")
     if cond.get("bench_set"):

@@ -4,12 +4,14 @@
 three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLoss``: logits -> the token-level GRPO
 loss in the same single pass (backends whose ``fuses(options)`` is true). ``FusedLinearTokenLogprobs``: hidden,
 weight, bias -> (logp, entropy), where each chunk's logits exist only while that chunk is processed,
-in the forward and again in the backward.
+in the forward and again in the backward (4 matmuls). ``FusedLinearGRPOLoss``: hidden, weight, bias
+-> a token-level loss whose gradient is formed in the forward (3 matmuls, nothing recomputed) and
+handed over by the backward. :func:`default_chunk_size` sizes their chunks from N, H, V and the device.
 
 Each Function receives the backend object (``grpo_kernels.backends``) and calls only its methods.
 Backwards are first order: a double backward (``create_graph=True``) raises a RuntimeError instead
-of returning a gradient without a graph (use ``backend="reference"`` for higher-order gradients). With ``inplace_backward`` the logits' gradient is written into
-the logits buffer and the buffer's version counter is bumped, so autograd raises (instead of using a
+of returning a gradient without a graph (use ``backend="reference"`` for higher-order gradients).
+With ``inplace_backward`` the logits' gradient is written into the logits buffer and the buffer's version counter is bumped, so autograd raises (instead of using a
 corrupted tensor) when anything else saved the logits: an op whose backward needs its output
 (``tanh`` soft-capping, ``exp``), or a second backward through the same graph.
 """
@@ -17,7 +19,8 @@ corrupted tensor) when anything else saved the logits: an op whose backward need
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import math
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 
@@ -106,91 +109,310 @@ class FusedGRPOLoss(torch.autograd.Function):
         return (out,) + (None,) * 8
 
 
-def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Rows per chunk for the fused-linear path.
+# --------------------------------------------------------------------------------------------------
+# fused linear: hidden states and lm_head weight in, a chunk of rows' logits at a time
+# --------------------------------------------------------------------------------------------------
+# Flop per byte of memory traffic a matmul needs to run at the machine's rate (its "balance"), used
+# by default_chunk_size. CUDA: bf16 tensor cores over HBM bandwidth, ~156 (A100) to ~300 (H100 SXM),
+# 200 taken (predicted from datasheets, not measured). CPU: an effective figure fitted to this
+# project's 2-core machine (fp32; benchmarks/chunk_size_cpu.py): the per-call cost of streaming and
+# packing W and the fp32 d W, and of waking the thread pool, is what a skinny chunk fails to amortise.
+# Measured there (fwd+bwd time over the reference's, 3 interleaved rounds, a shared machine): at
+# N = 4,096, H = 1,024, V = 32,000, 688 rows 0.57, 1,024 rows 0.54, 2,048 rows 0.52; at H = 512,
+# 256 rows 0.85, 512 rows 0.71, 1,024 rows 0.55, 2,048 rows 0.68; at N = 1,024, H = 1,024,
+# V = 151,936, 256 to 1,024 rows 0.57 to 0.62. So R = 172: 2,097 rows at H = 512 (the cap), 1,037 at 1,024.
+MACHINE_BALANCE = {"cuda": 200.0, "cpu": 172.0}
+# Most bytes one chunk's logits may take (they are overwritten by their gradient in place): next to
+# the fp32 d W accumulator and the activations this stays small (1 GiB at V = 152k is 3.5k bf16 rows).
+CHUNK_LOGITS_BUDGET = {"cuda": 1 << 30, "cpu": 256 << 20}
+MIN_CHUNK_ROWS = 64
 
-    A chunk holds its logits (in the weight's dtype, overwritten by their gradient) plus, in the
-    torch path, fp32 working copies; ~256 MiB on a GPU, ~64 MiB on a CPU keeps that small next to
-    the weight and the activations, while each matmul is still large enough to run at full rate.
+
+def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                       num_tokens: Optional[int] = None) -> int:
+    """Rows per chunk for the fused-linear path, from V, H, the compute dtype, the device and N.
+
+    Each chunk of ``c`` rows runs three matmuls against the [V, H] weight: logits ``[c, H] @ [H, V]``,
+    ``d hidden = d logits @ W`` and ``d W += d logits^T @ h``. The skinniest is the last: it reads and
+    writes the [V, H] accumulator (``acc`` bytes an element, fp32: 4) for ``2 c`` flops an element,
+    and reads the ``[c, V]`` gradient (``elt`` bytes). With ``V >> c`` its flops per byte are
+    ``2 c H / (c elt + 2 H acc)``; it runs at the machine's rate when that reaches the machine's
+    balance ``R`` (:data:`MACHINE_BALANCE`), i.e. when
+
+        ``c >= 2 R H acc / (2 H - R elt)``                                        (rate rule)
+
+    (the logits matmul, ``2 c H / ((c + H) elt)`` flops per byte, then reaches ``R`` too). When
+    ``2 H <= R elt`` no chunk reaches ``R`` (a small head is bound by memory) and the budget decides.
+    Then, the memory cap: ``c * V * elt <= CHUNK_LOGITS_BUDGET[device]`` (256 MiB on a CPU, 1 GiB on
+    a GPU), at least :data:`MIN_CHUNK_ROWS`. Last, with ``num_tokens`` the ``N`` rows are split into
+    ``ceil(N / c)`` equal chunks (multiples of 16), so no small remainder chunk runs at a low rate.
+
+    Examples (fp32, CPU, R = 172): V = 32,000, H = 512 -> 2,097 rows (also the cap); H = 1,024 ->
+    1,037, a 4,096-token batch -> 4 chunks of 1,024; V = 151,936 -> 441 (the cap), 1,024 tokens ->
+    3 chunks of 352. bf16 on a GPU (R = 200, predicted): H = 4,096, V = 151,936 -> 842 rows (~244 MiB
+    of logits), 16,384 tokens -> 20 chunks of 832.
     """
-    budget = (256 if device.type == "cuda" else 64) * 2**20
-    per_row = vocab_size * (torch.finfo(dtype).bits // 8 + 4)
-    rows = max(16, budget // per_row)
-    return 1 << (int(rows).bit_length() - 1)  # a power of two: friendly tile shapes
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    elt = torch.finfo(dtype).bits // 8
+    acc = 4  # d W accumulates in fp32
+    balance = MACHINE_BALANCE[kind]
+    cap = max(MIN_CHUNK_ROWS, CHUNK_LOGITS_BUDGET[kind] // (vocab_size * elt))
+    denominator = 2 * hidden_size - balance * elt
+    rows = cap if denominator <= 0 else min(cap, max(MIN_CHUNK_ROWS, math.ceil(2 * balance * hidden_size * acc / denominator)))
+    if num_tokens is not None and num_tokens > 0:
+        chunks = math.ceil(num_tokens / rows)
+        rows = min(rows, 16 * math.ceil(math.ceil(num_tokens / chunks) / 16))
+    return int(rows)
 
 
-def _chunk_logits(hidden_chunk, weight, bias):
-    return torch.nn.functional.linear(hidden_chunk, weight, bias)
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of a call's matmuls: autocast's when autocast is on for the device, else hidden's.
 
-
-def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``acc [V, H] fp32 += grad_logits^T @ hidden``, in vocabulary tiles.
-
-    With 16-bit inputs each tile's product is formed by the matmul (fp32 inside) and added to the
-    fp32 accumulator; tiling keeps that temporary to a few MiB instead of a second [V, H] copy.
+    The fused-linear Functions receive it, record it, and run their forward and backward with
+    autocast off, casting weight, bias and each chunk of hidden states to it themselves (as
+    ``torch.amp.custom_fwd``/``custom_bwd`` carry autocast's state into the backward): a backward
+    that recomputes logits does it in the forward's dtype, so the softmax gradient sums to zero, and
+    the gradients accumulate in fp32 and come back in each input's own dtype.
     """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+def _chunk_logits(hidden_chunk, weight, bias, buffer: torch.Tensor) -> torch.Tensor:
+    """``hidden_chunk @ weight.T + bias`` written into the first rows of ``buffer``, one [chunk, V]
+    buffer reused by every chunk of a call: a fresh one per chunk would be mapped and faulted in anew
+    by the allocator each time (hundreds of MiB on a CPU)."""
+    out = buffer[: hidden_chunk.shape[0]]
+    if bias is None:
+        return torch.mm(hidden_chunk, weight.t(), out=out)
+    return torch.addmm(bias, hidden_chunk, weight.t(), out=out)
+
+
+def _logits_buffer(num_rows: int, chunk_size: int, weight: torch.Tensor) -> torch.Tensor:
+    return torch.empty(min(num_rows, chunk_size), weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
+_ADDMM_OUT_DTYPE: Dict[Tuple[str, torch.dtype], bool] = {}
+
+
+def addmm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc)`` works for 16-bit
+    ``a``/``b`` on this device (CUDA in recent torch; not on a CPU). Tried once and remembered."""
+    key = (device.type, dtype)
+    if key not in _ADDMM_OUT_DTYPE:
+        ok = False
+        try:
+            a = torch.ones(2, 3, dtype=dtype, device=device)
+            acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+            torch.addmm(acc, a, a.t(), out_dtype=torch.float32, out=acc)
+            ok = bool((acc == 4).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _ADDMM_OUT_DTYPE[key] = ok
+    return _ADDMM_OUT_DTYPE[key]
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, first: bool = False) -> None:
+    """``acc [V, H] += grad_logits^T @ hidden`` (``=`` for the ``first`` chunk, when ``acc`` is unset).
+
+    Same dtype (fp32 everywhere, or a weight-dtype accumulator): one ``mm``/``addmm_`` into ``acc``.
+    A 16-bit chunk into an fp32 accumulator: ``addmm(..., out_dtype=float32)`` where the device has
+    it (the product stays fp32 inside the matmul, no copy), else in vocabulary tiles, each tile's
+    product a temporary of a few MiB instead of a second [V, H] copy.
+    """
+    if first and grad_logits.dtype == acc.dtype:
+        torch.mm(grad_logits.t(), hidden, out=acc)  # no zero-fill, no read of the accumulator
+        return
+    if first:
+        acc.zero_()
     if grad_logits.dtype == acc.dtype:
         acc.addmm_(grad_logits.t(), hidden)
         return
-    tile = max(256, (32 * 2**20) // max(1, hidden.shape[1] * hidden.element_size()))
+    if addmm_out_dtype_supported(acc.device, grad_logits.dtype):
+        torch.addmm(acc, grad_logits.t(), hidden, out_dtype=torch.float32, out=acc)
+        return
+    tile = max(256, (32 * 2**20) // max(1, hidden.shape[1] * 4))
     for v0 in range(0, acc.shape[0], tile):
         cols = slice(v0, min(acc.shape[0], v0 + tile))
         acc[cols] += grad_logits[:, cols].t() @ hidden
 
 
+def _new_weight_grad(weight: torch.Tensor, accumulate_in_weight_dtype: bool, num_rows: int) -> torch.Tensor:
+    """The d W accumulator: unset (the first chunk writes it), or zeros when there are no rows."""
+    dtype = weight.dtype if accumulate_in_weight_dtype else torch.float32
+    make = torch.empty if num_rows > 0 else torch.zeros
+    return make(weight.shape, dtype=dtype, device=weight.device)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n] -> [1, n]: the row kernels take [B, T] rows."""
+    return x.unsqueeze(0)
+
+
+def _operands(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    """The weight and bias in the compute dtype (no copy when they have it already)."""
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _hand_over(grad: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """An accumulated gradient in its input's dtype (rounded once, at the end)."""
+    return None if grad is None or dtype is None else grad.to(dtype)
+
+
 class FusedLinearTokenLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (logp [N], entropy [N]).
 
-    The forward computes the logits chunk by chunk and keeps only the row max, log-sum and entropy
-    per row.
-    The backward recomputes each chunk's logits, overwrites them with their gradient (row kernel,
-    in place), then ``d hidden = d logits @ W`` and ``d W += d logits^T @ hidden`` (fp32 accumulator).
+    For ``fused_linear_token_logprobs`` and GSPO, whose per-token gradients are known only after the
+    forward. The forward computes the logits chunk by chunk in ``dtype`` (the call's compute dtype,
+    :func:`compute_dtype`; autocast is off inside) and keeps only the row max, log-sum and entropy
+    per row. The backward recomputes each chunk's logits in the same recorded dtype, overwrites them
+    with their gradient (row kernel, in place), then ``d hidden = d logits @ W`` and
+    ``d W += d logits^T @ h`` (fp32 accumulator, or the weight's dtype with
+    ``accumulate_in_weight_dtype``): 4 matmuls. Gradients come back in each input's own dtype.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, temperature: float, ignore_index: int,
-                with_entropy: bool, chunk_size: int):
+    def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
+                with_entropy: bool, chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool = False):
         n = hidden.shape[0]
         logp, entropy, row_max, log_sum = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(n, start + chunk_size))
-            logits = _chunk_logits(hidden[rows], weight, bias)
-            stats = backend.forward_rows(logits.unsqueeze(0), targets[rows].unsqueeze(0), temperature, ignore_index, with_entropy)
-            for out, value in zip((logp, entropy, row_max, log_sum), stats):
-                out[rows] = value[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
+            for start in range(0, n, chunk_size):
+                rows = slice(start, min(n, start + chunk_size))
+                logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
+                stats = backend.forward_rows(_as_rows(logits), _as_rows(targets[rows]), transform, ignore_index, with_entropy)
+                for out, value in zip((logp, entropy, row_max, log_sum), stats):
+                    out[rows] = value[0]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
-        ctx.config = (backend, temperature, ignore_index, chunk_size)
+        ctx.config = (backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype)
         return logp, entropy
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        backend, temperature, ignore_index, chunk_size = ctx.config
+        backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(n, start + chunk_size))
-            logits = _chunk_logits(hidden[rows], weight, bias)
-            g_logp = None if grad_logp is None else grad_logp[rows].unsqueeze(0)
-            g_ent = None if grad_entropy is None else grad_entropy[rows].unsqueeze(0)
-            grad_logits = backend.backward_rows(
-                logits.unsqueeze(0), targets[rows].unsqueeze(0), row_max[rows].unsqueeze(0), log_sum[rows].unsqueeze(0),
-                entropy[rows].unsqueeze(0), g_logp, g_ent, temperature, ignore_index, logits.unsqueeze(0),
-            )[0]
-            if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
-            if need_weight:
-                _accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
-            if need_bias:
-                grad_bias += grad_logits.sum(0, dtype=torch.float32)  # no fp32 copy of the chunk
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
+            for start in range(0, n, chunk_size):
+                rows = slice(start, min(n, start + chunk_size))
+                h = hidden[rows].to(dtype)
+                logits = _chunk_logits(h, w, b, buffer)
+                g_logp = None if grad_logp is None else _as_rows(grad_logp[rows])
+                g_ent = None if grad_entropy is None else _as_rows(grad_entropy[rows])
+                grad_logits = backend.backward_rows(
+                    _as_rows(logits), _as_rows(targets[rows]), _as_rows(row_max[rows]), _as_rows(log_sum[rows]),
+                    _as_rows(entropy[rows]), g_logp, g_ent, transform, ignore_index, _as_rows(logits),
+                )[0]
+                if need_hidden:
+                    _write_hidden_grad(grad_hidden[rows], grad_logits, w)
+                if need_weight:
+                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+                if need_bias:
+                    grad_bias += grad_logits.sum(0, dtype=torch.float32)  # no fp32 copy of the chunk
         return (
             grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None, None,
+            _hand_over(grad_weight, weight.dtype),
+            _hand_over(grad_bias, None if bias is None else bias.dtype),
+            None, None, None, None, None, None, None, None,
         )
+
+
+def _write_hidden_grad(out: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out [c, H] = grad_logits @ weight``; straight into ``out`` when the dtypes agree."""
+    if out.dtype == grad_logits.dtype:
+        torch.mm(grad_logits, weight, out=out)
+    else:
+        out.copy_(grad_logits @ weight)
+
+
+class LossCoefficients(Protocol):
+    """``(logp [n], entropy [n], rows) -> (loss of these rows 0-d, d loss/d logp [n], d loss/d entropy [n] | None)``,
+    float32; ``rows`` is the slice of the N rows they are (to read per-token constants)."""
+
+    def __call__(self, logp: torch.Tensor, entropy: torch.Tensor, rows: slice) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        ...
+
+
+class FusedLinearGRPOLoss(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (loss 0-d, logp [N], entropy [N]).
+
+    For a loss whose gradient w.r.t. each token's log-prob and entropy depends on that token (and
+    constants) only, e.g. every token-level GRPO loss: the gradient is formed in the forward, in three
+    matmuls, nothing recomputed. Per chunk of rows, in ``dtype`` (the call's compute dtype, autocast
+    off inside): ``logits = h @ W^T (+ b)`` -> the backend's ``forward_backward_rows``: log-prob,
+    entropy, then ``coefficients`` (the objective's ``d loss / d logp`` and ``d loss / d entropy``
+    for these rows), then ``d logits`` written over the logits -> ``d hidden[rows] = d logits @ W``,
+    ``d W += d logits^T @ h``, ``d b += sum d logits``. Held until the backward: ``d hidden`` [N, H]
+    (hidden's dtype), ``d W`` [V, H] (fp32, or the weight's dtype with ``accumulate_in_weight_dtype``)
+    and ``d b`` [V] fp32; the backward multiplies them by the incoming gradient and hands them over,
+    in each input's dtype (no copy when it is the accumulator's). So a second backward through the same
+    graph (``retain_graph=True``) raises instead of silently returning a consumed buffer.
+
+    ``logp`` and ``entropy`` are outputs without gradient (for metrics and ``per_token_logps``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, coefficients: LossCoefficients, backend: RowBackend,
+                transform: LogitTransform, ignore_index: int, chunk_size: int, dtype: torch.dtype,
+                needs_grad: Tuple[bool, bool, bool], accumulate_in_weight_dtype: bool = False):
+        need_hidden, need_weight, need_bias = needs_grad
+        n = hidden.shape[0]
+        device = hidden.device
+        logp, entropy = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
+        with torch.autocast(device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
+            for start in range(0, n, chunk_size):
+                rows = slice(start, min(n, start + chunk_size))
+                h = hidden[rows].to(dtype)
+                grad_logits = _chunk_logits(h, w, b, buffer)  # overwritten by its gradient below
+
+                def chunk_coefficients(lp, ent, rows=rows):
+                    chunk_loss, g_logp, g_entropy = coefficients(lp, ent, rows)
+                    loss.add_(chunk_loss)
+                    return g_logp, g_entropy
+
+                logp[rows], entropy[rows] = backend.forward_backward_rows(
+                    grad_logits, targets[rows], transform, ignore_index, chunk_coefficients)
+                if need_hidden:
+                    _write_hidden_grad(grad_hidden[rows], grad_logits, w)
+                if need_weight:
+                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+                if need_bias:
+                    grad_bias += grad_logits.sum(0, dtype=torch.float32)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_linear_grpo_loss formed its gradient in the forward and handed it to the first backward; "
+                "a second backward through the same graph (retain_graph=True) is not supported: recompute the loss"
+            )
+        grads, ctx.grads = ctx.grads, None  # the buffers now belong to the caller: no copy, no second use
+        out = []
+        for grad, dtype in zip(grads, ctx.out_dtypes):
+            if grad is not None and not (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0):
+                grad.mul_(grad_loss)  # in the accumulator's dtype (fp32 for d W and d b), before rounding
+            out.append(_hand_over(grad, dtype))
+        return (*out,) + (None,) * 9

@@ -48,7 +48,7 @@ class GRPOLoss(_GRPOLossModule):
 class FusedLinearGRPOLoss(_GRPOLossModule):
     """``FusedLinearGRPOLoss(**config)(hidden, weight, completion_ids, advantages, completion_mask=None, bias=None, **per_call)``."""
 
-    _extra_keywords = ("chunk_size",)
+    _extra_keywords = ("chunk_size", "accumulate_in_weight_dtype")
     _function_name = "fused_linear_grpo_loss"
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,

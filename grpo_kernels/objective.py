@@ -309,14 +309,20 @@ def _nan_extreme(values: torch.Tensor, extreme) -> torch.Tensor:
     return extreme(finite) if finite.numel() else torch.full((), float("nan"), device=values.device)
 
 
+def metrics_of_terms(terms: TokenTerms, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     options: GRPOOptions, sequences: Sequences) -> dict:
+    """:func:`loss_metrics` of :func:`per_token_loss`'s terms."""
+    low, high = clip_flags(terms.ratio.detach(), advantages, mask, options)
+    return loss_metrics(entropy.detach(), None if terms.kl is None else terms.kl.detach(), low, high, mask, options,
+                        sequences, terms.extra.get("vespo_phi"))
+
+
 def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                             inputs: GRPOInputs, options: GRPOOptions) -> GRPOLossOutput:
     """Everything after the log-probs: per-token loss, reduction and metrics (arguments checked)."""
     sequences = Sequences(mask, inputs.segment_ids)
     terms = per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
     reduced = (terms.loss * token_weights(mask, options, inputs.num_items_in_batch, sequences)).sum()
-    low, high = clip_flags(terms.ratio.detach(), advantages, mask, options)
-    metrics = loss_metrics(entropy.detach(), None if terms.kl is None else terms.kl.detach(), low, high, mask, options,
-                           sequences, terms.extra.get("vespo_phi"))
+    metrics = metrics_of_terms(terms, entropy, advantages, mask, options, sequences)
     per_token_logps = torch.where(mask != 0, logp.detach(), torch.zeros_like(logp))
     return GRPOLossOutput(reduced, per_token_logps, metrics)

@@ -153,3 +153,95 @@ def backward_rows(
         grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read
         out[bs, ts] = grad.to(out.dtype)
     return out
+
+
+# A block of rows whose fp32 working buffers (shifted logits and their exponentials, 2 MiB each)
+# stay in the core's cache while the several passes over them run.
+BLOCK_ELEMENTS = 1 << 23
+
+
+@torch.no_grad()
+def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int,
+                          coefficients) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of each row, then ``d loss / d logits`` written over ``logits`` in place.
+
+    logits [n, V] (contiguous rows the caller owns, any float dtype), targets [n]. After the first
+    sweep ``coefficients(logp [n], entropy [n])`` (fp32) gives ``(d loss/d logp [n], d loss/d entropy
+    [n] or None)``. The same maths as :func:`forward_rows` then :func:`backward_rows`, in fewer passes
+    and in blocks of rows that stay in cache. With ``z`` the logits over the temperature minus the row
+    max, ``s = sum exp(z)``, ``p = exp(z) / s``, ``log p = z - log s`` and ``H = log s - sum exp(z) z / s``:
+
+        d z = g_logp (onehot - p) - g_entropy p (log p + H) = exp(z) (a z + b) + g_logp onehot,
+        a = -g_entropy / s,  b = -(g_logp + g_entropy (H - log s)) / s,
+
+    and at the target ``g_logp (1 - p_t) - g_entropy p_t (log p_t + H)`` with ``1 - p_t = -expm1(log p_t)``
+    (accurate for a confident token). ``d logits = d z / temperature``. Rows whose target is
+    ``ignore_index`` give 0 and a zero gradient. Returns ``(logp, entropy)`` float32 [n].
+    """
+    n, v = logits.shape
+    device = logits.device
+    logp = torch.empty(n, dtype=torch.float32, device=device)
+    entropy = torch.empty(n, dtype=torch.float32, device=device)
+    row_max = torch.empty(n, 1, dtype=torch.float32, device=device)
+    log_sum = torch.empty(n, 1, dtype=torch.float32, device=device)
+    block = max(1, BLOCK_ELEMENTS // v)
+    in_place = logits.dtype == torch.float32  # fp32 logits hold z between the sweeps
+    e_buf = torch.empty(min(block, n), v, dtype=torch.float32, device=device)
+    z_buf = None if in_place else torch.empty(min(block, n), v, dtype=torch.float32, device=device)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
+    all_valid = bool(valid.all())
+
+    def shifted(rows: slice, first: bool) -> torch.Tensor:
+        """z = logits / T - max; -inf logits stay -inf (exp gives 0; see the entropy below)."""
+        if in_place and not first:
+            return logits[rows]  # already z
+        z = logits[rows] if in_place else z_buf[: rows.stop - rows.start].copy_(logits[rows])
+        if temperature != 1.0:
+            z.mul_(1.0 / temperature)
+        if first:
+            torch.amax(z, -1, keepdim=True, out=row_max[rows])
+        return z.sub_(row_max[rows])
+
+    for r0 in range(0, n, block):  # sweep 1: statistics
+        rows = slice(r0, min(n, r0 + block))
+        z = shifted(rows, True)
+        e = torch.exp(z, out=e_buf[: rows.stop - r0])
+        s = e.sum(-1, keepdim=True)
+        torch.log(s, out=log_sum[rows])
+        dot = e.mul_(z).sum(-1, keepdim=True)  # sum e*z in e's buffer (sweep 2 recomputes e)
+        bad = torch.isnan(dot).squeeze(-1)
+        if bool(bad.any()):
+            # A -inf logit has e = 0 and must add 0, not 0 * -inf: those rows again with z clamped to
+            # the lowest finite value (rare, so no clamp pass for every row; a NaN logit stays NaN).
+            zb = z[bad].clamp(min=_LOWEST)
+            dot[bad] = (torch.exp(zb) * zb).sum(-1, keepdim=True)
+        entropy[rows] = (log_sum[rows] - dot / s).squeeze(-1)
+        logp[rows] = (z.gather(-1, safe[rows]) - log_sum[rows]).squeeze(-1)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    logp, entropy = torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+    g_logp, g_entropy = coefficients(logp, entropy)
+    g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / temperature
+    s = log_sum.exp()
+    b = -g_logp / s
+    p_t = logp.exp().unsqueeze(-1)
+    target_term = g_logp * -torch.expm1(logp.unsqueeze(-1))
+    if g_entropy is not None:
+        g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / temperature
+        a = -g_entropy / s
+        b = b - g_entropy * (entropy.unsqueeze(-1) - log_sum) / s
+        target_term = target_term - g_entropy * p_t * (logp + entropy).unsqueeze(-1)
+    for r0 in range(0, n, block):  # sweep 2: the gradient, over the logits
+        rows = slice(r0, min(n, r0 + block))
+        z = shifted(rows, False)
+        e = torch.exp(z, out=e_buf[: rows.stop - r0])
+        if g_entropy is None:
+            grad = torch.mul(e, b[rows], out=z)
+        else:  # z clamped: at a -inf logit e = 0 and the term is 0, not 0 * inf
+            grad = torch.addcmul(b[rows], z.clamp_(min=_LOWEST), a[rows], out=z).mul_(e)
+        grad.scatter_(-1, safe[rows], target_term[rows])
+        if not all_valid:
+            grad.masked_fill_(~valid[rows].unsqueeze(-1), 0.0)
+        if not in_place:
+            logits[rows] = grad
+    return logp, entropy
