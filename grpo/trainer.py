@@ -118,13 +118,14 @@ class Policy(torch.nn.Module):
         targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
         return fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
+            **head_transform(self.model),
         )
 
     def _loss(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
-        options = {**cfg.loss_options(), **loss_kwargs}  # (the caller's loss_type / num_items_in_batch win)
+        options = {**cfg.loss_options(), **head_transform(self.model), **loss_kwargs}  # (the caller's keywords win)
         if isinstance(mb, packing.PackedMicroBatch):
             options["segment_ids"] = mb.segment_ids  # one row, several sequences
         return fused_linear_grpo_loss(
@@ -339,6 +340,20 @@ def completion_hidden(model, batch: MicroBatch) -> torch.Tensor:
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids, use_cache=False
     )
     return out.last_hidden_state[:, batch.prompt_len - 1 : -1]
+
+
+def head_transform(model) -> dict[str, Any]:
+    """What the model's own head does to its logits before the softmax, for the fused loss to do the
+    same: final-logit soft-capping (Gemma-2/3 ``final_logit_softcapping``) and a logit scale (Cohere
+    ``logit_scale``). Without them the loss's log-probs would not be the sampling policy's."""
+    config = unwrap(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out: dict[str, Any] = {}
+    if getattr(text, "final_logit_softcapping", None):
+        out["softcap"] = float(text.final_logit_softcapping)
+    if getattr(text, "logit_scale", None) not in (None, 1, 1.0):
+        out["logit_scale"] = float(text.logit_scale)
+    return out
 
 
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -309,3 +309,32 @@ def test_demo_learns(tmp_path):
     assert after["sampled"] >= before["sampled"] + 0.3
     assert after["greedy"] >= 0.7
     assert (tmp_path / "demo" / "curves.png").exists() and (tmp_path / "demo" / "summary.json").exists()
+
+
+def test_the_loss_applies_the_models_final_logit_softcapping(tmp_path):
+    """A Gemma-style head caps its logits: the trainer's log-probs must be the model's own."""
+    model, tokenizer = fresh_model()
+    model.config.final_logit_softcapping = 2.0  # tight, so capping changes every log-prob
+    cfg = tiny_config(tmp_path, max_new_tokens=6)
+    rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=2)
+    batch = UpdateBatch(
+        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
+        loss_mask=rollout.completion_mask, advantages=torch.zeros(4),
+    )
+    cfg = dataclasses.replace(cfg, padding_free=False)
+    got = completion_logps(prepare_model(model, cfg, torch.device("cpu")), batch, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        out = unwrap_model_logits(model, batch)
+        capped = 2.0 * torch.tanh(out / 2.0) / cfg.temperature
+        expected = torch.log_softmax(capped.double(), -1).gather(-1, batch.completion_ids[..., None])[..., 0]
+    m = batch.loss_mask != 0
+    torch.testing.assert_close(got[m].double(), expected[m], rtol=1e-5, atol=1e-5)
+
+
+def unwrap_model_logits(model, batch):
+    am = batch.attention_mask
+    out = model.base_model(input_ids=batch.input_ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
+                           use_cache=False)
+    return model.lm_head(out.last_hidden_state[:, batch.prompt_len - 1:-1]).float()
