@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from grpo_kernels.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
+from benchmarks.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
 
 OPS = ("token_logprobs", "grpo_loss", "fused_linear_grpo_loss", "fused_linear_token_logprobs")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

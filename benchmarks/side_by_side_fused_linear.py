@@ -11,7 +11,7 @@ log-probs, old log-probs, eps 0.2, temperature 1, every token in the mask, B = N
 running every implementation once in a shuffled order (interleaved, so a burst of load from other
 processes hits all of them); the table gives each implementation's median time and, for the ratios,
 the median over rounds of the per-round ratio. Peak extra memory: one separate run each, from the
-PyTorch profiler's allocation events (``grpo_kernels.profiling.cpu_peak_extra_bytes``), or CUDA's
+PyTorch profiler's allocation events (``benchmarks.profiling.cpu_peak_extra_bytes``), or CUDA's
 ``max_memory_allocated``. Values and gradients of ours are compared with the reference's.
 
 Liger runs with ``compiled=False`` (``--liger-compiled`` for its torch.compile path) and its default
@@ -34,7 +34,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels import objective
 from grpo_kernels.options import GRPOInputs, GRPOOptions
-from grpo_kernels.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
+from benchmarks.profiling import cpu_peak_extra_bytes, cuda_peak_extra_bytes
 
 DEFAULT_CASES = ["1024x512x32000", "2048x512x32000", "4096x512x32000", "1024x1024x32000", "4096x1024x32000",
                  "1024x1024x151936"]

@@ -11,7 +11,7 @@ on a CPU (every position, vocabulary chunk 32,768, its torch fallback for the Tr
 ours is ``grpo_kernels.fused_linear_token_logprobs(..., backend="torch")`` with the default chunk.
 
 Each (head, N) runs in a fresh process, and memory is measured two ways: the PyTorch profiler's
-allocation events (peak of their running sum: the project's CPU method, ``grpo_kernels.profiling``),
+allocation events (peak of their running sum: the project's CPU method, ``benchmarks.profiling``),
 and the process's resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``
 just before the call, so only the call's growth counts). The one timing is indicative only (a single
 run on a shared machine); memory is the point.
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     import torch
-    from grpo_kernels.profiling import cpu_peak_extra_bytes
+    from benchmarks.profiling import cpu_peak_extra_bytes
 
     head, n, h, v = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(0)

@@ -156,7 +156,7 @@ def test_default_chunk_size_rule():
 
 def test_peak_memory_is_flat_in_tokens():
     """Extra memory of forward + backward is bounded by the chunk, not by N (CPU profiler)."""
-    from grpo_kernels.profiling import cpu_peak_extra_bytes
+    from benchmarks.profiling import cpu_peak_extra_bytes
 
     def peak_extra(n_tokens, fn):
         g = torch.Generator().manual_seed(0)
