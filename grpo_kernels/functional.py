@@ -88,12 +88,10 @@ def grpo_loss(
     inplace_backward: bool = False,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
-    """GRPO / DAPO / Dr. GRPO / GSPO loss from logits [B, T, V]; every keyword is in ``docs/api.md``.
+    """The GRPO loss (every objective and reduction of ``docs/api.md``) from logits [B, T, V].
 
-    The GRPO keywords (``old_logps``, ``ref_logps``, ``is_ratio``, ``num_items_in_batch``, ``beta``,
-    ``eps_low``, ``eps_high``, ``delta``, ``temperature``, ``loss_type``, ``max_completion_length``,
-    ``importance_sampling_level``, ``entropy_coef``) are the fields of ``options.GRPOInputs`` and
-    ``options.GRPOOptions``. Returns ``GRPOLossOutput(loss, per_token_logps, metrics)``: a 0-d
+    The GRPO keywords are the fields of ``options.GRPOInputs`` (per-call tensors) and
+    ``options.GRPOOptions`` (validated scalars); ``help(grpo_loss)`` lists them. Returns ``GRPOLossOutput(loss, per_token_logps, metrics)``: a 0-d
     float32 loss, the detached float32 [B, T] log-probs (0 where masked; reuse them as
     ``old_logps``) and 0-d metric tensors. Gradients flow to the logits only: advantages, old/ref
     log-probs and ``is_ratio`` are constants of the loss (detached), on every backend.

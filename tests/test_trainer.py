@@ -60,6 +60,16 @@ def generate_rollouts(model, tokenizer, prompts, cfg, num_generations):
     return default_rollout(model, tokenizer, cfg).generate(as_policy(model), prompts, num_generations)
 
 
+def update_batch(rollout, advantages, loss_mask=None) -> UpdateBatch:
+    """The trainer's update batch for a rollout (prompt then completion, row-aligned)."""
+    return UpdateBatch(
+        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
+        loss_mask=rollout.completion_mask if loss_mask is None else loss_mask, advantages=advantages,
+    )
+
+
 def params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -143,12 +153,7 @@ def test_gradient_accumulation_and_packing_match_one_big_padded_batch(tmp_path, 
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4=", "5+6="], cfg, num_generations=4)
     loss_mask = rollout.completion_mask.clone()
     loss_mask[3] = 0  # e.g. a truncated completion masked out: a sequence with no loss token
-    batch = UpdateBatch(
-        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
-        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
-        loss_mask=loss_mask, advantages=torch.linspace(-1, 1, 12),
-    )
+    batch = update_batch(rollout, torch.linspace(-1, 1, 12), loss_mask=loss_mask)
     batch.old_logps = torch.full(loss_mask.shape, -1.5) * loss_mask  # off-policy: ratios away from 1
     results = []
     settings = [dict(padding_free=False, micro_batch_size=None), dict(padding_free=False, micro_batch_size=5),
@@ -175,12 +180,7 @@ def test_packed_old_logps_equal_padded(tmp_path):
     model, tokenizer = fresh_model()
     cfg = tiny_config(tmp_path, max_new_tokens=8)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=3)
-    batch = UpdateBatch(
-        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
-        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
-        loss_mask=rollout.completion_mask, advantages=torch.zeros(6),
-    )
+    batch = update_batch(rollout, torch.zeros(6))
     padded = completion_logps(prepare_model(fresh_model()[0], dataclasses.replace(cfg, padding_free=False), torch.device("cpu")),
                               batch, dataclasses.replace(cfg, padding_free=False), torch.device("cpu"))
     packed_cfg = dataclasses.replace(cfg, padding_free=True, max_tokens_per_microbatch=9)
@@ -317,12 +317,7 @@ def test_the_loss_applies_the_models_final_logit_softcapping(tmp_path):
     model.config.final_logit_softcapping = 2.0  # tight, so capping changes every log-prob
     cfg = tiny_config(tmp_path, max_new_tokens=6)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=2)
-    batch = UpdateBatch(
-        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
-        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
-        loss_mask=rollout.completion_mask, advantages=torch.zeros(4),
-    )
+    batch = update_batch(rollout, torch.zeros(4))
     cfg = dataclasses.replace(cfg, padding_free=False)
     got = completion_logps(prepare_model(model, cfg, torch.device("cpu")), batch, cfg, torch.device("cpu"))
     with torch.no_grad():
