@@ -105,18 +105,23 @@ class TorchBackend(RowBackend):
 
 
 def triton_interprets() -> bool:
-    """Whether our Triton kernels run in Triton's CPU interpreter.
+    """Whether Triton kernels run in Triton's CPU interpreter in this process.
 
-    That is fixed when ``kernels.triton_rows`` is imported (``@triton.jit`` reads
-    ``TRITON_INTERPRET`` then), so once it is imported we ask its kernels, not the variable, which may
-    have been set or cleared since; before that, the variable decides (it is read at import).
+    That is fixed when ``@triton.jit`` decorates a function (it reads ``TRITON_INTERPRET`` then), and
+    Triton's own library (``triton.language.standard``) is decorated when Triton is first imported:
+    if another library imported Triton before the variable was set, our kernels would be interpreted
+    but Triton's ``tl.max`` / ``tl.sum`` not, and nothing could run. So ask the decorated objects,
+    ours and Triton's, not the variable; before Triton is imported, the variable decides.
     """
-    module = sys.modules.get(__name__.rsplit(".", 1)[0] + ".kernels.triton_rows")
-    if module is None:
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from_variable = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    standard = sys.modules.get("triton.language.standard")
+    ours = sys.modules.get(__name__.rsplit(".", 1)[0] + ".kernels.triton_rows")
+    if standard is None and ours is None:
+        return from_variable
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(module.token_logprobs_fwd_kernel, InterpretedFunction)
+    decorated = [m for m in (standard and standard.cdiv, ours and ours.token_logprobs_fwd_kernel) if m is not None]
+    return all(isinstance(fn, InterpretedFunction) for fn in decorated)
 
 
 class TritonBackend(RowBackend):
@@ -137,8 +142,8 @@ class TritonBackend(RowBackend):
     def check_device(self, device: torch.device) -> None:
         if device.type == "cpu" and not triton_interprets():
             raise ValueError(
-                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before Triton kernels are first "
-                "imported for CPU tensors"
+                "backend='triton' needs CUDA tensors, or, for CPU tensors, TRITON_INTERPRET=1 set before Triton "
+                "is first imported (by any library)"
             )
 
     @staticmethod

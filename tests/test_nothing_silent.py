@@ -235,18 +235,22 @@ def test_misspelt_keywords_fail_at_construction():
         gk.grpo_loss(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1), betta=0.1)
 
 
-@pytest.mark.parametrize("order", ["kernels-then-variable", "variable-then-kernels"])
+@pytest.mark.parametrize("order", ["kernels-then-variable", "triton-then-variable", "variable-then-kernels"])
 def test_auto_backend_follows_the_state_triton_runs_in(order):
-    """'auto' asks the imported kernels whether they are interpreted, not a variable set afterwards."""
+    """'auto' asks the decorated kernels (ours and Triton's own library) whether they are
+    interpreted, not a variable set afterwards (e.g. after TRL imported Triton)."""
     script = textwrap.dedent(f"""
         import os
         os.environ.pop("TRITON_INTERPRET", None)
         if {order == "variable-then-kernels"!r}:
             os.environ["TRITON_INTERPRET"] = "1"
+        if {order == "triton-then-variable"!r}:
+            import triton.language  # another library imported Triton first
+            os.environ["TRITON_INTERPRET"] = "1"  # too late for Triton's own tl.max, tl.sum...
         import torch
         import grpo_kernels as gk
         from grpo_kernels import backends
-        from grpo_kernels.kernels import triton_rows  # e.g. another library imported Triton first
+        from grpo_kernels.kernels import triton_rows
         if {order == "kernels-then-variable"!r}:
             os.environ["TRITON_INTERPRET"] = "1"  # too late: the kernels were compiled for a GPU
         chosen = backends.resolve("auto", torch.device("cpu")).name
@@ -259,5 +263,5 @@ def test_auto_backend_follows_the_state_triton_runs_in(order):
     env["CUDA_VISIBLE_DEVICES"] = ""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    expected = "torch" if order == "kernels-then-variable" else "triton"
+    expected = "triton" if order == "variable-then-kernels" else "torch"
     assert result.stdout.strip().splitlines()[-1] == expected
