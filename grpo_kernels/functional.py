@@ -108,8 +108,9 @@ def grpo_loss(
     row_backend = backends.resolve(backend, logits.device)
     if row_backend.fuses(options):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
-    # Sequence-level ratios (GSPO) need each sequence's mean log-ratio before any token's loss, and
-    # the torch path has no fused epilogue: log-probs from the row kernel, then the O(B*T) maths.
+    # Sequence-level terms (GSPO's ratio, vespo's weight) need every token of a sequence before any
+    # token's loss, and the torch path has no fused epilogue: log-probs from the row kernel, then the
+    # O(B*T) maths of the objective.
     logp, entropy = _logprobs_rows(logits, ids, options.transform, IGNORE_INDEX, True, row_backend, inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
