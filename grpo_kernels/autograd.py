@@ -120,11 +120,18 @@ class FusedGRPOLoss(torch.autograd.Function):
 # Measured there (fwd+bwd time over the reference's, 3 interleaved rounds, a shared machine): at
 # N = 4,096, H = 1,024, V = 32,000, 688 rows 0.57, 1,024 rows 0.54, 2,048 rows 0.52; at H = 512,
 # 256 rows 0.85, 512 rows 0.71, 1,024 rows 0.55, 2,048 rows 0.68; at N = 1,024, H = 1,024,
-# V = 151,936, 256 to 1,024 rows 0.57 to 0.62. So R = 172: 2,097 rows at H = 512 (the cap), 1,037 at 1,024.
+# V = 151,936, 256 to 1,024 rows 0.57 to 0.62. So R = 172: 2,097 rows at H = 512, 1,037 at 1,024
+# (both then capped at MAX_CHUNK_ROWS below).
 MACHINE_BALANCE = {"cuda": 200.0, "cpu": 172.0}
 # Most bytes one chunk's logits may take (they are overwritten by their gradient in place): next to
 # the fp32 d W accumulator and the activations this stays small (1 GiB at V = 152k is 3.5k bf16 rows).
 CHUNK_LOGITS_BUDGET = {"cuda": 1 << 30, "cpu": 256 << 20}
+# Most rows in a chunk. CPU: past ~1k rows the matmuls run no faster, and the logits buffer (a fresh
+# mapping each call, faulted in by its first writer) only grows. Measured on the 2-core machine,
+# fwd+bwd interleaved with Liger's, 5 rounds, N = 2,048, H = 512, V = 32,000: 512, 1,024 and 2,048
+# rows 0.98 s each (ratios to Liger 0.652-0.653), with 64, 128 and 256 MiB of logits. GPU: loose (the
+# budget decides), not measured.
+MAX_CHUNK_ROWS = {"cuda": 16384, "cpu": 1024}
 MIN_CHUNK_ROWS = 64
 
 
@@ -143,12 +150,13 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
 
     (the logits matmul, ``2 c H / ((c + H) elt)`` flops per byte, then reaches ``R`` too). When
     ``2 H <= R elt`` no chunk reaches ``R`` (a small head is bound by memory) and the budget decides.
-    Then, the memory cap: ``c * V * elt <= CHUNK_LOGITS_BUDGET[device]`` (256 MiB on a CPU, 1 GiB on
-    a GPU), at least :data:`MIN_CHUNK_ROWS`. Last, with ``num_tokens`` the ``N`` rows are split into
+    Then, the caps: ``c * V * elt <= CHUNK_LOGITS_BUDGET[device]`` (256 MiB on a CPU, 1 GiB on a GPU)
+    and ``c <= MAX_CHUNK_ROWS[device]`` (1,024 on a CPU, measured), at least :data:`MIN_CHUNK_ROWS`. Last, with ``num_tokens`` the ``N`` rows are split into
     ``ceil(N / c)`` equal chunks (multiples of 16), so no small remainder chunk runs at a low rate.
 
-    Examples (fp32, CPU, R = 172): V = 32,000, H = 512 -> 2,097 rows (also the cap); H = 1,024 ->
-    1,037, a 4,096-token batch -> 4 chunks of 1,024; V = 151,936 -> 441 (the cap), 1,024 tokens ->
+    Examples (fp32, CPU, R = 172): V = 32,000, H = 512 -> 2,097 rows by the rate rule, 1,024 (the row
+    cap); H = 1,024 -> 1,037, so 1,024 again, a 4,096-token batch -> 4 chunks of 1,024; V = 151,936 ->
+    441 (the memory cap), 1,024 tokens ->
     3 chunks of 352. bf16 on a GPU (R = 200, predicted): H = 4,096, V = 151,936 -> 842 rows (~244 MiB
     of logits), 16,384 tokens -> 20 chunks of 832.
     """
@@ -156,7 +164,7 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
     elt = torch.finfo(dtype).bits // 8
     acc = 4  # d W accumulates in fp32
     balance = MACHINE_BALANCE[kind]
-    cap = max(MIN_CHUNK_ROWS, CHUNK_LOGITS_BUDGET[kind] // (vocab_size * elt))
+    cap = max(MIN_CHUNK_ROWS, min(MAX_CHUNK_ROWS[kind], CHUNK_LOGITS_BUDGET[kind] // (vocab_size * elt)))
     denominator = 2 * hidden_size - balance * elt
     rows = cap if denominator <= 0 else min(cap, max(MIN_CHUNK_ROWS, math.ceil(2 * balance * hidden_size * acc / denominator)))
     if num_tokens is not None and num_tokens > 0:

@@ -137,16 +137,17 @@ def test_no_grad_does_no_gradient_work():
 
 
 def test_default_chunk_size_rule():
-    """The documented rule: rows from the rate rule (which uses H), capped by the memory budget,
-    then split evenly over N."""
+    """The documented rule: rows from the rate rule (which uses H), capped by the memory budget and
+    the device's row cap, then split evenly over N."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     rule = ga.default_chunk_size
-    assert rule(32000, 512, torch.float32, cpu) > rule(32000, 1024, torch.float32, cpu) >= 256  # a wider head needs fewer rows
+    assert rule(32000, 512, torch.bfloat16, cuda) > rule(32000, 1024, torch.bfloat16, cuda) >= 256  # a wider head needs fewer rows
+    assert rule(32000, 512, torch.float32, cpu) == rule(32000, 1024, torch.float32, cpu) == ga.MAX_CHUNK_ROWS["cpu"]
     big = rule(151936, 1024, torch.float32, cpu)  # capped by the budget
     assert 256 <= big and big * 151936 * 4 <= ga.CHUNK_LOGITS_BUDGET["cpu"]
     gpu = rule(151936, 4096, torch.bfloat16, cuda)
     assert 512 <= gpu and gpu * 151936 * 2 <= ga.CHUNK_LOGITS_BUDGET["cuda"]
-    assert rule(32000, 64, torch.float32, cpu) == ga.CHUNK_LOGITS_BUDGET["cpu"] // (32000 * 4)  # bound by memory
+    assert rule(151936, 64, torch.float32, cpu) == ga.CHUNK_LOGITS_BUDGET["cpu"] // (151936 * 4)  # bound by memory
     for n in (100, 1100, 4096, 5000):
         rows = rule(32000, 512, torch.float32, cpu, num_tokens=n)
         chunks = -(-n // rows)
@@ -410,10 +411,12 @@ def test_bf16_autocast_is_one_compute_dtype(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("with_entropy_grad", [False, True])
-def test_torch_forward_backward_rows_matches_float64(dtype, with_entropy_grad, monkeypatch):
+@pytest.mark.parametrize("entropy_grad_scale", [0.0, 1.0, 50.0])
+def test_torch_forward_backward_rows_matches_float64(dtype, entropy_grad_scale, monkeypatch):
     """The fused torch row pass against float64 autograd: temperature, a -inf logit, an ignored row,
-    blocks of rows that do not divide n (one block here is 3 rows)."""
+    blocks of rows that do not divide n (one block here is 3 rows); d loss / d entropy of 0 (None),
+    ~1 and ~50 (a large entropy bonus: the -inf logit's gradient was NaN there)."""
+    with_entropy_grad = entropy_grad_scale != 0
     monkeypatch.setattr(torch_rows, "BLOCK_ELEMENTS", 3 * 157)
     g = torch.Generator().manual_seed(9)
     n, v = 8, 157
@@ -421,7 +424,7 @@ def test_torch_forward_backward_rows_matches_float64(dtype, with_entropy_grad, m
     logits[2, 5] = float("-inf")
     targets = torch.randint(0, v, (n,), generator=g)
     targets[4] = -100
-    g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g) * entropy_grad_scale
     seen = {}
 
     def coefficients(logp, entropy):
