@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import torch
 
 from .backends import RowBackend
+from .kernels.torch_rows import RowGradient
 from .options import LogitTransform
 
 
@@ -345,6 +346,36 @@ def _write_hidden_grad(out: torch.Tensor, grad_logits: torch.Tensor, weight: tor
         out.copy_(grad_logits @ weight)
 
 
+def _scaled_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [c, H] * scale[:, None]`` in x's dtype (formed in fp32)."""
+    return x * scale[:, None] if x.dtype == torch.float32 else (x.float() * scale[:, None]).to(x.dtype)
+
+
+def _add_factored_grads(rows: RowGradient, e: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                        targets: torch.Tensor, ignore_index: int, grad_hidden: Optional[torch.Tensor],
+                        grad_weight: Optional[torch.Tensor], first: bool) -> None:
+    """The matmuls of one chunk whose gradient is in factored form (``kernels.torch_rows.RowGradient``):
+    ``d logits = s[:, None] * e' + onehot(t) * g[:, None]`` with ``s = rows.row_scale``,
+    ``g = rows.target_grad`` and ``e'`` [c, V] the buffer (0 at each target), so
+
+        d hidden = s * (e' @ W) + g * W[t]              (a row scaling of the product, a gather of W)
+        d W     += e'^T @ (s * h) + scatter_add_t(g * h) (the scaling moves onto h's rows)
+
+    The same sums as ``d logits @ W`` and ``d logits^T @ h`` without the pass that scales ``e'``;
+    each target's entry is added apart, as the accurate ``g`` (no ``1 - p`` cancellation)."""
+    s, g = rows.row_scale, rows.target_grad
+    t = torch.where(targets != ignore_index, targets, torch.zeros_like(targets)).long()
+    if grad_hidden is not None:
+        same = grad_hidden.dtype == e.dtype == torch.float32
+        prod = torch.mm(e, weight, out=grad_hidden) if same else (e @ weight).float()
+        prod.mul_(s[:, None]).addcmul_(weight.index_select(0, t).float(), g[:, None])
+        if prod is not grad_hidden:
+            grad_hidden.copy_(prod)
+    if grad_weight is not None:
+        _accumulate_weight_grad(grad_weight, e, _scaled_rows(h, s), first=first)
+        grad_weight.index_add_(0, t, (h.float() * g[:, None]).to(grad_weight.dtype))
+
+
 class LossCoefficients(Protocol):
     """``(logp [n], entropy [n], rows) -> (loss of these rows 0-d, d loss/d logp [n], d loss/d entropy [n] | None)``,
     float32; ``rows`` is the slice of the N rows they are (to read per-token constants)."""
@@ -396,8 +427,15 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
                     loss.add_(chunk_loss)
                     return g_logp, g_entropy
 
-                logp[rows], entropy[rows] = backend.forward_backward_rows(
-                    grad_logits, targets[rows], transform, ignore_index, chunk_coefficients)
+                # factored unless the bias needs its gradient (a plain column sum of d logits)
+                out = backend.forward_backward_rows(grad_logits, targets[rows], transform, ignore_index,
+                                                    chunk_coefficients, factored=not need_bias)
+                logp[rows], entropy[rows] = out.logp, out.entropy
+                if out.row_scale is not None:
+                    _add_factored_grads(out, grad_logits, h, w, targets[rows], ignore_index,
+                                        grad_hidden[rows] if need_hidden else None,
+                                        grad_weight if need_weight else None, first=start == 0)
+                    continue
                 if need_hidden:
                     _write_hidden_grad(grad_hidden[rows], grad_logits, w)
                 if need_weight:

@@ -20,6 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
+from .kernels.torch_rows import RowGradient
 from .options import LogitTransform
 
 RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -35,9 +36,11 @@ class RowBackend:
     ``backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
         transform, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
         ``logits`` itself) in ``out``'s dtype and returns it; a ``None`` gradient means zero.
-    ``forward_backward_rows(logits [n, V], targets [n], transform, ignore_index, coefficients)``
-        -> ``(logp, entropy)``, with ``d loss / d logits`` written over ``logits`` (the fused-linear
-        path's gradient in the forward); the default composes the two methods above.
+    ``forward_backward_rows(logits [n, V], targets [n], transform, ignore_index, coefficients, factored)``
+        -> ``RowGradient(logp, entropy, row_scale, target_grad)``, with ``d loss / d logits`` written
+        over ``logits`` (the fused-linear path's gradient in the forward), or in factored form
+        (``kernels.torch_rows.forward_backward_rows``); the default composes the two methods above
+        and never factors.
     ``transform`` may also be a bare temperature.
     """
 
@@ -61,20 +64,23 @@ class RowBackend:
         """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows``."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
-    def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients):
+    def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
+                              factored: bool = False) -> RowGradient:
         """Gradient in the forward (the fused-linear path), on rows the caller owns.
 
         ``logits [n, V]``, ``targets [n]``: computes ``(logp, entropy)`` float32 [n], asks
         ``coefficients(logp, entropy) -> (d loss/d logp [n], d loss/d entropy [n] or None)`` and writes
-        ``d loss / d logits`` over ``logits`` in place. This default is ``forward_rows``, then
-        ``backward_rows`` with ``out=logits``; a backend may fuse them (``TorchBackend`` does).
+        ``d loss / d logits`` over ``logits`` in place. With ``factored`` a backend may instead leave
+        ``e'`` there and return ``row_scale`` and ``target_grad`` (see
+        ``kernels.torch_rows.forward_backward_rows``). This default is ``forward_rows``, then
+        ``backward_rows`` with ``out=logits`` (never factored); ``TorchBackend`` fuses them.
         """
         rows, tgt = logits.unsqueeze(0), targets.unsqueeze(0)
         logp, entropy, row_max, log_sum = self.forward_rows(rows, tgt, transform, ignore_index, True)
         g_logp, g_entropy = coefficients(logp[0], entropy[0])
         self.backward_rows(rows, tgt, row_max, log_sum, entropy, g_logp.unsqueeze(0),
                            None if g_entropy is None else g_entropy.unsqueeze(0), transform, ignore_index, rows)
-        return logp[0], entropy[0]
+        return RowGradient(logp[0], entropy[0])
 
     def __repr__(self) -> str:
         return f"<{self.name} row backend>"
@@ -96,11 +102,12 @@ class TorchBackend(RowBackend):
         return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
                                         t.temperature, ignore_index, out, softcap=t.softcap, logit_scale=t.logit_scale)
 
-    def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients):
+    def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
+                              factored: bool = False) -> RowGradient:
         t = LogitTransform.of(transform)
-        if t.softcap is None:  # the fused single pass; the logit scale folds into the temperature
+        if t.softcap is None:  # the fused pass; the logit scale folds into the temperature
             return torch_rows.forward_backward_rows(logits, targets, t.temperature / t.logit_scale, ignore_index,
-                                                    coefficients)
+                                                    coefficients, factored)
         return super().forward_backward_rows(logits, targets, t, ignore_index, coefficients)
 
 

@@ -410,12 +410,15 @@ def test_bf16_autocast_is_one_compute_dtype(path):
     assert abs(bias_grad.sum().item()) <= 2**-10 * bias_grad.abs().sum().item(), bias_grad.sum().item()
 
 
+@pytest.mark.parametrize("factored", [False, True], ids=["plain", "factored"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("entropy_grad_scale", [0.0, 1.0, 50.0])
-def test_torch_forward_backward_rows_matches_float64(dtype, entropy_grad_scale, monkeypatch):
+def test_torch_forward_backward_rows_matches_float64(dtype, entropy_grad_scale, factored, monkeypatch):
     """The fused torch row pass against float64 autograd: temperature, a -inf logit, an ignored row,
-    blocks of rows that do not divide n (one block here is 3 rows); d loss / d entropy of 0 (None),
-    ~1 and ~50 (a large entropy bonus: the -inf logit's gradient was NaN there)."""
+    a confident row (p_t ~ 1 - 1e-5), blocks of rows that do not divide n (one block here is 3 rows);
+    d loss / d entropy of 0 (None), ~1 and ~50 (a large entropy bonus: the -inf logit's gradient was
+    NaN there). ``factored``: without an entropy gradient the buffer holds e' and the gradient is
+    ``row_scale * e' + onehot * target_grad``; with one, the full gradient (from log e')."""
     with_entropy_grad = entropy_grad_scale != 0
     monkeypatch.setattr(torch_rows, "BLOCK_ELEMENTS", 3 * 157)
     g = torch.Generator().manual_seed(9)
@@ -424,6 +427,7 @@ def test_torch_forward_backward_rows_matches_float64(dtype, entropy_grad_scale, 
     logits[2, 5] = float("-inf")
     targets = torch.randint(0, v, (n,), generator=g)
     targets[4] = -100
+    logits[6, targets[6]] = logits[6].float().max().to(dtype) + 14  # 1 - p_t ~ 1e-5 after the temperature
     g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g) * entropy_grad_scale
     seen = {}
 
@@ -432,7 +436,14 @@ def test_torch_forward_backward_rows_matches_float64(dtype, entropy_grad_scale, 
         return g_logp, g_ent if with_entropy_grad else None
 
     buf = logits.clone()
-    logp, entropy = torch_rows.forward_backward_rows(buf, targets, 0.7, -100, coefficients)
+    out = torch_rows.forward_backward_rows(buf, targets, 0.7, -100, coefficients, factored=factored)
+    logp, entropy = out.logp, out.entropy
+    assert (out.row_scale is not None) == (factored and not with_entropy_grad)
+    if out.row_scale is not None:
+        assert buf.dtype == dtype and (buf[torch.arange(n), targets.clamp(min=0)] == 0).all()
+        grad = buf.double() * out.row_scale.double()[:, None]
+        grad[torch.arange(n), targets.clamp(min=0)] += out.target_grad.double()
+        buf = grad.to(dtype)
     z64 = logits.double().requires_grad_()
     lp64, ent64 = logprobs64(z64, targets, 0.7)
     ((lp64 * g_logp.double()).sum() + ((ent64 * g_ent.double()).sum() if with_entropy_grad else 0)).backward()

@@ -6,7 +6,7 @@ Only one chunk's fp32 copy of the logits exists at once, so the extra memory is
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -169,66 +169,90 @@ def backward_rows(
 BLOCK_ELEMENTS = 1 << 20
 
 
+class RowGradient(NamedTuple):
+    """What :func:`forward_backward_rows` leaves: per-row log-prob and entropy (float32 [n]) and, when
+    the gradient is factored, ``row_scale`` and ``target_grad`` (float32 [n]; else both ``None`` and
+    the buffer holds ``d loss / d logits`` itself)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    row_scale: Optional[torch.Tensor] = None
+    target_grad: Optional[torch.Tensor] = None
+
+
 @torch.no_grad()
 def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int,
-                          coefficients) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of each row, then ``d loss / d logits`` written over ``logits`` in place.
+                          coefficients, factored: bool = False) -> RowGradient:
+    """Log-prob and entropy of each row, then ``d loss / d logits``, over ``logits`` in place.
 
     logits [n, V] (contiguous rows the caller owns, any float dtype), targets [n]. After the first
     sweep ``coefficients(logp [n], entropy [n])`` (fp32) gives ``(d loss/d logp [n], d loss/d entropy
-    [n] or None)``. The same maths as :func:`forward_rows` then :func:`backward_rows`, in two sweeps
-    over blocks of rows (:data:`BLOCK_ELEMENTS`). With ``z`` the logits over the temperature minus the
-    row max, ``s = sum exp(z)``, ``p = exp(z) / s``, ``log p = z - log s`` and ``H = log s - sum exp(z) z / s``:
+    [n] or None)``. The same maths as :func:`forward_rows` then :func:`backward_rows`, over blocks of
+    rows (:data:`BLOCK_ELEMENTS`). With ``z`` the logits over the temperature minus the row max,
+    ``e = exp(z)``, ``s = sum e``, ``p = e / s``, ``log p = z - log s`` and ``H = log s - sum e z / s``:
 
-        d z = g_logp (onehot - p) - g_entropy p (log p + H) = exp(z) (a z + b) + g_logp onehot,
+        d z = g_logp (onehot - p) - g_entropy p (log p + H) = e (a z + b) + g_logp onehot,
         a = -g_entropy / s,  b = -(g_logp + g_entropy (H - log s)) / s,
 
     and at the target ``g_logp (1 - p_t) - g_entropy p_t (log p_t + H)`` with ``1 - p_t = -expm1(log p_t)``
     (accurate for a confident token). ``d logits = d z / temperature``. Rows whose target is
-    ``ignore_index`` give 0 and a zero gradient. Returns ``(logp, entropy)`` float32 [n].
+    ``ignore_index`` give 0 and a zero gradient.
 
-    Memory traffic, fp32 logits: sweep 1 reads each block once and writes ``z`` over it; sweep 2
-    reads ``z`` and writes the gradient. Only one block's ``exp(z)`` (and, for 16-bit logits, one
-    block's fp32 ``z``) is allocated.
+    ``factored=True`` and no entropy gradient (``a = 0``): the gradient is ``b e`` off the target, so
+    the buffer is left holding ``e'`` (``e`` with 0 at the target and on ignored rows) and the result
+    carries ``row_scale = b / T`` and ``target_grad`` (the target's entry / T):
+
+        d logits = row_scale[:, None] * e' + onehot(targets) * target_grad[:, None],
+
+    which the caller folds into its matmuls (``d hidden = row_scale * (e' @ W) + target_grad * W[t]``),
+    saving the pass that would scale the buffer; the target's entry stays the accurate one. One sweep
+    reads the logits and writes ``e'``. Otherwise a second sweep writes the gradient (from ``z``, or
+    from ``log e`` when ``factored`` was asked but the loss has an entropy term).
     """
     n, v = logits.shape
     device = logits.device
     f32 = dict(dtype=torch.float32, device=device)
     row_max, sums, dot, target_z = (torch.empty(n, 1, **f32) for _ in range(4))
     block = max(1, BLOCK_ELEMENTS // v)
-    in_place = logits.dtype == torch.float32  # fp32 logits hold z between the sweeps
-    e_buf = torch.empty(min(block, n), v, **f32)
-    z_buf = None if in_place else torch.empty(min(block, n), v, **f32)
+    fp32 = logits.dtype == torch.float32
+    z_buf = torch.empty(min(block, n), v, **f32)
+    e_buf = None if fp32 and factored else torch.empty(min(block, n), v, **f32)
     valid = targets != ignore_index
+    all_valid = bool(valid.all())
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
     inv_t = 1.0 / temperature
 
-    def shifted(rows: slice) -> torch.Tensor:
-        """z = logits / T - max in fp32 (over the logits when they are fp32): -inf stays -inf.
-        ``max(x) / T`` is the max of ``x / T`` exactly (rounding is monotonic, T > 0)."""
+    for r0 in range(0, n, block):  # sweep 1: statistics; z (or e') left over the logits
+        rows = slice(r0, min(n, r0 + block))
+        k = rows.stop - r0
         x = logits[rows]
-        z = x if in_place else z_buf[: rows.stop - rows.start].copy_(x)
-        torch.amax(z, -1, keepdim=True, out=row_max[rows])
+        # z = x / T - max, in fp32 (over fp32 logits unless factored); max(x) / T is the max of x / T
+        # exactly (rounding is monotonic, T > 0)
+        z = x if fp32 and not factored else z_buf[:k]
+        src = x if fp32 else z.copy_(x)  # 16-bit logits: every operation below in fp32
+        torch.amax(src, -1, keepdim=True, out=row_max[rows])
         if temperature != 1.0:
             row_max[rows].mul_(inv_t)
-            z.mul_(inv_t)
-        return z.sub_(row_max[rows])
-
-    for r0 in range(0, n, block):  # sweep 1: statistics, z left over fp32 logits
-        rows = slice(r0, min(n, r0 + block))
-        z = shifted(rows)
-        e = torch.exp(z, out=e_buf[: rows.stop - r0])
-        torch.sum(e, -1, keepdim=True, out=sums[rows])
-        torch.sum(e.mul_(z), -1, keepdim=True, out=dot[rows])  # sum e*z in e's buffer (sweep 2 recomputes e)
+            torch.mul(src, inv_t, out=z).sub_(row_max[rows])
+        else:
+            torch.sub(src, row_max[rows], out=z)
         torch.gather(z, -1, safe[rows], out=target_z[rows])
+        e = x if fp32 and factored else e_buf[:k]
+        torch.exp(z, out=e)
+        torch.sum(e, -1, keepdim=True, out=sums[rows])
+        # sum e z: a -inf logit has e = 0 and must add 0, not 0 * -inf, so z is clamped to the lowest
+        # finite value first (exp of it is 0 as well; a NaN logit stays NaN)
+        z.clamp_(min=_LOWEST)
+        if factored:  # e' over the logits; z's buffer takes the product
+            torch.sum(z.mul_(e), -1, keepdim=True, out=dot[rows])
+            if e is not x:
+                x.copy_(e)
+            x.scatter_(-1, safe[rows], 0.0)
+            if not all_valid:
+                x.masked_fill_(~valid[rows].unsqueeze(-1), 0.0)
+        else:  # z stays over fp32 logits; e's buffer takes the product (sweep 2 recomputes e)
+            torch.sum(e.mul_(z), -1, keepdim=True, out=dot[rows])
     log_sum = sums.log()
-    bad = torch.isnan(dot).squeeze(-1) & ~torch.isnan(row_max).squeeze(-1)
-    if bool(bad.any()):
-        # A -inf logit has e = 0 and must add 0, not 0 * -inf: those rows again with z clamped to the
-        # lowest finite value (rare, so no clamp pass for every row; a NaN logit stays NaN).
-        zb = logits[bad] if in_place else logits[bad].float() * inv_t - row_max[bad]  # fp32 logits hold z
-        zb = zb.clamp(min=_LOWEST)
-        dot[bad] = (torch.exp(zb) * zb).sum(-1, keepdim=True)
     zero = torch.zeros((), **f32)
     logp = torch.where(valid, (target_z - log_sum).squeeze(-1), zero)
     entropy = torch.where(valid, (log_sum - dot / sums).squeeze(-1), zero)
@@ -236,30 +260,35 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / temperature
     b = -g_logp / sums
     target_term = g_logp * -torch.expm1(logp.unsqueeze(-1))
+    if factored and g_entropy is None:
+        return RowGradient(logp, entropy, b.squeeze(-1), target_term.squeeze(-1))
     if g_entropy is not None:
         g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / temperature
         a = -g_entropy / sums
         b = b - g_entropy * (entropy.unsqueeze(-1) - log_sum) / sums
         target_term = target_term - g_entropy * logp.exp().unsqueeze(-1) * (logp + entropy).unsqueeze(-1)
-    all_valid = bool(valid.all())
     for r0 in range(0, n, block):  # sweep 2: the gradient, over the logits
         rows = slice(r0, min(n, r0 + block))
         k = rows.stop - r0
-        if in_place:
-            z = logits[rows]
+        x = logits[rows]
+        if factored:  # x holds e': z = log e' (e' = 0 gives the floor, and a term e' (a z + b) = 0)
+            e = x if fp32 else e_buf[:k].copy_(x)
+            z = torch.log(e, out=z_buf[:k])
+        elif fp32:
+            z = x
         else:  # z again from the 16-bit logits (the statistics are the first sweep's)
-            z = z_buf[:k].copy_(logits[rows])
+            z = z_buf[:k].copy_(x)
             if temperature != 1.0:
                 z.mul_(inv_t)
             z.sub_(row_max[rows])
         if g_entropy is None:
             grad = z.exp_().mul_(b[rows])
         else:  # z clamped: at a -inf logit e = 0 and the term is 0, not 0 * inf
-            e = torch.exp(z, out=e_buf[:k])
+            e = e if factored else torch.exp(z, out=e_buf[:k])
             grad = torch.addcmul(b[rows], z.clamp_(min=_Z_FLOOR), a[rows], out=z).mul_(e)
         grad.scatter_(-1, safe[rows], target_term[rows])
         if not all_valid:
             grad.masked_fill_(~valid[rows].unsqueeze(-1), 0.0)
-        if not in_place:
-            logits[rows] = grad
-    return logp, entropy
+        if grad.data_ptr() != x.data_ptr():
+            x.copy_(grad)
+    return RowGradient(logp, entropy)
