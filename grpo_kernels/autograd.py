@@ -393,7 +393,10 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
     off inside): ``logits = h @ W^T (+ b)`` -> the backend's ``forward_backward_rows``: log-prob,
     entropy, then ``coefficients`` (the objective's ``d loss / d logp`` and ``d loss / d entropy``
     for these rows), then ``d logits`` written over the logits -> ``d hidden[rows] = d logits @ W``,
-    ``d W += d logits^T @ h``, ``d b += sum d logits``. Held until the backward: ``d hidden`` [N, H]
+    ``d W += d logits^T @ h``, ``d b += sum d logits``. Without a bias gradient the row pass may
+    leave ``d logits`` in factored form (``e'`` over the logits, a row scale and the target's entry
+    apart: :func:`_add_factored_grads`), which the two gradient matmuls absorb (one pass over the
+    chunk fewer; the torch backend does, the Triton one writes ``d logits``). Held until the backward: ``d hidden`` [N, H]
     (hidden's dtype), ``d W`` [V, H] (fp32, or the weight's dtype with ``accumulate_in_weight_dtype``)
     and ``d b`` [V] fp32; the backward multiplies them by the incoming gradient and hands them over,
     in each input's dtype (no copy when it is the accumulator's). So a second backward through the same
