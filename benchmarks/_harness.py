@@ -18,6 +18,7 @@ CPU.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
@@ -235,20 +236,20 @@ class Runner:
             torch.cuda.empty_cache()
 
 
-def _liger_grpo():
+def _peer(module: str, name: str):
+    """``module.name`` from an optional peer library, or :class:`Unavailable` naming it."""
     try:
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        return getattr(importlib.import_module(module), name)
     except Exception as exc:
-        raise Unavailable(f"liger_kernel.transformers.grpo_loss.triton_grpo_loss: {exc}")
-    return triton_grpo_loss
+        raise Unavailable(f"{module}.{name}: {exc}")
+
+
+def _liger_grpo():
+    return _peer("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
 
 def _liger_selective_log_softmax():
-    try:
-        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
-    except Exception as exc:
-        raise Unavailable(f"liger_kernel.ops.grpo_loss.fused_selective_log_softmax: {exc}")
-    return fused_selective_log_softmax
+    return _peer("liger_kernel.ops.grpo_loss", "fused_selective_log_softmax")
 
 
 # The fused-linear cases' GRPO settings (issue 14): dapo, KL with beta 0.04, old log-probs.
@@ -256,10 +257,7 @@ FUSED_LINEAR_BETA = 0.04
 
 
 def _liger_fused_linear(case: Case):
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except Exception as exc:
-        raise Unavailable(f"liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss: {exc}")
+    LigerFusedLinearGRPOLoss = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
     compiled = os.environ.get("GRPO_BENCH_LIGER_COMPILED", "0") == "1"
     try:
         return LigerFusedLinearGRPOLoss(beta=FUSED_LINEAR_BETA, compiled=compiled, use_ref_model=True, epsilon_low=0.2,
@@ -269,11 +267,7 @@ def _liger_fused_linear(case: Case):
 
 
 def _trl_fused_head():
-    try:
-        from trl.kernels import ChunkedLogProbFunction
-    except Exception as exc:
-        raise Unavailable(f"trl.kernels.ChunkedLogProbFunction: {exc}")
-    return ChunkedLogProbFunction
+    return _peer("trl.kernels", "ChunkedLogProbFunction")
 
 
 def _trl_logprob_head():
@@ -282,10 +276,7 @@ def _trl_logprob_head():
     ``chunk_size``, TRL's trainer default, and the optional outputs to compute)."""
     import inspect
 
-    try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    except Exception as exc:
-        raise Unavailable(f"trl.kernels.chunked_logprob: {exc}")
+    ChunkedLogProbFunction = _peer("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
     params = inspect.signature(ChunkedLogProbFunction.forward).parameters
     if "chunk_size" in params:
         try:

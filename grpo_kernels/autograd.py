@@ -152,14 +152,14 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
     (the logits matmul, ``2 c H / ((c + H) elt)`` flops per byte, then reaches ``R`` too). When
     ``2 H <= R elt`` no chunk reaches ``R`` (a small head is bound by memory) and the budget decides.
     Then, the caps: ``c * V * elt <= CHUNK_LOGITS_BUDGET[device]`` (256 MiB on a CPU, 1 GiB on a GPU)
-    and ``c <= MAX_CHUNK_ROWS[device]`` (1,024 on a CPU, measured), at least :data:`MIN_CHUNK_ROWS`. Last, with ``num_tokens`` the ``N`` rows are split into
-    ``ceil(N / c)`` equal chunks (multiples of 16), so no small remainder chunk runs at a low rate.
+    and ``c <= MAX_CHUNK_ROWS[device]`` (1,024 on a CPU, measured), at least :data:`MIN_CHUNK_ROWS`.
+    Last, with ``num_tokens`` the ``N`` rows are split into ``ceil(N / c)`` equal chunks (multiples
+    of 16), so no small remainder chunk runs at a low rate.
 
     Examples (fp32, CPU, R = 172): V = 32,000, H = 512 -> 2,097 rows by the rate rule, 1,024 (the row
     cap); H = 1,024 -> 1,037, so 1,024 again, a 4,096-token batch -> 4 chunks of 1,024; V = 151,936 ->
-    441 (the memory cap), 1,024 tokens ->
-    3 chunks of 352. bf16 on a GPU (R = 200, predicted): H = 4,096, V = 151,936 -> 842 rows (~244 MiB
-    of logits), 16,384 tokens -> 20 chunks of 832.
+    441 (the memory cap), 1,024 tokens -> 3 chunks of 352. bf16 on a GPU (R = 200, predicted):
+    H = 4,096, V = 151,936 -> 842 rows (~244 MiB of logits), 16,384 tokens -> 20 chunks of 832.
     """
     kind = "cuda" if device.type == "cuda" else "cpu"
     elt = torch.finfo(dtype).bits // 8
@@ -396,9 +396,9 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
     ``d W += d logits^T @ h``, ``d b += sum d logits``. Without a bias gradient the row pass may
     leave ``d logits`` in factored form (``e'`` over the logits, a row scale and the target's entry
     apart: :func:`_add_factored_grads`), which the two gradient matmuls absorb (one pass over the
-    chunk fewer; the torch backend does, the Triton one writes ``d logits``). Held until the backward: ``d hidden`` [N, H]
-    (hidden's dtype), ``d W`` [V, H] (fp32, or the weight's dtype with ``accumulate_in_weight_dtype``)
-    and ``d b`` [V] fp32; the backward multiplies them by the incoming gradient and hands them over,
+    chunk fewer; the torch backend does, the Triton one writes ``d logits``). Held until the
+    backward: ``d hidden`` [N, H] (hidden's dtype), ``d W`` [V, H] (fp32, or the weight's dtype
+    with ``accumulate_in_weight_dtype``) and ``d b`` [V] fp32; the backward multiplies them by the incoming gradient and hands them over,
     in each input's dtype (no copy when it is the accumulator's). So a second backward through the same
     graph (``retain_graph=True``) raises instead of silently returning a consumed buffer.
 

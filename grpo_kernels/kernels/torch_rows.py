@@ -216,7 +216,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     row_max, sums, dot, target_z = (torch.empty(n, 1, **f32) for _ in range(4))
     block = max(1, BLOCK_ELEMENTS // v)
     fp32 = logits.dtype == torch.float32
-    z_buf = torch.empty(min(block, n), v, **f32)
+    # fp32 logits hold z themselves unless factored (then they take e'); exp needs its own buffer
+    # except when it is written straight over fp32 logits
+    z_buf = None if fp32 and not factored else torch.empty(min(block, n), v, **f32)
     e_buf = None if fp32 and factored else torch.empty(min(block, n), v, **f32)
     valid = targets != ignore_index
     all_valid = bool(valid.all())
