@@ -1,16 +1,22 @@
 # Two commands for a new user: `make demo` and `make test`. Both create .venv and install into it.
-# On a machine without a GPU, torch==2.13.0 is the CPU build (this machine keeps it on disk); set
-# TORCH_SPEC to choose another build.
+# torch is installed first, as TORCH_SPEC, from wherever pip looks by default: on Linux, PyPI's
+# torch==2.13.0 is the CUDA build (a machine whose pip configuration finds a CPU wheel first gets that).
+# For the CPU build from PyTorch's own index:  make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# TORCH_INDEX_URL replaces pip's index for that one install (--index-url); TORCH_EXTRA_INDEX_URL adds one
+# (--extra-index-url). Both are passed only when set. They apply to a fresh .venv (`make clean` first).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+TORCH_EXTRA_INDEX_URL ?=
+TORCH_PIP_ARGS := $(strip $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(if $(TORCH_EXTRA_INDEX_URL),--extra-index-url $(TORCH_EXTRA_INDEX_URL)))
 
 .PHONY: install demo test bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl]"
 	touch $@
 
