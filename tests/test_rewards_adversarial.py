@@ -22,7 +22,9 @@ import uuid
 
 import pytest
 
-from grpo import _sandbox, math_worker, rewards
+from grpo import rewards
+from grpo.rewards import sandbox as _sandbox
+from grpo.rewards import worker as math_worker
 from grpo.rewards import (code_reward, code_rewards, extract_answer, format_reward, math_accuracy,
                           math_equal)
 
@@ -346,7 +348,7 @@ def test_runaway_programs_end_on_time_and_leave_nothing():
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"grpo._sandbox`` runs" in f.read():
+                if b"grpo.rewards.sandbox`` runs" in f.read():
                     leftovers.append(pid)
         except OSError:
             pass
@@ -360,7 +362,8 @@ UNPRIVILEGED_SCRIPT = textwrap.dedent("""
     root, secret_dir = sys.argv[1], sys.argv[2]
     spec = importlib.machinery.PathFinder.find_spec("grpo", [root])
     sys.modules["grpo"] = importlib.util.module_from_spec(spec)  # grpo/__init__ imports torch
-    from grpo import _sandbox, rewards
+    from grpo import rewards
+    from grpo.rewards import sandbox as _sandbox
     out = {"uid": os.getuid(), "caps": _sandbox.capabilities()}
     probe = ("import os\\n"
              "for p in [%r, %r, '/etc/hostname']:\\n"
@@ -440,7 +443,7 @@ def test_sandbox_fails_closed(monkeypatch, caplog):
     # A jail that cannot be built scores None (unscorable), logs once, and runs nothing.
     monkeypatch.setattr(_sandbox, "_SYS_PIVOT_ROOT", {})
     monkeypatch.setattr(_sandbox.platform, "machine", lambda: "none")
-    monkeypatch.setattr(rewards, "_sandbox_failure_logged", False)
+    monkeypatch.setattr(rewards.code, "_sandbox_failure_logged", False)
     real_run = _sandbox.run
 
     def broken(code, **kw):
@@ -627,8 +630,8 @@ def test_code_rewards_rejects_mismatched_lengths():
 
 def test_worker_start_failure_is_logged_once_and_unscorable(monkeypatch, caplog):
     monkeypatch.setattr(math_worker, "LAUNCH", "raise SystemExit('no sympy here')")
-    monkeypatch.setattr(rewards, "_pool", math_worker.WorkerPool(1))
-    with caplog.at_level(logging.ERROR, logger="grpo.math_worker"):
+    monkeypatch.setattr(rewards.math, "_pool", math_worker.WorkerPool(1))
+    with caplog.at_level(logging.ERROR, logger="grpo.rewards.worker"):
         out = rewards.math_accuracy_reward(["p"] * 2, [r"\boxed{x+1}", r"\boxed{1+x}"],
                                            answer=["x+1", "x+1"])
         with pytest.raises(math_worker.VerifierUnavailable, match="no sympy here"):
@@ -641,7 +644,7 @@ def test_worker_start_failure_is_logged_once_and_unscorable(monkeypatch, caplog)
 def test_bootstrap_is_a_packaged_file():
     from importlib import resources
 
-    text = resources.files("grpo").joinpath("sandbox_bootstrap.py").read_text()
+    text = resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text()
     assert text == _sandbox._bootstrap_source()
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
-    assert math_worker.main.__module__ == "grpo.math_worker"
+    assert math_worker.main.__module__ == "grpo.rewards.worker"

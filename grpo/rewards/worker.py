@@ -1,10 +1,10 @@
 """The SymPy side of ``grpo.rewards.math_equal``: a worker process and the client that drives it.
 
 SymPy parsing and simplification can take unbounded time and memory, so
-:func:`grpo._math_normalize.compare` only ever runs here, in a separate interpreter that the
+:func:`grpo.rewards.math_normalize.compare` only ever runs here, in a separate interpreter that the
 caller kills when a request outlives its timeout.
 
-* :func:`main` is the worker: ``python -m grpo.math_worker PARENT_PID MEMORY_BYTES`` (see
+* :func:`main` is the worker: ``python -m grpo.rewards.worker PARENT_PID MEMORY_BYTES`` (see
   :data:`LAUNCH` for how the client starts it). It answers JSON lines ``{"p": pred, "g": gold}``
   on stdin with ``{"r": true | false | null}`` on stdout (``null``: the gold answer cannot be
   parsed), after a first ``{"ready": true}``.
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from grpo import _math_normalize as _mn
+from grpo.rewards import math_normalize as _mn
 
 __all__ = ["VerifierUnavailable", "WorkerError", "WorkerPool", "main"]
 
@@ -36,16 +36,18 @@ log = logging.getLogger(__name__)
 
 WORKER_MEMORY = 3 << 30  # RLIMIT_AS of a math worker: room for SymPy, not for a blow-up
 STARTUP_TIMEOUT = 120.0  # importing SymPy on a loaded machine; not charged to any request
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# ``python -m grpo.math_worker`` would first run grpo/__init__.py, which imports torch: a second
-# and useless copy of torch per worker. The launcher registers the ``grpo`` package without
-# running its __init__ and then imports this module by its normal name.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# ``python -m grpo.rewards.worker`` would first run grpo/__init__.py (which imports torch) and grpo/rewards/__init__.py: a second
+# and useless copy of torch per worker. The launcher registers the ``grpo`` and ``grpo.rewards`` packages
+# without running their __init__ and then imports this module by its normal name.
 LAUNCH = (
     "import importlib.machinery, importlib.util, sys\n"
-    "spec = importlib.machinery.PathFinder.find_spec('grpo', [sys.argv[1]])\n"
-    "sys.modules['grpo'] = importlib.util.module_from_spec(spec)\n"
-    "import grpo.math_worker\n"
-    "grpo.math_worker.main(sys.argv[2:])\n"
+    "for name, where in (('grpo', [sys.argv[1]]), ('grpo.rewards', None)):\n"
+    "    where = where or sys.modules['grpo'].__path__\n"
+    "    spec = importlib.machinery.PathFinder.find_spec(name, where)\n"
+    "    sys.modules[name] = importlib.util.module_from_spec(spec)\n"
+    "from grpo.rewards.worker import main\n"
+    "main(sys.argv[2:])\n"
 )
 
 

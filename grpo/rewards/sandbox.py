@@ -35,7 +35,7 @@ harness that runs the test in the program's process. Value tests close (2) for t
 ``assert f(x) == literal`` form. In every mode the program may of course print, spin
 or crash: that only fails its own tests.
 
-**Containment** (``grpo/sandbox_bootstrap.py`` builds it; the same on every machine, whether
+**Containment** (``grpo/rewards/sandbox_bootstrap.py`` builds it; the same on every machine, whether
 the trainer runs as root or as an ordinary user, via an unprivileged user namespace):
 
 * new mount, PID, network, IPC and UTS namespaces; the filesystem is a fresh read-only tmpfs
@@ -79,12 +79,12 @@ DEFAULT_TMP_MB = 64
 MAX_OUTPUT_BYTES = DEFAULT_FILE_MB << 20
 MAX_VALUE_BYTES = 1 << 20  # one reported value; bigger ones fail their test
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
-JAIL_FAILED = 97  # see sandbox_bootstrap.JAIL_FAILED
+JAIL_FAILED = 97  # see grpo.rewards.sandbox_bootstrap.JAIL_FAILED
 
 
 @lru_cache(maxsize=1)
 def _bootstrap_source() -> str:
-    return resources.files("grpo").joinpath("sandbox_bootstrap.py").read_text(encoding="utf-8")
+    return resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=1)

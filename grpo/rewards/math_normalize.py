@@ -6,7 +6,7 @@ The module has two halves with different safety properties:
   strings and integer arithmetic with capped sizes. Safe to run in the trainer's own process.
 * **SymPy reasoning** (:func:`compare`): parsing with ``latex2sympy2_extended`` and evaluating
   with SymPy can take unbounded time and memory, so it only ever runs inside the worker process
-  (:mod:`grpo.math_worker`) that ``grpo.rewards`` starts and kills on timeout. SymPy is
+  (:mod:`grpo.rewards.worker`) that ``grpo.rewards`` starts and kills on timeout. SymPy is
   imported lazily so importing this module stays cheap.
 
 Equivalence rules (documented here once; ``math_equal`` refers to them):

@@ -1,6 +1,6 @@
-"""The program that ``grpo._sandbox`` runs to contain one untrusted Python run.
+"""The program that ``grpo.rewards.sandbox`` runs to contain one untrusted Python run.
 
-It is not imported: ``grpo._sandbox`` reads this file with ``importlib.resources`` and passes it
+It is not imported: ``grpo.rewards.sandbox`` reads this file with ``importlib.resources`` and passes it
 to ``python -I -S -B -c SOURCE STAGE ...``, once per stage, so it depends on the standard
 library only and must not rely on module globals to keep secrets (the untrusted code can
 ``import __main__``). Two stages:
@@ -233,7 +233,7 @@ def _run(argv):
         private = {}
         try:
             exec_(compile_(code, "solution.py", "exec"), glb)
-            # statement defines __grpo_test__(__grpo_eq__) (see grpo._sandbox.guard_statement);
+            # statement defines __grpo_test__(__grpo_eq__) (see grpo.rewards.sandbox.guard_statement);
             # the definition lands in a dict the solution cannot reach, its globals are glb.
             exec_(compile_(statement, "<test>", "exec"), glb, private)
             private["__grpo_test__"](guard)
