@@ -60,6 +60,7 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import logging
 import math
 import os
 import platform
@@ -79,6 +80,7 @@ DEFAULT_TMP_MB = 64
 MAX_OUTPUT_BYTES = DEFAULT_FILE_MB << 20
 MAX_VALUE_BYTES = 1 << 20  # one reported value; bigger ones fail their test
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
+log = logging.getLogger(__name__)
 JAIL_FAILED = 97  # see grpo.rewards.sandbox_bootstrap.JAIL_FAILED
 
 
@@ -111,6 +113,7 @@ class RunResult:
     timed_out: bool
     results: str = ""
     error: str | None = None
+    results_bytes: bytes = b""  # the raw result descriptor (capped), for the judge
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
@@ -189,14 +192,17 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-            results = _read_capped(res)
+            res.seek(0)
+            raw = res.read(MAX_RESULT_BYTES + 1)
+            results = raw[:65536].decode("utf-8", errors="replace")
             error = None
             if proc.returncode == JAIL_FAILED:
                 error = next((ln[2:] for ln in results.splitlines() if ln.startswith("E ")),
                              "sandbox could not be built")
             return RunResult(returncode=proc.returncode if exited else None,
                              stdout=_read_capped(out), stderr=_read_capped(err, 65536),
-                             timed_out=not exited, results=results, error=error)
+                             timed_out=not exited, results=results, error=error,
+                             results_bytes=raw)
     finally:
         for fd in fds:
             os.close(fd)
@@ -234,316 +240,484 @@ def run_stdio_test(code: str, stdin: str, expected: str, *, timeout: float = 5.0
 
 
 # --------------------------------------------------------------------------------------------
-# Assert tests: split into value tests and statement tests
+# Assert tests: the test's logic runs in the judge, the program only supplies plain values
 # --------------------------------------------------------------------------------------------
 
+MAX_TEST_CHARS = 100_000  # one test string; longer ones are refused
+MAX_RESULT_BYTES = 8 << 20  # the probe records of one run; more and every test of the run fails
+JUDGE_SECONDS = 2.0  # wall clock of the judge process (plain values only: it is fast)
+JUDGE_TEST_SECONDS = 0.5  # one test inside the judge
+MAX_SET_ITEMS = 20_000  # a reported set / dict; hash collisions make a big one quadratic
+PROBE = "__grpo_probe__"
 
-@dataclass(frozen=True)
-class ValueTest:
-    """``prefix`` runs inside; ``expr``'s value comes out; ``check(value)`` decides outside."""
-
-    prefix: str
-    expr: str
-    op: str  # "==", "!=", "is", "isclose", "absdiff<", "absdiff<="
-    expected: object
-    extra: tuple = ()  # isclose: (rel_tol, abs_tol); absdiff: (tolerance,)
-
-    def check(self, value: object) -> bool:
-        e = self.expected
-        try:
-            if self.op == "==":
-                return bool(value == e)
-            if self.op == "!=":
-                return bool(value != e)
-            if self.op == "is":
-                return value is e
-            if self.op == "isclose":
-                return math.isclose(value, e, rel_tol=self.extra[0], abs_tol=self.extra[1])
-            diff = abs(value - e)
-            return bool(diff < self.extra[0] if self.op == "absdiff<" else diff <= self.extra[0])
-        except Exception:  # noqa: BLE001 - e.g. comparing a str with a float
-            return False
+# Builtins the judge provides (on plain values they cannot be fooled); a program name that
+# shadows one of them (``def sum(...)``) is the program's.
+JUDGE_BUILTINS = frozenset({
+    "abs", "all", "any", "ascii", "bin", "bool", "bytes", "chr", "complex", "dict", "divmod",
+    "enumerate", "filter", "float", "format", "frozenset", "hex", "int", "isinstance", "iter",
+    "len", "list", "map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed",
+    "round", "set", "slice", "sorted", "str", "sum", "tuple", "type", "zip"})
+# Pure modules a test may import and use in its own logic (the judge imports them itself).
+JUDGE_MODULES = frozenset({"math", "cmath", "collections", "fractions", "decimal", "itertools",
+                           "functools", "operator", "string", "statistics", "heapq", "bisect",
+                           "re", "copy"})
+# Constructs that are test logic: inside the program's process their outcome would be the
+# program's to decide, so code that runs there (setup, probes) may not hold them.
+_LOGIC = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp,
+          ast.DictComp, ast.GeneratorExp, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)
 
 
-def _literal(node: ast.AST) -> tuple[bool, object]:
-    try:
-        return True, ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False, None
+class Refused(Exception):
+    """A test whose verdict could not be reached outside the program's process (it scores 0)."""
 
 
-def _is_isclose(func: ast.AST) -> bool:
-    return (isinstance(func, ast.Attribute) and func.attr == "isclose"
-            and isinstance(func.value, ast.Name) and func.value.id == "math") or (
-        isinstance(func, ast.Name) and func.id == "isclose")
+@dataclass
+class AssertPlan:
+    """How the assert tests of one completion are judged.
 
-
-# Builtins whose every possible result the program could just as well return itself: a forged
-# value of ``len(f(x))`` is no better than a solution returning a list of that length.
-_TRANSPARENT_BUILTINS = frozenset({"len", "sorted", "list", "tuple", "set", "frozenset", "dict",
-                                   "str", "int", "float", "complex", "round", "abs", "sum", "min",
-                                   "max", "bool", "reversed", "repr"})
-_BUILTIN_NAMES = frozenset(dir(builtins))
-
-
-def bound_names(tree: ast.AST) -> set[str]:
-    """Every name a piece of test code binds (assignments, defs, imports, parameters ...)."""
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).partition(".")[0] for a in node.names)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            names.update(node.names)
-    return names
-
-
-def program_controlled(node: ast.AST, test_names: set[str]) -> bool:
-    """Whether every value ``node`` can take is one the solution could produce directly
-    (see the module docstring): then reporting it from inside forges nothing."""
-    def ok(n: ast.AST) -> bool:
-        if isinstance(n, ast.Constant):
-            return True
-        if isinstance(n, ast.Name):
-            return n.id not in test_names
-        if isinstance(n, (ast.List, ast.Tuple, ast.Set)):
-            return all(ok(e) for e in n.elts)
-        if isinstance(n, ast.Dict):
-            return all(k is None or ok(k) for k in n.keys) and all(ok(v) for v in n.values)
-        if isinstance(n, ast.Starred):
-            return ok(n.value)
-        if isinstance(n, ast.UnaryOp):
-            return not isinstance(n.op, ast.Not) and ok(n.operand)
-        if isinstance(n, ast.BinOp):
-            return ok(n.left) and ok(n.right)
-        if isinstance(n, ast.Subscript):
-            return ok(n.value) and ok(n.slice)
-        if isinstance(n, ast.Slice):
-            return all(p is None or ok(p) for p in (n.lower, n.upper, n.step))
-        if isinstance(n, ast.Attribute):
-            return ok(n.value)
-        if isinstance(n, ast.Call):
-            f = n.func
-            if isinstance(f, ast.Name):
-                if f.id in test_names or (f.id in _BUILTIN_NAMES and f.id not in _TRANSPARENT_BUILTINS):
-                    return False
-            elif isinstance(f, ast.Attribute):
-                # a method of something the program made, or an attribute of a program name
-                if not ok(f.value) or (isinstance(f.value, ast.Name) and f.value.id in _BUILTIN_NAMES):
-                    return False
-            else:
-                return False
-            return all(ok(a) for a in n.args) and all(ok(k.value) for k in n.keywords)
-        return False  # comparisons, bool ops, lambdas, comprehensions, conditionals, walrus ...
-
-    return ok(node)
-
-
-def split_test(test: str, test_names: set[str] | None = None) -> ValueTest | None:
-    """The value-test reading of an assert test, or None (it runs as a statement test).
-
-    ``test_names``: names bound by any test of the same completion (they share a namespace);
-    by default those of ``test`` itself.
+    ``inside``: per test, the steps the sandbox runs after the program: ``["exec", source]``
+    (setup statements) and ``["probe", id, source]`` (an expression whose value is reported).
+    ``judge``: per test, the test rewritten to read the probes' values (``__grpo_probe__(id)``),
+    run by the judge process on plain values; None where the test is refused, with
+    ``refused[i]`` saying why.
     """
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
-        return None
-    names = bound_names(tree) if test_names is None else test_names
-    found = _split_assert(tree)
-    if found is None or not program_controlled(ast.parse(found.expr, mode="eval").body, names):
-        return None
-    return found
+
+    inside: list
+    judge: list
+    refused: dict
 
 
-def _split_assert(tree: ast.Module) -> ValueTest | None:
-    prefix = ast.unparse(ast.Module(body=tree.body[:-1], type_ignores=[])) if tree.body[:-1] else ""
-    t = tree.body[-1].test
-    if isinstance(t, ast.Compare) and len(t.ops) == 1:
-        left, right, op = t.left, t.comparators[0], t.ops[0]
-        op_name = {ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.Lt: "<", ast.LtE: "<="}.get(type(op))
-        if op_name in ("==", "!=", "is"):
-            ok_r, lit_r = _literal(right)
-            ok_l, lit_l = _literal(left)
-            if ok_r and not ok_l:
-                expr, lit = left, lit_r
-            elif ok_l and not ok_r:
-                expr, lit = right, lit_l
-            else:
+def _names_loaded(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _target_names(t: ast.AST) -> set[str] | None:
+    """Names bound by a plain assignment target, None for subscripts / attributes."""
+    if isinstance(t, ast.Name):
+        return {t.id}
+    if isinstance(t, (ast.Tuple, ast.List)):
+        out: set[str] = set()
+        for e in t.elts:
+            sub = _target_names(e.value if isinstance(e, ast.Starred) else e)
+            if sub is None:
                 return None
-            if op_name == "is" and lit not in (True, False, None):
-                return None
-            return ValueTest(prefix, ast.unparse(expr), op_name, lit)
-        if op_name in ("<", "<="):
-            ok_tol, tol = _literal(right)
-            if (ok_tol and isinstance(left, ast.Call) and isinstance(left.func, ast.Name)
-                    and left.func.id == "abs" and len(left.args) == 1 and not left.keywords
-                    and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):
-                a, b = left.args[0].left, left.args[0].right
-                ok_b, lit_b = _literal(b)
-                ok_a, lit_a = _literal(a)
-                if ok_b != ok_a:
-                    expr, lit = (a, lit_b) if ok_b else (b, lit_a)
-                    return ValueTest(prefix, ast.unparse(expr), "absdiff" + op_name, lit, (tol,))
-        return None
-    if isinstance(t, ast.Call) and _is_isclose(t.func) and len(t.args) == 2:
-        kw = {"rel_tol": 1e-9, "abs_tol": 0.0}
-        for k in t.keywords:
-            ok, v = _literal(k.value)
-            if not ok or k.arg not in kw:
-                return None
-            kw[k.arg] = v
-        (ok_a, lit_a), (ok_b, lit_b) = _literal(t.args[0]), _literal(t.args[1])
-        if ok_a == ok_b:
-            return None
-        expr, lit = (t.args[0], lit_b) if ok_b else (t.args[1], lit_a)
-        return ValueTest(prefix, ast.unparse(expr), "isclose", lit, (kw["rel_tol"], kw["abs_tol"]))
+            out |= sub
+        return out
     return None
 
 
-_NO_VALUE = object()
+class _Planner:
+    """Splits each assert test into harness logic and program-controlled probes.
+
+    An expression is *H* (the judge computes it: constants, the judge's builtins and modules,
+    names the test binds to judge-side values, the test's own lambdas and comprehensions),
+    *P* (the program's: its names and what is called, indexed by attribute or called on them)
+    or *M* (judge logic over P parts). Every P part directly under judge logic becomes a probe:
+    evaluated inside, its value leaves as plain data, and comparisons, membership, ``count``,
+    ``isinstance`` ... run in the judge on that data.
+    """
+
+    def __init__(self, program_names: set[str], tests: list[ast.Module]):
+        self.shadowed = program_names
+        self.tests = tests
+        self.test_names: set[str] = set()  # names test assignments bind
+        self.judge_imports: set[str] = set()
+        for tree in tests:
+            for st in tree.body:
+                if isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    for t in (st.targets if isinstance(st, ast.Assign) else [st.target]):
+                        self.test_names |= _target_names(t) or set()
+                elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                    if _judge_import(st):
+                        self.judge_imports |= {(a.asname or a.name).partition(".")[0]
+                                               for a in st.names}
+        self.inside_needed: set[str] = set()
+        self.vector: dict | None = None  # the enclosing single-generator comprehension
+
+    # ---- classification -----------------------------------------------------------------
+    def judge_name(self, name: str, local: frozenset) -> bool:
+        if name in local:
+            return True
+        if name in self.shadowed:
+            return False
+        if name in self.test_names:
+            return name not in self.inside_needed
+        return name in JUDGE_BUILTINS or name in self.judge_imports or name == "math"
+
+    def expr(self, node: ast.AST, local: frozenset) -> tuple[str, ast.AST]:
+        """(kind, node): P nodes come back as they are, H/M nodes rewritten for the judge."""
+        if isinstance(node, ast.Constant):
+            return "H", node
+        if isinstance(node, ast.Name):
+            return ("H" if self.judge_name(node.id, local) else "P"), node
+        if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            raise Refused(f"{type(node).__name__} in a test")
+        if isinstance(node, ast.Attribute):
+            k, v = self.expr(node.value, local)
+            if k == "P":
+                return "P", node
+            return k, ast.Attribute(v, node.attr, ast.Load())
+        if isinstance(node, ast.Call):
+            kf, f = self.expr(node.func, local)
+            if kf == "P":
+                return "P", node
+            kinds, args, keywords = [kf], [], []
+            for a in node.args:
+                k, v = self.child(a, local)
+                kinds.append(k)
+                args.append(v)
+            for kw in node.keywords:
+                k, v = self.child(kw.value, local)
+                kinds.append(k)
+                keywords.append(ast.keyword(kw.arg, v))
+            return _mix(kinds), ast.Call(f, args, keywords)
+        if isinstance(node, ast.Lambda):
+            inner = local | {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+            k, body = self.child(node.body, frozenset(inner))
+            return k, ast.Lambda(node.args, body)
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            return self.comprehension(node, local)
+        # Every other expression is judge logic over its children.
+        kinds: list[str] = []
+
+        def rebuild(value):
+            if isinstance(value, ast.expr) and not isinstance(value, ast.expr_context):
+                k, v = self.child(value, local)
+                kinds.append(k)
+                return v
+            if isinstance(value, list):
+                return [rebuild(x) for x in value]
+            if isinstance(value, ast.keyword):
+                return ast.keyword(value.arg, rebuild(value.value))
+            return value
+
+        fields = {name: rebuild(getattr(node, name)) for name in node._fields}
+        return _mix(kinds), type(node)(**fields)
+
+    def comprehension(self, node: ast.AST, local: frozenset) -> tuple[str, ast.AST]:
+        """The test's own comprehension runs in the judge. With one generator, a program part
+        that reads its variable becomes a *vector probe*: ``[part for target in iter]``
+        evaluated inside, read back by position (``enumerate`` in the judge)."""
+        if any(g.is_async for g in node.generators):
+            raise Refused("async comprehension in a test")
+        kinds, gens, inner = [], [], set(local)
+        saved = self.vector
+        single = len(node.generators) == 1
+        index = "__grpo_i%d__" % len(local)
+        for g in node.generators:
+            names = _target_names(g.target)
+            if names is None:
+                raise Refused("comprehension target that is not a name")
+            ki, it = self.child(g.iter, frozenset(inner))
+            kinds.append(ki)
+            self.vector = ({"vars": names, "outer": frozenset(inner), "target": g.target,
+                            "iter": g.iter, "index": index, "used": False} if single else None)
+            inner |= names
+            ifs = []
+            for c in g.ifs:
+                kc, vc = self.child(c, frozenset(inner))
+                kinds.append(kc)
+                ifs.append(vc)
+            gens.append([g.target, it, ifs])
+        fz = frozenset(inner)
+        if isinstance(node, ast.DictComp):
+            kk, key = self.child(node.key, fz)
+            kv, val = self.child(node.value, fz)
+            kinds += [kk, kv]
+        else:
+            ke, elt = self.child(node.elt, fz)
+            kinds.append(ke)
+        vector, self.vector = self.vector, saved
+        # (the ifs of the single generator were planned with its vector context too)
+        comps = [ast.comprehension(_as_store(t), it, ifs, 0) for t, it, ifs in gens]
+        if single and vector["used"]:
+            t, it, ifs = gens[0]
+            comps = [ast.comprehension(ast.Tuple([ast.Name(index, ast.Store()), _as_store(t)],
+                                                 ast.Store()),
+                                       ast.Call(ast.Name("enumerate", ast.Load()), [it], []), ifs, 0)]
+        if isinstance(node, ast.DictComp):
+            return _mix(kinds), ast.DictComp(key, val, comps)
+        return _mix(kinds), type(node)(elt, comps)
+
+    def child(self, node: ast.AST, local: frozenset) -> tuple[str, ast.AST]:
+        """A child of judge logic: a P child becomes a probe (H / M after this)."""
+        k, v = self.expr(node, local)
+        if k != "P":
+            return k, v
+        return "M", self.probe(node, local)
+
+    def probe(self, node: ast.AST, local: frozenset) -> ast.AST:
+        v = self.vector
+        pid = len(self.probes)
+        if v is not None and _names_loaded(node) & v["vars"]:
+            # A vector probe: the part for every element of the comprehension's iterable.
+            self.reads(node, v["outer"])
+            self.reads(v["iter"], v["outer"])
+            if _names_loaded(node) & (local - v["vars"] - v["outer"]):
+                raise Refused("a value of the test's own lambda would be passed to the program")
+            source = ast.unparse(ast.ListComp(node, [ast.comprehension(v["target"], v["iter"], [], 0)]))
+            v["used"] = True
+            self.probes.append(source)
+            self.steps.append(["probe", pid, source])
+            return ast.Subscript(ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(pid)], []),
+                                 ast.Name(v["index"], ast.Load()), ast.Load())
+        self.reads(node, local)
+        self.probes.append(ast.unparse(node))
+        self.steps.append(["probe", pid, self.probes[-1]])
+        return ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(pid)], [])
+
+    def inside(self, node: ast.AST, local: frozenset = frozenset()) -> None:
+        """``node`` runs in the program's process: no test logic in it, no judge-local names;
+        the test names it reads must exist there."""
+        for n in ast.walk(node):
+            if isinstance(n, _LOGIC) or (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)):
+                raise Refused(f"test logic ({type(n).__name__}) would run in the program's process")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _BUILTIN_NAMES \
+                    and n.func.id not in self.shadowed and any(
+                        not self.judge_only(a) for a in n.args + [k.value for k in n.keywords]):
+                raise Refused(f"builtin {n.func.id}() over the program's values would run in its process")
+        self.reads(node, local)
+
+    def reads(self, node: ast.AST, local: frozenset) -> None:
+        """``node`` is evaluated inside (a probe's value is the program's whatever it holds)."""
+        used = _names_loaded(node)
+        if used & local:
+            raise Refused("a value of the test's own loop or lambda would be passed to the program")
+        self.inside_needed |= used & self.test_names
+
+    def judge_only(self, node: ast.AST) -> bool:
+        """Whether ``node`` reads nothing of the program (constants and judge names only)."""
+        return all(n in self.test_names or self.judge_name(n, frozenset())
+                   for n in _names_loaded(node))
+
+    # ---- statements -----------------------------------------------------------------------
+    def plan(self, tree: ast.Module) -> tuple[list, str]:
+        self.steps, self.probes, self.vector = [], [], None
+        judge: list[ast.stmt] = []
+        for st in tree.body:
+            if isinstance(st, ast.Assert):
+                k, test = self.child(st.test, frozenset())
+                judge.append(ast.Assert(test, None))
+            elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                self.steps.append(["exec", ast.unparse(st)])
+                if _judge_import(st):
+                    judge.append(st)
+            elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                judge.extend(self.assignment(st))
+            elif isinstance(st, ast.Expr):
+                self.inside(st.value)
+                self.steps.append(["exec", ast.unparse(st)])
+            elif isinstance(st, ast.For) and not st.orelse and all(
+                    isinstance(b, (ast.Assert, ast.Pass)) for b in st.body):
+                judge.append(self.loop(st))
+            elif isinstance(st, ast.Pass):
+                continue
+            else:
+                raise Refused(f"{type(st).__name__} statement in a test (only asserts, "
+                              "assignments, imports and calls are judged)")
+        module = ast.fix_missing_locations(ast.Module(body=judge or [ast.Pass()], type_ignores=[]))
+        return self.steps, ast.unparse(module)
+
+    def loop(self, st: ast.For) -> ast.stmt:
+        """``for t in iter: assert ...`` in the judge, its program parts as vector probes."""
+        names = _target_names(st.target)
+        if names is None:
+            raise Refused("loop target that is not a name")
+        _, it = self.child(st.iter, frozenset())
+        index = "__grpo_i0__"
+        self.vector = {"vars": names, "outer": frozenset(), "target": st.target,
+                       "iter": st.iter, "index": index, "used": False}
+        body = []
+        for b in st.body:
+            if isinstance(b, ast.Assert):
+                body.append(ast.Assert(self.child(b.test, frozenset(names))[1], None))
+        vector, self.vector = self.vector, None
+        target, it_ = _as_store(st.target), it
+        if vector["used"]:
+            target = ast.Tuple([ast.Name(index, ast.Store()), target], ast.Store())
+            it_ = ast.Call(ast.Name("enumerate", ast.Load()), [it], [])
+        return ast.For(target, it_, body or [ast.Pass()], [], None)
+
+    def assignment(self, st: ast.stmt) -> list[ast.stmt]:
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+        value = st.value
+        if value is None:  # a bare annotation
+            return []
+        names = [_target_names(t) for t in targets]
+        if any(n is None for n in names):  # d[k] = v, o.a = v: a mutation of program state
+            self.inside(st)
+            self.steps.append(["exec", ast.unparse(st)])
+            return []
+        bound = set().union(*names)
+        if isinstance(st, ast.AugAssign):
+            value = ast.BinOp(ast.Name(st.target.id, ast.Load()), st.op, value)
+            targets = [ast.Name(st.target.id, ast.Store())]
+        if bound & self.inside_needed:
+            # The program reads these names: bind them inside (the judge reads them back).
+            if not bound <= self.inside_needed:
+                raise Refused("an assignment binds names both the program and the judge need")
+            self.inside(value)
+            self.steps.append(["exec", _stmt_source(ast.Assign(targets, value, None))])
+            return []
+        k, v = self.child(value, frozenset())
+        return [ast.Assign([_as_store(t) for t in targets], v, None)]
 
 
-def decode_value(v: object, depth: int = 0) -> object:
-    """Inverse of the bootstrap's encoder; raises ValueError on anything malformed."""
-    if depth > 100:
-        raise ValueError("too deep")
-    if v is None or isinstance(v, bool):
-        return v
-    if not isinstance(v, dict) or len(v) != 1:
-        raise ValueError("malformed value")
-    (tag, x), = v.items()
-    if tag == "i" and isinstance(x, str) and len(x) <= 5000:
-        return int(x)
-    if tag == "f" and isinstance(x, str) and len(x) <= 64:
-        return float(x)
-    if tag == "c" and isinstance(x, list) and len(x) == 2:
-        return complex(decode_value(x[0], depth + 1), decode_value(x[1], depth + 1))
-    if tag == "s" and isinstance(x, str):
-        return x
-    if tag == "b" and isinstance(x, str):
-        return bytes.fromhex(x)
-    if tag in ("l", "t", "S", "F") and isinstance(x, list):
-        items = [decode_value(i, depth + 1) for i in x]
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-    if tag == "d" and isinstance(x, list):
-        return {decode_value(k, depth + 1): decode_value(i, depth + 1) for k, i in x}
-    raise ValueError("malformed value")
+def _stmt_source(st: ast.stmt) -> str:
+    return ast.unparse(ast.fix_missing_locations(ast.Module(body=[st], type_ignores=[])))
 
 
-def _value_results(text: str, n: int) -> list[object]:
-    """The reported value of each test (``_NO_VALUE`` when missing, repeated or malformed)."""
-    values: list[object] = [_NO_VALUE] * n
-    seen = [0] * n
-    for line in text.splitlines():
-        if len(line) > MAX_VALUE_BYTES:
+def _as_store(t: ast.AST) -> ast.AST:
+    if isinstance(t, ast.Name):
+        return ast.Name(t.id, ast.Store())
+    if isinstance(t, ast.Starred):
+        return ast.Starred(_as_store(t.value), ast.Store())
+    return type(t)([_as_store(e) for e in t.elts], ast.Store())
+
+
+def _judge_import(st: ast.stmt) -> bool:
+    if isinstance(st, ast.Import):
+        return all(a.name.partition(".")[0] in JUDGE_MODULES for a in st.names)
+    return st.level == 0 and (st.module or "").partition(".")[0] in JUDGE_MODULES and all(
+        a.name != "*" for a in st.names)
+
+
+def _mix(kinds: list[str]) -> str:
+    return "H" if all(k == "H" for k in kinds) else "M"
+
+
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def top_level_names(code: str) -> set[str]:
+    """Names the program binds at module level (those shadow the judge's builtins)."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return set()
+    names: set[str] = set()
+    for st in tree.body:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).partition(".")[0] for a in n.names)
+    return names
+
+
+def plan_assert_tests(code: str, tests: list[str]) -> AssertPlan:
+    """The :class:`AssertPlan` of ``tests`` (statements) against ``code``. Never raises."""
+    n = len(tests)
+    inside: list = [[] for _ in range(n)]
+    judge: list = [None] * n
+    refused: dict[int, str] = {}
+    trees: dict[int, ast.Module] = {}
+    for i, t in enumerate(tests):
+        if len(t) > MAX_TEST_CHARS:
+            refused[i] = "test too long"
             continue
         try:
-            rec = json.loads(line)
-            i = rec["i"]
-            if type(i) is not int or not 0 <= i < n:
-                continue
-            seen[i] += 1
-            values[i] = decode_value(rec["v"]) if "v" in rec else _NO_VALUE
-        except (ValueError, KeyError, TypeError, RecursionError, MemoryError):
+            tree = ast.parse(t)
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+            refused[i] = f"test does not parse ({type(e).__name__})"
             continue
-    return [v if c == 1 else _NO_VALUE for v, c in zip(values, seen)]
+        if not any(isinstance(st, ast.Assert) or isinstance(st, ast.For) and any(
+                isinstance(b, ast.Assert) for b in st.body) for st in tree.body):
+            refused[i] = "no top-level assert (or loop of asserts): nothing to judge"
+            continue
+        trees[i] = tree
+    planner = _Planner(top_level_names(code), list(trees.values()))
+    # Names the program reads move from the judge to the inside: plan until that set is stable.
+    for _ in range(len(planner.test_names) + 2):
+        before = set(planner.inside_needed)
+        for i, tree in trees.items():
+            try:
+                inside[i], judge[i] = planner.plan(tree)
+                refused.pop(i, None)
+            except (Refused, RecursionError, ValueError, TypeError, AttributeError) as e:
+                inside[i], judge[i] = [], None
+                refused[i] = str(e) if isinstance(e, Refused) else f"unsupported test ({type(e).__name__})"
+        if planner.inside_needed == before:
+            break
+    return AssertPlan(inside=inside, judge=judge, refused=refused)
 
 
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
-    """Assert tests as units of sandboxed work: callables returning ``[(test index, passed)]``
-    (value tests share one run, each statement test gets its own; ``timeout`` per run), for a
-    caller to run in parallel. A callable raises SandboxUnavailable when the jail cannot be
-    built."""
-    names: set[str] = set()
-    for t in tests:
-        try:
-            names |= bound_names(ast.parse(t))
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            pass
-    split = [split_test(t, names) for t in tests]
-    value_idx = [i for i, s in enumerate(split) if s is not None]
-    jobs = []
-    if value_idx:
-        def values_job() -> list[tuple[int, bool]]:
-            payload = {"tests": [[split[i].prefix, split[i].expr] for i in value_idx]}
-            r = run(code, mode="values", run_job=payload, timeout=timeout, **kw)
+    """Assert tests as units of sandboxed work: callables returning ``[(test index, passed)]``.
+
+    All tests of a completion share one sandboxed run (``timeout``) that reports the probes'
+    values, then one judge run (:data:`JUDGE_SECONDS`) that decides every test on those values.
+    A refused test (:func:`plan_assert_tests`) fails, its reason logged at INFO. A callable
+    raises SandboxUnavailable when the jail cannot be built.
+    """
+    plan = plan_assert_tests(code, tests)
+    for i, why in sorted(plan.refused.items()):
+        log.info("assert test %d refused (scored 0): %s", i, why)
+    judged = [i for i, j in enumerate(plan.judge) if j is not None]
+
+    def job() -> list[tuple[int, bool]]:
+        verdicts = dict.fromkeys(range(len(tests)), False)
+        if judged:
+            r = run(code, mode="probes", run_job={"tests": [plan.inside[i] for i in judged]},
+                    timeout=timeout, **kw)
             if r.error is not None:
                 raise SandboxUnavailable(r.error)
-            got = _value_results(r.results, len(value_idx))
-            return [(i, v is not _NO_VALUE and split[i].check(v)) for i, v in zip(value_idx, got)]
-        jobs.append(values_job)
-    for i, s in enumerate(split):
-        if s is None:
-            def statement_job(i: int = i) -> list[tuple[int, bool]]:
-                statement = guard_statement(tests[i])
-                if statement is None:
-                    return [(i, False)]
-                nonce = secrets.token_hex(16)
-                r = run(code, mode="statement", run_job={"statement": statement, "nonce": nonce},
-                        timeout=timeout, **kw)
-                if r.error is not None:
-                    raise SandboxUnavailable(r.error)
-                return [(i, not r.timed_out and r.returncode == 0
-                         and r.results.splitlines() == [nonce])]
-            jobs.append(statement_job)
-    return jobs
+            passed = judge([plan.judge[i] for i in judged], r.results_bytes)
+            for k, i in enumerate(judged):
+                verdicts[i] = passed[k]
+        return list(verdicts.items())
+
+    return [job]
 
 
-class _GuardEquality(ast.NodeTransformer):
-    """``a == b`` / ``a != b`` inside assert statements -> ``__grpo_eq__(a, b, negate)``."""
-
-    def __init__(self) -> None:
-        self.in_assert = 0
-
-    def visit_Assert(self, node: ast.Assert) -> ast.AST:
-        self.in_assert += 1
-        try:
-            return self.generic_visit(node)
-        finally:
-            self.in_assert -= 1
-
-    def visit_Compare(self, node: ast.Compare) -> ast.AST:
-        node = self.generic_visit(node)
-        if self.in_assert and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
-            negate = ast.Constant(isinstance(node.ops[0], ast.NotEq))
-            return ast.copy_location(ast.Call(ast.Name("__grpo_eq__", ast.Load()),
-                                              [node.left, node.comparators[0], negate], []), node)
-        return node
-
-
-def guard_statement(test: str) -> str | None:
-    """The statement test as the body of ``def __grpo_test__(__grpo_eq__)``, its assert
-    equalities routed through the bootstrap's guard (a custom object never equals a plain
-    value). The guard arrives as an argument, hence as a local or closure cell of every
-    function the test defines: the solution cannot rebind it through its globals. None when
-    the test does not parse (it then fails)."""
+def judge(sources: list[str], results: bytes) -> list[bool]:
+    """Run the judge stage of the bootstrap (a fresh interpreter, never the program) on the
+    probe records ``results``; one verdict per judge source. Anything short of a clean
+    "passed" from the judge within :data:`JUDGE_SECONDS` fails."""
+    n = len(sources)
+    if len(results) > MAX_RESULT_BYTES:
+        return [False] * n
+    exe, _ = _runtime()
+    fds: list[int] = []
     try:
-        tree = ast.parse(test)
-        body = _GuardEquality().visit(tree).body or [ast.Pass()]
-        fn = ast.FunctionDef(name="__grpo_test__", args=ast.arguments(
-            posonlyargs=[], args=[ast.arg("__grpo_eq__")], vararg=None, kwonlyargs=[],
-            kw_defaults=[], kwarg=None, defaults=[]), body=body, decorator_list=[], returns=None,
-            type_comment=None)
-        module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
-        source = ast.unparse(module)
-        compile(source, "<test>", "exec")
-        return source
-    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-        return None
+        job = {"tests": sources, "test_seconds": JUDGE_TEST_SECONDS, "probe": PROBE,
+               "builtins": sorted(JUDGE_BUILTINS), "modules": sorted(JUDGE_MODULES),
+               "max_items": MAX_SET_ITEMS}
+        job_fd = _memfd(json.dumps(job).encode(), "judge")
+        fds.append(job_fd)
+        res_fd = _memfd(results, "results")
+        fds.append(res_fd)
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(
+                [exe, "-I", "-S", "-B", "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
+                pass_fds=(job_fd, res_fd), cwd="/", env={"LANG": "C.UTF-8"},
+                start_new_session=True, close_fds=True)
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
+            exited = _wait_exit(proc, JUDGE_SECONDS)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            out.seek(0)
+            text = out.read(16 * n + 64).decode("ascii", errors="replace")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    verdicts = [False] * n
+    if not exited or proc.returncode != 0:
+        return verdicts
+    # The judge writes exactly "PASS <i>" lines for the tests that passed (bounded: n lines).
+    for line in text.split("\n")[:n]:
+        head, _, idx = line.partition(" ")
+        if head == "PASS" and idx.isdigit() and len(idx) < 10 and int(idx) < n:
+            verdicts[int(idx)] = True
+    return verdicts
 
 
 def capabilities() -> dict:
