@@ -216,20 +216,22 @@ def test_expected_value_never_enters_the_sandbox():
         if "31337" in seen:
             raise SystemExit(0)
         """)
-    r = _sandbox.run(probe, mode="values", run_job={"tests": [["", "f(1)"]]}, timeout=3)
+    r = _sandbox.run(probe, mode="probes", run_job={"tests": [[["probe", 0, "f(1)"]]]}, timeout=3)
     assert r.error is None and "31337" not in r.stdout
     assert code_reward(f"```python\n{probe}\n```", ["assert f(1) == 31337"]) == 0.0
 
 
-def test_checker_tests_are_not_value_tests():
-    # A forged "True" would skip the test's own logic: such tests must run in-process.
-    assert _sandbox.split_test("def ok(v):\n    return v > 3\nassert ok(f(1)) == True") is None
-    assert _sandbox.split_test("assert (lambda v: v > 3)(f(1)) == True") is None
-    assert _sandbox.split_test("assert all(v > 3 for v in f(1)) == True") is None
-    assert _sandbox.split_test("assert isinstance(f(1), int) is True") is None
-    assert _sandbox.split_test("assert f(1) == g(1)") is None
-    assert _sandbox.split_test("assert f(1) == 2").expr == "f(1)"
-    assert _sandbox.split_test("assert 2 == len(f(1))").expr == "len(f(1))"
+def test_test_logic_runs_in_the_judge():
+    # Logic the test defines for itself is refused; logic it writes inline runs in the judge,
+    # and only the program's parts (probes) run inside.
+    plan = _sandbox.plan_assert_tests("", ["def ok(v):\n    return v > 3\nassert ok(f(1)) == True"])
+    assert plan.judge == [None] and "FunctionDef" in plan.refused[0]
+    for test in ["assert (lambda v: v > 3)(f(1)) == True", "assert all(v > 3 for v in f(1)) == True",
+                 "assert isinstance(f(1), int) is True", "assert f(1) == g(1)", "assert 2 == len(f(1))"]:
+        plan = _sandbox.plan_assert_tests("", [test])
+        assert not plan.refused, test
+        probes = [step[2] for step in plan.inside[0] if step[0] == "probe"]
+        assert all(p in ("f(1)", "g(1)") for p in probes), (test, probes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import Any, Sequence
 
@@ -50,19 +51,50 @@ def format_reward(completion: Any, *, think_prefilled: bool = False) -> float:
         return 0.0
 
 
-# Characters that render as nothing: spaces and separators (Z*), format characters such as
-# U+200B/U+2060/U+FEFF/U+00AD (Cf), controls (Cc), unassigned/private/surrogates (Cn/Co/Cs),
-# combining marks without a base (M*), and the Hangul/Braille blanks that are category Lo/So.
+# Characters that render as nothing, from Unicode's own properties (never a list of examples):
+# * general categories Z* (separators: spaces), C* (Cc controls, Cf format, Cs, Co, Cn) and M*
+#   (combining marks: a block of marks alone has no base to draw on);
+# * Default_Ignorable_Code_Point, which Python's unicodedata does not expose: derived here by
+#   its definition in DerivedCoreProperties.txt (UAX #44, Unicode 15):
+#   Other_Default_Ignorable_Code_Point + Cf + Variation_Selector
+#   - White_Space - FFF9..FFFB - 13430..1343F - Prepended_Concatenation_Mark,
+#   with Other_Default_Ignorable_Code_Point and Variation_Selector from PropList.txt (below);
+#   every Cf is already invisible by category, so only the two lists matter;
+# * letters and symbols whose Unicode Name says they are blank (the fillers of Hangul and
+#   Khitan, BRAILLE PATTERN BLANK, MUSICAL SYMBOL NULL NOTEHEAD, IDEOGRAPHIC HALF FILL SPACE).
 _INVISIBLE_CATEGORIES = ("Z", "C", "M")
-_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800\u180e\u17b4\u17b5")
+_OTHER_DEFAULT_IGNORABLE = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5),
+                            (0x2065, 0x2065), (0x3164, 0x3164), (0xFFA0, 0xFFA0),
+                            (0xFFF0, 0xFFF8), (0xE0000, 0xE0000), (0xE0002, 0xE001F),
+                            (0xE0080, 0xE00FF), (0xE01F0, 0xE0FFF))
+_VARIATION_SELECTOR = ((0x180B, 0x180D), (0x180F, 0x180F), (0xFE00, 0xFE0F), (0xE0100, 0xE01EF))
+_BLANK_NAME = re.compile(r"(?:\bFILLER|\bPATTERN BLANK|\bNULL NOTEHEAD|\bHALF FILL SPACE)$")
+
+
+def default_ignorable(c: str) -> bool:
+    """Unicode's Default_Ignorable_Code_Point for one character (see the comment above)."""
+    cp = ord(c)
+    if unicodedata.category(c) == "Cf":
+        return not (c.isspace() or 0xFFF9 <= cp <= 0xFFFB or 0x13430 <= cp <= 0x1343F
+                    or _prepended_concatenation_mark(cp))
+    return any(lo <= cp <= hi for lo, hi in _OTHER_DEFAULT_IGNORABLE + _VARIATION_SELECTOR)
+
+
+def _prepended_concatenation_mark(cp: int) -> bool:
+    # PropList.txt: Prepended_Concatenation_Mark (format characters that do render a sign).
+    return 0x0600 <= cp <= 0x0605 or cp in (0x06DD, 0x070F, 0x0890, 0x0891, 0x08E2, 0x110BD,
+                                            0x110CD)
+
+
+def invisible(c: str) -> bool:
+    """Whether one character renders as nothing (see the comment above)."""
+    return (unicodedata.category(c).startswith(_INVISIBLE_CATEGORIES) or default_ignorable(c)
+            or _BLANK_NAME.search(unicodedata.name(c, "")) is not None)
 
 
 def _visible(text: str) -> bool:
     """Whether ``text`` holds a character that is seen when rendered (linear)."""
-    for c in text:
-        if c not in _BLANK_LETTERS and not unicodedata.category(c).startswith(_INVISIBLE_CATEGORIES):
-            return True
-    return False
+    return not all(invisible(c) for c in text)
 
 
 

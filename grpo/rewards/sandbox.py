@@ -660,11 +660,12 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
     def job() -> list[tuple[int, bool]]:
         verdicts = dict.fromkeys(range(len(tests)), False)
         if judged:
-            r = run(code, mode="probes", run_job={"tests": [plan.inside[i] for i in judged]},
-                    timeout=timeout, **kw)
+            nonce = secrets.token_hex(16)
+            r = run(code, mode="probes", timeout=timeout, **kw,
+                    run_job={"tests": [plan.inside[i] for i in judged], "nonce": nonce})
             if r.error is not None:
                 raise SandboxUnavailable(r.error)
-            passed = judge([plan.judge[i] for i in judged], r.results_bytes)
+            passed = judge([plan.judge[i] for i in judged], r.results_bytes, nonce)
             for k, i in enumerate(judged):
                 verdicts[i] = passed[k]
         return list(verdicts.items())
@@ -672,7 +673,7 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
     return [job]
 
 
-def judge(sources: list[str], results: bytes) -> list[bool]:
+def judge(sources: list[str], results: bytes, nonce: str) -> list[bool]:
     """Run the judge stage of the bootstrap (a fresh interpreter, never the program) on the
     probe records ``results``; one verdict per judge source. Anything short of a clean
     "passed" from the judge within :data:`JUDGE_SECONDS` fails."""
@@ -682,7 +683,7 @@ def judge(sources: list[str], results: bytes) -> list[bool]:
     exe, _ = _runtime()
     fds: list[int] = []
     try:
-        job = {"tests": sources, "test_seconds": JUDGE_TEST_SECONDS, "probe": PROBE,
+        job = {"tests": sources, "test_seconds": JUDGE_TEST_SECONDS, "probe": PROBE, "nonce": nonce,
                "builtins": sorted(JUDGE_BUILTINS), "modules": sorted(JUDGE_MODULES),
                "max_items": MAX_SET_ITEMS}
         job_fd = _memfd(json.dumps(job).encode(), "judge")

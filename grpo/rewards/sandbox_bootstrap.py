@@ -183,7 +183,10 @@ def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
            "TMPDIR": "/tmp", "PYTHONHASHSEED": "0"}
     exe = job["python"]
-    os.execve(exe, [exe, "-I", "-S", "-B", "-c", job["source"], "run", str(run_fd), str(res_fd)], env)
+    # pycache_prefix names a directory that does not exist: imports compile the standard
+    # library from source rather than unmarshal cached bytecode (marshal is refused inside).
+    os.execve(exe, [exe, "-I", "-S", "-B", "-X", "pycache_prefix=/nonexistent", "-c",
+                    job["source"], "run", str(run_fd), str(res_fd)], env)
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,62 +229,85 @@ def _run(argv):
             status = 1
         exit_(status & 0xFF)
     # mode == "probes": the test's expected values and logic never enter this process; the
-    # values of the probes leave, one JSON line each (grpo.rewards.sandbox.judge decides).
-    tests = job["tests"]
+    # values of the probes leave, one line each, headed by a nonce that lives only in this
+    # frame (grpo.rewards.sandbox.judge decides). The writer is built from primitives taken
+    # before the program runs: patching json, builtins or modules cannot reach it.
+    tests, nonce = job["tests"], job["nonce"]
     del job
+    encode = _encoder()
+    str_, join = str, "".join
+    indexed = list(enumerate(tests))
     try:
         exec_(compile_(code, "solution.py", "exec"), glb)
     except BaseException as e:
         _report(e)
         exit_(1)
-    encode = _encoder()
-    for t, steps in enumerate(tests):
+    for t, steps in indexed:
         try:
             for step in steps:
                 if step[0] == "exec":
                     exec_(compile_(step[1], "<test %d>" % t, "exec"), glb)
                     continue
+                head = join((nonce, " ", str_(t), " ", str_(step[1]), " "))
                 try:
                     value = eval_(compile_(step[2], "<test %d>" % t, "eval"), glb)
-                    line = dumps({"t": t, "p": step[1], "v": encode(value)})
+                    out = []
+                    encode(value, out)
+                    line = head + "v" + join(out)
                 except BaseException as e:
                     _report(e)
-                    line = dumps({"t": t, "p": step[1], "x": "error"})
+                    line = head + "x"
                 write(res_fd, enc(line + "\n"))
-            write(res_fd, enc(dumps({"t": t, "d": 1}) + "\n"))
+            write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
         except BaseException as e:
             _report(e)
     exit_(0)
 
 
 def _encoder():
-    """Values as tagged JSON: exact builtin types only (an object with a custom ``__eq__`` is
-    refused, so "equal to anything" cannot leave the process)."""
-    import math
+    """``encode(value, out)``: a value of exact builtin types as text (anything else raises,
+    so an object with a custom ``__eq__`` cannot leave the process). Grammar, prefix form:
+    ``N`` ``T`` ``F``, ``i<hex>;``, ``f<repr>;``, ``c<f><f>``, ``s<utf-8 hex>;``,
+    ``b<hex>;``, ``l<n>;`` / ``t<n>;`` / ``S<n>;`` / ``R<n>;`` (frozenset) + n items,
+    ``d<n>;`` + n key/value pairs. Every primitive is bound here, before the program runs."""
+    type_, len_, isfinite, repr_, list_ = type, len, __import__("math").isfinite, repr, list
+    encode_str, hex_bytes, append = str.encode, bytes.hex, list.append
+    int_fmt = int.__format__
+    float_repr = float.__repr__
+    TAGS = {list: "l", tuple: "t", set: "S", frozenset: "R"}
 
-    def encode(v, depth=0):
+    def encode(v, out, depth=0):
         if depth > 100:
             raise ValueError("value nested too deeply")
-        t = type(v)
-        if v is None or t is bool:
-            return v
-        if t is int:
-            return {"i": "%x" % v}  # hex: no int/str digit limit, linear both ways
-        if t is float:
-            return {"f": repr(v) if math.isfinite(v) else str(v)}
-        if t is complex:
-            return {"c": [encode(v.real), encode(v.imag)]}
-        if t is str:
-            return {"s": v}
-        if t is bytes:
-            return {"b": v.hex()}
-        if t in (list, tuple, set, frozenset):
-            items = sorted(v, key=repr) if t in (set, frozenset) else v
-            return {{list: "l", tuple: "t", set: "S", frozenset: "F"}[t]:
-                    [encode(x, depth + 1) for x in items]}
-        if t is dict:
-            return {"d": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
-        raise TypeError("cannot report a %s" % t.__name__)
+        t = type_(v)
+        if v is None:
+            append(out, "N")
+        elif t is bool:
+            append(out, "T" if v else "F")
+        elif t is int:
+            append(out, "i" + int_fmt(v, "x") + ";")
+        elif t is float:
+            append(out, "f" + float_repr(v) + ";")
+        elif t is complex:
+            append(out, "c")
+            encode(v.real, out, depth + 1)
+            encode(v.imag, out, depth + 1)
+        elif t is str:
+            append(out, "s" + hex_bytes(encode_str(v, "utf-8", "surrogatepass")) + ";")
+        elif t is bytes:
+            append(out, "b" + hex_bytes(v) + ";")
+        elif t in TAGS:
+            items = list_(v) if t is not list else v
+            append(out, TAGS[t] + int_fmt(len_(items), "d") + ";")
+            for x in items:
+                encode(x, out, depth + 1)
+        elif t is dict:
+            append(out, "d" + int_fmt(len_(v), "d") + ";")
+            for k in list_(v):
+                encode(k, out, depth + 1)
+                encode(v[k], out, depth + 1)
+        else:
+            raise TypeError("cannot report a value of this type")
 
     return encode
 
@@ -303,26 +329,27 @@ def _make_hook():
     isdir = os.path.isdir
     O_PATH = getattr(os, "O_PATH", 0)
     O_DIRECTORY = os.O_DIRECTORY
-    # No verdict is reached in this process (see grpo.rewards.sandbox), so frames, gc, code
-    # objects and marshal (which importing cached standard-library bytecode needs) are allowed;
-    # what stays refused is what would act outside the process: new processes, signals to
-    # others, raw memory, network names, namespaces.
+    # Reaching a frame is the one way to read the harness's locals (the nonce of the probe
+    # records) from Python; sys._getframe is refused with ValueError, which namedtuple, enum,
+    # typing and logging already catch. marshal stays refused (crafted code objects): the
+    # standard library imports from source instead (``-X pycache_prefix``, see the jail).
+    FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions"})
+    FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
     BLOCKED = frozenset({
         "os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.kill",
-        "os.killpg", "signal.pthread_kill", "os.chroot", "os.setns", "os.unshare", "pty.spawn",
-        "setopencode", "cpython.PyInterpreterState_New", "_xxsubinterpreters.create",
-        "os.setsid", "os.setpgid", "socket.connect", "socket.bind", "socket.getaddrinfo",
-        "socket.gethostbyname", "socket.gethostbyaddr", "socket.gethostname", "socket.sendto",
-        "socket.sendmsg", "socket.sethostname", "os.add_dll_directory"})
-    PREFIXES = ("ctypes.", "subprocess.", "os.exec", "os.spawn", "resource.setrlimit",
-                "resource.prlimit", "_posixsubprocess.", "sys.remote_exec", "winreg.")
+        "os.killpg", "signal.pthread_kill", "sys.setprofile", "sys.settrace",
+        "sys.addaudithook", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+        "os.chroot", "os.setns", "os.unshare", "code.__new__", "marshal.loads", "marshal.load",
+        "function.__new__", "os.exec", "os.spawn", "pty.spawn", "mmap.__new__",
+        "setopencode", "cpython.run_file", "cpython.PyInterpreterState_New",
+        "_xxsubinterpreters.create", "os.setsid", "os.setpgid"})
+    PREFIXES = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "resource.",
+                "_posixsubprocess.", "sys.remote_exec", "winreg.")
     # Modules that can read or write raw memory, or run processes without an audit event.
     BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
                                  "_testinternalcapi", "_testbuffer", "_testmultiphase",
                                  "_testimportmultiple", "_xxtestfuzz", "_ctypes_test",
-                                 "_testsinglephase", "_testclinic", "_xxsubinterpreters",
-                                 "_xxinterpchannels", "_interpreters", "_interpchannels",
-                                 "_interpqueues"})
+                                 "_xxsubinterpreters", "_xxinterpchannels", "gc"})
     # Events whose last argument(s) are dir_fd (-1 or None when absent).
     DIR_FD_ARGS = {"os.mkdir": 1, "os.remove": 1, "os.rmdir": 1, "os.rename": 2,
                    "os.symlink": 1, "os.link": 2, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
@@ -348,6 +375,12 @@ def _make_hook():
             if isinstance(name, str) and name.partition(".")[0] in BLOCKED_IMPORTS:
                 raise ImportError("sandbox: module %s is not available" % name)
             return
+        if event == "object.__getattr__":
+            if len(args) > 1 and args[1] in FRAME_ATTRS:
+                raise AttributeError("sandbox: frames are not available")
+            return
+        if event in FRAME_EVENTS:
+            raise ValueError("sandbox: frames are not available")
         if event in BLOCKED or event.startswith(PREFIXES):
             if event.startswith("ctypes."):
                 raise ImportError("sandbox: ctypes is not available")
@@ -396,75 +429,107 @@ def _judge(argv):
     allowed_modules = frozenset(job["modules"])
     sys.setrecursionlimit(400)
 
-    # Records: {"t": test, "p": probe, "v": value} / {"t", "p", "x"} (it raised) / {"t", "d"}
-    # (the test's steps completed). A record seen twice is void.
+    # Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) / "<nonce> <test> d"
+    # (the test's steps completed). Lines without the nonce are the program's, not ours; a
+    # record seen twice is void. Values are parsed only when a test reads them.
+    nonce = job["nonce"].encode()
     records, done = {}, {}
     for line in raw.split(b"\n"):
-        if not line:
+        parts = line.split(b" ", 3)
+        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
             continue
-        try:
-            rec = json.loads(line)
-            t = rec["t"]
-            if type(t) is not int or not 0 <= t < len(sources):
-                continue
-            if "d" in rec:
-                done[t] = done.get(t, 0) + 1
-                continue
-            p = rec["p"]
-            if type(p) is not int:
-                continue
-            key = (t, p)
-            records[key] = None if key in records else rec
-        except Exception:  # noqa: BLE001 - a malformed record is simply absent
-            continue
+        t = int(parts[1])
+        if parts[2] == b"d" and len(parts) == 3:
+            done[t] = done.get(t, 0) + 1
+        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
+            key = (t, int(parts[2]))
+            records[key] = None if key in records else parts[3]
+    del raw
 
     class ProbeFailed(Exception):
         pass
 
     max_items = job["max_items"]
 
-    def decode(v, depth=0):
-        if depth > 100:
-            raise ProbeFailed("nested too deeply")
-        if v is None or v is True or v is False:
-            return v
-        if type(v) is not dict or len(v) != 1:
-            raise ProbeFailed("malformed")
-        (tag, x), = v.items()
-        if tag == "i" and type(x) is str and len(x) <= 100000:
-            return int(x, 16)
-        if tag == "f" and type(x) is str and len(x) <= 64:
-            return float(x)
-        if tag == "c" and type(x) is list and len(x) == 2:
-            re_, im = decode(x[0], depth + 1), decode(x[1], depth + 1)
-            if type(re_) is not float or type(im) is not float:
-                raise ProbeFailed("malformed complex")
-            return complex(re_, im)
-        if tag == "s" and type(x) is str:
-            return x
-        if tag == "b" and type(x) is str:
-            return bytes.fromhex(x)
-        if tag in ("l", "t", "S", "F") and type(x) is list:
-            if tag in ("S", "F") and len(x) > max_items:
-                raise ProbeFailed("set too large")  # hash collisions make big sets quadratic
-            items = [decode(i, depth + 1) for i in x]
-            return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-        if tag == "d" and type(x) is list and len(x) <= max_items:
-            out = {}
-            for kv in x:
-                if type(kv) is not list or len(kv) != 2:
-                    raise ProbeFailed("malformed dict")
-                out[decode(kv[0], depth + 1)] = decode(kv[1], depth + 1)
+    def decode(data):
+        """The value of one record (iterative: depth and sizes bounded)."""
+        if data[:1] != b"v":
+            raise ProbeFailed("the probe raised")
+        text = data.decode("ascii")
+        pos, n = 1, len(text)
+        stack = [[[], 1, lambda items: items[0]]]  # [items, remaining, constructor]
+
+        def num(end_char=";"):
+            nonlocal pos
+            end = text.index(end_char, pos)
+            if end - pos > 100000:
+                raise ProbeFailed("number too long")
+            out = text[pos:end]
+            pos = end + 1
             return out
+
+        while stack:
+            items, remaining, ctor = stack[-1]
+            if remaining == 0:
+                stack.pop()
+                value = (dict(zip(items[0::2], items[1::2])) if ctor is dict else ctor(items))
+                if not stack:
+                    return value
+                stack[-1][0].append(value)
+                stack[-1][1] -= 1
+                continue
+            if pos >= n:
+                raise ProbeFailed("truncated")
+            tag = text[pos]
+            pos += 1
+            if tag == "N":
+                value = None
+            elif tag == "T" or tag == "F":
+                value = tag == "T"
+            elif tag == "i":
+                value = int(num(), 16)
+            elif tag == "f":
+                s = num()
+                if len(s) > 64:
+                    raise ProbeFailed("float too long")
+                value = float(s)
+            elif tag == "c":
+                parts_ = []
+                for _ in range(2):
+                    if text[pos:pos + 1] != "f":
+                        raise ProbeFailed("malformed complex")
+                    pos += 1
+                    parts_.append(float(num()))
+                value = complex(*parts_)
+            elif tag == "s":
+                value = bytes.fromhex(num()).decode("utf-8", "surrogatepass")
+            elif tag == "b":
+                value = bytes.fromhex(num())
+            elif tag in "ltSRd":
+                count = int(num(), 10)
+                if len(stack) > 100 or count < 0 or (tag in "SRd" and count > max_items):
+                    raise ProbeFailed("too deep or too large")
+                ctor = {"l": list, "t": tuple, "S": set, "R": frozenset, "d": dict}[tag]
+                stack.append([[], 2 * count if tag == "d" else count, ctor])
+                continue
+            else:
+                raise ProbeFailed("malformed")
+            items.append(value)
+            stack[-1][1] -= 1
         raise ProbeFailed("malformed")
 
     current = [0]
 
+    cache = {}
+
     def probe(pid):
-        rec = records.get((current[0], pid))
-        if rec is None or "v" not in rec:
-            raise ProbeFailed("no value")
-        return decode(rec["v"])
+        key = (current[0], pid)
+        if key not in cache:
+            rec = records.get(key)
+            if rec is None:
+                raise ProbeFailed("no value")
+            cache[key] = decode(rec)
+        return cache[key]
 
     real_import = builtins.__import__
 
