@@ -650,3 +650,95 @@ def test_bootstrap_is_a_packaged_file():
     assert text == _sandbox._bootstrap_source()
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
     assert math_worker.main.__module__ == "grpo.rewards.worker"
+
+
+# --------------------------------------------------------------------------------------------
+# Round 2: honest standard-library code passes, forged verdicts of every form fail, the parent
+# stays bounded (tests/rewards_corpus.py holds the solutions and the attacks)
+# --------------------------------------------------------------------------------------------
+
+from rewards_corpus import ATTACK_TESTS, ATTACKS, HONEST  # noqa: E402
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_honest_stdlib_solutions_all_pass():
+    # One completion per solution, scored in parallel (one sandbox + one judge run each).
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST], [t for _, t in HONEST],
+                       timeout=20.0)
+    assert len(HONEST) >= 50
+    assert [i for i, o in enumerate(out) if o != 1.0] == []
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_attacks_forge_no_test():
+    out = code_rewards([f"```python\n{c}\n```" for c in ATTACKS.values()],
+                       [ATTACK_TESTS] * len(ATTACKS), timeout=5.0)
+    assert dict(zip(ATTACKS, out)) == dict.fromkeys(ATTACKS, 0.0)
+    # The same tests against the right code all pass: the attack set is not trivially failing.
+    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS) == 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_comparisons_are_planned_into_the_judge(seed):
+    # Generated forms: every comparison, membership and literal-method test keeps the program
+    # to probes (calls of f), never inside a comparison.
+    import random
+    rng = random.Random(seed)
+    ops = ["==", "!=", "<", "<=", ">", ">=", "in", "not in", "is", "is not"]
+    for _ in range(50):
+        a, b = rng.randint(-9, 9), rng.randint(-9, 9)
+        form = rng.choice([f"f({a}) {rng.choice(ops)} [{b}]", f"{b} == f({a}) == {b}",
+                           f"[{b}].count(f({a})) == 1", f"({b},).index(f({a})) == 0",
+                           f"f({a}) in {{{b}}}", f"not f({a}) != {b}", f"sorted([f({a})]) == [{b}]"])
+        stmt = rng.choice([f"assert {form}", f"assert {form}\nassert f({b}) == {a}",
+                           f"r = f({a})\nassert {form.replace(f'f({a})', 'r')}"])
+        plan = _sandbox.plan_assert_tests("", [stmt])
+        assert not plan.refused, stmt
+        probes = [s[2] for s in plan.inside[0] if s[0] == "probe"]
+        assert probes and all(p.startswith("f(") for p in probes), (stmt, probes)
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_colliding_hash_results_do_not_stall_the_parent():
+    # Integers sharing one hash value (multiples of 2**61 - 1) as a set and as many lines.
+    code = textwrap.dedent("""
+        M = (1 << 61) - 1
+        def f(x):
+            return {i * M for i in range(1, 200000)}
+        import sys
+        for i in range(1, 300000):
+            sys.stdout.write('%d\\n' % (i * M))
+        """)
+    text = f"```python\n{code}\n```"
+    start = time.monotonic()
+    out = code_rewards([text, text], [["assert len(f(1)) == 5"], [{"input": "", "output": "1"}]],
+                       timeout=2.0)
+    assert time.monotonic() - start < 2.0 + _sandbox.JUDGE_SECONDS + 2 * SLACK
+    assert out == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cp", [0x1D159, 0x2800, 0x3164, 0x115F, 0xFFA0, 0x034F, 0x180B, 0xE0100,
+                                0x200B, 0x2060, 0xFEFF, 0x00AD, 0x0300, 0x3000, 0x1D173])
+def test_blank_rendering_blocks_are_empty(cp):
+    c = chr(cp)
+    assert format_reward(f"<think>{c}</think><answer>5</answer>") == 0.0
+    assert format_reward(f"<think>ok</think><answer>{c * 3}</answer>") == 0.0
+    assert format_reward(f"<think>ok{c}</think><answer>5</answer>") == 1.0
+
+
+def test_default_ignorable_matches_its_definition_over_all_code_points():
+    # Every Cf (bar the definition's exclusions) and every listed range is default-ignorable,
+    # and each one is invisible; no letter, digit or punctuation is, outside the blank names.
+    import unicodedata
+    from grpo.rewards.format import default_ignorable, invisible
+    for cp in range(0x110000):
+        c = chr(cp)
+        cat = unicodedata.category(c)
+        if default_ignorable(c):
+            assert invisible(c)
+        if cat[0] in "LNP" and invisible(c):
+            assert cp in (0x115F, 0x1160, 0x3164, 0xFFA0) or "FILLER" in unicodedata.name(c, ""), hex(cp)
+    assert default_ignorable("\u200b") and not default_ignorable("\u0600") and not default_ignorable("a")
