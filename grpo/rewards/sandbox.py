@@ -1,39 +1,44 @@
 """Run untrusted Python from model completions so that its verdict cannot be forged.
 
-**How a verdict is reached** (the untrusted program never holds what it would need to fake it):
+**How a verdict is reached** (never inside the program's process):
 
 * *stdin/stdout tests*: the program gets the input on stdin; the harness, outside, compares
-  its whole stdout with the expected output and requires exit status 0. The expected output
-  never enters the sandbox.
-* *value tests* -- assert statements of the forms ``assert E == L`` / ``L == E``, ``E != L``,
-  ``E is L`` (``L`` a literal, ``ast.literal_eval``-able), ``math.isclose(E, L, ...)`` and
-  ``abs(E - L) < L2`` / ``<=``, optionally after setup statements, where ``E`` is
-  *program-controlled*: built only from names the test does not bind, calls of such names or
-  of a few builtins whose every result the program could return itself (``len``, ``sorted``,
-  ``int`` ...), displays, arithmetic and subscripts -- no comparison, lambda, comprehension or
-  helper the test defines, since a forged value would skip that logic. Only ``E`` (and the
-  setup) enter the sandbox; its value leaves as tagged JSON of exact builtin types (no custom
-  ``__eq__``) and the harness compares it with ``L`` outside. A forged value line is then no
-  better than returning that value from the solution, and the program never sees ``L``. All
-  value tests of a completion run in one process.
-* *statement tests* -- every other test: each runs in its own process, after the code; the test
-  passes when, after the statement ran without raising, the harness receives a random nonce
-  that exists only in a local variable of the bootstrap's frame. Exiting early, printing, or
-  writing to descriptors forges nothing. Inside its asserts, ``==`` / ``!=`` go through a
-  guard (:func:`guard_statement`) that refuses to call a custom ``__eq__`` against a plain
-  value: an "equal to anything" object fails ``assert r == 2``.
+  its whole stdout with the expected output and requires exit status 0.
+* *assert tests* (:func:`plan_assert_tests`): each test is split into judge logic and
+  *probes*. A probe is a part of the test that belongs to the program (its calls, its names,
+  attributes and methods of what it returned); it is evaluated in the sandbox after the
+  program and its value leaves as a record of exact builtin types (None, bool, int, float,
+  complex, str, bytes, list, tuple, set, frozenset, dict), headed by a per-run nonce and
+  written by primitives bound before the program ran. Everything else -- every assert of the
+  test, ``==``/``!=``/``<``, chained comparisons, ``in``, ``is``, ``not``, ``and``/``or``,
+  literal methods (``[2].count(...)``), builtins (``len``, ``sorted``, ``isinstance`` ...),
+  ``math.isclose``, the test's comprehensions, lambdas and ``for`` loops of asserts -- runs in
+  a separate *judge* process (a fresh interpreter under memory/CPU limits and a
+  :data:`JUDGE_SECONDS` wall clock that never holds an object of the program) on the decoded
+  values. The expected values never enter the sandbox. A test whose logic would have to run
+  inside (a helper the test defines, a comparison whose result is passed to the program, a
+  ``def check(candidate)``) is refused: it scores 0 and the reason is logged at INFO.
+  The trainer's process only ever reads the judge's ``PASS <i>`` lines (bounded).
 
-**What remains possible** (said plainly): for statement tests the verdict is in-process, so
-(1) a CPython memory-safety bug that lets pure Python read its own memory would reveal the
-nonce (the known routes are closed: frames via ``sys._getframe``, tracebacks, generators and
-coroutines, ``gc``, ``/proc/self/mem`` (no ``/proc`` is mounted), ctypes and the ``_test*``
-modules, building code objects, ``marshal``); and
-(2) the program can make the statement itself pass by the usual Python means that the guard
-does not cover -- monkeypatching what the test calls (builtins, modules), custom ``__eq__``
-on *both* sides of a comparison, a truthy object for a bare ``assert check(x)`` -- as in any
-harness that runs the test in the program's process. Value tests close (2) for the common
-``assert f(x) == literal`` form. In every mode the program may of course print, spin
-or crash: that only fails its own tests.
+**What remains possible** (said plainly): a probe's value is whatever the program returns,
+so a forged record is no better than returning that value (a stateful program may return
+different values on each call); a method of an object the program returned
+(``s.pop()``) is the program's. Forging a record needs the nonce, which lives only in a local
+of the bootstrap's frame: a CPython memory-safety bug that lets pure Python read its own
+memory would reveal it (the known routes stay closed: frames, tracebacks, generators, ``gc``,
+``/proc``, ctypes and the ``_test*`` modules, code objects, ``marshal``). Refused inside, and
+why: new processes and threads (``os.fork``/``exec``/``subprocess``/``multiprocessing``,
+``threading.Thread.start``, ``concurrent.futures``: RLIMIT_NPROC and the hook), signals to
+other processes, sockets (``socket``, ``asyncio``'s event loop, ``http``, ``urllib``: no
+network exists), ctypes and raw memory, directory descriptors (``tempfile``'s
+``TemporaryDirectory``/``NamedTemporaryFile``, ``shutil.rmtree``'s fd walk, ``os.open`` of a
+directory) because they would serve as ``dir_fd`` for paths the hook cannot resolve, ``/proc``,
+``sys._getframe``/``inspect.currentframe`` and ``traceback`` frame walks (they would reach the
+nonce; ``namedtuple``, ``enum``, ``typing`` and ``logging`` cope), and ``marshal`` (the standard
+library is imported from source, ``-X pycache_prefix``). Every other pure-Python standard
+library module imports and works (tests/rewards_corpus.py: 59 solutions over heapq, bisect,
+typing, dataclasses, fractions, random, datetime, decimal, statistics, enum, re, json ...).
+In every mode the program may print, spin or crash: that only fails its own tests.
 
 **Containment** (``grpo/rewards/sandbox_bootstrap.py`` builds it; the same on every machine, whether
 the trainer runs as root or as an ordinary user, via an unprivileged user namespace):
