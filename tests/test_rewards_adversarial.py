@@ -657,7 +657,8 @@ def test_bootstrap_is_a_packaged_file():
 # stays bounded (tests/rewards_corpus.py holds the solutions and the attacks)
 # --------------------------------------------------------------------------------------------
 
-from rewards_corpus import ATTACK_TESTS, ATTACKS, HONEST  # noqa: E402
+from rewards_corpus import ATTACK_TESTS, HONEST  # noqa: E402
+from rewards_corpus import ATTACKS as CORPUS_ATTACKS  # noqa: E402
 
 
 @needs_jail
@@ -673,9 +674,9 @@ def test_honest_stdlib_solutions_all_pass():
 @needs_jail
 @pytest.mark.timeout(300)
 def test_attacks_forge_no_test():
-    out = code_rewards([f"```python\n{c}\n```" for c in ATTACKS.values()],
-                       [ATTACK_TESTS] * len(ATTACKS), timeout=5.0)
-    assert dict(zip(ATTACKS, out)) == dict.fromkeys(ATTACKS, 0.0)
+    out = code_rewards([f"```python\n{c}\n```" for c in CORPUS_ATTACKS.values()],
+                       [ATTACK_TESTS] * len(CORPUS_ATTACKS), timeout=5.0)
+    assert dict(zip(CORPUS_ATTACKS, out)) == dict.fromkeys(CORPUS_ATTACKS, 0.0)
     # The same tests against the right code all pass: the attack set is not trivially failing.
     assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS) == 1.0
 
