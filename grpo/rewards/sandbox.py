@@ -683,8 +683,8 @@ def judge(sources: list[str], results: bytes, nonce: str) -> list[bool]:
     probe records ``results``; one verdict per judge source. Anything short of a clean
     "passed" from the judge within :data:`JUDGE_SECONDS` fails."""
     n = len(sources)
-    if len(results) > MAX_RESULT_BYTES:
-        return [False] * n
+    if len(results) > MAX_RESULT_BYTES or nonce.encode() not in results:
+        return [False] * n  # too much to read, or not one record of ours: nothing to judge
     exe, _ = _runtime()
     fds: list[int] = []
     try:
