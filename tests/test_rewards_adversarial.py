@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 import uuid
 
 import pytest
@@ -743,3 +744,55 @@ def test_default_ignorable_matches_its_definition_over_all_code_points():
         if cat[0] in "LNP" and invisible(c):
             assert cp in (0x115F, 0x1160, 0x3164, 0xFFA0) or "FILLER" in unicodedata.name(c, ""), hex(cp)
     assert default_ignorable("\u200b") and not default_ignorable("\u0600") and not default_ignorable("a")
+
+
+# --------------------------------------------------------------------------------------------
+# Math, round 2: generated variants of each class (pred, gold, expected)
+# --------------------------------------------------------------------------------------------
+
+
+def _math_variants(seed: int) -> list[tuple[str, str, bool]]:
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(4):
+        n = rng.randint(1000, 99_999_999)
+        groups = f"{n:,}".split(",")
+        sep = rng.choice([",\\!", ",\\! ", "{,}", "\\,"])
+        out.append((sep.join(groups), str(n), True))                      # MATH thousands
+        out.append((f"$\\${sep.join(groups)}.{rng.randint(10, 99)}$", str(n), False))
+        k = rng.randint(1, 999)
+        out.append((f"0,{k:03d}", str(k), False))                          # leading-zero group
+        out.append((f"0{{,}}{k:03d}", str(k), False))
+        a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+        var = rng.choice("xyzk")
+        out.append((f"{var} = {a} + {b} + {c} = {a + b + c}", str(a + b + c), True))  # chains
+        out.append((f"{var} = {a} + {b} = {a + b + 1}", str(a + b), False))
+        d = rng.randint(1, 9)
+        op, flipped = rng.choice([("<", ">"), (">", "<"), ("\\le", "\\ge"), ("\\ge", "\\le")])
+        out.append((f"-{var} {op} -{d}", f"{var} {flipped} {d}", True))    # inequalities
+        out.append((f"{a}{var} {op} {a * d}", f"{var} {op} {d}", True))
+        out.append((f"{a}{var} {op} {a * d}", f"{var} {flipped} {d}", False))
+        p = rng.randint(1, 99)
+        out.append((f"{p} {rng.choice(['pct', 'percent', 'percentage'])}", f"{p}\\%", True))
+        out.append((f"${p}$ percent", f"{p}\\%", True))
+        out.append((f"{p + 1} pct", f"{p}\\%", False))
+        xs = rng.sample(range(-20, 20), 4)
+        out.append((";".join(map(str, xs)), "\\{" + ", ".join(map(str, reversed(xs))) + "\\}", True))
+        out.append((";".join(map(str, xs[:3])), ", ".join(map(str, xs)), False))
+        t1, t2 = (a, b), (c, d)
+        out.append((f"({t1[0]},{t1[1]})or({t2[0]},{t2[1]})", f"({t2[0]}, {t2[1]}), ({t1[0]}, {t1[1]})", True))
+        out.append((f"({a};{b};{c})", f"({a}, {b}, {c})", True))
+        out.append((f"({a}, {b}), ({a}, {b}), ({c}, {d + 10})", f"({c}, {d + 10}), ({a}, {b})", True))
+        out.append((f"({a}, {b}), ({c}, {d + 10})", f"({a}, {b + 10})", False))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", range(2))
+def test_math_classes_of_round_two(seed):
+    cases = _math_variants(seed)
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda c: math_equal(c[0], c[1], timeout=10.0), cases))
+    wrong = [(p, g, e) for (p, g, e), r in zip(cases, got) if r != e]
+    assert wrong == []
