@@ -11,14 +11,16 @@ The module has two halves with different safety properties:
 
 Equivalence rules (documented here once; ``math_equal`` refers to them):
 
-* Answers are split structurally before any parsing: ``\\{...\\}`` sets and comma-separated lists
-  of several answers are unordered; tuples and intervals are ordered and their brackets must match
+* Answers are split structurally before any parsing: ``\\{...\\}`` sets and comma- or
+  semicolon-separated lists of several answers are unordered and compare as sets (as
+  math-verify does: a repeated answer neither adds nor misses one); ``(a,b)or(c,d)`` is a list; tuples and intervals are ordered and their brackets must match
   (``(1,2)`` != ``[1,2]`` != ``[1,2)``); matrices compare cell by cell; ``a \\cup b`` unions are
   unordered lists of pieces; ``\\pm`` expands to the two-element set (so ``\\pm 2`` != ``2``).
 * ``x = 5`` equals ``5`` when the left side is a bare variable (``x``, ``a_1``, ``f(x)``,
-  ``(x, y)``); other equations compare as equations: ``l1 - r1`` must be a non-zero constant
-  multiple of ``l2 - r2``. Inequalities in one variable (``x > 3``, ``1 \\le x < 2``) become
-  intervals; other inequalities need a positive constant multiple.
+  ``(x, y)``); a chain ``x = 5 + 5 + 1 = 11`` is its last member; other equations compare as
+  equations: ``l1 - r1`` must be a non-zero constant multiple of ``l2 - r2``. Inequalities in
+  one variable (``x > 3``, ``1 \\le x < 2``, and linear ones ``-x > -1`` / ``2x < 2``, solved
+  for the variable) become intervals; other inequalities need a positive constant multiple.
 * Numbers are exact: integers, fractions, decimals (as exact rationals), radicals, ``\\pi`` ...
   Two values are equal when they are equal as rationals, or (irrationals) when they agree to
   40 significant digits at 60-digit precision, or (free symbols) when they agree at five sample
@@ -27,7 +29,7 @@ Equivalence rules (documented here once; ``math_equal`` refers to them):
   ``42.00 == 42``) and equals another value only when exactly equal: there is no rounding
   tolerance, so ``0.3333 != 1/3``, ``1.414 != sqrt(2)``, ``3.000 != 3.0001``. (A verifier that
   accepts a rounded value also accepts every wrong answer within the rounding window.)
-* Percent: ``x%`` means ``x/100`` against a bare number, on either side (``50\\% == 0.5``,
+* Percent: ``x%`` (also ``x pct``, ``x percent``, ``x percentage``) means ``x/100`` against a bare number, on either side (``50\\% == 0.5``,
   ``12.5\\% == 1/8``, ``0.5\\% != 0.5``, ``50 != 50\\%``); two percentages compare as
   written. (Reading a bare ``50`` as "50 percent" would also read ``0.5`` as "0.5 percent".)
   ``30^\\circ`` also matches
@@ -38,7 +40,7 @@ Equivalence rules (documented here once; ``math_equal`` refers to them):
 * Units in ``\\text{...}`` and common unit words are dropped, but never a digit (``2\\text{5 kg}``
   stays ``2 5``, which is not a number); digits separated only by spaces are never joined, so
   ``2 3`` is not ``23`` (only ``1,234``-style thousands, as the whole answer, or LaTeX ``1\\,234``
-  / ``1{,}234``). Words (``Monday``) compare case-insensitively as text.
+  / ``1{,}234`` / MATH's ``1,\\!234``; a first group never starts with 0: ``0,111`` is not 111). Words (``Monday``) compare case-insensitively as text.
 * Unicode: superscripts (``x\u00b2``), vulgar fractions (``\u00bd``), ``\u211d`` and lookalike
   digits (NFKC: fullwidth, mathematical bold) are read as what they mean; invisible format
   characters are dropped. ``\\mathbb{R}`` and "all real numbers" mean ``(-\\infty, \\infty)``;

@@ -207,6 +207,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(size)
         self._start_failure_logged = False
+        self._closed = False
 
     def compare(self, pred: str, gold: str, timeout: float) -> bool | None:
         """Worker verdict. Raises WorkerError (timeout, crash) or VerifierUnavailable (no start)."""
@@ -229,13 +230,29 @@ class WorkerPool:
             except WorkerError:
                 with self._lock:
                     self._all.discard(worker)
+                # Start the replacement now, in the background: the next call then finds a
+                # warm worker instead of waiting for SymPy to import.
+                threading.Thread(target=self._replenish, daemon=True).start()
                 raise
             with self._lock:
                 self._idle.append(worker)
             return result
 
+    def _replenish(self) -> None:
+        try:
+            worker = _Worker()
+        except Exception:  # noqa: BLE001 - the next call starts (and reports) its own
+            return
+        with self._lock:
+            if len(self._all) < self.size and not self._closed:
+                self._all.add(worker)
+                self._idle.append(worker)
+                return
+        worker.kill()
+
     def shutdown(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._all, self._idle = list(self._all), set(), []
         for w in workers:
             w.kill()
