@@ -138,7 +138,9 @@ def code_reward(completion: Any, tests: Any, *, timeout: float = 5.0) -> float:
     """Fraction of ``tests`` the completion's code passes, run in the sandbox.
 
     The code is the last fenced ```python block, else the ``<answer>`` body. ``tests`` is a
-    list of statements (``assert f(2) == 4``; passes when it raises nothing after the code ran)
+    list of assert tests (``assert f(2) == 4``, several asserts, setup lines, loops of asserts:
+    every assert must hold, judged outside the program on the plain values it returns; a
+    test whose logic would have to run inside the program is refused and fails)
     or of ``{"input", "output"}`` pairs (stdin in; the whole stdout must equal ``output`` line by
     line with trailing whitespace stripped, and the program must exit 0). See
     ``grpo.rewards.sandbox`` for how verdicts are reached and what the sandbox enforces. Never raises

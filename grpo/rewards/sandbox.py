@@ -83,7 +83,6 @@ DEFAULT_MEMORY_MB = 1024
 DEFAULT_FILE_MB = 16
 DEFAULT_TMP_MB = 64
 MAX_OUTPUT_BYTES = DEFAULT_FILE_MB << 20
-MAX_VALUE_BYTES = 1 << 20  # one reported value; bigger ones fail their test
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
 log = logging.getLogger(__name__)
 JAIL_FAILED = 97  # see grpo.rewards.sandbox_bootstrap.JAIL_FAILED
