@@ -222,6 +222,16 @@ def test_expected_value_never_enters_the_sandbox():
     assert code_reward(f"```python\n{probe}\n```", ["assert f(1) == 31337"]) == 0.0
 
 
+def test_humaneval_checkers_are_inlined_or_refused():
+    inline = "def check(candidate):\n    assert candidate(1) == 2\ncheck(f)"
+    plan = _sandbox.plan_assert_tests("", [inline])
+    assert not plan.refused and plan.inside[0] == [["probe", 0, "f(1)"]]
+    for kept in ["def check(c):\n    return c(1) == 2\nassert check(f)",
+                 "def check(c):\n    assert c(1) == 2\ncheck(lambda x: f(x))",
+                 "def check(c):\n    if c(1):\n        assert c(1) == 2\ncheck(f)"]:
+        assert _sandbox.plan_assert_tests("", [kept]).judge == [None], kept
+
+
 def test_test_logic_runs_in_the_judge():
     # Logic the test defines for itself is refused; logic it writes inline runs in the judge,
     # and only the program's parts (probes) run inside.

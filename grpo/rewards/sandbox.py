@@ -579,6 +579,53 @@ def _as_store(t: ast.AST) -> ast.AST:
     return type(t)([_as_store(e) for e in t.elts], ast.Store())
 
 
+class _Rename(ast.NodeTransformer):
+    def __init__(self, mapping: dict[str, str]):
+        self.mapping = mapping
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in self.mapping:
+            return ast.copy_location(ast.Name(self.mapping[node.id], node.ctx), node)
+        return node
+
+
+def _inline_checkers(tree: ast.Module) -> ast.Module:
+    """HumanEval's form -- ``def check(candidate): assert candidate(...) == ...`` then
+    ``check(f)`` -- as the asserts themselves: each top-level call of such a checker with
+    plain names is replaced by the checker's body, its parameters renamed to the arguments.
+    A checker qualifies when its body holds only asserts, assignments, loops of asserts,
+    imports and ``pass`` (anything else stays a definition, which the planner refuses)."""
+    allowed = (ast.Assert, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.Import,
+               ast.ImportFrom, ast.Pass, ast.Expr)
+    checkers = {st.name: st for st in tree.body
+                if isinstance(st, ast.FunctionDef) and not st.decorator_list
+                and not st.args.vararg and not st.args.kwarg and not st.args.kwonlyargs
+                and not st.args.posonlyargs and not st.args.defaults
+                and all(isinstance(b, allowed) for b in st.body)
+                and not any(isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom, ast.Global,
+                                           ast.Nonlocal)) for n in ast.walk(st))}
+    if not checkers:
+        return tree
+    body: list[ast.stmt] = []
+    for st in tree.body:
+        if isinstance(st, ast.FunctionDef) and st.name in checkers:
+            continue
+        call = st.value if isinstance(st, ast.Expr) else None
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id in checkers and not call.keywords
+                and all(isinstance(a, ast.Name) for a in call.args)
+                and len(call.args) == len(checkers[call.func.id].args.args)):
+            fn = checkers[call.func.id]
+            mapping = {p.arg: a.id for p, a in zip(fn.args.args, call.args)}
+            for b in fn.body:
+                body.append(_Rename(mapping).visit(ast.parse(ast.unparse(b)).body[0]))
+            continue
+        if any(isinstance(n, ast.Name) and n.id in checkers for n in ast.walk(st)):
+            return tree  # the checker is used otherwise: keep it (and refuse the test)
+        body.append(st)
+    return ast.Module(body=body, type_ignores=[])
+
+
 def _judge_import(st: ast.stmt) -> bool:
     if isinstance(st, ast.Import):
         return all(a.name.partition(".")[0] in JUDGE_MODULES for a in st.names)
@@ -627,6 +674,7 @@ def plan_assert_tests(code: str, tests: list[str]) -> AssertPlan:
         except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
             refused[i] = f"test does not parse ({type(e).__name__})"
             continue
+        tree = _inline_checkers(tree)
         if not any(isinstance(st, ast.Assert) or isinstance(st, ast.For) and any(
                 isinstance(b, ast.Assert) for b in st.body) for st in tree.body):
             refused[i] = "no top-level assert (or loop of asserts): nothing to judge"
