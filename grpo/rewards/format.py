@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from typing import Any, Sequence
@@ -86,15 +87,18 @@ def _prepended_concatenation_mark(cp: int) -> bool:
                                             0x110CD)
 
 
+@functools.lru_cache(maxsize=8192)  # a run of one blank character costs one lookup
 def invisible(c: str) -> bool:
     """Whether one character renders as nothing (see the comment above)."""
-    return (unicodedata.category(c).startswith(_INVISIBLE_CATEGORIES) or default_ignorable(c)
-            or _BLANK_NAME.search(unicodedata.name(c, "")) is not None)
+    category = unicodedata.category(c)
+    return (category.startswith(_INVISIBLE_CATEGORIES) or default_ignorable(c)
+            or category in ("Lo", "So") and _BLANK_NAME.search(unicodedata.name(c, "")) is not None)
 
 
 def _visible(text: str) -> bool:
-    """Whether ``text`` holds a character that is seen when rendered (linear)."""
-    return not all(invisible(c) for c in text)
+    """Whether ``text`` holds a character that is seen when rendered (linear: each distinct
+    character is looked at once)."""
+    return not all(invisible(c) for c in set(text))
 
 
 
