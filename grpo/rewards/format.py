@@ -98,7 +98,13 @@ def invisible(c: str) -> bool:
 def _visible(text: str) -> bool:
     """Whether ``text`` holds a character that is seen when rendered (linear: each distinct
     character is looked at once)."""
-    return not all(invisible(c) for c in set(text))
+    seen: set[str] = set()
+    for c in text:
+        if c not in seen:
+            if not invisible(c):
+                return True
+            seen.add(c)
+    return False
 
 
 
