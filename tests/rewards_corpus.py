@@ -104,4 +104,5 @@ ATTACKS = {
     "getframe": WRONG + "import sys\ntry:\n    fr = sys._getframe(1)\n    print(fr.f_locals)\nexcept Exception:\n    pass",
     "gc_scan": WRONG + "try:\n    import gc\n    for o in gc.get_objects():\n        pass\nexcept Exception:\n    pass",
     "bool_subclass_via_int": "def f(*a): return True",
+    "shadow_builtins": "def isinstance(*a): return True\ndef sorted(*a, **k): return [2, 4]\ndef abs(x): return 0\ndef all(x): return True\ndef str(x): return '2'\nclass math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef f(*a): return -1",
 }

@@ -36,7 +36,7 @@ directory) because they would serve as ``dir_fd`` for paths the hook cannot reso
 ``sys._getframe``/``inspect.currentframe`` and ``traceback`` frame walks (they would reach the
 nonce; ``namedtuple``, ``enum``, ``typing`` and ``logging`` cope), and ``marshal`` (the standard
 library is imported from source, ``-X pycache_prefix``). Every other pure-Python standard
-library module imports and works (tests/rewards_corpus.py: 59 solutions over heapq, bisect,
+library module imports and works (tests/rewards_corpus.py: 60 solutions over heapq, bisect,
 typing, dataclasses, fractions, random, datetime, decimal, statistics, enum, re, json ...).
 In every mode the program may print, spin or crash: that only fails its own tests.
 
@@ -254,8 +254,8 @@ JUDGE_TEST_SECONDS = 0.5  # one test inside the judge
 MAX_SET_ITEMS = 20_000  # a reported set / dict; hash collisions make a big one quadratic
 PROBE = "__grpo_probe__"
 
-# Builtins the judge provides (on plain values they cannot be fooled); a program name that
-# shadows one of them (``def sum(...)``) is the program's.
+# Builtins the judge provides (on plain values they cannot be fooled); a test that uses one
+# the program redefines at top level (``def sum(...)``) is refused.
 JUDGE_BUILTINS = frozenset({
     "abs", "all", "any", "ascii", "bin", "bool", "bytes", "chr", "complex", "dict", "divmod",
     "enumerate", "filter", "float", "format", "frozenset", "hex", "int", "isinstance", "iter",
@@ -343,6 +343,9 @@ class _Planner:
         if name in local:
             return True
         if name in self.shadowed:
+            if name in JUDGE_BUILTINS or name == "math" or name in self.judge_imports:
+                # The test's logic would call the program's version of a builtin: refused.
+                raise Refused(f"the program redefines {name}, which the test uses")
             return False
         if name in self.test_names:
             return name not in self.inside_needed
