@@ -58,7 +58,7 @@ HONEST = [
     ("import logging\nlog = logging.getLogger('x')\ndef f(x):\n    log.warning('called %s', x)\n    return x + 1", ["assert f(1) == 2"]),
     ("import time\ndef f(x):\n    t = time.monotonic()\n    return x * 2 if time.monotonic() >= t else None", ["assert f(2) == 4"]),
     ("import itertools\ndef f(n):\n    return list(itertools.islice(itertools.count(1, 2), n))", ["for i in range(1, 4):\n    assert len(f(i)) == i", "assert f(3) == [1, 3, 5]"]),
-    ("def f(s):\n    return s[::-1]", ["assert all(f(w) == w[::-1] for w in ['ab', 'xyz'])", "assert [f(w) for w in 'ab'] == ['a', 'b']"]),
+    ("def f(s):\n    return s[::-1]", ["print(f('ab'))\nassert f('ab') == 'ba'", "assert all(f(w) == w[::-1] for w in ['ab', 'xyz'])", "assert [f(w) for w in 'ab'] == ['a', 'b']"]),
     ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n    def size(self):\n        return len(self.items)", ["s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1"]),
     ("def f(xs):\n    xs.sort()", ["x = [3, 1, 2]\nf(x)\nassert x == [1, 2, 3]"]),
     ("def f(x):\n    return float('nan') if x is None else x / 2", ["assert f(3) == 1.5", "assert f(None) != f(None)"]),

@@ -512,7 +512,14 @@ class _Planner:
             elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 judge.extend(self.assignment(st))
             elif isinstance(st, ast.Expr):
-                self.inside(st.value)
+                call = st.value
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                        and call.func.id == "print" and "print" not in self.shadowed):
+                    # print's arguments go nowhere the judge reads: run it (for the calls'
+                    # effects), exempt from the rule on builtins.
+                    self.reads(call, frozenset())
+                else:
+                    self.inside(st.value)
                 self.steps.append(["exec", ast.unparse(st)])
             elif isinstance(st, ast.For) and not st.orelse and all(
                     isinstance(b, (ast.Assert, ast.Pass)) for b in st.body):
@@ -644,12 +651,15 @@ _BUILTIN_NAMES = frozenset(dir(builtins))
 
 
 def top_level_names(code: str) -> set[str]:
-    """Names the program binds at module level (those shadow the judge's builtins)."""
+    """Names the program binds at module level (those shadow the judge's builtins), bar its
+    plain top-level imports of the judge's modules (the same objects in both places)."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return set()
     names: set[str] = set()
+    judged = {(a.asname or a.name).partition(".")[0]  # the judge binds these to the same objects
+              for st in _program_judge_imports(code) for a in st.names}
     for st in tree.body:
         for n in ast.walk(st):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
@@ -658,7 +668,7 @@ def top_level_names(code: str) -> set[str]:
                 names.add(n.name)
             elif isinstance(n, (ast.Import, ast.ImportFrom)):
                 names.update((a.asname or a.name).partition(".")[0] for a in n.names)
-    return names
+    return names - judged
 
 
 def plan_assert_tests(code: str, tests: list[str]) -> AssertPlan:
@@ -683,7 +693,13 @@ def plan_assert_tests(code: str, tests: list[str]) -> AssertPlan:
             refused[i] = "no top-level assert (or loop of asserts): nothing to judge"
             continue
         trees[i] = tree
-    planner = _Planner(top_level_names(code), list(trees.values()))
+    shadowed, imports = top_level_names(code), _program_judge_imports(code)
+    planner = _Planner(shadowed, list(trees.values()))
+    # What the program imports from the judge's modules (``from math import isclose``) the
+    # judge imports too, so a test's logic through those names runs on the real ones.
+    planner.judge_imports |= {(a.asname or a.name).partition(".")[0]
+                              for st in imports for a in st.names}
+    prologue = "".join(ast.unparse(st) + "\n" for st in imports)
     # Names the program reads move from the judge to the inside: plan until that set is stable.
     for _ in range(len(planner.test_names) + 2):
         before = set(planner.inside_needed)
@@ -696,7 +712,35 @@ def plan_assert_tests(code: str, tests: list[str]) -> AssertPlan:
                 refused[i] = str(e) if isinstance(e, Refused) else f"unsupported test ({type(e).__name__})"
         if planner.inside_needed == before:
             break
+    judge = [None if j is None else prologue + j for j in judge]
     return AssertPlan(inside=inside, judge=judge, refused=refused)
+
+
+def _program_judge_imports(code: str) -> list[ast.stmt]:
+    """The program's top-level imports from the judge's modules whose names it never rebinds."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    imports = [st for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))
+               and _judge_import(st)]
+    counts: dict[str, int] = {}
+    for n in ast.walk(tree):
+        bound: list[str] = []
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            bound = [n.id]
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound = [n.name]
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound = [(a.asname or a.name).partition(".")[0] for a in n.names]
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            bound = list(n.names)
+        elif isinstance(n, ast.arg):
+            bound = [n.arg]
+        for b in bound:
+            counts[b] = counts.get(b, 0) + 1
+    return [st for st in imports
+            if all(counts.get((a.asname or a.name).partition(".")[0], 0) == 1 for a in st.names)]
 
 
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0, **kw):
