@@ -23,7 +23,11 @@
 **What remains possible** (said plainly): a probe's value is whatever the program returns,
 so a forged record is no better than returning that value (a stateful program may return
 different values on each call); a method of an object the program returned
-(``s.pop()``) is the program's. Forging a record needs the nonce, which lives only in a local
+(``s.pop()``) is the program's, and so is a helper the test calls without defining or importing
+it itself (a test's ``isclose(...)`` where the program defines ``isclose``) -- as in Python; but
+a test using a builtin or judge module the program redefines is refused. Not judged (refused):
+``try``/``with``/``if``/``while`` statements in a test, helper functions it defines (other than
+HumanEval's ``check(candidate)``), and values of the test's own lambdas passed to the program. Forging a record needs the nonce, which lives only in a local
 of the bootstrap's frame: a CPython memory-safety bug that lets pure Python read its own
 memory would reveal it (the known routes stay closed: frames, tracebacks, generators, ``gc``,
 ``/proc``, ctypes and the ``_test*`` modules, code objects, ``marshal``). Refused inside, and
