@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo import _sandbox, rewards
+from grpo import rewards
+from grpo.rewards import sandbox as _sandbox
 from grpo.rewards import (REWARD_FUNCTIONS, code_reward, code_rewards, extract_answer,
                           format_reward, math_accuracy, math_equal)
 
@@ -320,7 +321,7 @@ def _sandbox_processes() -> list[int]:
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"grpo._sandbox`` runs" in f.read():
+                    if b"grpo.rewards.sandbox`` runs" in f.read():
                         pids.append(int(pid))
             except OSError:
                 pass

@@ -18,11 +18,14 @@ import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 import uuid
 
 import pytest
 
-from grpo import _sandbox, math_worker, rewards
+from grpo import rewards
+from grpo.rewards import sandbox as _sandbox
+from grpo.rewards import worker as math_worker
 from grpo.rewards import (code_reward, code_rewards, extract_answer, format_reward, math_accuracy,
                           math_equal)
 
@@ -214,20 +217,32 @@ def test_expected_value_never_enters_the_sandbox():
         if "31337" in seen:
             raise SystemExit(0)
         """)
-    r = _sandbox.run(probe, mode="values", run_job={"tests": [["", "f(1)"]]}, timeout=3)
+    r = _sandbox.run(probe, mode="probes", run_job={"tests": [[["probe", 0, "f(1)"]]]}, timeout=3)
     assert r.error is None and "31337" not in r.stdout
     assert code_reward(f"```python\n{probe}\n```", ["assert f(1) == 31337"]) == 0.0
 
 
-def test_checker_tests_are_not_value_tests():
-    # A forged "True" would skip the test's own logic: such tests must run in-process.
-    assert _sandbox.split_test("def ok(v):\n    return v > 3\nassert ok(f(1)) == True") is None
-    assert _sandbox.split_test("assert (lambda v: v > 3)(f(1)) == True") is None
-    assert _sandbox.split_test("assert all(v > 3 for v in f(1)) == True") is None
-    assert _sandbox.split_test("assert isinstance(f(1), int) is True") is None
-    assert _sandbox.split_test("assert f(1) == g(1)") is None
-    assert _sandbox.split_test("assert f(1) == 2").expr == "f(1)"
-    assert _sandbox.split_test("assert 2 == len(f(1))").expr == "len(f(1))"
+def test_humaneval_checkers_are_inlined_or_refused():
+    inline = "def check(candidate):\n    assert candidate(1) == 2\ncheck(f)"
+    plan = _sandbox.plan_assert_tests("", [inline])
+    assert not plan.refused and plan.inside[0] == [["probe", 0, "f(1)"]]
+    for kept in ["def check(c):\n    return c(1) == 2\nassert check(f)",
+                 "def check(c):\n    assert c(1) == 2\ncheck(lambda x: f(x))",
+                 "def check(c):\n    if c(1):\n        assert c(1) == 2\ncheck(f)"]:
+        assert _sandbox.plan_assert_tests("", [kept]).judge == [None], kept
+
+
+def test_test_logic_runs_in_the_judge():
+    # Logic the test defines for itself is refused; logic it writes inline runs in the judge,
+    # and only the program's parts (probes) run inside.
+    plan = _sandbox.plan_assert_tests("", ["def ok(v):\n    return v > 3\nassert ok(f(1)) == True"])
+    assert plan.judge == [None] and "FunctionDef" in plan.refused[0]
+    for test in ["assert (lambda v: v > 3)(f(1)) == True", "assert all(v > 3 for v in f(1)) == True",
+                 "assert isinstance(f(1), int) is True", "assert f(1) == g(1)", "assert 2 == len(f(1))"]:
+        plan = _sandbox.plan_assert_tests("", [test])
+        assert not plan.refused, test
+        probes = [step[2] for step in plan.inside[0] if step[0] == "probe"]
+        assert all(p in ("f(1)", "g(1)") for p in probes), (test, probes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +361,7 @@ def test_runaway_programs_end_on_time_and_leave_nothing():
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"grpo._sandbox`` runs" in f.read():
+                if b"grpo.rewards.sandbox`` runs" in f.read():
                     leftovers.append(pid)
         except OSError:
             pass
@@ -360,7 +375,8 @@ UNPRIVILEGED_SCRIPT = textwrap.dedent("""
     root, secret_dir = sys.argv[1], sys.argv[2]
     spec = importlib.machinery.PathFinder.find_spec("grpo", [root])
     sys.modules["grpo"] = importlib.util.module_from_spec(spec)  # grpo/__init__ imports torch
-    from grpo import _sandbox, rewards
+    from grpo import rewards
+    from grpo.rewards import sandbox as _sandbox
     out = {"uid": os.getuid(), "caps": _sandbox.capabilities()}
     probe = ("import os\\n"
              "for p in [%r, %r, '/etc/hostname']:\\n"
@@ -440,7 +456,7 @@ def test_sandbox_fails_closed(monkeypatch, caplog):
     # A jail that cannot be built scores None (unscorable), logs once, and runs nothing.
     monkeypatch.setattr(_sandbox, "_SYS_PIVOT_ROOT", {})
     monkeypatch.setattr(_sandbox.platform, "machine", lambda: "none")
-    monkeypatch.setattr(rewards, "_sandbox_failure_logged", False)
+    monkeypatch.setattr(rewards.code, "_sandbox_failure_logged", False)
     real_run = _sandbox.run
 
     def broken(code, **kw):
@@ -627,8 +643,8 @@ def test_code_rewards_rejects_mismatched_lengths():
 
 def test_worker_start_failure_is_logged_once_and_unscorable(monkeypatch, caplog):
     monkeypatch.setattr(math_worker, "LAUNCH", "raise SystemExit('no sympy here')")
-    monkeypatch.setattr(rewards, "_pool", math_worker.WorkerPool(1))
-    with caplog.at_level(logging.ERROR, logger="grpo.math_worker"):
+    monkeypatch.setattr(rewards.math, "_pool", math_worker.WorkerPool(1))
+    with caplog.at_level(logging.ERROR, logger="grpo.rewards.worker"):
         out = rewards.math_accuracy_reward(["p"] * 2, [r"\boxed{x+1}", r"\boxed{1+x}"],
                                            answer=["x+1", "x+1"])
         with pytest.raises(math_worker.VerifierUnavailable, match="no sympy here"):
@@ -641,7 +657,152 @@ def test_worker_start_failure_is_logged_once_and_unscorable(monkeypatch, caplog)
 def test_bootstrap_is_a_packaged_file():
     from importlib import resources
 
-    text = resources.files("grpo").joinpath("sandbox_bootstrap.py").read_text()
+    text = resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text()
     assert text == _sandbox._bootstrap_source()
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
-    assert math_worker.main.__module__ == "grpo.math_worker"
+    assert math_worker.main.__module__ == "grpo.rewards.worker"
+
+
+# --------------------------------------------------------------------------------------------
+# Round 2: honest standard-library code passes, forged verdicts of every form fail, the parent
+# stays bounded (tests/rewards_corpus.py holds the solutions and the attacks)
+# --------------------------------------------------------------------------------------------
+
+from rewards_corpus import ATTACK_TESTS, HONEST  # noqa: E402
+from rewards_corpus import ATTACKS as CORPUS_ATTACKS  # noqa: E402
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_honest_stdlib_solutions_all_pass():
+    # One completion per solution, scored in parallel (one sandbox + one judge run each).
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST], [t for _, t in HONEST],
+                       timeout=20.0)
+    assert len(HONEST) >= 50
+    assert [i for i, o in enumerate(out) if o != 1.0] == []
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_attacks_forge_no_test():
+    out = code_rewards([f"```python\n{c}\n```" for c in CORPUS_ATTACKS.values()],
+                       [ATTACK_TESTS] * len(CORPUS_ATTACKS), timeout=5.0)
+    assert dict(zip(CORPUS_ATTACKS, out)) == dict.fromkeys(CORPUS_ATTACKS, 0.0)
+    # The same tests against the right code all pass: the attack set is not trivially failing.
+    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS) == 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_comparisons_are_planned_into_the_judge(seed):
+    # Generated forms: every comparison, membership and literal-method test keeps the program
+    # to probes (calls of f), never inside a comparison.
+    import random
+    rng = random.Random(seed)
+    ops = ["==", "!=", "<", "<=", ">", ">=", "in", "not in", "is", "is not"]
+    for _ in range(50):
+        a, b = rng.randint(-9, 9), rng.randint(-9, 9)
+        form = rng.choice([f"f({a}) {rng.choice(ops)} [{b}]", f"{b} == f({a}) == {b}",
+                           f"[{b}].count(f({a})) == 1", f"({b},).index(f({a})) == 0",
+                           f"f({a}) in {{{b}}}", f"not f({a}) != {b}", f"sorted([f({a})]) == [{b}]"])
+        stmt = rng.choice([f"assert {form}", f"assert {form}\nassert f({b}) == {a}",
+                           f"r = f({a})\nassert {form.replace(f'f({a})', 'r')}"])
+        plan = _sandbox.plan_assert_tests("", [stmt])
+        assert not plan.refused, stmt
+        probes = [s[2] for s in plan.inside[0] if s[0] == "probe"]
+        assert probes and all(p.startswith("f(") for p in probes), (stmt, probes)
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_colliding_hash_results_do_not_stall_the_parent():
+    # Integers sharing one hash value (multiples of 2**61 - 1) as a set and as many lines.
+    code = textwrap.dedent("""
+        M = (1 << 61) - 1
+        def f(x):
+            return {i * M for i in range(1, 200000)}
+        import sys
+        for i in range(1, 300000):
+            sys.stdout.write('%d\\n' % (i * M))
+        """)
+    text = f"```python\n{code}\n```"
+    start = time.monotonic()
+    out = code_rewards([text, text], [["assert len(f(1)) == 5"], [{"input": "", "output": "1"}]],
+                       timeout=2.0)
+    assert time.monotonic() - start < 2.0 + _sandbox.JUDGE_SECONDS + 2 * SLACK
+    assert out == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cp", [0x1D159, 0x2800, 0x3164, 0x115F, 0xFFA0, 0x034F, 0x180B, 0xE0100,
+                                0x200B, 0x2060, 0xFEFF, 0x00AD, 0x0300, 0x3000, 0x1D173])
+def test_blank_rendering_blocks_are_empty(cp):
+    c = chr(cp)
+    assert format_reward(f"<think>{c}</think><answer>5</answer>") == 0.0
+    assert format_reward(f"<think>ok</think><answer>{c * 3}</answer>") == 0.0
+    assert format_reward(f"<think>ok{c}</think><answer>5</answer>") == 1.0
+
+
+def test_default_ignorable_matches_its_definition_over_all_code_points():
+    # Every Cf (bar the definition's exclusions) and every listed range is default-ignorable,
+    # and each one is invisible; no letter, digit or punctuation is, outside the blank names.
+    import unicodedata
+    from grpo.rewards.format import default_ignorable, invisible
+    for cp in range(0x110000):
+        c = chr(cp)
+        cat = unicodedata.category(c)
+        if default_ignorable(c):
+            assert invisible(c)
+        if cat[0] in "LNP" and invisible(c):
+            assert cp in (0x115F, 0x1160, 0x3164, 0xFFA0) or "FILLER" in unicodedata.name(c, ""), hex(cp)
+    assert default_ignorable("\u200b") and not default_ignorable("\u0600") and not default_ignorable("a")
+
+
+# --------------------------------------------------------------------------------------------
+# Math, round 2: generated variants of each class (pred, gold, expected)
+# --------------------------------------------------------------------------------------------
+
+
+def _math_variants(seed: int) -> list[tuple[str, str, bool]]:
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(4):
+        n = rng.randint(1000, 99_999_999)
+        groups = f"{n:,}".split(",")
+        sep = rng.choice([",\\!", ",\\! ", "{,}", "\\,"])
+        out.append((sep.join(groups), str(n), True))                      # MATH thousands
+        out.append((f"$\\${sep.join(groups)}.{rng.randint(10, 99)}$", str(n), False))
+        k = rng.randint(1, 999)
+        out.append((f"0,{k:03d}", str(k), False))                          # leading-zero group
+        out.append((f"0{{,}}{k:03d}", str(k), False))
+        a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+        var = rng.choice("xyzk")
+        out.append((f"{var} = {a} + {b} + {c} = {a + b + c}", str(a + b + c), True))  # chains
+        out.append((f"{var} = {a} + {b} = {a + b + 1}", str(a + b), False))
+        d = rng.randint(1, 9)
+        op, flipped = rng.choice([("<", ">"), (">", "<"), ("\\le", "\\ge"), ("\\ge", "\\le")])
+        out.append((f"-{var} {op} -{d}", f"{var} {flipped} {d}", True))    # inequalities
+        out.append((f"{a}{var} {op} {a * d}", f"{var} {op} {d}", True))
+        out.append((f"{a}{var} {op} {a * d}", f"{var} {flipped} {d}", False))
+        p = rng.randint(1, 99)
+        out.append((f"{p} {rng.choice(['pct', 'percent', 'percentage'])}", f"{p}\\%", True))
+        out.append((f"${p}$ percent", f"{p}\\%", True))
+        out.append((f"{p + 1} pct", f"{p}\\%", False))
+        xs = rng.sample(range(-20, 20), 4)
+        out.append((";".join(map(str, xs)), "\\{" + ", ".join(map(str, reversed(xs))) + "\\}", True))
+        out.append((";".join(map(str, xs[:3])), ", ".join(map(str, xs)), False))
+        t1, t2 = (a, b), (c, d)
+        out.append((f"({t1[0]},{t1[1]})or({t2[0]},{t2[1]})", f"({t2[0]}, {t2[1]}), ({t1[0]}, {t1[1]})", True))
+        out.append((f"({a};{b};{c})", f"({a}, {b}, {c})", True))
+        out.append((f"({a}, {b}), ({a}, {b}), ({c}, {d + 10})", f"({c}, {d + 10}), ({a}, {b})", True))
+        out.append((f"({a}, {b}), ({c}, {d + 10})", f"({a}, {b + 10})", False))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", range(2))
+def test_math_classes_of_round_two(seed):
+    cases = _math_variants(seed)
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda c: math_equal(c[0], c[1], timeout=10.0), cases))
+    wrong = [(p, g, e) for (p, g, e), r in zip(cases, got) if r != e]
+    assert wrong == []

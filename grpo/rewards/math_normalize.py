@@ -6,19 +6,21 @@ The module has two halves with different safety properties:
   strings and integer arithmetic with capped sizes. Safe to run in the trainer's own process.
 * **SymPy reasoning** (:func:`compare`): parsing with ``latex2sympy2_extended`` and evaluating
   with SymPy can take unbounded time and memory, so it only ever runs inside the worker process
-  (:mod:`grpo.math_worker`) that ``grpo.rewards`` starts and kills on timeout. SymPy is
+  (:mod:`grpo.rewards.worker`) that ``grpo.rewards`` starts and kills on timeout. SymPy is
   imported lazily so importing this module stays cheap.
 
 Equivalence rules (documented here once; ``math_equal`` refers to them):
 
-* Answers are split structurally before any parsing: ``\\{...\\}`` sets and comma-separated lists
-  of several answers are unordered; tuples and intervals are ordered and their brackets must match
+* Answers are split structurally before any parsing: ``\\{...\\}`` sets and comma- or
+  semicolon-separated lists of several answers are unordered and compare as sets (as
+  math-verify does: a repeated answer neither adds nor misses one); ``(a,b)or(c,d)`` is a list; tuples and intervals are ordered and their brackets must match
   (``(1,2)`` != ``[1,2]`` != ``[1,2)``); matrices compare cell by cell; ``a \\cup b`` unions are
   unordered lists of pieces; ``\\pm`` expands to the two-element set (so ``\\pm 2`` != ``2``).
 * ``x = 5`` equals ``5`` when the left side is a bare variable (``x``, ``a_1``, ``f(x)``,
-  ``(x, y)``); other equations compare as equations: ``l1 - r1`` must be a non-zero constant
-  multiple of ``l2 - r2``. Inequalities in one variable (``x > 3``, ``1 \\le x < 2``) become
-  intervals; other inequalities need a positive constant multiple.
+  ``(x, y)``); a chain ``x = 5 + 5 + 1 = 11`` is its last member; other equations compare as
+  equations: ``l1 - r1`` must be a non-zero constant multiple of ``l2 - r2``. Inequalities in
+  one variable (``x > 3``, ``1 \\le x < 2``, and linear ones ``-x > -1`` / ``2x < 2``, solved
+  for the variable) become intervals; other inequalities need a positive constant multiple.
 * Numbers are exact: integers, fractions, decimals (as exact rationals), radicals, ``\\pi`` ...
   Two values are equal when they are equal as rationals, or (irrationals) when they agree to
   40 significant digits at 60-digit precision, or (free symbols) when they agree at five sample
@@ -27,7 +29,7 @@ Equivalence rules (documented here once; ``math_equal`` refers to them):
   ``42.00 == 42``) and equals another value only when exactly equal: there is no rounding
   tolerance, so ``0.3333 != 1/3``, ``1.414 != sqrt(2)``, ``3.000 != 3.0001``. (A verifier that
   accepts a rounded value also accepts every wrong answer within the rounding window.)
-* Percent: ``x%`` means ``x/100`` against a bare number, on either side (``50\\% == 0.5``,
+* Percent: ``x%`` (also ``x pct``, ``x percent``, ``x percentage``) means ``x/100`` against a bare number, on either side (``50\\% == 0.5``,
   ``12.5\\% == 1/8``, ``0.5\\% != 0.5``, ``50 != 50\\%``); two percentages compare as
   written. (Reading a bare ``50`` as "50 percent" would also read ``0.5`` as "0.5 percent".)
   ``30^\\circ`` also matches
@@ -38,7 +40,7 @@ Equivalence rules (documented here once; ``math_equal`` refers to them):
 * Units in ``\\text{...}`` and common unit words are dropped, but never a digit (``2\\text{5 kg}``
   stays ``2 5``, which is not a number); digits separated only by spaces are never joined, so
   ``2 3`` is not ``23`` (only ``1,234``-style thousands, as the whole answer, or LaTeX ``1\\,234``
-  / ``1{,}234``). Words (``Monday``) compare case-insensitively as text.
+  / ``1{,}234`` / MATH's ``1,\\!234``; a first group never starts with 0: ``0,111`` is not 111). Words (``Monday``) compare case-insensitively as text.
 * Unicode: superscripts (``x\u00b2``), vulgar fractions (``\u00bd``), ``\u211d`` and lookalike
   digits (NFKC: fullwidth, mathematical bold) are read as what they mean; invisible format
   characters are dropped. ``\\mathbb{R}`` and "all real numbers" mean ``(-\\infty, \\infty)``;
@@ -95,8 +97,11 @@ _SIZED = re.compile(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|biggl|biggr|Biggl|Bigg
                     r"(?![a-zA-Z])\s*")
 # Thousands separators. Plain commas only when the whole answer is one such number ("(1,234)" is
 # a pair); LaTeX's "1{,}234" and "1\,234" anywhere. Spaces never join digits ("2 3" is not 23).
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.A)
-_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|\\,)(?=\d{3}(?!\d))", re.A)
+# A group of thousands never starts with 0 ("0,111" is not 111); MATH writes "16,\!386".
+_THOUSANDS = re.compile(r"[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?", re.A)
+_LATEX_THOUSANDS = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:(?:\{,\}|\\,|,\s*\\!)\s*\d{3}(?!\d))+", re.A)
+_LATEX_SEPARATOR = re.compile(r"\{,\}|\\,|,\s*\\!|\s+")
+_PERCENT_WORD = re.compile(r"(?<=\d)\s*(?:percent(?:age)?|pct)(?![A-Za-z])", re.I)
 _SUPERSCRIPTS = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b\u207f",
                          "0123456789+-n"))
 _SUBSCRIPTS = dict(zip("\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089", "0123456789"))
@@ -256,7 +261,7 @@ def clean(text: Any) -> str | None:
     s = re.sub(r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits|mathstrut)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\(?:left|right)\s*\.", "", s)
     s = _SIZED.sub("", s)
-    s = _LATEX_THOUSANDS.sub("", s)
+    s = _LATEX_THOUSANDS.sub(lambda m: _LATEX_SEPARATOR.sub("", m.group(0)), s)
     s = _SPACING.sub(" ", s)
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
     s = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree(?![a-zA-Z])|\\circ(?![a-zA-Z])\s*$",
@@ -264,6 +269,7 @@ def clean(text: Any) -> str | None:
     s = re.sub(r"\\%|(?<=\d)\s*percent\b", "%", s)
     s = re.sub(r"\\\$|\$", "", s)
     s = _unwrap_text(s)
+    s = _PERCENT_WORD.sub("%", s)  # "28 pct", "$28$ percent", "28 percentage"
     s = re.sub(r"\\(?:mathrm|mathit|operatorname)\s*([A-Za-z])", r"\1", s)
     s = re.sub(r"\s+", " ", s).strip()
     s = re.sub(r"(?<!\\)[.;]+$", "", s).strip()  # closing punctuation of a sentence
@@ -271,6 +277,7 @@ def clean(text: Any) -> str | None:
     s = re.sub(r"\s*\b(?:degrees?)\s*$", _DEG, s) if re.search(r"\d\s*degrees?\s*$", s) else s
     s = _plain_to_latex(s)
     s = re.sub(r"\s*(?:\bor\b|\band\b)\s*", ",", s) if re.search(r"\S\s+(?:or|and)\s+\S", s) else s
+    s = re.sub(r"(?<=[)\]])\s*(?:or|and)\s*(?=[(\[])", ",", s)  # "(11,7)or(7,11)"
     s = re.sub(r"\\(?:varnothing|emptyset)(?![a-zA-Z])", r"\\emptyset", s)
     s = re.sub(r"\s+", " ", _strip_outer(s)).strip()
     if _THOUSANDS.fullmatch(s):
@@ -551,6 +558,10 @@ def parse_structure(s: str, depth: int = 0) -> Node | None:
     if len(_split_top(s, {r"\cup"})) > 1:
         parts = [parse_structure(p, depth + 1) for p in _split_top(s, {r"\cup"})]
         return None if None in parts else Bag(parts, kind="union")
+    semis = _split_top(s, {";"})  # "-12;-11;-10": ";" separates answers (and outranks ",")
+    if len(semis) > 1:
+        parts = [parse_structure(p, depth + 1) for p in semis if p]
+        return None if None in parts or not parts else Bag(parts)
     commas = _split_top(s, {","})
     if len(commas) > 1:
         parts = [parse_structure(p, depth + 1) for p in commas if p]
@@ -581,6 +592,8 @@ def parse_structure(s: str, depth: int = 0) -> Node | None:
         return None if None in parts else Seq("<", ">", parts)
     if s[0] in "([" and s[-1] in ")]" and _outer_close(s) == len(s) - 1:
         inner_parts = _split_top(s[1:-1], {","})
+        if len(inner_parts) == 1:
+            inner_parts = _split_top(s[1:-1], {";"})  # "(0;-2;6)"
         if len(inner_parts) > 1:
             parts = [parse_structure(p, depth + 1) for p in inner_parts]
             return None if None in parts else Seq(s[0], s[-1], parts)
@@ -618,7 +631,11 @@ def _parse_relation(s: str, depth: int) -> Node | None:
             return None if value is None else Assign(pieces[0].replace(" ", ""), value)
         if len(pieces) == 2:
             return Rel("=", pieces[0], pieces[1])
-        return None
+        # A chain "x = 5 + 5 + 1 = 11": the working ends in its last member, which is the answer.
+        value = parse_structure(pieces[-1], depth + 1)
+        if value is None:
+            return None
+        return Assign(pieces[0].replace(" ", ""), value) if _is_simple_var(pieces[0]) else value
     interval = _relation_to_interval(pieces, ops)
     if interval is not None:
         return interval
@@ -633,6 +650,7 @@ def _relation_to_interval(pieces: list[str], ops: list[str]) -> Seq | None:
         return None
     inf, ninf = Scalar(r"\infty"), Scalar(r"-\infty")
     if len(pieces) == 2:
+        pieces, ops = _solve_linear(pieces, ops)
         (a, b), op = pieces, ops[0]
         if _is_simple_var(b) and _var_free(a) and not (_is_simple_var(a) and _var_free(b)):
             a, b = b, a
@@ -653,6 +671,33 @@ def _relation_to_interval(pieces: list[str], ops: list[str]) -> Seq | None:
             lo, hi = _parse_scalar(pieces[2]), _parse_scalar(pieces[0])
             return Seq("(" if ops[1] == ">" else "[", ")" if ops[0] == ">" else "]", [lo, hi])
     return None
+
+
+_LINEAR = re.compile(r"(?P<sign>[+-]?)\s*(?P<coef>\d+(?:\.\d+)?|\\frac\{\d+\}\{\d+\}|\d+/\d+)?"
+                     r"\s*\*?\s*(?P<var>[A-Za-z])", re.A)
+_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+
+
+def _solve_linear(pieces: list[str], ops: list[str]) -> tuple[list[str], list[str]]:
+    """``c x OP d`` with numbers ``c != 0`` and ``d`` -> ``x OP' d/c`` (flipped when ``c < 0``):
+    ``-x > -1`` is ``x < 1``, ``2x < 2`` is ``x < 1``. Anything else is returned unchanged."""
+    for side in (0, 1):
+        m = _LINEAR.fullmatch(pieces[side].strip())
+        d = parse_number(pieces[1 - side])
+        if not m or d is None or not (m["sign"] or m["coef"]):
+            continue
+        c = parse_number(m["coef"]) if m["coef"] else Num(Fraction(1))
+        if c is None or c.value == 0:
+            continue
+        coef = -c.value if m["sign"] == "-" else c.value
+        bound = d.value / coef
+        op = ops[0] if side == 0 else _FLIP[ops[0]]  # now "var OP bound"
+        if coef < 0:
+            op = _FLIP[op]
+        text = (str(bound.numerator) if bound.denominator == 1 else
+                r"%s\frac{%d}{%d}" % ("-" if bound < 0 else "", abs(bound.numerator), bound.denominator))
+        return [m["var"], text], [op]
+    return pieces, ops
 
 
 def _parse_scalar(s: str) -> Node | None:
@@ -981,11 +1026,11 @@ def nodes_equal(p: Node, g: Node) -> bool:
 
 
 def _match_unordered(ps: list, gs: list) -> bool:
-    """Perfect matching between two small unordered collections (backtracking)."""
-    if len(ps) != len(gs):
-        return False
-    if len(ps) > 12:
-        return False  # keep the search bounded; such answers are not sets of results
+    """Two small unordered collections hold the same answers: a perfect matching, or (as
+    math-verify compares lists as sets) every answer of each side is one of the other side's,
+    so a repeated answer neither adds nor misses one."""
+    if max(len(ps), len(gs)) > 12 or not ps or not gs:
+        return len(ps) == len(gs) == 0  # keep the search bounded; such answers are not results
     memo: dict[tuple[int, int], bool] = {}
 
     def eq(i: int, j: int) -> bool:
@@ -1001,7 +1046,10 @@ def _match_unordered(ps: list, gs: list) -> bool:
             return True
         return any(solve(i + 1, used | {j}) for j in range(len(gs)) if j not in used and eq(i, j))
 
-    return solve(0, frozenset())
+    if len(ps) == len(gs) and solve(0, frozenset()):
+        return True
+    return (all(any(eq(i, j) for j in range(len(gs))) for i in range(len(ps)))
+            and all(any(eq(i, j) for i in range(len(ps))) for j in range(len(gs))))
 
 
 def _leaves(n: Node):

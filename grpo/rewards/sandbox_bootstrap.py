@@ -1,6 +1,6 @@
-"""The program that ``grpo._sandbox`` runs to contain one untrusted Python run.
+"""The program that ``grpo.rewards.sandbox`` runs to contain one untrusted Python run.
 
-It is not imported: ``grpo._sandbox`` reads this file with ``importlib.resources`` and passes it
+It is not imported: ``grpo.rewards.sandbox`` reads this file with ``importlib.resources`` and passes it
 to ``python -I -S -B -c SOURCE STAGE ...``, once per stage, so it depends on the standard
 library only and must not rely on module globals to keep secrets (the untrusted code can
 ``import __main__``). Two stages:
@@ -183,7 +183,10 @@ def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
            "TMPDIR": "/tmp", "PYTHONHASHSEED": "0"}
     exe = job["python"]
-    os.execve(exe, [exe, "-I", "-S", "-B", "-c", job["source"], "run", str(run_fd), str(res_fd)], env)
+    # pycache_prefix names a directory that does not exist: imports compile the standard
+    # library from source rather than unmarshal cached bytecode (marshal is refused inside).
+    os.execve(exe, [exe, "-I", "-S", "-B", "-X", "pycache_prefix=/nonexistent", "-c",
+                    job["source"], "run", str(run_fd), str(res_fd)], env)
 
 
 # ------------------------------------------------------------------------------------------
@@ -225,108 +228,86 @@ def _run(argv):
         except BaseException:
             status = 1
         exit_(status & 0xFF)
-    if mode == "statement":
-        # The nonce lives only in this frame's locals (frames cannot be reached, see the hook).
-        nonce, statement = job["nonce"], job["statement"]
-        del job
-        guard = _equality_guard()
-        private = {}
-        try:
-            exec_(compile_(code, "solution.py", "exec"), glb)
-            # statement defines __grpo_test__(__grpo_eq__) (see grpo._sandbox.guard_statement);
-            # the definition lands in a dict the solution cannot reach, its globals are glb.
-            exec_(compile_(statement, "<test>", "exec"), glb, private)
-            private["__grpo_test__"](guard)
-        except BaseException as e:
-            _report(e)
-            exit_(1)
-        write(res_fd, enc(nonce + "\n"))
-        exit_(0)
-    # mode == "values": the expected values never enter this process; only computed values leave.
-    tests = job["tests"]
+    # mode == "probes": the test's expected values and logic never enter this process; the
+    # values of the probes leave, one line each, headed by a nonce that lives only in this
+    # frame (grpo.rewards.sandbox.judge decides). The writer is built from primitives taken
+    # before the program runs: patching json, builtins or modules cannot reach it.
+    tests, nonce = job["tests"], job["nonce"]
     del job
+    encode = _encoder()
+    str_, join = str, "".join
+    indexed = list(enumerate(tests))
     try:
         exec_(compile_(code, "solution.py", "exec"), glb)
     except BaseException as e:
         _report(e)
         exit_(1)
-    encode = _encoder()
-    for i, (prefix, expr) in enumerate(tests):
+    for t, steps in indexed:
         try:
-            if prefix:
-                exec_(compile_(prefix, "<test %d>" % i, "exec"), glb)
-            value = eval_(compile_(expr, "<test %d>" % i, "eval"), glb)
-            line = dumps({"i": i, "v": encode(value)})
+            for step in steps:
+                if step[0] == "exec":
+                    exec_(compile_(step[1], "<test %d>" % t, "exec"), glb)
+                    continue
+                head = join((nonce, " ", str_(t), " ", str_(step[1]), " "))
+                try:
+                    value = eval_(compile_(step[2], "<test %d>" % t, "eval"), glb)
+                    out = []
+                    encode(value, out)
+                    line = head + "v" + join(out)
+                except BaseException as e:
+                    _report(e)
+                    line = head + "x"
+                write(res_fd, enc(line + "\n"))
+            write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
         except BaseException as e:
             _report(e)
-            line = dumps({"i": i, "x": type(e).__name__})
-        write(res_fd, enc(line + "\n"))
     exit_(0)
 
 
-def _equality_guard():
-    """``eq(a, b, negate)``: ``a == b`` (or ``!=``), except that a value of exact builtin types
-    never compares with anything else (an object with a custom ``__eq__``): the result is then
-    False either way, so the assert fails. Builtins are captured before the solution runs."""
-    type_, len_, isinstance_ = type, len, isinstance
-    scalars = (int, float, complex, str, bytes, bool, type(None))
-    containers = (list, tuple, set, frozenset)
-
-    def plain(v, budget):
-        stack = [v]
-        while stack:
-            budget[0] -= 1
-            if budget[0] < 0:
-                return False
-            x = stack.pop()
-            t = type_(x)
-            if t in scalars:
-                continue
-            if t in containers:
-                stack.extend(x)
-            elif t is dict:
-                stack.extend(x.keys())
-                stack.extend(x.values())
-            else:
-                return False
-        return True
-
-    def eq(a, b, negate):
-        if plain(a, [100000]) != plain(b, [100000]):
-            return False
-        return (a != b) if negate else (a == b)
-
-    return eq
-
-
 def _encoder():
-    """Values as tagged JSON: exact builtin types only (an object with a custom ``__eq__`` is
-    refused, so "equal to anything" cannot leave the process)."""
-    import math
+    """``encode(value, out)``: a value of exact builtin types as text (anything else raises,
+    so an object with a custom ``__eq__`` cannot leave the process). Grammar, prefix form:
+    ``N`` ``T`` ``F``, ``i<hex>;``, ``f<repr>;``, ``c<f><f>``, ``s<utf-8 hex>;``,
+    ``b<hex>;``, ``l<n>;`` / ``t<n>;`` / ``S<n>;`` / ``R<n>;`` (frozenset) + n items,
+    ``d<n>;`` + n key/value pairs. Every primitive is bound here, before the program runs."""
+    type_, len_, isfinite, repr_, list_ = type, len, __import__("math").isfinite, repr, list
+    encode_str, hex_bytes, append = str.encode, bytes.hex, list.append
+    int_fmt = int.__format__
+    float_repr = float.__repr__
+    TAGS = {list: "l", tuple: "t", set: "S", frozenset: "R"}
 
-    def encode(v, depth=0):
+    def encode(v, out, depth=0):
         if depth > 100:
             raise ValueError("value nested too deeply")
-        t = type(v)
-        if v is None or t is bool:
-            return v
-        if t is int:
-            return {"i": str(v)}
-        if t is float:
-            return {"f": repr(v) if math.isfinite(v) else str(v)}
-        if t is complex:
-            return {"c": [encode(v.real), encode(v.imag)]}
-        if t is str:
-            return {"s": v}
-        if t is bytes:
-            return {"b": v.hex()}
-        if t in (list, tuple, set, frozenset):
-            items = sorted(v, key=repr) if t in (set, frozenset) else v
-            return {{list: "l", tuple: "t", set: "S", frozenset: "F"}[t]:
-                    [encode(x, depth + 1) for x in items]}
-        if t is dict:
-            return {"d": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
-        raise TypeError("cannot report a %s" % t.__name__)
+        t = type_(v)
+        if v is None:
+            append(out, "N")
+        elif t is bool:
+            append(out, "T" if v else "F")
+        elif t is int:
+            append(out, "i" + int_fmt(v, "x") + ";")
+        elif t is float:
+            append(out, "f" + float_repr(v) + ";")
+        elif t is complex:
+            append(out, "c")
+            encode(v.real, out, depth + 1)
+            encode(v.imag, out, depth + 1)
+        elif t is str:
+            append(out, "s" + hex_bytes(encode_str(v, "utf-8", "surrogatepass")) + ";")
+        elif t is bytes:
+            append(out, "b" + hex_bytes(v) + ";")
+        elif t in TAGS:
+            items = list_(v) if t is not list else v
+            append(out, TAGS[t] + int_fmt(len_(items), "d") + ";")
+            for x in items:
+                encode(x, out, depth + 1)
+        elif t is dict:
+            append(out, "d" + int_fmt(len_(v), "d") + ";")
+            for k in list_(v):
+                encode(k, out, depth + 1)
+                encode(v[k], out, depth + 1)
+        else:
+            raise TypeError("cannot report a value of this type")
 
     return encode
 
@@ -348,9 +329,10 @@ def _make_hook():
     isdir = os.path.isdir
     O_PATH = getattr(os, "O_PATH", 0)
     O_DIRECTORY = os.O_DIRECTORY
-    # Reaching a frame is the one way to read the harness's locals (the nonce of a statement
-    # test) from Python; sys._getframe is refused with ValueError, which namedtuple, enum and
-    # typing already catch.
+    # Reaching a frame is the one way to read the harness's locals (the nonce of the probe
+    # records) from Python; sys._getframe is refused with ValueError, which namedtuple, enum,
+    # typing and logging already catch. marshal stays refused (crafted code objects): the
+    # standard library imports from source instead (``-X pycache_prefix``, see the jail).
     FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions"})
     FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
     BLOCKED = frozenset({
@@ -413,6 +395,177 @@ def _make_hook():
     return hook
 
 
+# ------------------------------------------------------------------------------------------
+# Stage "judge": outside the jail, never with the program's code
+# ------------------------------------------------------------------------------------------
+
+
+def _judge(argv):
+    """Decide assert tests on the probe records of a ``probes`` run.
+
+    The records are the program's output, hence hostile: they are decoded here, in a
+    throwaway process under memory / CPU limits and the caller's wall clock, into exact
+    builtin types only (no object of the program exists here), then each test's judge source
+    runs with the judge's builtins over those values. Prints ``PASS <i>`` per passed test.
+    """
+    import builtins
+    import json
+    import math
+    import os
+    import resource
+    import signal
+    import sys
+
+    job_fd, res_fd = int(argv[0]), int(argv[1])
+    for name, value in (("RLIMIT_AS", 2 << 30), ("RLIMIT_CPU", 10), ("RLIMIT_FSIZE", 1 << 20),
+                        ("RLIMIT_NPROC", 0), ("RLIMIT_CORE", 0)):
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError):
+            pass
+    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
+    raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
+    sources, budget, probe_name = job["tests"], job["test_seconds"], job["probe"]
+    allowed_modules = frozenset(job["modules"])
+    sys.setrecursionlimit(400)
+
+    # Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) / "<nonce> <test> d"
+    # (the test's steps completed). Lines without the nonce are the program's, not ours; a
+    # record seen twice is void. Values are parsed only when a test reads them.
+    nonce = job["nonce"].encode()
+    records, done = {}, {}
+    for line in raw.split(b"\n"):
+        parts = line.split(b" ", 3)
+        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
+            continue
+        t = int(parts[1])
+        if parts[2] == b"d" and len(parts) == 3:
+            done[t] = done.get(t, 0) + 1
+        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
+            key = (t, int(parts[2]))
+            records[key] = None if key in records else parts[3]
+    del raw
+
+    class ProbeFailed(Exception):
+        pass
+
+    max_items = job["max_items"]
+
+    def decode(data):
+        """The value of one record (iterative: depth and sizes bounded)."""
+        if data[:1] != b"v":
+            raise ProbeFailed("the probe raised")
+        text = data.decode("ascii")
+        pos, n = 1, len(text)
+        stack = [[[], 1, lambda items: items[0]]]  # [items, remaining, constructor]
+
+        def num(end_char=";"):
+            nonlocal pos
+            end = text.index(end_char, pos)
+            if end - pos > 100000:
+                raise ProbeFailed("number too long")
+            out = text[pos:end]
+            pos = end + 1
+            return out
+
+        while stack:
+            items, remaining, ctor = stack[-1]
+            if remaining == 0:
+                stack.pop()
+                value = (dict(zip(items[0::2], items[1::2])) if ctor is dict else ctor(items))
+                if not stack:
+                    return value
+                stack[-1][0].append(value)
+                stack[-1][1] -= 1
+                continue
+            if pos >= n:
+                raise ProbeFailed("truncated")
+            tag = text[pos]
+            pos += 1
+            if tag == "N":
+                value = None
+            elif tag == "T" or tag == "F":
+                value = tag == "T"
+            elif tag == "i":
+                value = int(num(), 16)
+            elif tag == "f":
+                s = num()
+                if len(s) > 64:
+                    raise ProbeFailed("float too long")
+                value = float(s)
+            elif tag == "c":
+                parts_ = []
+                for _ in range(2):
+                    if text[pos:pos + 1] != "f":
+                        raise ProbeFailed("malformed complex")
+                    pos += 1
+                    parts_.append(float(num()))
+                value = complex(*parts_)
+            elif tag == "s":
+                value = bytes.fromhex(num()).decode("utf-8", "surrogatepass")
+            elif tag == "b":
+                value = bytes.fromhex(num())
+            elif tag in "ltSRd":
+                count = int(num(), 10)
+                if len(stack) > 100 or count < 0 or (tag in "SRd" and count > max_items):
+                    raise ProbeFailed("too deep or too large")
+                ctor = {"l": list, "t": tuple, "S": set, "R": frozenset, "d": dict}[tag]
+                stack.append([[], 2 * count if tag == "d" else count, ctor])
+                continue
+            else:
+                raise ProbeFailed("malformed")
+            items.append(value)
+            stack[-1][1] -= 1
+        raise ProbeFailed("malformed")
+
+    current = [0]
+
+    cache = {}
+
+    def probe(pid):
+        key = (current[0], pid)
+        if key not in cache:
+            rec = records.get(key)
+            if rec is None:
+                raise ProbeFailed("no value")
+            cache[key] = decode(rec)
+        return cache[key]
+
+    real_import = builtins.__import__
+
+    def import_(name, globals=None, locals=None, fromlist=(), level=0):
+        if level or name.partition(".")[0] not in allowed_modules:
+            raise ImportError("the judge does not import %s" % name)
+        return real_import(name, globals, locals, fromlist, 0)
+
+    safe = {n: getattr(builtins, n) for n in job["builtins"]}
+    safe["__import__"] = import_
+    glb = {"__builtins__": safe, "math": math, probe_name: probe}
+
+    class TestTimeout(BaseException):
+        pass
+
+    def on_alarm(signum, frame):
+        raise TestTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    for t, src in enumerate(sources):
+        current[0] = t
+        ok = False
+        try:
+            signal.setitimer(signal.ITIMER_REAL, budget)
+            try:
+                exec(compile(src, "<judge %d>" % t, "exec"), glb)
+                ok = done.get(t) == 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except BaseException:  # noqa: BLE001 - any failure of the test fails it
+            ok = False
+        if ok:
+            os.write(1, ("PASS %d\n" % t).encode())
+    os._exit(0)
+
+
 def main():
     import sys
 
@@ -421,6 +574,8 @@ def main():
         _jail(rest)
     elif stage == "run":
         _run(rest)
+    elif stage == "judge":
+        _judge(rest)
     else:
         raise SystemExit("unknown stage %r" % stage)
 

@@ -1,10 +1,10 @@
 """The SymPy side of ``grpo.rewards.math_equal``: a worker process and the client that drives it.
 
 SymPy parsing and simplification can take unbounded time and memory, so
-:func:`grpo._math_normalize.compare` only ever runs here, in a separate interpreter that the
+:func:`grpo.rewards.math_normalize.compare` only ever runs here, in a separate interpreter that the
 caller kills when a request outlives its timeout.
 
-* :func:`main` is the worker: ``python -m grpo.math_worker PARENT_PID MEMORY_BYTES`` (see
+* :func:`main` is the worker: ``python -m grpo.rewards.worker PARENT_PID MEMORY_BYTES`` (see
   :data:`LAUNCH` for how the client starts it). It answers JSON lines ``{"p": pred, "g": gold}``
   on stdin with ``{"r": true | false | null}`` on stdout (``null``: the gold answer cannot be
   parsed), after a first ``{"ready": true}``.
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from grpo import _math_normalize as _mn
+from grpo.rewards import math_normalize as _mn
 
 __all__ = ["VerifierUnavailable", "WorkerError", "WorkerPool", "main"]
 
@@ -36,16 +36,18 @@ log = logging.getLogger(__name__)
 
 WORKER_MEMORY = 3 << 30  # RLIMIT_AS of a math worker: room for SymPy, not for a blow-up
 STARTUP_TIMEOUT = 120.0  # importing SymPy on a loaded machine; not charged to any request
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# ``python -m grpo.math_worker`` would first run grpo/__init__.py, which imports torch: a second
-# and useless copy of torch per worker. The launcher registers the ``grpo`` package without
-# running its __init__ and then imports this module by its normal name.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# ``python -m grpo.rewards.worker`` would first run grpo/__init__.py (which imports torch) and grpo/rewards/__init__.py: a second
+# and useless copy of torch per worker. The launcher registers the ``grpo`` and ``grpo.rewards`` packages
+# without running their __init__ and then imports this module by its normal name.
 LAUNCH = (
     "import importlib.machinery, importlib.util, sys\n"
-    "spec = importlib.machinery.PathFinder.find_spec('grpo', [sys.argv[1]])\n"
-    "sys.modules['grpo'] = importlib.util.module_from_spec(spec)\n"
-    "import grpo.math_worker\n"
-    "grpo.math_worker.main(sys.argv[2:])\n"
+    "for name, where in (('grpo', [sys.argv[1]]), ('grpo.rewards', None)):\n"
+    "    where = where or sys.modules['grpo'].__path__\n"
+    "    spec = importlib.machinery.PathFinder.find_spec(name, where)\n"
+    "    sys.modules[name] = importlib.util.module_from_spec(spec)\n"
+    "from grpo.rewards.worker import main\n"
+    "main(sys.argv[2:])\n"
 )
 
 
@@ -205,6 +207,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(size)
         self._start_failure_logged = False
+        self._closed = False
 
     def compare(self, pred: str, gold: str, timeout: float) -> bool | None:
         """Worker verdict. Raises WorkerError (timeout, crash) or VerifierUnavailable (no start)."""
@@ -227,13 +230,29 @@ class WorkerPool:
             except WorkerError:
                 with self._lock:
                     self._all.discard(worker)
+                # Start the replacement now, in the background: the next call then finds a
+                # warm worker instead of waiting for SymPy to import.
+                threading.Thread(target=self._replenish, daemon=True).start()
                 raise
             with self._lock:
                 self._idle.append(worker)
             return result
 
+    def _replenish(self) -> None:
+        try:
+            worker = _Worker()
+        except Exception:  # noqa: BLE001 - the next call starts (and reports) its own
+            return
+        with self._lock:
+            if len(self._all) < self.size and not self._closed:
+                self._all.add(worker)
+                self._idle.append(worker)
+                return
+        worker.kill()
+
     def shutdown(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._all, self._idle = list(self._all), set(), []
         for w in workers:
             w.kill()

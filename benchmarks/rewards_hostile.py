@@ -1,0 +1,98 @@
+"""Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time.
+
+    PYTHONPATH=. python benchmarks/rewards_hostile.py [--out benchmarks/results/NAME.md]
+
+* honest: tests/rewards_corpus.py's HONEST solutions (standard library used broadly), each
+  scored alone by ``code_rewards``; the pass rate must be 100 %.
+* forged: every ATTACK (wrong code plus a trick) against every ATTACK_TESTS form; the
+  fraction of (attack, test) pairs that pass must be 0.
+* wall time: hostile programs and hostile math answers, each call timed alone (seconds over
+  its ``timeout`` is what the trainer waits beyond its budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from rewards_corpus import ATTACK_TESTS, ATTACKS, HONEST  # noqa: E402
+
+from grpo.rewards import code_reward, code_rewards, math_equal  # noqa: E402
+
+HOSTILE_CODE = {
+    "colliding_hash_set": "M = (1 << 61) - 1\ndef f(x):\n    return {i * M for i in range(1, 200000)}",
+    "colliding_hash_stdout": "M = (1 << 61) - 1\nimport sys\nfor i in range(1, 400000):\n    sys.stdout.write('%d\\n' % (i * M))",
+    "huge_int": "def f(x):\n    return 7 ** 1000000",
+    "deep_list": "def f(x):\n    v = []\n    for _ in range(10 ** 6):\n        v = [v]\n    return v",
+    "wide_list": "def f(x):\n    return [0.5] * (5 * 10 ** 6)",
+    "long_string": "def f(x):\n    return 'a' * (10 ** 8)",
+    "stdout_flood": "import sys\nwhile True:\n    sys.stdout.write('2' * 65536)",
+    "infinite_loop": "def f(x):\n    while True:\n        pass",
+    "sleep": "import time\ntime.sleep(60)",
+    "big_float_repr": "def f(x):\n    return [1e308, float('inf'), float('nan')] * 10 ** 5",
+}
+HOSTILE_MATH = [
+    (r"10^{10^{10^{10}}}", "1"), (r"9^{9^{9^{9}}}", r"9^{9^{9^{9}}}"), ("(" * 500 + "1" + ")" * 500, "1"),
+    ("1" * 1999, "1"), (r"\frac{" * 200 + "1" + "}{2}" * 200, "1"), ("x=" * 600 + "1", "1"),
+    (r"100000!", "1"), (r"\sum_{k=1}^{10^{12}} k", "1"), (r"\int_0^1 e^{x^{x^{x}}} dx", "1"),
+    ("1,\\!" * 400 + "1", "1"), (r"\sqrt{" * 30 + "2" + "}" * 30, r"\sqrt{2}"),
+    ("; ".join(["(1, 2)"] * 300), "(1, 2)"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    args = ap.parse_args()
+    lines = [f"# Rewards under attack ({platform.machine()}, {os.cpu_count()} CPUs, "
+             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')})", ""]
+
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST], [t for _, t in HONEST], timeout=20.0)
+    honest_ok = sum(o == 1.0 for o in out)
+    lines.append(f"- honest solutions passing all their tests: {honest_ok}/{len(HONEST)} "
+                 f"({100 * honest_ok / len(HONEST):.0f} %)")
+
+    out = code_rewards([f"```python\n{c}\n```" for c in ATTACKS.values()],
+                       [ATTACK_TESTS] * len(ATTACKS), timeout=5.0)
+    forged = sum(round(o * len(ATTACK_TESTS)) for o in out)
+    pairs = len(ATTACKS) * len(ATTACK_TESTS)
+    lines.append(f"- forged passes: {forged}/{pairs} (attack, test) pairs "
+                 f"({len(ATTACKS)} attacks x {len(ATTACK_TESTS)} test forms)")
+    right = code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS)
+    lines.append(f"- the same test forms against the right code: {right:.2f}")
+
+    lines += ["", f"Wall time, one call each, timeout={args.timeout:g} s:", "",
+              "| hostile input | seconds | over timeout |", "|---|---|---|"]
+    worst_code = worst_math = 0.0
+    for name, code in HOSTILE_CODE.items():
+        tests = ["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}]
+        t = time.monotonic()
+        code_reward(f"```python\n{code}\n```", tests, timeout=args.timeout)
+        dt = time.monotonic() - t
+        worst_code = max(worst_code, dt)
+        lines.append(f"| code: {name} | {dt:.2f} | {dt - args.timeout:+.2f} |")
+    math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker: startup is not what is timed
+    for pred, gold in HOSTILE_MATH:
+        time.sleep(0.1)
+        t = time.monotonic()
+        math_equal(pred, gold, timeout=args.timeout)
+        dt = time.monotonic() - t
+        worst_math = max(worst_math, dt)
+        lines.append(f"| math: `{pred[:40]}` | {dt:.2f} | {dt - args.timeout:+.2f} |")
+    lines += ["", f"Worst: code_reward {worst_code:.2f} s, math_equal {worst_math:.2f} s "
+              f"(timeout {args.timeout:g} s)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

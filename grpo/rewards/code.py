@@ -1,0 +1,159 @@
+"""Code reward: the completion's Python run against tests in the sandbox (:mod:`grpo.rewards.sandbox`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from grpo.rewards import sandbox as _sandbox
+from grpo.rewards._common import (MAX_TEXT_CHARS, _column, _last_answer_block, check_timeout,
+                                  completion_text)
+
+log = logging.getLogger("grpo.rewards")
+
+_FENCE_LANGS = ("python3", "python", "py")
+
+
+def _last_python_block(text: str) -> str | None:
+    """Body of the last complete ```python block (linear scan over the fences, no regex).
+
+    Fences pair up left to right: an opening fence is ``` plus a language tag on its line, the
+    next ``` closes it.
+    """
+    last, pos = None, 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return last
+        eol = text.find("\n", start + 3)
+        if eol < 0:
+            return last
+        tag = text[start + 3:eol].strip(" \t").lower()
+        end = text.find("```", eol + 1)
+        if end < 0:
+            return last
+        if tag in _FENCE_LANGS:
+            last = text[eol + 1:end]
+        pos = end + 3
+
+
+def extract_code(completion: Any) -> str | None:
+    """The last fenced ```python block, else the ``<answer>`` body, else None."""
+    text = completion_text(completion)
+    if not text or len(text) > MAX_TEXT_CHARS:
+        return None
+    block = _last_python_block(text)
+    if block is not None:
+        return block
+    body = _last_answer_block(text)
+    return body if body is not None and body.strip() else None
+
+
+def _normalise_tests(tests: Any) -> list | None:
+    """Tests as a list of str or of {"input", "output"} dicts (a JSON string is accepted)."""
+    if isinstance(tests, str):
+        try:
+            tests = json.loads(tests)
+        except ValueError:
+            tests = [tests]
+    if isinstance(tests, dict) and "input" in tests and "output" in tests:
+        ins, outs = tests["input"], tests["output"]
+        tests = ([{"input": i, "output": o} for i, o in zip(ins, outs)]
+                 if isinstance(ins, list) else [tests])
+    if not isinstance(tests, (list, tuple)) or not tests:
+        return None
+    if all(isinstance(t, str) for t in tests):
+        return list(tests)
+    if all(isinstance(t, dict) and "input" in t and "output" in t for t in tests):
+        return [{"input": str(t["input"]), "output": str(t["output"])} for t in tests]
+    return None
+
+
+def _jobs(code: str, tests: list, timeout: float) -> list[Callable[[], list[tuple[int, bool]]]]:
+    """Units of sandboxed work, each returning ``[(test index, passed)]`` (see ``grpo.rewards.sandbox``:
+    value tests share one run, statement tests and stdin tests get one run each)."""
+    if isinstance(tests[0], str):
+        return _sandbox.assert_jobs(code, tests, timeout=timeout)
+    return [lambda i=i, t=t: [(i, _sandbox.run_stdio_test(code, t["input"], t["output"],
+                                                          timeout=timeout))]
+            for i, t in enumerate(tests)]
+
+
+_sandbox_failure_logged = False
+
+
+def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: float = 5.0,
+                 max_workers: int | None = None) -> list[float | None]:
+    """Score many completions in parallel (thread pool over sandboxed subprocesses).
+
+    ``tests[i]`` belongs to ``completions[i]``; the two must have the same length (ValueError
+    otherwise). Returns the fraction of tests passed per completion, or None where its tests are
+    missing or malformed, or where the sandbox cannot be built on this machine (logged once:
+    code is never run unconfined). ``timeout`` bounds each sandboxed process.
+    """
+    timeout = check_timeout(timeout)
+    completions, tests = list(completions), list(tests)
+    if len(tests) != len(completions):
+        raise ValueError(f"tests has {len(tests)} rows for {len(completions)} completions")
+    units: list[tuple[int, Callable[[], list[tuple[int, bool]]]]] = []
+    totals: list[int | None] = []
+    for i, (completion, test) in enumerate(zip(completions, tests)):
+        norm = _normalise_tests(test)
+        code = extract_code(completion)
+        totals.append(None if norm is None else len(norm))
+        if norm is not None and code is not None:
+            units.extend((i, job) for job in _jobs(code, norm, timeout))
+    passed = [0] * len(totals)
+    unavailable: set[int] = set()
+
+    def run(unit: tuple[int, Callable[[], list[tuple[int, bool]]]]) -> tuple[int, int | None]:
+        global _sandbox_failure_logged
+        try:
+            return unit[0], sum(ok for _, ok in unit[1]())
+        except _sandbox.SandboxUnavailable as e:
+            if not _sandbox_failure_logged:
+                _sandbox_failure_logged = True
+                log.error("grpo.rewards: the code sandbox cannot be built (%s); code rewards "
+                          "are unscorable", e)
+            return unit[0], None
+        except Exception:  # noqa: BLE001 - a failure of one run fails its tests
+            return unit[0], 0
+
+    workers = max_workers or max(2, min(16, 2 * (os.cpu_count() or 1)))
+    if units:
+        with ThreadPoolExecutor(max_workers=min(workers, len(units))) as ex:
+            for i, n in ex.map(run, units):
+                if n is None:
+                    unavailable.add(i)
+                else:
+                    passed[i] += n
+    return [None if t is None or i in unavailable else passed[i] / t
+            for i, t in enumerate(totals)]
+
+
+def code_reward(completion: Any, tests: Any, *, timeout: float = 5.0) -> float:
+    """Fraction of ``tests`` the completion's code passes, run in the sandbox.
+
+    The code is the last fenced ```python block, else the ``<answer>`` body. ``tests`` is a
+    list of assert tests (``assert f(2) == 4``, several asserts, setup lines, loops of asserts:
+    every assert must hold, judged outside the program on the plain values it returns; a
+    test whose logic would have to run inside the program is refused and fails)
+    or of ``{"input", "output"}`` pairs (stdin in; the whole stdout must equal ``output`` line by
+    line with trailing whitespace stripped, and the program must exit 0). See
+    ``grpo.rewards.sandbox`` for how verdicts are reached and what the sandbox enforces. Never raises
+    on any completion; raises ValueError/TypeError for an invalid ``timeout``. Scores 0.0
+    where :func:`code_rewards` says None (use ``code_rewards`` to tell them apart).
+    """
+    result = code_rewards([completion], [tests], timeout=timeout)[0]
+    return 0.0 if result is None else float(result)
+
+
+
+def code_reward_func(prompts: Sequence[Any], completions: Sequence[Any], tests: Any = None, *,
+                     timeout: float = 5.0, **kwargs: Any) -> list[float | None]:
+    """TRL reward: fraction of tests passed; None where a row has no usable tests."""
+    return code_rewards(completions, _column("tests", tests, len(completions)), timeout=timeout)
+
