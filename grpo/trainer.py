@@ -206,9 +206,11 @@ def reward_number(value: Any) -> Optional[float]:
     NumPy ints, floats and bools (``np.array(..) == 1`` gives ``numpy.bool_``: True is 1.0, False 0.0),
     ``Fraction``, ``Decimal``, and one-element tensors and arrays.
     """
-    if not hasattr(type(value), "__float__"):
-        return None
     try:
+        if callable(getattr(value, "item", None)):  # tensors, arrays and NumPy scalars: their one element
+            value = value.item()
+        if not hasattr(type(value), "__float__"):
+            return None
         return float(value)
     except OverflowError:  # an int beyond float64: not finite, so unscorable (with a warning)
         return math.inf if value > 0 else -math.inf
