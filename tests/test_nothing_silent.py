@@ -544,3 +544,38 @@ def test_a_temperature_whose_inverse_overflows_float32_is_refused():
     with pytest.raises(ValueError, match="temperature"):
         gk.token_logprobs(logits, ids, temperature=1e-39)
     gk.token_logprobs(logits, ids, temperature=1e-30)
+
+
+def test_a_patched_trl_trainer_logs_which_head_it_got(tmp_path, caplog):
+    """patch() said nothing: building a patched trl.GRPOTrainer logs one INFO record (logger
+    ``grpo_kernels.integrations.trl``) naming our head; a head that falls back names the reason."""
+    import logging
+
+    pytest.importorskip("trl")
+    import trl
+    import test_trl_integration as t
+
+    from grpo_kernels.integrations import trl as gk_trl
+
+    model_dir = str(tmp_path / "model")
+    t.make_model().save_pretrained(model_dir)
+    args = t.make_config(tmp_path / "run", "fp32", beta=0.0)
+    gk_trl.patch(backend="torch")
+    try:
+        assert gk_trl.is_patched()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"):
+            trainer = t.build(trl.GRPOTrainer, model_dir, t.make_tokenizer(), args)
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and ours[0].levelno == logging.INFO, [r.getMessage() for r in ours]
+        assert "grpo_kernels.fused_linear_token_logprobs" in ours[0].getMessage()
+        assert "backend='torch'" in ours[0].getMessage() and t.uses_our_head(trainer.model)
+        caplog.clear()
+        gk_trl._warned.clear()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"), pytest.warns(UserWarning, match="is_top1"):
+            # TRL asks for an output we do not compute
+            trl.trainer.grpo_trainer.add_fused_lm_head(t.make_model(), outputs=("log_probs", "is_top1"))
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and "keeps TRL's own fused LM head" in ours[0].getMessage()
+        assert "is_top1" in ours[0].getMessage()
+    finally:
+        gk_trl.unpatch()
