@@ -179,7 +179,8 @@ def claim_output_dir(output_dir: str) -> None:
     (``make demo`` twice just works); a directory holding another run's checkpoint is refused."""
     marker = os.path.join(output_dir, DEMO_MARKER)
     previous = os.path.exists(checkpoint.path_in(output_dir)) or os.path.exists(os.path.join(output_dir, "log.jsonl"))
-    if previous and not os.path.exists(marker):
+    ours = os.path.exists(marker) or os.path.abspath(output_dir) == os.path.abspath(DemoConfig.output_dir)
+    if previous and not ours:  # (the default directory is the demo's, marked or not: runs of older versions)
         raise FileExistsError(
             f"{output_dir} holds a training run that is not the demo's: choose another --output-dir for the demo"
         )
