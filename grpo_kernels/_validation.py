@@ -143,6 +143,17 @@ def check_temperature(temperature: object) -> float:
     return temperature
 
 
+def check_transform_factors(temperature: float, softcap: Optional[float], logit_scale: float) -> None:
+    """The kernels' float32 factors of the logit transform (``logit_scale / temperature``, or
+    ``logit_scale / softcap`` and ``1 / temperature`` with a cap) must be finite: an infinite
+    factor times a zero gap (the row's max) would be NaN."""
+    factors = {"logit_scale / temperature": logit_scale / temperature} if softcap is None else {
+        "logit_scale / softcap": logit_scale / softcap}
+    for what, value in factors.items():
+        if not value < FLOAT32_MAX / 4:
+            raise ValueError(f"{what} must be < {FLOAT32_MAX / 4:.3g} (a finite float32 factor), got {value:.3g}")
+
+
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
     """logits [..., V]: float16/bfloat16/float32 with a contiguous last dimension."""
     logits = check_tensor(name, logits)

@@ -45,6 +45,7 @@ class LogitTransform:
         object.__setattr__(self, "logit_scale", V.check_number("logit_scale", self.logit_scale))
         if not self.logit_scale > 0:
             raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
+        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
 
     @staticmethod
     def of(value: "float | LogitTransform") -> "LogitTransform":

@@ -539,11 +539,17 @@ def test_huge_finite_logits_give_finite_results_that_every_backend_agrees_on(dty
                                        msg=lambda m: f"{key} {backend}: {m}")
 
 
-def test_a_temperature_whose_inverse_overflows_float32_is_refused():
+def test_a_transform_whose_float32_factor_overflows_is_refused():
+    """An infinite kernel factor times the max's zero gap would be NaN: refused by name instead."""
     logits, ids, *_ = batch(21)
-    with pytest.raises(ValueError, match="temperature"):
-        gk.token_logprobs(logits, ids, temperature=1e-39)
-    gk.token_logprobs(logits, ids, temperature=1e-30)
+    for kw, name in ((dict(temperature=1e-39), "temperature"), (dict(logit_scale=1e30, temperature=1e-10), "logit_scale"),
+                     (dict(softcap=1e-40), "softcap")):
+        with pytest.raises(ValueError, match=name):
+            gk.token_logprobs(logits, ids, **kw)
+        with pytest.raises(ValueError, match=name):
+            gk.GRPOLoss(**kw)
+    out = gk.token_logprobs(logits, ids, temperature=1e-30)
+    assert torch.isfinite(out).all()
 
 
 def test_a_patched_trl_trainer_logs_which_head_it_got(tmp_path, caplog):
