@@ -282,6 +282,7 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+import time  # noqa: E402
 from decimal import Decimal  # noqa: E402
 from fractions import Fraction  # noqa: E402
 
@@ -358,16 +359,21 @@ def test_a_second_run_on_one_output_dir_is_refused_and_a_killed_runs_lock_is_not
         with pytest.raises(checkpoint.OutputDirInUse, match=out):
             train(model, tokenizer, problems()[:4], {"format": format_reward}, tiny_config(tmp_path))
     # a process holding the lock is SIGKILLed: its lock file stays, its lock does not
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from grpo import checkpoint; import time; checkpoint.RunLock({out!r}).__enter__(); "
-                               "print('locked', flush=True); time.sleep(600)"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True,
-    )
-    assert holder.stdout.readline().strip() == "locked"
-    with pytest.raises(checkpoint.OutputDirInUse, match=f"pid {holder.pid}"):
+    # (a forked child: it only takes the lock and sleeps, so no interpreter or torch to start again)
+    ready, done = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            checkpoint.RunLock(out).__enter__()
+            os.write(done, b"locked")
+            time.sleep(600)
+        finally:
+            os._exit(1)
+    assert os.read(ready, 6) == b"locked"
+    with pytest.raises(checkpoint.OutputDirInUse, match=f"pid {pid}"):
         checkpoint.RunLock(out).__enter__()
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
     assert os.path.exists(os.path.join(out, checkpoint.LOCK_FILENAME))
     with checkpoint.RunLock(out):
         pass
