@@ -39,20 +39,39 @@ def resolve_reward(name: str) -> Callable:
         return rewards.REWARD_FUNCTIONS[name]
     if callable(getattr(rewards, name, None)):
         return getattr(rewards, name)
-    raise SystemExit(
+    raise ValueError(
         f"unknown reward {name!r}: use one of {sorted(rewards.REWARD_FUNCTIONS)}, a function of grpo.rewards, or module:function"
     )
 
 
 # ---------------------------------------------------------------------------- GRPOConfig as flags
-def _flag_type(hint) -> tuple[Callable, Optional[str]]:
-    """(converter, nargs) for a GRPOConfig field's type hint."""
+def _converter(kind: type, optional: bool) -> Callable[[str], object]:
+    """argparse ``type=`` for a field of type ``kind``: ``None`` (any case) is None for an Optional
+    field, and a value ``kind`` cannot parse is a usage error naming what was expected."""
+
+    def convert(text: str):
+        if optional and text.lower() == "none":
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an' if kind is int else 'a'} {kind.__name__}{' or None' if optional else ''}, got {text!r}"
+            ) from None
+
+    convert.__name__ = kind.__name__  # argparse names the type in its messages
+    return convert
+
+
+def _flag_type(hint) -> tuple[type, Optional[str], bool]:
+    """(type, nargs, optional) for a GRPOConfig field's type hint."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is typing.Union and len(args) == 1:
-        return _flag_type(args[0])
+        kind, nargs, _ = _flag_type(args[0])
+        return kind, nargs, True
     if typing.get_origin(hint) is list:
-        return typing.get_args(hint)[0], "+"
-    return hint, None
+        return typing.get_args(hint)[0], "+", False
+    return hint, None, False
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
@@ -61,16 +80,18 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
     group = parser.add_argument_group(f"{config_cls.__name__} (in Python: grpo.{config_cls.__name__}(...))")
     for field in dataclasses.fields(config_cls):
         flag = "--" + field.name.replace("_", "-")
-        kind, nargs = _flag_type(hints[field.name])
+        kind, nargs, optional = _flag_type(hints[field.name])
         meta = field.metadata
         bounds = f"{meta['bounds'].describe(integer=kind is int)}; " if meta.get("bounds") is not None else ""
         text = meta.get("help", "").replace("%", "%%") + f" ({bounds}default: %(default)s)"
+        metavar = kind.__name__.upper() + ("|None" if optional else "")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
         elif meta.get("choices") is not None:
-            group.add_argument(flag, type=kind, choices=meta["choices"], default=field.default, help=text)
+            group.add_argument(flag, type=_converter(kind, optional), choices=meta["choices"], default=field.default, help=text)
         else:
-            group.add_argument(flag, type=kind, nargs=nargs, default=field.default, metavar=kind.__name__.upper(), help=text)
+            group.add_argument(flag, type=_converter(kind, optional), nargs=nargs, default=field.default, metavar=metavar,
+                               help=text)
 
 
 def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
@@ -100,9 +121,15 @@ def train_command(argv: list[str]) -> None:
     add_config_flags(parser, GRPOConfig)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
-    reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
+    try:  # every usage error before the model is built
+        reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
+    except (ImportError, AttributeError, ValueError) as e:
+        parser.error(f"--rewards: {e}")
+    try:
+        rows = load_jsonl(args.data, args.prompt_key)
+    except OSError as e:
+        parser.error(f"--data: {e}")
     model, tokenizer = load_model(args.model)
-    rows = load_jsonl(args.data, args.prompt_key)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:
         for row in rows:
@@ -125,10 +152,14 @@ def train_command(argv: list[str]) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest)}
-    if not argv or argv[0] not in commands:
-        print(__doc__)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    commands[argv[0]](argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m grpo", usage="%(prog)s [-h] {train,demo} [flags ...]", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`python -m grpo train --help` and `python -m grpo demo --help` list each command's flags.",
+    )
+    parser.add_argument("command", choices=list(commands), help="what to run, followed by its flags")
+    args = parser.parse_args(argv[:1])  # (the rest is the command's, --help included)
+    commands[args.command](argv[1:])
 
 
 if __name__ == "__main__":

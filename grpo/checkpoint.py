@@ -10,8 +10,13 @@ full state for rank 0 to write.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
+import signal
+import sys
+import threading
 from typing import Any, Optional
 
 import torch
@@ -20,6 +25,15 @@ from . import distributed
 from .atomic import write_atomically
 
 FILENAME = "checkpoint.pt"
+LOCK_FILENAME = "run.lock"
+# GRPOConfig fields a resumed run may change: how long it runs, how it logs and saves, and how the
+# same maths is laid out on the machine. Every other field (the loss, the rewards' weights, G, the
+# optimiser, the sampling, the seed) must match the checkpoint's, unless ``resume_with_changes``.
+RESUMABLE_CHANGES = frozenset({
+    "output_dir", "num_steps", "save_every", "resume", "resume_with_changes", "progress", "plot", "backend",
+    "chunk_size", "padding_free", "max_tokens_per_microbatch", "micro_batch_size", "gradient_checkpointing",
+    "distributed",
+})
 
 
 def path_in(output_dir: str) -> str:
@@ -98,12 +112,127 @@ def non_finite_tensors(tree: Any, prefix: str = "") -> list[str]:
     return [name for k, v in items for name in non_finite_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
 
 
-def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer) -> int:
-    """Restore everything ``save`` wrote (every rank reads the file); returns the steps done."""
+def changed_settings(saved: Optional[dict[str, Any]], config: dict[str, Any]) -> list[str]:
+    """``"field: saved -> now"`` for each setting outside :data:`RESUMABLE_CHANGES` that differs
+    (fields only one of the two configs has are not compared: a checkpoint from another version)."""
+    if not saved:
+        return []
+    return [f"{k}: {saved[k]!r} -> {config[k]!r}" for k in config
+            if k in saved and k not in RESUMABLE_CHANGES and saved[k] != config[k]]
+
+
+def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer,
+         config: Optional[dict[str, Any]] = None, allow_changes: bool = False) -> int:
+    """Restore everything ``save`` wrote (every rank reads the file); returns the steps done.
+
+    With ``config`` (``dataclasses.asdict`` of the resuming run's), a setting that differs from the
+    one the checkpoint was written with (:func:`changed_settings`) is a ``ValueError`` naming it,
+    before anything is restored, unless ``allow_changes`` (``GRPOConfig.resume_with_changes``).
+    """
     state = torch.load(path, map_location="cpu", weights_only=False)
+    changed = changed_settings(state.get("config"), config) if config is not None else []
+    if changed and not allow_changes:
+        raise ValueError(
+            f"cannot resume {path}: the run was started with other settings ({'; '.join(changed)}). Resume with "
+            f"the checkpoint's settings, or pass --resume-with-changes (GRPOConfig.resume_with_changes=True) to "
+            f"continue with the new ones"
+        )
     distributed.load_model_state(policy, state["model"])
     if ref_policy is not None and state["ref_model"] is not None:
         distributed.load_model_state(ref_policy, state["ref_model"])
     distributed.load_optimizer_state(policy, optimizer, state["optimizer"])
     set_rng_state(distributed.this_ranks(state["rng"]))
     return int(state["step"])
+
+
+# --------------------------------------------------------------------------------------------------
+# one run per output directory
+# --------------------------------------------------------------------------------------------------
+def check_output_dir(output_dir: str, resume: bool) -> None:
+    """A fresh run never replaces an earlier run's checkpoint: ``FileExistsError`` naming the
+    directory and the two ways on (``--resume``, or another ``--output-dir``)."""
+    path = path_in(output_dir)
+    if not resume and os.path.exists(path):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{output_dir} already holds a checkpoint from an earlier run: pass --resume (GRPOConfig.resume=True) "
+            f"to continue it, or choose another --output-dir",
+            path,
+        )
+
+
+class OutputDirInUse(RuntimeError):
+    """Another live process is training into the same output directory."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<output_dir>/run.lock`` for the life of a run (rank 0 takes it).
+
+    Two trainers on one directory would interleave ``log.jsonl`` and share ``checkpoint.pt.tmp``: the
+    second refuses, naming the directory and the holder's pid. The kernel drops the lock when its
+    process dies (SIGKILL included), so the file a killed run leaves behind never blocks ``--resume``.
+    A context manager; ``enabled=False`` (the other ranks) takes nothing.
+    """
+
+    def __init__(self, output_dir: str, enabled: bool = True) -> None:
+        self.output_dir, self.enabled, self._fd = output_dir, enabled, None
+
+    def __enter__(self) -> "RunLock":
+        if not self.enabled:
+            return self
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, LOCK_FILENAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputDirInUse(
+                f"{self.output_dir} is in use by another training run (pid {holder}, lock {path}): wait for it to "
+                f"finish, or choose another --output-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock (the file stays: harmless without the lock)
+            self._fd = None
+
+
+class StopOnSigterm:
+    """SIGTERM (a scheduler's pre-emption, ``kill``, ``docker stop``) asks the run to stop, not to die:
+    the handler only sets a flag; the trainer finishes the step, writes a checkpoint (atomically, as
+    any checkpoint) and calls :meth:`exit`. A context manager restoring the previous handler; outside
+    the main thread (where no handler can be installed) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.requested, self._previous = False, None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __enter__(self) -> "StopOnSigterm":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (all ranks then save and stop together)."""
+        return bool(distributed.all_reduce(float(self.requested), "max"))
+
+    def exit(self, path: str, step: int) -> None:
+        """After the checkpoint of ``step`` is written: say so, and exit as SIGTERM's default would (143)."""
+        if distributed.is_main_process():
+            print(f"SIGTERM: stopped after step {step}; checkpoint written to {path}. Continue with --resume "
+                  f"(GRPOConfig.resume=True)", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM)

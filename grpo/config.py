@@ -141,7 +141,10 @@ class GRPOConfig:
     bf16: bool = option(True, "bf16 autocast (on CUDA only)")
     # logging and checkpoints
     save_every: int = option(50, "write a checkpoint every this many steps (0: only at the end)", bounds=at_least(0))
-    resume: bool = option(False, "continue from output_dir/checkpoint.pt when it exists")
+    resume: bool = option(False, "continue from output_dir/checkpoint.pt when it exists (a run without it refuses a "
+                          "directory that holds a checkpoint)")
+    resume_with_changes: bool = option(False, "resume even though settings outside grpo.checkpoint.RESUMABLE_CHANGES "
+                                       "(the loss, G, the learning rate, the seed...) differ from the checkpoint's")
     progress: bool = option(True, "show a progress bar")
     plot: bool = option(True, "draw curves.png at the end")
     distributed: str = option("none", "several processes under torchrun: DDP, or FSDP2 (fully_shard)", choices=DISTRIBUTED_KINDS)

@@ -11,6 +11,7 @@ line) named, not halfway through a run.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, Callable, Mapping, Sequence
 
@@ -80,6 +81,37 @@ def check_rows(rows: Sequence[Mapping[str, Any]], where: Callable[[int], str] = 
                     f"column (None / null where a row has no value)"
                 )
     return names
+
+
+def reward_columns(fn: Callable) -> list[str]:
+    """The data columns a reward function ``fn(prompts, completions, **columns)`` reads: its named
+    parameters after the first two that have no default, or ``None`` as default (``answer=None``: a
+    column that may be absent from a call, not a setting such as ``timeout=5.0``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read from
+        return []
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [p for p in named if p.kind is p.POSITIONAL_OR_KEYWORD]
+    skip = {p.name for p in positional[:2]}  # prompts, completions
+    return [p.name for p in named if p.name not in skip and (p.default is p.empty or p.default is None)]
+
+
+def check_reward_columns(reward_fns: Mapping[str, Callable], columns: Sequence[str]) -> None:
+    """Refuse, before the first step, a reward function that reads a column the rows do not have.
+
+    Without it, ``accuracy`` on prompts without an ``answer`` column would score nothing (``None``),
+    the run would train on the other rewards alone and log ``accuracy: null``.
+    """
+    for name, fn in reward_fns.items():
+        missing = [c for c in reward_columns(fn) if c not in columns]
+        if missing:
+            have = ", ".join(repr(c) for c in columns) or "none besides the prompt"
+            raise ValueError(
+                f"reward function {name!r} needs the column {missing[0]!r}, which the prompts do not have (their "
+                f"columns: {have}): add {missing[0]!r} to every row (null where unknown), or leave {name!r} out "
+                f"of the rewards"
+            )
 
 
 def prompts_for_step(num_rows: int, step: int, prompts_per_step: int, seed: int) -> list[int]:

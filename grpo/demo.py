@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from transformers.utils import logging as hf_logging
 
-from . import distributed
+from . import checkpoint, distributed
 from .tokenizer import char_tokenizer
 from .rollout import HFGenerate
 from .trainer import GRPOConfig, UpdateBatch, as_policy, completion_hidden, lm_head, set_seed, train
@@ -171,6 +171,29 @@ def grpo_config(cfg: DemoConfig) -> GRPOConfig:
     )
 
 
+DEMO_MARKER = ".grpo-demo"  # in an output directory the demo wrote: its own, to replace on the next run
+
+
+def claim_output_dir(output_dir: str) -> None:
+    """The demo owns its output directory: a previous demo run there is replaced, and it says so
+    (``make demo`` twice just works); a directory holding another run's checkpoint is refused."""
+    marker = os.path.join(output_dir, DEMO_MARKER)
+    previous = os.path.exists(checkpoint.path_in(output_dir)) or os.path.exists(os.path.join(output_dir, "log.jsonl"))
+    ours = os.path.exists(marker) or os.path.abspath(output_dir) == os.path.abspath(DemoConfig.output_dir)
+    if previous and not ours:  # (the default directory is the demo's, marked or not: runs of older versions)
+        raise FileExistsError(
+            f"{output_dir} holds a training run that is not the demo's: choose another --output-dir for the demo"
+        )
+    if previous:
+        print(f"{output_dir}/: the demo's own directory; its previous run is replaced", flush=True)
+        for name in (checkpoint.FILENAME, "log.jsonl", "curves.png", "summary.json"):
+            if os.path.exists(os.path.join(output_dir, name)):
+                os.remove(os.path.join(output_dir, name))
+    os.makedirs(output_dir, exist_ok=True)
+    with open(marker, "w") as f:
+        f.write("written by `python -m grpo demo`, which replaces this directory's run each time\n")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     """Warm start, accuracy before, GRPO, accuracy after; writes log, curves, checkpoint under output_dir."""
     t0 = time.perf_counter()
@@ -189,6 +212,9 @@ def run_demo(cfg: DemoConfig) -> dict:
         print(f"warm start: {cfg.sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f} ({time.perf_counter() - t0:.0f}s); "
               f"held-out accuracy {before['greedy']:.0%} greedy, {before['sampled']:.0%} sampled", flush=True)
 
+    if main:
+        claim_output_dir(cfg.output_dir)
+    distributed.barrier()  # (the other ranks' train() checks the directory too)
     records = train(model, tokenizer, train_rows, {"accuracy": accuracy, "format": format_reward}, grpo_config(cfg))
     ranks = distributed.world_size()
     distributed.teardown()
@@ -210,14 +236,39 @@ def run_demo(cfg: DemoConfig) -> dict:
     return summary
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a usage error otherwise, before any model is built)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
+    return value
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
+    from grpo_kernels.options import BACKENDS
+
     parser = argparse.ArgumentParser(prog="python -m grpo demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--output-dir", default=DemoConfig.output_dir)
-    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
-    parser.add_argument("--grpo-steps", type=int, default=DemoConfig.grpo_steps)
-    parser.add_argument("--sft-steps", type=int, default=DemoConfig.sft_steps)
+    parser.add_argument("--output-dir", default=DemoConfig.output_dir,
+                        help="the demo's own directory: a previous demo run there is replaced (default: %(default)s)")
+    parser.add_argument("--seed", type=_seed, default=DemoConfig.seed, help="(default: %(default)s)")
+    parser.add_argument("--grpo-steps", type=_positive_int, default=DemoConfig.grpo_steps, help="(default: %(default)s)")
+    parser.add_argument("--sft-steps", type=_positive_int, default=DemoConfig.sft_steps, help="(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--backend", default=DemoConfig.backend, help="the fused loss's backend: auto, torch, triton, reference")
+    parser.add_argument("--backend", default=DemoConfig.backend, choices=BACKENDS,
+                        help="the fused loss's backend (default: %(default)s)")
     parser.add_argument("--distributed", default="none", choices=distributed.KINDS,
                         help="under torchrun: ddp or fsdp (FSDP2)")
     args = parser.parse_args(argv)

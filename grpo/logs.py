@@ -26,6 +26,40 @@ PLOTTED = (
 )
 
 
+# Steps in a row in which every group's rewards were all equal (every advantage 0: nothing is learned)
+# before the log and the progress bar say so.
+ZERO_SIGNAL_PATIENCE = 5
+
+
+class ZeroSignalWatch:
+    """Counts the steps in a row whose groups all had zero signal (``zero_signal_frac == 1``).
+
+    ``update(record)`` returns the fields to add to that step's record: ``zero_signal_steps`` (the
+    count), and, from :data:`ZERO_SIGNAL_PATIENCE` steps on, a ``warning`` that names the likely causes.
+    A resumed run starts from the count its log's last records give, so its records are the
+    uninterrupted run's.
+    """
+
+    def __init__(self, records: Iterable[dict] = (), patience: int = ZERO_SIGNAL_PATIENCE) -> None:
+        self.patience, self.streak = patience, 0
+        for record in records:
+            self._count(record)
+
+    def _count(self, record: dict) -> None:
+        self.streak = self.streak + 1 if record.get("zero_signal_frac") == 1.0 else 0
+
+    def update(self, record: dict) -> dict:
+        self._count(record)
+        out: dict = {"zero_signal_steps": self.streak}
+        if self.streak >= self.patience:
+            out["warning"] = (
+                f"no learning signal for {self.streak} steps: in every group all completions got the same reward "
+                f"(every advantage is 0). Check the reward functions and the data's columns (e.g. a missing "
+                f"answer), or raise num_generations / the sampling temperature"
+            )
+        return out
+
+
 class RunLog:
     """Appends per-step records to ``path`` (JSONL) and keeps them in ``records``.
 

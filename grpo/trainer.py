@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import importlib.util
 import math
-import numbers
 import os
 import random
 import resource
@@ -55,8 +54,8 @@ from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 from . import checkpoint, distributed, packing
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
-from .data import check_rows, columns_of, prompts_for_step, shard_for_rank
-from .logs import RunLog, plot_curves
+from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
+from .logs import RunLog, ZeroSignalWatch, plot_curves
 from .rollout import Completions, HFGenerate, Rollout, autocast, generation_eos
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
@@ -200,11 +199,30 @@ def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def reward_number(value: Any) -> Optional[float]:
+    """A reward value as a float, or None when it is not a number.
+
+    A number is anything ``float()`` takes through its own ``__float__`` (so not a ``str``): Python and
+    NumPy ints, floats and bools (``np.array(..) == 1`` gives ``numpy.bool_``: True is 1.0, False 0.0),
+    ``Fraction``, ``Decimal``, and one-element tensors and arrays.
+    """
+    try:
+        if callable(getattr(value, "item", None)):  # tensors, arrays and NumPy scalars: their one element
+            value = value.item()
+        if not hasattr(type(value), "__float__"):
+            return None
+        return float(value)
+    except OverflowError:  # an int beyond float64: not finite, so unscorable (with a warning)
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of several values, a complex
+        return None
+
+
 def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards [B, F] float64, one column per function; nonfinite [F] int64, per function).
 
-    Each function returns one value per completion: a real number (any numeric type, or a one-element
-    tensor) or ``None`` (unscorable), which becomes NaN. A number that is not finite (+-inf, NaN) is
+    Each function returns one value per completion: a real number (``reward_number``: any numeric type,
+    bools as 0 / 1, a one-element tensor) or ``None`` (unscorable), which becomes NaN. A number that is not finite (+-inf, NaN) is
     not a score either: it is treated as unscorable too, counted in ``nonfinite`` and reported in a
     ``RuntimeWarning`` naming the function and the first such row, so it never reaches an advantage.
     Rewards stay float64, so a huge finite one (1e39) is a score, not an overflow. A value of any other
@@ -226,18 +244,17 @@ def score(reward_fns: Mapping[str, RewardFn], rollout: Completions, columns: dic
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = v.item()
-            if not isinstance(v, numbers.Real):
+            x = reward_number(v)
+            if x is None:
                 raise TypeError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for row {i}: expected a number or None")
-            if math.isfinite(float(v)):
-                per_fn[i, j] = float(v)
+            if math.isfinite(x):
+                per_fn[i, j] = x
             else:
                 bad.append(i)
         if bad:
             i = bad[0]
             warnings.warn(
-                f"reward function {name!r} returned {float(values[i])} for row {i} (prompt {rollout.prompts[i][:60]!r}); "
+                f"reward function {name!r} returned {reward_number(values[i])} for row {i} (prompt {rollout.prompts[i][:60]!r}); "
                 f"{len(bad)} values of this step were not finite: treated as unscorable (None)",
                 RuntimeWarning, stacklevel=2,
             )
@@ -639,10 +656,12 @@ def train(
         raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
     if rollout is not None and not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
-    check_rows(rows)  # before anything is loaded or sampled
+    columns = check_rows(rows)  # before anything is loaded or sampled
     reward_fns = as_named(reward_fns)
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
         raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
+    check_reward_columns(reward_fns, columns)
+    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # a fresh run never replaces an earlier one's checkpoint
     distributed.setup(cfg.distributed)
     if cfg.prompts_per_step % distributed.world_size():
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
@@ -654,20 +673,35 @@ def train(
     rollout = rollout or default_rollout(model, tokenizer, cfg)
     main_process = distributed.is_main_process()
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
-    if cfg.resume and os.path.exists(checkpoint_path):
-        start_step = checkpoint.load(checkpoint_path, policy, ref_policy, optimizer)
-    log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
+    # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
+    # step, with a checkpoint
+    with checkpoint.RunLock(cfg.output_dir, enabled=main_process), checkpoint.StopOnSigterm() as sigterm:
+        if cfg.resume and os.path.exists(checkpoint_path):
+            start_step = checkpoint.load(checkpoint_path, policy, ref_policy, optimizer, dataclasses.asdict(cfg),
+                                         allow_changes=cfg.resume_with_changes)
+        log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
+        zero_signal = ZeroSignalWatch(log.records)
 
-    bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
-               disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
-    for step in bar:
-        record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device)
-        record = log.write(record)
-        bar.set_postfix({k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None})
-        done = step + 1
-        if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0):
-            checkpoint.save(checkpoint_path, done, policy, ref_policy, optimizer, dataclasses.asdict(cfg))
-    bar.close()
+        bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
+                   disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
+        for step in bar:
+            record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device)
+            record.update(zero_signal.update(record))
+            record = log.write(record)
+            postfix = {k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None}
+            if "warning" in record:
+                postfix["no signal"] = f"{record['zero_signal_steps']} steps"
+                if record["zero_signal_steps"] == zero_signal.patience and main_process:
+                    warnings.warn(record["warning"], RuntimeWarning, stacklevel=2)
+            bar.set_postfix(postfix)
+            done = step + 1
+            stopping = sigterm.agreed()
+            if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
+                checkpoint.save(checkpoint_path, done, policy, ref_policy, optimizer, dataclasses.asdict(cfg))
+            if stopping:
+                bar.close()
+                sigterm.exit(checkpoint_path, done)
+        bar.close()
     distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
     if cfg.plot and main_process:
         plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
 
 import torch
 
@@ -48,17 +50,108 @@ def check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """A real bool (Python, NumPy, or a 0-d torch bool tensor), never a truthy string or None.
+
+    ``inplace_backward='False'`` would otherwise be true and overwrite the caller's logits.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def check_ignore_index(value: object) -> int:
+    """An int (Python or NumPy), not a bool (``True`` would drop every token with id 1), None or float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int (e.g. -100), got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_chunk_size(value: object) -> Optional[int]:
+    """None (chosen from the shapes and the device) or a positive int."""
+    return None if value is None else check_positive_int("chunk_size", value)
+
+
+def _extent(t: torch.Tensor) -> Tuple[int, int]:
+    """[first, last] byte addresses a non-empty tensor's elements span in its storage."""
+    lo = hi = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride * t.element_size()
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + t.element_size() - 1
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` may address one memory location (``expand``, stride 0, or strides
+    that make rows interleave), from the sizes and strides alone.
+
+    Sorted by stride, each dimension's stride must exceed the span of all the smaller ones:
+    ``stride[i] > sum_{j < i} (size[j] - 1) * stride[j]``. This is sufficient for no overlap; a few
+    exotic non-overlapping layouts fail it and are refused too (copy them with ``.contiguous()``).
+    """
+    dims = sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
+def check_writable(name: str, value: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:
+    """``value`` is about to be written in place (``inplace_backward``): refuse a tensor whose
+    elements alias each other, or that shares memory with another argument ``others`` reads."""
+    if value.numel() == 0:
+        return
+    if has_internal_overlap(value):
+        raise ValueError(
+            f"{name} with shape {_shape(value)} and strides {list(value.stride())} has elements that share memory "
+            f"(an expand()ed or overlapping view): the in-place gradient would overwrite itself. Pass "
+            f"{name}.contiguous(), or inplace_backward=False"
+        )
+    lo, hi = _extent(value)
+    storage = value.untyped_storage().data_ptr()
+    for other_name, other in others:
+        if other is None or other.numel() == 0 or other.untyped_storage().data_ptr() != storage:
+            continue
+        other_lo, other_hi = _extent(other)
+        if other_lo <= hi and lo <= other_hi:
+            raise ValueError(
+                f"{name} shares memory with {other_name}: the in-place gradient would overwrite {other_name}. "
+                f"Pass a copy of one of them, or inplace_backward=False"
+            )
+
+
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
     return value
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_temperature(temperature: object) -> float:
     temperature = check_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 1.0 / temperature < FLOAT32_MAX / 4:  # the kernels' fp32 factor log2(e) * logit_scale / T
+        raise ValueError(f"temperature must be > {4 / FLOAT32_MAX:.3g} (1 / temperature must be finite in float32), "
+                         f"got {temperature}")
     return temperature
+
+
+def check_transform_factors(temperature: float, softcap: Optional[float], logit_scale: float) -> None:
+    """The kernels' float32 factors of the logit transform (``logit_scale / temperature``, or
+    ``logit_scale / softcap`` and ``1 / temperature`` with a cap) must be finite: an infinite
+    factor times a zero gap (the row's max) would be NaN."""
+    factors = {"logit_scale / temperature": logit_scale / temperature} if softcap is None else {
+        "logit_scale / softcap": logit_scale / softcap}
+    for what, value in factors.items():
+        if not value < FLOAT32_MAX / 4:
+            raise ValueError(f"{what} must be < {FLOAT32_MAX / 4:.3g} (a finite float32 factor), got {value:.3g}")
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -117,6 +210,31 @@ def check_per_token(name: str, value: Optional[object], b: int, t: int, allow_co
     return value
 
 
+def check_mask(completion_mask: object, completion_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """completion_mask [B, T] (the shape of completion_ids): bool, int or float per-token weights,
+    finite and >= 0 where the id is not ``ignore_index`` (0 = the position is never read; another
+    value is the token's weight in the loss, as a mask multiplies each token's loss in TRL).
+
+    A NaN or an infinity would reach the loss and every gradient: refused here (one device sync,
+    skipped while torch.compile traces). Where the id is ``ignore_index`` the mask is never read.
+    """
+    mask = check_tensor("completion_mask", completion_mask)
+    if mask.shape != completion_ids.shape:
+        raise ValueError(f"completion_mask must have shape {_shape(completion_ids)}, got {_shape(mask)}")
+    if mask.is_complex():
+        raise TypeError(f"completion_mask must be bool, int or float, got {mask.dtype}")
+    if mask.dtype == torch.bool or mask.numel() == 0 or torch.compiler.is_compiling():
+        return mask
+    bad = mask < 0
+    if mask.is_floating_point():
+        bad = bad | ~torch.isfinite(mask)
+    bad = bad & (completion_ids != ignore_index)
+    if bool(bad.any()):
+        raise ValueError(f"completion_mask must be finite and >= 0 (a per-token weight; 0 = not read), "
+                         f"got {mask[bad][0].item()}")
+    return mask
+
+
 def check_num_items_in_batch(value: Any) -> None:
     """None, a positive finite real number, or a 0-d/1-element numeric tensor holding one."""
     if value is None:
@@ -145,9 +263,7 @@ def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, adva
     if advantages.shape not in ((b,), (b, t)):
         raise ValueError(f"advantages must have shape [{b}] (per sequence) or [{b}, {t}] (per token), got {_shape(advantages)}")
     if completion_mask is not None:
-        completion_mask = check_tensor("completion_mask", completion_mask)
-        if completion_mask.shape != (b, t):
-            raise ValueError(f"completion_mask must have shape [{b}, {t}], got {_shape(completion_mask)}")
+        check_mask(completion_mask, completion_ids)
     check_per_token("old_logps", inputs.old_logps, b, t)
     check_per_token("ref_logps", inputs.ref_logps, b, t)
     check_per_token("is_ratio", inputs.is_ratio, b, t, allow_column=True)

@@ -53,6 +53,7 @@ def token_logprobs(
     raises); the gradient has the logits' dtype.
     """
     V.check_choice("backend", backend, BACKENDS)
+    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     if backend == "reference":
         return reference.token_logprobs(
             logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
@@ -100,11 +101,17 @@ def grpo_loss(
     anything else still needs the logits' values.
     """
     V.check_choice("backend", backend, BACKENDS)
+    inplace_backward = V.check_flag("inplace_backward", inplace_backward)
     if backend == "reference":
         return reference.grpo_loss(logits, completion_ids, advantages, completion_mask, **grpo_kwargs)
     logits = V.check_logits(logits)
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
+    if inplace_backward:
+        V.check_writable("logits", logits, [("completion_ids", completion_ids), ("advantages", advantages),
+                                            ("completion_mask", completion_mask), ("old_logps", inputs.old_logps),
+                                            ("ref_logps", inputs.ref_logps), ("is_ratio", inputs.is_ratio),
+                                            ("segment_ids", inputs.segment_ids)])
     row_backend = backends.resolve(backend, logits.device)
     if row_backend.fuses(options):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
@@ -156,8 +163,6 @@ class _LinearRows(NamedTuple):
 def _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype) -> _LinearRows:
     """Keep the rows whose target is not ``ignore_index`` (the others are never read, so a NaN hidden
     state at a padded position changes nothing, and cost nothing); fix the compute dtype and chunk."""
-    if not isinstance(accumulate_in_weight_dtype, bool):
-        raise TypeError(f"accumulate_in_weight_dtype must be a bool, got {accumulate_in_weight_dtype!r}")
     dtype = compute_dtype(hidden)
     flat_targets = targets.reshape(-1)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -168,8 +173,6 @@ def _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumu
         flat_hidden, flat_targets = flat_hidden.index_select(0, keep), flat_targets.index_select(0, keep)
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0], weight.shape[1], dtype, hidden.device, flat_targets.numel())
-    else:
-        chunk_size = V.check_positive_int("chunk_size", chunk_size)
     return _LinearRows(flat_hidden, flat_targets, keep, targets.numel(), chunk_size, dtype)
 
 
@@ -281,6 +284,9 @@ def fused_linear_token_logprobs(
     autocast's dtype, forward and backward alike; gradients come back in each input's dtype.
     """
     V.check_choice("backend", backend, BACKENDS)
+    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
+    chunk_size = V.check_chunk_size(chunk_size)
+    accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     if backend == "reference":
         return reference.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -322,6 +328,8 @@ def fused_linear_grpo_loss(
     ``accumulate_in_weight_dtype`` as in :func:`fused_linear_token_logprobs`.
     """
     V.check_choice("backend", backend, BACKENDS)
+    chunk_size = V.check_chunk_size(chunk_size)
+    accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     if backend == "reference":
         return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
                                                 **grpo_kwargs)

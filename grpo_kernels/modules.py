@@ -23,6 +23,11 @@ class _GRPOLossModule(torch.nn.Module):
         super().__init__()
         own = {k: config.pop(k) for k in ("backend",) + self._extra_keywords if k in config}
         V.check_choice("backend", own.get("backend", "auto"), BACKENDS)
+        for name in ("inplace_backward", "accumulate_in_weight_dtype"):
+            if name in own:
+                own[name] = V.check_flag(name, own[name])
+        if "chunk_size" in own:
+            own["chunk_size"] = V.check_chunk_size(own["chunk_size"])
         split_grpo_keywords(config, self._function_name)  # raises now, not at the first forward
         self.config: Dict[str, Any] = {**own, **config}
 

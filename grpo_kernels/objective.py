@@ -126,7 +126,7 @@ def per_token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.
     """[B] or [B, T] advantages -> fp32 [B, 1] or [B, T], 0 where masked (never read there)."""
     adv = advantages.detach().float()
     if adv.dim() == 1:  # one per sequence: kept as a [B, 1] column, read for rows with a valid token
-        return _where_valid(mask.amax(-1, keepdim=True), adv.unsqueeze(-1), 0.0)
+        return _where_valid((mask != 0).any(-1, keepdim=True), adv.unsqueeze(-1), 0.0)
     return _where_valid(mask, adv, 0.0)
 
 
@@ -135,7 +135,7 @@ def rollout_weights(is_ratio: Optional[torch.Tensor], mask: torch.Tensor) -> Opt
     if is_ratio is None:
         return None
     if is_ratio.shape[-1] == 1:  # one per row, read for rows with a valid token
-        return _where_valid(mask.amax(-1, keepdim=True), is_ratio, 1.0)
+        return _where_valid((mask != 0).any(-1, keepdim=True), is_ratio, 1.0)
     return _where_valid(mask, is_ratio, 1.0)
 
 

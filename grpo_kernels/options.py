@@ -45,6 +45,7 @@ class LogitTransform:
         object.__setattr__(self, "logit_scale", V.check_number("logit_scale", self.logit_scale))
         if not self.logit_scale > 0:
             raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
+        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
 
     @staticmethod
     def of(value: "float | LogitTransform") -> "LogitTransform":
@@ -105,8 +106,7 @@ class GRPOOptions:
         if self.max_completion_length is not None:
             V.check_positive_int("max_completion_length", self.max_completion_length)
         set_("entropy_coef", V.check_number("entropy_coef", self.entropy_coef))
-        if not isinstance(self.use_bias_correction_kl, bool):
-            raise TypeError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        set_("use_bias_correction_kl", V.check_flag("use_bias_correction_kl", self.use_bias_correction_kl))
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             set_(name, V.check_number(name, getattr(self, name)))
             if not getattr(self, name) > 0:

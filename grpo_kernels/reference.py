@@ -1,6 +1,6 @@
 """Plain-PyTorch GRPO: the executable spec, written the way trainers write it today.
 
-Materialise ``log_softmax(logits.float() / T)`` over the whole vocabulary, gather the targets, then
+Materialise ``log_softmax((logits.float() - max) / T)`` over the whole vocabulary, gather the targets, then
 apply the objective (``grpo_kernels.objective``). Every kernel in this package is tested against
 these functions, and every benchmark compares with them; ``tests/spec64.py`` states the same maths
 independently in float64. Same signatures as the public functions, without ``backend``.
@@ -14,6 +14,7 @@ import torch
 
 from . import _validation as V
 from . import objective
+from .kernels.torch_rows import floor_logp
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords
 
@@ -37,6 +38,7 @@ def token_logprobs(
     """
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
+    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     transform = LogitTransform(temperature, softcap, logit_scale)
     V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
     return _token_logprobs(logits, targets, transform, ignore_index, return_entropy)
@@ -48,14 +50,17 @@ def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, re
     # reaches neither the outputs nor the gradient).
     logits = torch.where(valid.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     z = logits.float()
-    if transform.logit_scale != 1.0:
-        z = z * transform.logit_scale
+    slope = transform.logit_scale / transform.temperature
     if transform.softcap is not None:
-        z = transform.softcap * torch.tanh(z / transform.softcap)
-    log_probs = torch.log_softmax(z / transform.temperature, dim=-1)
+        z = transform.softcap * torch.tanh(z * transform.logit_scale / transform.softcap)
+        slope = 1.0 / transform.temperature
+    # Shift by the row max before the slope: log_softmax is shift-invariant (the detached max changes
+    # no value or gradient), and a finite logit near FLT_MAX over T < 1 would overflow to inf first.
+    z = z - z.amax(-1, keepdim=True).detach()
+    log_probs = torch.log_softmax(z * slope, dim=-1)
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
     logp = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    logp = torch.where(valid, floor_logp(logp), torch.zeros_like(logp))
     if not return_entropy:
         return logp
     probs = log_probs.exp()
@@ -110,6 +115,7 @@ def fused_linear_token_logprobs(
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
+    ignore_index = V.check_ignore_index(ignore_index)
     return token_logprobs(
         _project(hidden, weight, bias, targets != ignore_index), targets, temperature=temperature,
         ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,

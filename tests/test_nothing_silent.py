@@ -265,3 +265,325 @@ def test_auto_backend_follows_the_state_triton_runs_in(order):
     assert result.returncode == 0, result.stderr[-2000:]
     expected = "triton" if order == "variable-then-kernels" else "torch"
     assert result.stdout.strip().splitlines()[-1] == expected
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 29: aliasing, flags, ignore_index, empty batches, masks, overflow
+# ---------------------------------------------------------------------------------------------------
+from grpo_kernels import _validation  # noqa: E402
+from spec64 import logprobs64  # noqa: E402
+from conftest import assert_close64  # noqa: E402
+
+
+def _addresses(t: torch.Tensor) -> list:
+    """Every element's offset in storage, by brute force."""
+    idx = torch.zeros(t.shape, dtype=torch.long)
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[d] = size
+        idx = idx + torch.arange(size).view(shape) * stride
+    return idx.flatten().tolist()
+
+
+def test_overlap_check_is_sound_on_random_layouts():
+    """Whenever two elements share an address, has_internal_overlap says so (any sizes and strides);
+    a contiguous, permuted, sliced or stepped view is never refused."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.zeros(4096)
+    for _ in range(400):
+        dims = int(torch.randint(1, 4, (1,), generator=g))
+        sizes = torch.randint(1, 5, (dims,), generator=g).tolist()
+        strides = torch.randint(0, 9, (dims,), generator=g).tolist()
+        t = base.as_strided(sizes, strides)
+        addresses = _addresses(t)
+        if len(set(addresses)) < len(addresses):
+            assert _validation.has_internal_overlap(t), (sizes, strides)
+    x = torch.zeros(3, 5, 7)
+    for view in (x, x.permute(1, 0, 2), x[:, 1:-1], x[::2, ::2], x.transpose(0, 1)[1:]):
+        assert not _validation.has_internal_overlap(view)
+
+
+def _aliased_views():
+    base = torch.randn(1, T, V)
+    wide = torch.randn(B * T * V)
+    yield "expand over B", base.expand(B, T, V)
+    yield "expand over T", torch.randn(B, 1, V).expand(B, T, V)
+    yield "rows that overlap", wide.as_strided((B, T, V), (T * 2, 2, 1))  # row stride 2 < V
+    yield "a broadcast row", torch.randn(V).expand(B, T, V)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_refuses_logits_whose_elements_alias(backend):
+    """The Triton backward wrote every row's gradient into the one row an expand()ed view has: any
+    layout whose elements alias is refused with inplace_backward (out of place it is fine)."""
+    _, ids, mask, adv, *_ = batch(11)
+    ids, mask, adv = ids.to(DEVICE), mask.to(DEVICE), adv.to(DEVICE)
+    for what, view in _aliased_views():
+        x = view.to(DEVICE) if DEVICE == "cpu" else view.contiguous().to(DEVICE).as_strided(view.shape, view.stride())
+        with pytest.raises(ValueError, match="logits .*share memory"):
+            gk.grpo_loss(x, ids, adv, mask, backend=backend, inplace_backward=True)
+        if what == "expand over B":
+            leaf = torch.randn(1, device=DEVICE, requires_grad=True)
+            out = gk.grpo_loss(x * leaf, ids, adv, mask, backend=backend)  # out of place: a gradient, finite
+            out.loss.backward()
+            assert torch.isfinite(leaf.grad).all(), what
+    # logits that share memory with a tensor the loss reads: old_logps inside the logits' storage
+    storage = torch.randn(B * T * V + B * T, device=DEVICE)
+    logits, old = storage[: B * T * V].view(B, T, V), storage[B * T * V - 1 : B * T * V - 1 + B * T].view(B, T)
+    with pytest.raises(ValueError, match="logits shares memory with old_logps"):
+        gk.grpo_loss(logits, ids, adv, mask, backend=backend, inplace_backward=True, old_logps=old)
+    gk.grpo_loss(logits, ids, adv, mask, backend=backend, inplace_backward=True, old_logps=storage[B * T * V:].view(B, T))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_on_a_strided_view_is_exact(backend):
+    """A view that does not alias (a slice of a larger tensor) still takes its gradient in place."""
+    logits, ids, mask, adv, *_ = batch(12)
+    big = torch.randn(B, T + 2, V)
+    big[:, 1:-1] = logits
+    results = []
+    for inplace in (False, True):
+        leaf = big.clone().to(DEVICE).requires_grad_()
+        view = leaf * 1.0  # a non-leaf the gradient may overwrite
+        out = gk.grpo_loss(view[:, 1:-1], ids.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend,
+                           inplace_backward=inplace)
+        out.loss.backward()
+        results.append(leaf.grad)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+NOT_BOOLS = ["False", "no", "", None, 0, 1, 1.0, np.int64(1), torch.tensor([True]), torch.tensor(1)]
+
+
+def _flag_calls(backend):
+    logits, ids, mask, adv, *_ = batch(13)
+    g = torch.Generator().manual_seed(13)
+    h, w = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    yield "inplace_backward", lambda v: gk.grpo_loss(d(logits), d(ids), d(adv), d(mask), backend=backend, inplace_backward=v)
+    yield "use_bias_correction_kl", lambda v: gk.grpo_loss(d(logits), d(ids), d(adv), d(mask), backend=backend,
+                                                           use_bias_correction_kl=v)
+    yield "return_entropy", lambda v: gk.token_logprobs(d(logits), d(ids), backend=backend, return_entropy=v)
+    yield "return_entropy", lambda v: gk.fused_linear_token_logprobs(d(h), d(w), d(ids), backend=backend, return_entropy=v)
+    yield "accumulate_in_weight_dtype", lambda v: gk.fused_linear_token_logprobs(
+        d(h), d(w), d(ids), backend=backend, accumulate_in_weight_dtype=v)
+    yield "accumulate_in_weight_dtype", lambda v: gk.fused_linear_grpo_loss(
+        d(h), d(w), d(ids), d(adv), d(mask), backend=backend, accumulate_in_weight_dtype=v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flags_are_bools_on_every_function(backend):
+    """'False' / 'no' / None / 1 are not bools: a TypeError naming the flag, before anything runs;
+    True, False, numpy.bool_ and a 0-d torch bool tensor are."""
+    for name, call in _flag_calls(backend):
+        for value in NOT_BOOLS:
+            with pytest.raises(TypeError, match=name):
+                call(value)
+        if backend != "triton":  # (read before any backend runs: the interpreter adds nothing here)
+            for value in (np.bool_(True), torch.tensor(False)):
+                call(value)
+
+
+def test_reference_functions_check_their_flags_too():
+    logits, ids, *_ = batch(14)
+    with pytest.raises(TypeError, match="return_entropy"):
+        gk.reference.token_logprobs(logits, ids, return_entropy="no")
+    with pytest.raises(TypeError, match="ignore_index"):
+        gk.reference.fused_linear_token_logprobs(torch.randn(B, T, H), torch.randn(V, H), ids, ignore_index=None)
+
+
+@pytest.mark.parametrize("value", ["yes", "False", None, 1])
+def test_module_flags_are_checked_when_the_module_is_built(value):
+    with pytest.raises(TypeError, match="inplace_backward"):
+        gk.GRPOLoss(inplace_backward=value)
+    with pytest.raises(TypeError, match="accumulate_in_weight_dtype"):
+        gk.FusedLinearGRPOLoss(accumulate_in_weight_dtype=value)
+    with pytest.raises(TypeError, match="use_bias_correction_kl"):
+        gk.GRPOLoss(use_bias_correction_kl=value)
+    with pytest.raises(TypeError, match="use_bias_correction_kl"):
+        gk.GRPOOptions(use_bias_correction_kl=value)
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, "8", True, np.float64(3.0)])
+def test_chunk_size_is_a_positive_int_when_the_module_is_built_and_at_the_call(value, backend="torch"):
+    with pytest.raises(ValueError, match="chunk_size"):
+        gk.FusedLinearGRPOLoss(chunk_size=value)
+    _, ids, mask, adv, *_ = batch(15)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gk.fused_linear_grpo_loss(torch.randn(B, T, H), torch.randn(V, H), ids, adv, mask, chunk_size=value, backend="reference")
+    with pytest.raises(ValueError, match="chunk_size"):
+        gk.fused_linear_token_logprobs(torch.randn(B, T, H), torch.randn(V, H), ids, chunk_size=value, backend=backend)
+    assert gk.FusedLinearGRPOLoss(chunk_size=np.int64(4)).config["chunk_size"] == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [None, "x", 1.5, True, np.bool_(False), torch.tensor(-100)])
+def test_ignore_index_is_an_int(backend, value):
+    """``True`` would have dropped every token with id 1; None / 'x' / 1.5 reached torch or Triton."""
+    logits, ids, *_ = batch(16)
+    with pytest.raises(TypeError, match="ignore_index"):
+        gk.token_logprobs(logits.to(DEVICE), ids.to(DEVICE), ignore_index=value, backend=backend)
+    with pytest.raises(TypeError, match="ignore_index"):
+        gk.fused_linear_token_logprobs(torch.randn(B, T, H).to(DEVICE), torch.randn(V, H).to(DEVICE), ids.to(DEVICE),
+                                       ignore_index=value, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_ignore_index_is_an_int(backend):
+    logits, ids, *_ = batch(17)
+    ids = ids.clone()
+    ids[0, 0] = 3
+    x = logits.to(DEVICE)
+    ref = gk.token_logprobs(x, ids.to(DEVICE), ignore_index=3, backend=backend)
+    got = gk.token_logprobs(x, ids.to(DEVICE), ignore_index=np.int64(3), backend=backend)
+    assert ref[0, 0] == 0 and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(3, 0), (0, 4), (0, 0)], ids=["T=0", "B=0", "both"])
+def test_empty_batches_give_a_zero_loss_and_zero_gradients(backend, shape):
+    """[B, 0, V] (no completion position) raised IndexError from amax(): a finite 0 loss and zero
+    gradients of the inputs' shapes, for every loss type, level and function, as B = 0 already had."""
+    b, t = shape
+    d = lambda x: x.to(DEVICE)  # noqa: E731
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for loss_type in gk.options.LOSS_TYPES:
+        for level in gk.options.IMPORTANCE_SAMPLING_LEVELS:
+            kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.1, ref_logps=d(torch.zeros(b, t)),
+                      old_logps=d(torch.zeros(b, t)), is_ratio=d(torch.ones(b, 1)))
+            x = torch.randn(b, t, V, device=DEVICE, requires_grad=True)
+            out = gk.grpo_loss(x, d(ids), d(torch.randn(b)), d(torch.ones(b, t)), backend=backend, **kw)
+            out.loss.backward()
+            assert out.loss.item() == 0 and out.per_token_logps.shape == (b, t), (loss_type, level)
+            assert x.grad.shape == x.shape
+            h, w = torch.randn(b, t, H, device=DEVICE, requires_grad=True), torch.randn(V, H, device=DEVICE, requires_grad=True)
+            out = gk.fused_linear_grpo_loss(h, w, d(ids), d(torch.randn(b, t)), backend=backend, **kw)
+            out.loss.backward()
+            assert out.loss.item() == 0 and (w.grad == 0).all() and h.grad.shape == h.shape, (loss_type, level)
+    logp, entropy = gk.token_logprobs(torch.randn(b, t, V, device=DEVICE), d(ids), return_entropy=True, backend=backend)
+    assert logp.shape == entropy.shape == (b, t)
+    logp = gk.fused_linear_token_logprobs(torch.randn(b, t, H, device=DEVICE), torch.randn(V, H, device=DEVICE), d(ids),
+                                          backend=backend)
+    assert logp.shape == (b, t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -0.5])
+def test_a_mask_must_be_finite_and_non_negative(backend, bad):
+    logits, ids, mask, adv, *_ = batch(18)
+    dirty = mask.clone()
+    dirty[0, 1] = bad
+    with pytest.raises(ValueError, match="completion_mask"):
+        gk.grpo_loss(logits.to(DEVICE), ids.to(DEVICE), adv.to(DEVICE), dirty.to(DEVICE), backend=backend)
+    with pytest.raises(ValueError, match="completion_mask"):
+        gk.fused_linear_grpo_loss(torch.randn(B, T, H).to(DEVICE), torch.randn(V, H).to(DEVICE), ids.to(DEVICE),
+                                  adv.to(DEVICE), dirty.to(DEVICE), backend=backend)
+    if bad == -0.5:
+        with pytest.raises(ValueError, match="completion_mask"):  # integer masks too
+            gk.grpo_loss(logits.to(DEVICE), ids.to(DEVICE), adv.to(DEVICE), (dirty * 2).long().to(DEVICE), backend=backend)
+    # where the id is ignore_index the mask is never read, as the contract says of that position
+    ignored = ids.clone()
+    ignored[0, 1] = -100
+    clean = gk.grpo_loss(logits.to(DEVICE), ignored.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend)
+    out = gk.grpo_loss(logits.to(DEVICE), ignored.to(DEVICE), adv.to(DEVICE), dirty.to(DEVICE), backend=backend)
+    assert torch.isfinite(out.loss) and out.loss == clean.loss
+
+
+def _huge_logits(dtype: torch.dtype):
+    """Rows with logits near the dtype's maximum (both signs) and targets far below the max."""
+    big = 3e38 if dtype == torch.float32 else torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(19)
+    x = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    x[0, 0, 1] = big          # target below a huge max: logp < -FLT_MAX at T = 0.7
+    x[0, 1, 2] = big          # huge max and its opposite in one row
+    x[0, 1, 3] = -big
+    x[1, 0, :] = big          # a uniform row at the maximum
+    x[1, 2, 4] = -big         # a huge negative entry
+    ids = torch.tensor([[4, 3, 0], [5, 4, 7]])
+    return x.to(dtype), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_huge_finite_logits_give_finite_results_that_every_backend_agrees_on(dtype, temperature):
+    """A finite logit of 3e38 at T = 0.7 (logits / T overflows fp32): NaN on the torch backend and the
+    reference, a finite loss on Triton. Every backend now shifts by the max before the temperature,
+    and a log-prob below float32's range is its lowest finite value: finite losses, log-probs,
+    entropies and gradients, equal across backends and to float64 on the shifted logits."""
+    x0, ids = _huge_logits(dtype)
+    adv = torch.tensor([1.0, -0.5])
+    w_logp, w_ent = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(20))
+    x64 = x0.double().requires_grad_()
+    logp64, ent64 = logprobs64(x64 - x64.detach().amax(-1, keepdim=True), ids, temperature)
+    logp64_floor = logp64.clamp(min=-torch.finfo(torch.float32).max)
+    ((logp64 * w_logp.double()).sum() + (ent64 * w_ent.double()).sum()).backward()
+    losses = {}
+    for backend in BACKENDS:
+        x = x0.clone().to(DEVICE).requires_grad_()
+        logp, entropy = gk.token_logprobs(x, ids.to(DEVICE), temperature=temperature, return_entropy=True, backend=backend)
+        ((logp * w_logp.to(DEVICE)).sum() + (entropy * w_ent.to(DEVICE)).sum()).backward()
+        assert torch.isfinite(logp).all() and torch.isfinite(entropy).all() and torch.isfinite(x.grad).all(), backend
+        assert_close64(logp, logp64_floor, what=f"{backend} logp")
+        assert_close64(entropy, ent64, what=f"{backend} entropy")
+        assert_close64(x.grad, x64.grad, dtype, scale=max(x64.grad.abs().max().item(), 1.0) * 1e-2, what=f"{backend} grad")
+        for kw in (dict(), dict(old_logps=torch.full((2, 3), -1.0).to(DEVICE), entropy_coef=0.1),
+                   dict(importance_sampling_level="sequence", loss_type="cispo", eps_high=2.0)):
+            y = x0.clone().to(DEVICE).requires_grad_()
+            out = gk.grpo_loss(y, ids.to(DEVICE), adv.to(DEVICE), temperature=temperature, backend=backend, **kw)
+            out.loss.backward()
+            assert torch.isfinite(out.loss) and torch.isfinite(y.grad).all(), (backend, kw)
+            losses.setdefault(str(kw), []).append((backend, out.loss.item(), y.grad.double().cpu()))
+    for key, results in losses.items():
+        (_, loss0, grad0), *rest = results
+        for backend, loss, grad in rest:
+            assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-6), (key, backend)
+            torch.testing.assert_close(grad, grad0, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5,
+                                       msg=lambda m: f"{key} {backend}: {m}")
+
+
+def test_a_transform_whose_float32_factor_overflows_is_refused():
+    """An infinite kernel factor times the max's zero gap would be NaN: refused by name instead."""
+    logits, ids, *_ = batch(21)
+    for kw, name in ((dict(temperature=1e-39), "temperature"), (dict(logit_scale=1e30, temperature=1e-10), "logit_scale"),
+                     (dict(softcap=1e-40), "softcap")):
+        with pytest.raises(ValueError, match=name):
+            gk.token_logprobs(logits, ids, **kw)
+        with pytest.raises(ValueError, match=name):
+            gk.GRPOLoss(**kw)
+    out = gk.token_logprobs(logits, ids, temperature=1e-30)
+    assert torch.isfinite(out).all()
+
+
+def test_a_patched_trl_trainer_logs_which_head_it_got(tmp_path, caplog):
+    """patch() said nothing: building a patched trl.GRPOTrainer logs one INFO record (logger
+    ``grpo_kernels.integrations.trl``) naming our head; a head that falls back names the reason."""
+    import logging
+
+    pytest.importorskip("trl")
+    import trl
+    import test_trl_integration as t
+
+    from grpo_kernels.integrations import trl as gk_trl
+
+    model_dir = str(tmp_path / "model")
+    t.make_model().save_pretrained(model_dir)
+    args = t.make_config(tmp_path / "run", "fp32", beta=0.0)
+    gk_trl.patch(backend="torch")
+    try:
+        assert gk_trl.is_patched()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"):
+            trainer = t.build(trl.GRPOTrainer, model_dir, t.make_tokenizer(), args)
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and ours[0].levelno == logging.INFO, [r.getMessage() for r in ours]
+        assert "grpo_kernels.fused_linear_token_logprobs" in ours[0].getMessage()
+        assert "backend='torch'" in ours[0].getMessage() and t.uses_our_head(trainer.model)
+        caplog.clear()
+        gk_trl._warned.clear()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"), pytest.warns(UserWarning, match="is_top1"):
+            # TRL asks for an output we do not compute
+            trl.trainer.grpo_trainer.add_fused_lm_head(t.make_model(), outputs=("log_probs", "is_top1"))
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and "keeps TRL's own fused LM head" in ours[0].getMessage()
+        assert "is_top1" in ours[0].getMessage()
+    finally:
+        gk_trl.unpatch()

@@ -46,6 +46,7 @@ import contextlib
 import functools
 import inspect
 import types
+import logging
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -85,15 +86,24 @@ _TRL_HEAD_SETTINGS = (
     "backbone_attr", "text_config",
 )
 
+#: INFO: one record each time a trainer installs a head on a model: ours (backend, chunk size), or
+#: TRL's, with the reason. ``logging.basicConfig(level=logging.INFO)`` shows them.
+logger = logging.getLogger(__name__)
+
 _warned: set[str] = set()
 _trl_head_before_patch: Optional[Callable[..., None]] = None
 
 
-def _fall_back(reason: str) -> None:
-    """Warn once per reason that TRL's own head serves a call."""
+def _fall_back(reason: str, model: Optional[torch.nn.Module] = None) -> None:
+    """Warn once per reason that TRL's own head serves a call; when it is the head a trainer
+    installs on ``model``, also log it (INFO, every time)."""
+    if model is not None:
+        logger.info("grpo_kernels.integrations.trl: %s keeps TRL's own fused LM head: %s", type(model).__name__, reason)
     if reason in _warned:
         return
     _warned.add(reason)
+    if model is None:
+        logger.info("grpo_kernels.integrations.trl: a call falls back to TRL's own fused LM head: %s", reason)
     warnings.warn(
         f"grpo_kernels.integrations.trl: {reason}; TRL's own fused LM head computes these log-probs "
         "(TRL's numerics and memory).",
@@ -298,22 +308,27 @@ def _make_add_fused_lm_head(backend: str = "auto", chunk_size: Optional[int] = N
         trl_forward = model.forward
         settings = _trl_head_settings(trl_forward)
         if settings is None:
-            _fall_back(f"trl {trl.__version__}'s fused head is not the one this integration was written for")
+            _fall_back(f"trl {trl.__version__}'s fused head is not the one this integration was written for", model)
             return
         unserved = sorted(set(outputs) - _SERVED_OUTPUTS)
         if unserved:
-            _fall_back(f"TRL asks the head for {unserved}, which grpo-kernels does not compute")
+            _fall_back(f"TRL asks the head for {unserved}, which grpo-kernels does not compute", model)
             return
         softcap, logit_scale = settings["final_logit_softcapping"], settings["logit_scale"]
         transform = _transform_kwargs(softcap, logit_scale)
         if transform is None:
             _fall_back(
                 f"the model uses final-logit soft-capping ({softcap}) / logit_scale ({logit_scale}), which this "
-                "grpo-kernels does not apply as TRL does"
+                "grpo-kernels does not apply as TRL does", model,
             )
             return
         model.forward = types.MethodType(
             _fused_forward(model, trl_forward, settings, transform, backend, chunk_size), model
+        )
+        logger.info(
+            "grpo_kernels.integrations.trl: %s's log-prob head (%s) is grpo_kernels.fused_linear_token_logprobs "
+            "(backend=%r, chunk_size=%r); a call it cannot serve falls back to TRL's head with a warning",
+            type(model).__name__, ", ".join(outputs), backend, chunk_size,
         )
 
     add_fused_lm_head.__grpo_kernels__ = True  # type: ignore[attr-defined]
@@ -350,6 +365,9 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
+    """Whether ``patch()`` is in effect: ``trl.GRPOTrainer``s built now get grpo-kernels' head (each
+    logs one INFO record on ``grpo_kernels.integrations.trl`` per model it installs a head on, ours
+    or, with the reason, TRL's). ``GRPOTrainer`` of this module needs no patch, and does not set it."""
     return _trl_head_before_patch is not None
 
 

@@ -20,6 +20,27 @@ _LOWEST = torch.finfo(torch.float32).min
 _Z_FLOOR = -256.0
 
 
+class _FloorLogp(torch.autograd.Function):
+    """``logp.clamp(min=-FLT_MAX)`` with the gradient of ``logp`` itself (identity)."""
+
+    @staticmethod
+    def forward(ctx, logp):
+        return logp.clamp(min=_LOWEST)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def floor_logp(logp: torch.Tensor) -> torch.Tensor:
+    """A log-prob below float32's range (a gap of 3e38 over a temperature below 1, or a -inf logit)
+    is returned as float32's lowest finite value on every backend, not -inf, so that a ratio
+    ``exp(logp - old)`` or ``logp - logp.detach()`` stays finite; the gradient is that of the exact
+    log-prob (``(onehot - p) / T``: the row kernels form it from the softmax, not through the clamp).
+    NaN stays NaN. Differentiable (the reference's higher-order gradients pass through)."""
+    return _FloorLogp.apply(logp)
+
+
 def default_chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
@@ -36,17 +57,33 @@ def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
             yield slice(b0, min(b, b0 + per)), slice(0, t)
 
 
-def _scaled(x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
-    """A fresh fp32 copy of a chunk, transformed in place:
-    ``z = softcap * tanh(logit_scale * x / softcap) / temperature`` (no tanh without softcap)."""
-    z = x.to(torch.float32, copy=True)
-    if logit_scale != 1.0:
-        z.mul_(logit_scale)
+def _capped(x: torch.Tensor, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
+    """A fresh fp32 copy of a chunk as the softmax sees it before the slope :func:`_slope`: the raw
+    logits, or ``softcap * tanh(logit_scale * x / softcap)`` (transformed in place)."""
+    y = x.to(torch.float32, copy=True)
     if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+        if logit_scale != 1.0:
+            y.mul_(logit_scale)
+        y.div_(softcap).tanh_().mul_(softcap)
+    return y
+
+
+def _slope(temperature: float, softcap: Optional[float], logit_scale: float) -> float:
+    """``k`` with ``z = k * y`` (``y`` from :func:`_capped`): ``logit_scale / T``, or ``1 / T`` with a cap.
+
+    The row max is taken of ``y`` and the shift formed as ``(y - max) * k``, never ``y * k - max * k``:
+    a finite logit near FLT_MAX over a temperature below 1 would overflow to inf (and give NaN) the
+    other way, as in the Triton kernels, which keep the raw max too.
+    """
+    return (1.0 if softcap is not None else logit_scale) / temperature
+
+
+def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float, softcap: Optional[float],
+             logit_scale: float) -> torch.Tensor:
+    """``z - max z`` in fp32, a fresh buffer: ``(y - row_max) * k`` (``row_max`` of ``y``, [..., 1])."""
+    k = _slope(temperature, softcap, logit_scale)
+    y = _capped(x, softcap, logit_scale).sub_(row_max)
+    return y.mul_(k) if k != 1.0 else y
 
 
 def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> None:
@@ -64,16 +101,21 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ig
     """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t].
 
     Two fp32 buffers of the chunk's size: ``shift = z - max`` (in place) and ``e = exp(shift)``.
+    ``row_max`` is the max of :func:`_capped` (before the slope), private to this module.
     """
-    shift = _scaled(x, *transform)
+    temperature, softcap, logit_scale = transform
+    shift = _capped(x, softcap, logit_scale)
     row_max = shift.amax(-1, keepdim=True)
+    k = _slope(temperature, softcap, logit_scale)
     shift.sub_(row_max)
+    if k != 1.0:
+        shift.mul_(k)
     e = torch.exp(shift)
     s = e.sum(-1, keepdim=True)
     log_sum = torch.log(s)
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
-    logp = (shift.gather(-1, safe) - log_sum).squeeze(-1)
+    logp = (shift.gather(-1, safe) - log_sum).squeeze(-1).clamp_(min=_LOWEST)  # see floor_logp
     if with_entropy:
         # H = log s - sum(e * shift) / s; a -inf logit has e = 0 and must add 0, not 0 * -inf, so
         # clamp shift to the lowest finite value (a NaN stays NaN through clamp).
@@ -98,7 +140,8 @@ def forward_rows(
 ):
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T].
 
-    Statistics of the transformed logits ``z`` (see :func:`_scaled`)."""
+    Statistics of the transformed logits ``z`` (see :func:`_shifted`); ``row_max`` is the max before
+    the slope (:func:`_capped`), for :func:`backward_rows` only."""
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
@@ -134,8 +177,8 @@ def backward_rows(
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
         # log p = (z - max) - log s, in place in one fp32 buffer; p in a second one.
-        log_p = _scaled(logits[bs, ts], temperature, softcap, logit_scale)
-        log_p.sub_(row_max[bs, ts].unsqueeze(-1)).sub_(log_sum[bs, ts].unsqueeze(-1))
+        log_p = _shifted(logits[bs, ts], row_max[bs, ts].unsqueeze(-1), temperature, softcap, logit_scale)
+        log_p.sub_(log_sum[bs, ts].unsqueeze(-1))
         p = torch.exp(log_p)
         if grad_entropy is not None:
             # d H / d z = -p (log p + H); at a -inf logit p = 0, so clamp log p to stay finite.
@@ -148,8 +191,8 @@ def backward_rows(
             safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
             # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
             # before the one rounding, so a confident prediction keeps its small gradient.
-            log_p_target = (_scaled(logits[bs, ts].gather(-1, safe), temperature, softcap, logit_scale)
-                            - row_max[bs, ts].unsqueeze(-1) - log_sum[bs, ts].unsqueeze(-1))
+            log_p_target = (_shifted(logits[bs, ts].gather(-1, safe), row_max[bs, ts].unsqueeze(-1), temperature,
+                                     softcap, logit_scale) - log_sum[bs, ts].unsqueeze(-1))
             target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
             grad.sub_(p.mul_(g))
             grad.scatter_(-1, safe, target_term)
@@ -229,16 +272,14 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         rows = slice(r0, min(n, r0 + block))
         k = rows.stop - r0
         x = logits[rows]
-        # z = x / T - max, in fp32 (over fp32 logits unless factored); max(x) / T is the max of x / T
-        # exactly (rounding is monotonic, T > 0)
+        # z = (x - max x) / T, in fp32 (over fp32 logits unless factored); the shift before the
+        # division, so a finite logit near FLT_MAX at T < 1 does not overflow (as in _slope)
         z = x if fp32 and not factored else z_buf[:k]
         src = x if fp32 else z.copy_(x)  # 16-bit logits: every operation below in fp32
         torch.amax(src, -1, keepdim=True, out=row_max[rows])
+        torch.sub(src, row_max[rows], out=z)
         if temperature != 1.0:
-            row_max[rows].mul_(inv_t)
-            torch.mul(src, inv_t, out=z).sub_(row_max[rows])
-        else:
-            torch.sub(src, row_max[rows], out=z)
+            z.mul_(inv_t)
         torch.gather(z, -1, safe[rows], out=target_z[rows])
         e = x if fp32 and factored else e_buf[:k]
         torch.exp(z, out=e)
@@ -257,7 +298,7 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
             torch.sum(e.mul_(z), -1, keepdim=True, out=dot[rows])
     log_sum = sums.log()
     zero = torch.zeros((), **f32)
-    logp = torch.where(valid, (target_z - log_sum).squeeze(-1), zero)
+    logp = torch.where(valid, (target_z - log_sum).squeeze(-1).clamp_(min=_LOWEST), zero)  # see floor_logp
     entropy = torch.where(valid, (log_sum - dot / sums).squeeze(-1), zero)
     g_logp, g_entropy = coefficients(logp, entropy)
     g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / temperature
@@ -280,10 +321,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         elif fp32:
             z = x
         else:  # z again from the 16-bit logits (the statistics are the first sweep's)
-            z = z_buf[:k].copy_(x)
+            z = z_buf[:k].copy_(x).sub_(row_max[rows])
             if temperature != 1.0:
                 z.mul_(inv_t)
-            z.sub_(row_max[rows])
         if g_entropy is None:
             grad = z.exp_().mul_(b[rows])
         else:  # z clamped: at a -inf logit e = 0 and the term is 0, not 0 * inf

@@ -194,6 +194,8 @@ def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.conste
     x_target = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
     # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
     logp = (x_target - m) * (c * _LN2) - log2_s * _LN2
+    # below float32's range (a 3e38 gap at T < 1): its lowest finite value, not -inf, as every backend
+    logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
     entropy = 0.0
     if WITH_ENTROPY:
         entropy = (log2_s - u / s) * _LN2
