@@ -20,6 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
+from .objective import is_token_local
 from .kernels.torch_rows import RowGradient
 from .options import LogitTransform
 
@@ -137,8 +138,8 @@ class TritonBackend(RowBackend):
     name = "triton"
 
     def fuses(self, options) -> bool:
-        """Token-level ratios and a token-local objective (vespo's weight is per sequence)."""
-        return options.importance_sampling_level == "token" and options.loss_type != "vespo"
+        """Token-local objectives (``objective.is_token_local``)."""
+        return is_token_local(options)
 
     @staticmethod
     def _module() -> ModuleType:

@@ -9,28 +9,48 @@ spec in ``reference`` instead.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _validation as V
 from . import backends, objective, reference
-from .autograd import (FusedGRPOLoss, FusedLinearGRPOLoss, FusedLinearTokenLogprobs, TokenLogprobs, compute_dtype,
+from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, compute_dtype,
                        default_chunk_size)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords, split_grpo_keywords
 
 
+
+def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> Callable:
+    """Check ``backend`` and send ``backend="reference"`` to ``reference_fn`` (same arguments, less the
+    keywords only the kernels take, ``kernel_only``); any other backend runs the decorated function."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def dispatch(*args: Any, backend: str = "auto", **kwargs: Any):
+            V.check_choice("backend", backend, BACKENDS)
+            if backend == "reference":
+                return reference_fn(*args, **{k: v for k, v in kwargs.items() if k not in kernel_only})
+            return fn(*args, backend=backend, **kwargs)
+
+        return dispatch
+
+    return decorate
+
+
 def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False):
     """(logp, entropy) with the shape of ``targets``; logits [..., V] viewed as rows without a copy."""
     rows = as_rows(logits)
-    logp, entropy = TokenLogprobs.apply(
+    logp, entropy = TokenLogprobsFunction.apply(
         rows, targets.reshape(rows.shape[:2]), backend, transform, ignore_index, with_entropy, inplace_backward
     )
     return logp.view(targets.shape), entropy.view(targets.shape)
 
 
+@_or_reference(reference.token_logprobs)
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -52,12 +72,6 @@ def token_logprobs(
     read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
     raises); the gradient has the logits' dtype.
     """
-    V.check_choice("backend", backend, BACKENDS)
-    if backend == "reference":
-        return reference.token_logprobs(
-            logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
-            softcap=softcap, logit_scale=logit_scale,
-        )
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -78,6 +92,7 @@ def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adv
 
 
 @grpo_keywords
+@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward",))
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -99,9 +114,6 @@ def grpo_loss(
     do not reuse the logits), so the loss needs only O(B*T) extra memory; autograd raises if
     anything else still needs the logits' values.
     """
-    V.check_choice("backend", backend, BACKENDS)
-    if backend == "reference":
-        return reference.grpo_loss(logits, completion_ids, advantages, completion_mask, **grpo_kwargs)
     logits = V.check_logits(logits)
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
@@ -118,7 +130,7 @@ def grpo_loss(
 def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInputs, options: GRPOOptions,
                      inplace_backward) -> GRPOLossOutput:
     """Token-level GRPO on a backend whose kernel computes the loss in the log-prob pass
-    (``FusedGRPOLoss``); the per-token weights (the reduction) and the metrics come from ``objective``."""
+    (``FusedGRPOLossFunction``); the per-token weights (the reduction) and the metrics come from ``objective``."""
     rows = as_rows(logits)
     sequences = objective.Sequences(mask, inputs.segment_ids)
     weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences)
@@ -128,7 +140,7 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
         ref_logps=None if inputs.ref_logps is None else inputs.ref_logps.detach(),
         is_ratio=None if inputs.is_ratio is None else inputs.is_ratio.detach(),
     )
-    loss, logp, entropy, kl, clip = FusedGRPOLoss.apply(
+    loss, logp, entropy, kl, clip = FusedGRPOLossFunction.apply(
         rows, ids.reshape(rows.shape[:2]), adv, weights, row_backend, kernel_inputs, options, IGNORE_INDEX,
         inplace_backward,
     )
@@ -195,20 +207,11 @@ def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform,
     recomputes each chunk's logits (4 matmuls). Only rows whose target is not ``ignore_index`` are read."""
     row_backend = backends.resolve(backend, hidden.device)
     rows = _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
-    logp, entropy = FusedLinearTokenLogprobs.apply(
+    logp, entropy = FusedLinearTokenLogprobsFunction.apply(
         rows.hidden, weight, bias, rows.targets, row_backend, transform, ignore_index, with_entropy,
         rows.chunk_size, rows.dtype, accumulate_in_weight_dtype,
     )
     return _scatter_rows(rows, logp, targets.shape), _scatter_rows(rows, entropy, targets.shape)
-
-
-def _gradient_in_forward(options: GRPOOptions) -> bool:
-    """Whether each token's ``d loss / d logp`` and ``d loss / d entropy`` depend on that token and
-    constants only, so :class:`autograd.FusedLinearGRPOLoss` can form the gradient in the forward:
-    token-level importance sampling (``objective.per_token_loss`` is then token-local, and
-    ``objective.token_weights`` depends on the mask and sequences only). GSPO's ratio and vespo's
-    sequence weight couple a sequence's tokens."""
-    return options.importance_sampling_level == "token" and options.loss_type != "vespo"
 
 
 def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs: GRPOInputs,
@@ -240,7 +243,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
         return chunk_loss.detach(), torch.zeros_like(logp) if g_logp is None else g_logp, g_entropy
 
     needs_grad = (rows.hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    loss, logp, entropy = FusedLinearGRPOLoss.apply(
+    loss, logp, entropy = FusedLinearGRPOLossFunction.apply(
         rows.hidden, weight, bias, rows.targets, coefficients, row_backend, options.transform,
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
     )
@@ -251,6 +254,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
+@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -274,18 +278,11 @@ def fused_linear_token_logprobs(
     backward recomputes each chunk's logits. Extra memory: ``chunk_size`` rows of logits (default:
     :func:`grpo_kernels.autograd.default_chunk_size`) plus, with gradients, the fp32 ``d W``
     accumulator, or one in the weight's dtype with ``accumulate_in_weight_dtype=True`` (half the
-    memory for a bf16 head, 1.2 GB instead of 2.5 GB at V = 152k, H = 4,096; each chunk's
-    contribution is rounded to bf16 as it is added, an error of ~2^-9 * sqrt(number of chunks) of the
-    largest entry: measured 5.4e-3 over 8 chunks and 1.1e-2 over 32, against 3e-3 with the fp32
-    accumulator, for 2,048 bf16 tokens, H = 128, V = 4,000). Under autocast the matmuls run in
-    autocast's dtype, forward and backward alike; gradients come back in each input's dtype.
+    memory for a bf16 head); each chunk's contribution is then rounded to bf16 as it is added, an error
+    of ~2^-9 * sqrt(number of chunks) of the largest entry (benchmarks/results/accumulate_in_weight_dtype.md).
+    Under autocast the matmuls run in autocast's dtype, forward and backward alike; gradients come back
+    in each input's dtype.
     """
-    V.check_choice("backend", backend, BACKENDS)
-    if backend == "reference":
-        return reference.fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
-        )
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -296,6 +293,7 @@ def fused_linear_token_logprobs(
 
 
 @grpo_keywords
+@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -321,15 +319,11 @@ def fused_linear_grpo_loss(
     :func:`grpo_kernels.autograd.default_chunk_size`, from N, H, V and the device);
     ``accumulate_in_weight_dtype`` as in :func:`fused_linear_token_logprobs`.
     """
-    V.check_choice("backend", backend, BACKENDS)
-    if backend == "reference":
-        return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
-                                                **grpo_kwargs)
     V.check_linear(hidden, weight, bias)
     inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad and _gradient_in_forward(options):
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype)
     logp, entropy = _fused_linear_rows(hidden, weight, bias, ids, options.transform, IGNORE_INDEX, True, chunk_size,

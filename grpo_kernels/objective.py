@@ -122,6 +122,15 @@ class Sequences:
 # --------------------------------------------------------------------------------------------------
 # per-token loss
 # --------------------------------------------------------------------------------------------------
+def is_token_local(options: GRPOOptions) -> bool:
+    """Whether each token's ``d loss / d logp`` and ``d loss / d entropy`` depend on that token and
+    constants only: token-level importance sampling and an objective without a sequence weight
+    (GSPO's ratio and vespo's weight couple a sequence's tokens). Such a loss can be evaluated inside
+    the log-prob pass (``backends.RowBackend.fuses``) and its gradient formed in the forward
+    (``functional.fused_linear_grpo_loss``)."""
+    return options.importance_sampling_level == "token" and options.loss_type != "vespo"
+
+
 def per_token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] or [B, T] advantages -> fp32 [B, 1] or [B, T], 0 where masked (never read there)."""
     adv = advantages.detach().float()
@@ -172,7 +181,7 @@ class TokenTerms(NamedTuple):
     loss: torch.Tensor  # [B, T] fp32, not yet weighted
     ratio: torch.Tensor  # importance ratio: [B, T], or per sequence ([B, 1] / [B, T])
     kl: Optional[torch.Tensor]  # [B, T] k3 KL (bias-corrected when asked), or None without ref_logps
-    extra: dict  # objective-specific per-token values for metrics (vespo's phi)
+    vespo_phi: Optional[torch.Tensor]  # vespo's detached sequence weight (a metric), else None
 
 
 def per_token_loss(
@@ -185,7 +194,7 @@ def per_token_loss(
     adv = per_token_advantages(advantages, mask)
     ratio = torch.exp(log_importance_ratio(logp, inputs.old_logps, mask, options.importance_sampling_level, sequences))
     is_ratio = rollout_weights(inputs.is_ratio, mask)
-    extra = {}
+    vespo_phi = None
     loss_type = options.loss_type
     if loss_type in CLIPPED_LOSS_TYPES:
         clipped = torch.clamp(ratio, 1 - options.eps_low, 1 + options.eps_high)
@@ -198,9 +207,8 @@ def per_token_loss(
         loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     elif loss_type == "vespo":
         log_ratio_token = log_importance_ratio(logp, inputs.old_logps, mask, "token")
-        phi = vespo_weight(log_ratio_token, adv, mask, is_ratio, options, sequences)
-        extra["vespo_phi"] = phi
-        loss = -phi * adv * logp
+        vespo_phi = vespo_weight(log_ratio_token, adv, mask, is_ratio, options, sequences)
+        loss = -vespo_phi * adv * logp
     else:
         raise AssertionError(f"unhandled loss_type {loss_type!r}")  # GRPOOptions validated it
     if is_ratio is not None and loss_type != "vespo":
@@ -215,7 +223,7 @@ def per_token_loss(
             loss = loss + options.beta * kl
     if options.entropy_coef != 0:
         loss = loss - options.entropy_coef * entropy
-    return TokenTerms(loss, ratio, kl, extra)
+    return TokenTerms(loss, ratio, kl, vespo_phi)
 
 
 def token_weights(mask: torch.Tensor, options: GRPOOptions, num_items_in_batch=None,
@@ -314,7 +322,7 @@ def metrics_of_terms(terms: TokenTerms, entropy: torch.Tensor, advantages: torch
     """:func:`loss_metrics` of :func:`per_token_loss`'s terms."""
     low, high = clip_flags(terms.ratio.detach(), advantages, mask, options)
     return loss_metrics(entropy.detach(), None if terms.kl is None else terms.kl.detach(), low, high, mask, options,
-                        sequences, terms.extra.get("vespo_phi"))
+                        sequences, terms.vespo_phi)
 
 
 def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

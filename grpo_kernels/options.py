@@ -21,9 +21,12 @@ from . import _validation as V
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
+# divide by a token count (dapo, cispo, vespo: num_items_in_batch; bnpo: the call's, which a trainer
+# splitting a batch into micro-batches turns into dapo's by passing the whole batch's count)
+TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 BACKENDS = ("auto", "triton", "torch", "reference")
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the target id of a position that predicts nothing (as in PyTorch and TRL)
 
 
 @dataclass(frozen=True)
