@@ -80,21 +80,28 @@ class TokenLogprobsFunction(torch.autograd.Function):
 class FusedGRPOLossFunction(torch.autograd.Function):
     """Token-level GRPO loss from logits in one pass; the backward is one more pass.
 
-    forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], backend, inputs, options,
-    ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T], clip region int8 [B, T]);
-    only the loss is differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
+    forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], entropy_weights [B, T] or None,
+    backend, inputs, options, ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T],
+    clip region int8 [B, T]); only the loss is differentiable. The kernel evaluates the policy and KL
+    terms weighted by ``weights``; the entropy bonus ``-sum(entropy_weights * H)`` (TRL's token mean,
+    whatever the policy term's reduction) is added here, its ``d / d H`` beside the kernel's.
+    Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, advantages, weights, backend: RowBackend, inputs, options,
+    def forward(ctx, logits, targets, advantages, weights, entropy_weights, backend: RowBackend, inputs, options,
                 ignore_index: int, inplace_backward: bool):
         loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = backend.grpo_forward_rows(
-            logits, targets, advantages, weights, inputs, options, ignore_index
+            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0
         )
+        loss = loss.sum()
+        if entropy_weights is not None:
+            loss = loss - (entropy_weights * entropy).sum()
+            coef_entropy = -entropy_weights.float()
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
-        ctx.config = (backend, options.transform, ignore_index, inplace_backward, options.entropy_coef != 0)
+        ctx.config = (backend, options.transform, ignore_index, inplace_backward, entropy_weights is not None)
         ctx.mark_non_differentiable(logp, entropy, kl, clip)
-        return loss.sum(), logp, entropy, kl, clip
+        return loss, logp, entropy, kl, clip
 
     @staticmethod
     @_first_order
@@ -107,7 +114,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
         _written_in_place(logits, out)
-        return (out,) + (None,) * 8
+        return (out,) + (None,) * 9
 
 
 # --------------------------------------------------------------------------------------------------

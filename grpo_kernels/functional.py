@@ -118,11 +118,10 @@ def grpo_loss(
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     row_backend = backends.resolve(backend, logits.device)
-    if row_backend.fuses(options):
+    if row_backend.fuses(options) and not objective.needs_logprobs_first(options, inputs):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
-    # Sequence-level terms (GSPO's ratio, vespo's weight) need every token of a sequence before any
-    # token's loss, and the torch path has no fused epilogue: log-probs from the row kernel, then the
-    # O(B*T) maths of the objective.
+    # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives and the torch
+    # path (no fused epilogue): log-probs from the row kernel, then the O(B*T) maths of the objective.
     logp, entropy = _logprobs_rows(logits, ids, options.transform, IGNORE_INDEX, True, row_backend, inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
@@ -133,7 +132,11 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
     (``FusedGRPOLossFunction``); the per-token weights (the reduction) and the metrics come from ``objective``."""
     rows = as_rows(logits)
     sequences = objective.Sequences(mask, inputs.segment_ids)
+    # the rollout correction from the old log-probs (needs_logprobs_first is False: nothing reads logp)
+    prep = objective.prepare(torch.zeros_like(mask), torch.zeros_like(mask), advantages, mask, inputs, options, sequences)
+    inputs = prep.inputs
     weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences)
+    bonus = objective.entropy_weights(mask, options, inputs, sequences)
     adv = objective.per_token_advantages(advantages, mask)
     kernel_inputs = GRPOInputs(  # constants of the loss, masked positions already never read
         old_logps=None if inputs.old_logps is None else inputs.old_logps.detach(),
@@ -141,13 +144,14 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
         is_ratio=None if inputs.is_ratio is None else inputs.is_ratio.detach(),
     )
     loss, logp, entropy, kl, clip = FusedGRPOLossFunction.apply(
-        rows, ids.reshape(rows.shape[:2]), adv, weights, row_backend, kernel_inputs, options, IGNORE_INDEX,
-        inplace_backward,
+        rows, ids.reshape(rows.shape[:2]), adv, weights, None if bonus is None else bonus.reshape(rows.shape[:2]),
+        row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward,
     )
     logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
     # metrics: reductions of the per-token values the kernel wrote (clip: -1 low, +1 high)
     metrics = objective.loss_metrics(entropy, kl if inputs.ref_logps is not None else None, clip < 0, clip > 0, mask,
                                      options, sequences)
+    metrics.update(prep.metrics)
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
@@ -225,20 +229,31 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     rows = _linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype)
     shape = ids.shape
     sequences = objective.Sequences(mask, inputs.segment_ids)
-    weights = _take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences), shape)
+    objective.check_spec_inputs(inputs, options, *shape)
+    weights = _take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences,
+                                                       inputs.global_batch_size), shape)
+    regulariser = _take_rows(rows, objective.regulariser_weights(mask, options, inputs, sequences), shape)
+    bonus = _take_rows(rows, objective.entropy_weights(mask, options, inputs, sequences), shape)
     adv = _take_rows(rows, objective.per_token_advantages(advantages, mask), shape)
-    old, ref, is_ratio = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps, inputs.is_ratio))
+    old, ref, is_ratio, rollout = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
+                                                                         inputs.is_ratio, inputs.rollout_logps))
 
     def coefficients(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice):
         at = lambda x: None if x is None else x[chunk].unsqueeze(0)  # noqa: E731 ([1, c] rows, all valid)
         with torch.enable_grad():
             logp_leaf = logp.detach().requires_grad_()
             entropy_leaf = entropy.detach().requires_grad_()
-            terms = objective.per_token_loss(
-                logp_leaf.unsqueeze(0), entropy_leaf.unsqueeze(0), at(adv), torch.ones_like(at(adv)),
-                GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=at(is_ratio)), options,
+            ones = torch.ones_like(at(adv))
+            chunk_is_ratio = at(is_ratio)
+            if options.rollout_correction is not None:  # token-level here (is_token_local)
+                chunk_is_ratio, _ = objective.rollout_correction(logp_leaf.unsqueeze(0), at(old), at(rollout), ones,
+                                                                 options, objective.Sequences(ones, None))
+            terms = objective.policy_terms(
+                logp_leaf.unsqueeze(0), entropy_leaf.unsqueeze(0), at(adv), ones,
+                GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=chunk_is_ratio), options,
             )
-            chunk_loss = (terms.loss[0] * weights[chunk]).sum()
+            chunk_loss = objective.weighted_loss(terms, entropy_leaf.unsqueeze(0), weights[chunk].unsqueeze(0),
+                                                 at(regulariser), at(bonus), options)
             g_logp, g_entropy = torch.autograd.grad(chunk_loss, (logp_leaf, entropy_leaf), allow_unused=True)
         return chunk_loss.detach(), torch.zeros_like(logp) if g_logp is None else g_logp, g_entropy
 
@@ -248,9 +263,8 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
     )
     logp, entropy = _scatter_rows(rows, logp, shape), _scatter_rows(rows, entropy, shape)
-    with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
-        terms = objective.per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
-        metrics = objective.metrics_of_terms(terms, entropy, advantages, mask, options, sequences)
+    with torch.no_grad():  # metrics only: the same formulas, no autograd
+        metrics = objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options).metrics
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 

@@ -142,7 +142,6 @@ def grpo64(
         if use_bias_correction_kl:
             kl = kl * ratio
         loss_t = loss_t + beta * kl
-    loss_t = loss_t - entropy_coef * ent
 
     total = (loss_t * m).sum()
     n_seq = max(len(seqs), 1)
@@ -161,6 +160,8 @@ def grpo64(
     else:
         n = max(m.sum().item(), 1.0) if num_items_in_batch is None else float(num_items_in_batch)
         loss = total / n
+    if entropy_coef != 0:  # TRL 1.16: the bonus is the token mean of the entropy, for every loss type
+        loss = loss - entropy_coef * (ent * m).sum() / max(m.sum().item(), 1.0)
 
     count = max(m.sum().item(), 1.0)
     metrics = {"entropy": (ent * m).sum() / count}
