@@ -7,7 +7,8 @@
     torchrun --nproc-per-node 8 -m grpo train --distributed fsdp --model ... --data ...   # or ddp
     torchrun --nproc-per-node 2 -m grpo demo --distributed ddp    # the demo on 2 CPU processes (gloo)
 
-Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...).
+Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...); the
+loss's flags are generated from ``grpo_kernels.GRPOOptions``, help text included.
 ``--prompts-per-step`` is the global batch, split evenly among the ranks.
 The data is JSONL with a prompt column and any others (e.g. ``answer``), which reach the reward
 functions as keyword lists. A reward is a name of ``grpo.rewards.REWARD_FUNCTIONS`` (``accuracy``: math answers against the
@@ -76,9 +77,13 @@ def _flag_type(hint) -> tuple[type, Optional[str], bool]:
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
     """One flag per field of ``config_cls``, its help, choices and range taken from the field's metadata."""
+    from grpo_kernels.options import OPTION_NAMES  # the loss fields, generated from the loss spec
+
     hints = typing.get_type_hints(config_cls)
-    group = parser.add_argument_group(f"{config_cls.__name__} (in Python: grpo.{config_cls.__name__}(...))")
+    trainer = parser.add_argument_group(f"{config_cls.__name__} (in Python: grpo.{config_cls.__name__}(...))")
+    loss = parser.add_argument_group("the loss (grpo_kernels.GRPOOptions; docs/api.md)")
     for field in dataclasses.fields(config_cls):
+        group = loss if field.name in OPTION_NAMES else trainer
         flag = "--" + field.name.replace("_", "-")
         kind, nargs, optional = _flag_type(hints[field.name])
         meta = field.metadata

@@ -6,8 +6,10 @@ rules that tie fields together), and so does every later assignment, so a misspe
 negative learning rate fails at once with the allowed values in the message, not after the model has
 loaded. ``python -m grpo train --help`` prints the same text and choices (``grpo.__main__``).
 
-The loss-side choice lists are ``grpo_kernels``'s own; the advantage ones ``grpo.advantages``'s, and
-the process kinds ``grpo.distributed``'s: each list lives in one place.
+The loss fields are generated from ``grpo_kernels.options.GRPOOptions`` (:func:`with_loss_fields`):
+their names, types, defaults, help, choices and ranges are the loss spec's own, so a new loss option
+appears in the functions, the modules, this config and ``--help`` at once. The advantage choice lists
+are ``grpo.advantages``'s, and the process kinds ``grpo.distributed``'s: each list lives in one place.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from grpo_kernels.options import BACKENDS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OPTION_NAMES, GRPOOptions
+from grpo_kernels.options import BACKENDS, OPTION_NAMES, GRPOOptions
 
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
@@ -79,7 +81,48 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: 
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why})
 
 
+# Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
+# it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, and the trainer
+# scales micro-batch losses by the number of ranks (verl's dp_size).
+TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size")
+# The config's own default where the loss's is "resolved later": loss_type None means dapo there.
+_CONFIG_DEFAULTS = {"loss_type": (str, "dapo")}
+
+
+def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
+    """An option's ``metadata["bounds"]`` ``(low, high[, low_open[, high_open]])`` as a :class:`Bounds`."""
+    if spec is None:
+        return None
+    low, high, *open_ = spec
+    return Bounds(low, high, *open_)
+
+
+def with_loss_fields(after: str):
+    """Insert one field per ``GRPOOptions`` field (but :data:`TRAINER_OWNED_LOSS_OPTIONS`) after the
+    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds)."""
+
+    def decorate(cls):
+        hints = typing.get_type_hints(GRPOOptions)
+        annotations = {}
+        for name, hint in cls.__annotations__.items():
+            annotations[name] = hint
+            if name != after:
+                continue
+            for f in dataclasses.fields(GRPOOptions):
+                if f.name in TRAINER_OWNED_LOSS_OPTIONS:
+                    continue
+                kind, default = _CONFIG_DEFAULTS.get(f.name, (hints[f.name], f.default))
+                annotations[f.name] = kind
+                setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
+                                            bounds=_bounds(f.metadata.get("bounds"))))
+        cls.__annotations__ = annotations
+        return cls
+
+    return decorate
+
+
 @dataclass
+@with_loss_fields(after="accuracy_reward")
 class GRPOConfig:
     """Every knob of a run. The defaults are TRL-like; the demo overrides many of them.
 
@@ -108,18 +151,7 @@ class GRPOConfig:
     overlong_buffer: int = option(0, "DAPO's soft overlong penalty over the last this many tokens (0: off)", bounds=at_least(0))
     overlong_penalty: float = option(1.0, "the overlong penalty at max_new_tokens", bounds=at_least(0))
     accuracy_reward: str = option("accuracy", "the reward function also logged as 'accuracy', when there is one")
-    # loss (see grpo_kernels.fused_linear_grpo_loss)
-    loss_type: str = option("dapo", "the objective and how per-token losses are summed (docs/api.md): the mean of "
-                            "per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, "
-                            "cispo, vespo: the whole batch's) or by completions * max_new_tokens (dr_grpo; luspo: by "
-                            "completions)", choices=LOSS_TYPES)
-    beta: float = option(0.0, "KL coefficient; > 0 keeps a frozen reference model", bounds=at_least(0))
-    eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low", bounds=ZERO_TO_ONE)
-    eps_high: Optional[float] = option(None, "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28", bounds=at_least(0))
-    delta: Optional[float] = option(None, "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high)", bounds=above(1))
-    importance_sampling_level: str = option("token", "the importance ratio per token, or per sequence (GSPO)", choices=IMPORTANCE_SAMPLING_LEVELS)
-    entropy_coef: float = option(0.0, "subtracts entropy_coef * entropy per token from the loss", bounds=FINITE)
-    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (TRL's use_bias_correction_kl)")
+    # loss: the fields of grpo_kernels.GRPOOptions are inserted here (with_loss_fields), then:
     num_iterations: int = option(1, "mu: optimizer steps on each batch of rollouts", bounds=at_least(1))
     backend: str = option("auto", "grpo_kernels backend for the fused loss", choices=BACKENDS)
     chunk_size: Optional[int] = option(None, "rows of logits the fused loss materialises at once (None: its default)", bounds=at_least(1))
@@ -173,7 +205,7 @@ class GRPOConfig:
             value = getattr(self, f.name)
             _check_type(f.name, value, hints[f.name])
             choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
-            if choices is not None and value not in choices:
+            if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"GRPOConfig.{f.name} must be one of {choices}, got {value!r}")
             if bounds is not None and value is not None:
                 is_list = isinstance(value, (list, tuple))
@@ -183,6 +215,9 @@ class GRPOConfig:
                         why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
                         raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
         # the rules that tie fields together: the loss's own (GRPOOptions), then the trainer's
+        if self.loss_mode is not None:
+            raise ValueError(f"GRPOConfig.loss_mode={self.loss_mode!r}: the trainer's micro-batch scaling follows TRL's "
+                             f"loss_type; verl's loss_mode is for grpo_kernels' functions (docs/api.md, Use with verl)")
         try:
             GRPOOptions(**self._loss_fields())
         except (TypeError, ValueError) as e:

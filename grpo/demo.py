@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 from transformers.utils import logging as hf_logging
 
+from grpo_kernels.options import IGNORE_INDEX
+
 from . import checkpoint, distributed
 from .tokenizer import char_tokenizer
 from .rollout import HFGenerate
@@ -133,7 +135,7 @@ def warm_start(model, tokenizer, rows: list[dict], cfg: DemoConfig) -> list[floa
         picked = [rng.choice(rows) for _ in range(cfg.sft_batch)]
         batch = sft_batch(tokenizer, [r["prompt"] for r in picked], [teacher_completion(r["a"], r["b"], rng, cfg.teacher_ops) for r in picked])
         weight, bias = lm_head(model)
-        targets = torch.where(batch.loss_mask.bool(), batch.completion_ids, torch.full_like(batch.completion_ids, -100))
+        targets = torch.where(batch.loss_mask.bool(), batch.completion_ids, torch.full_like(batch.completion_ids, IGNORE_INDEX))
         logp = fused_linear_token_logprobs(completion_hidden(model, batch), weight, targets, bias=bias, backend=cfg.backend)
         loss = -logp.sum() / batch.loss_mask.sum()
         optimizer.zero_grad(set_to_none=True)

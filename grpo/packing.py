@@ -61,7 +61,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # grpo_kernels' ignore_index: targets of positions that predict nothing
+from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES
+
 PACKED_SDPA = "packed_sdpa"  # attn_implementation name of :func:`packed_sdpa_attention`
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")  # exact through transformers' packed-mask detection, O(L^2)
@@ -330,7 +331,7 @@ def sequence_scale(mb: PackedMicroBatch, batch_size: int, loss_type: str) -> flo
     ``batch_size`` sequences (a sequence without loss tokens adds 0 to the step's sum, as a padded
     empty row does, and is counted in ``batch_size`` as the padded ``B`` counts it).
     """
-    if loss_type in ("dapo", "bnpo", "cispo", "vespo"):
+    if loss_type in TOKEN_NORMALISED_LOSS_TYPES:
         return 1.0
     with_loss_tokens = mb.segment_ids[mb.loss_mask != 0]
     return int(torch.unique(with_loss_tokens).numel()) / batch_size

@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
+from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES
 
 from . import checkpoint, distributed, packing
 from .advantages import group_advantages, zero_signal_groups
@@ -114,7 +115,7 @@ class Policy(torch.nn.Module):
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
-        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, -100))
+        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, IGNORE_INDEX))
         return fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
             **head_transform(self.model),
@@ -406,7 +407,7 @@ def policy_loss(model, mb: MicroBatch, num_items: torch.Tensor, batch_size: int,
     """
     # Token-normalised losses divide by the whole batch's token count (bnpo's token mean of the whole
     # batch is dapo's loss); the others by sequence counts, rescaled below.
-    per_token = cfg.loss_type in ("dapo", "bnpo", "cispo", "vespo")
+    per_token = cfg.loss_type in TOKEN_NORMALISED_LOSS_TYPES
     out = as_policy(model)(
         "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items
     )

@@ -1,10 +1,10 @@
 """autograd.Functions that bind a backend's row kernels' forward to their backward.
 
-``TokenLogprobs``: logits -> (logp, entropy), saving only the logits (a reference, not a copy) and
-three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLoss``: logits -> the token-level GRPO
-loss in the same single pass (backends whose ``fuses(options)`` is true). ``FusedLinearTokenLogprobs``: hidden,
+``TokenLogprobsFunction``: logits -> (logp, entropy), saving only the logits (a reference, not a copy) and
+three fp32 numbers per row (max, log-sum, entropy). ``FusedGRPOLossFunction``: logits -> the token-level GRPO
+loss in the same single pass (backends whose ``fuses(options)`` is true). ``FusedLinearTokenLogprobsFunction``: hidden,
 weight, bias -> (logp, entropy), where each chunk's logits exist only while that chunk is processed,
-in the forward and again in the backward (4 matmuls). ``FusedLinearGRPOLoss``: hidden, weight, bias
+in the forward and again in the backward (4 matmuls). ``FusedLinearGRPOLossFunction``: hidden, weight, bias
 -> a token-level loss whose gradient is formed in the forward (3 matmuls, nothing recomputed) and
 handed over by the backward. :func:`default_chunk_size` sizes their chunks from N, H, V and the device.
 
@@ -54,7 +54,7 @@ def _written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(logits)
 
 
-class TokenLogprobs(torch.autograd.Function):
+class TokenLogprobsFunction(torch.autograd.Function):
     """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T]), both float32."""
 
     @staticmethod
@@ -77,24 +77,31 @@ class TokenLogprobs(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
-class FusedGRPOLoss(torch.autograd.Function):
+class FusedGRPOLossFunction(torch.autograd.Function):
     """Token-level GRPO loss from logits in one pass; the backward is one more pass.
 
-    forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], backend, inputs, options,
-    ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T], clip region int8 [B, T]);
-    only the loss is differentiable. Saved: the logits (a reference), and five fp32 numbers per token.
+    forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], entropy_weights [B, T] or None,
+    backend, inputs, options, ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T],
+    clip region int8 [B, T]); only the loss is differentiable. The kernel evaluates the policy and KL
+    terms weighted by ``weights``; the entropy bonus ``-sum(entropy_weights * H)`` (TRL's token mean,
+    whatever the policy term's reduction) is added here, its ``d / d H`` beside the kernel's.
+    Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, advantages, weights, backend: RowBackend, inputs, options,
+    def forward(ctx, logits, targets, advantages, weights, entropy_weights, backend: RowBackend, inputs, options,
                 ignore_index: int, inplace_backward: bool):
         loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = backend.grpo_forward_rows(
-            logits, targets, advantages, weights, inputs, options, ignore_index
+            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0
         )
+        loss = loss.sum()
+        if entropy_weights is not None:
+            loss = loss - (entropy_weights * entropy).sum()
+            coef_entropy = -entropy_weights.float()
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
-        ctx.config = (backend, options.transform, ignore_index, inplace_backward, options.entropy_coef != 0)
+        ctx.config = (backend, options.transform, ignore_index, inplace_backward, entropy_weights is not None)
         ctx.mark_non_differentiable(logp, entropy, kl, clip)
-        return loss.sum(), logp, entropy, kl, clip
+        return loss, logp, entropy, kl, clip
 
     @staticmethod
     @_first_order
@@ -107,31 +114,22 @@ class FusedGRPOLoss(torch.autograd.Function):
             coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
         _written_in_place(logits, out)
-        return (out,) + (None,) * 8
+        return (out,) + (None,) * 9
 
 
 # --------------------------------------------------------------------------------------------------
 # fused linear: hidden states and lm_head weight in, a chunk of rows' logits at a time
 # --------------------------------------------------------------------------------------------------
 # Flop per byte of memory traffic a matmul needs to run at the machine's rate (its "balance"), used
-# by default_chunk_size. CUDA: bf16 tensor cores over HBM bandwidth, ~156 (A100) to ~300 (H100 SXM),
-# 200 taken (predicted from datasheets, not measured). CPU: an effective figure fitted to this
-# project's 2-core machine (fp32; benchmarks/chunk_size_cpu.py): the per-call cost of streaming and
-# packing W and the fp32 d W, and of waking the thread pool, is what a skinny chunk fails to amortise.
-# Measured there (fwd+bwd time over the reference's, 3 interleaved rounds, a shared machine): at
-# N = 4,096, H = 1,024, V = 32,000, 688 rows 0.57, 1,024 rows 0.54, 2,048 rows 0.52; at H = 512,
-# 256 rows 0.85, 512 rows 0.71, 1,024 rows 0.55, 2,048 rows 0.68; at N = 1,024, H = 1,024,
-# V = 151,936, 256 to 1,024 rows 0.57 to 0.62. So R = 172: 2,097 rows at H = 512, 1,037 at 1,024
-# (both then capped at MAX_CHUNK_ROWS below).
+# by default_chunk_size. CUDA: taken from datasheets (predicted, not measured); CPU: an effective
+# figure fitted by benchmarks/chunk_size_cpu.py (the per-call cost a skinny chunk fails to amortise).
+# The measurements: benchmarks/results/chunk_size_cpu.md.
 MACHINE_BALANCE = {"cuda": 200.0, "cpu": 172.0}
 # Most bytes one chunk's logits may take (they are overwritten by their gradient in place): next to
 # the fp32 d W accumulator and the activations this stays small (1 GiB at V = 152k is 3.5k bf16 rows).
 CHUNK_LOGITS_BUDGET = {"cuda": 1 << 30, "cpu": 256 << 20}
-# Most rows in a chunk. CPU: past ~1k rows the matmuls run no faster, and the logits buffer (a fresh
-# mapping each call, faulted in by its first writer) only grows. Measured on the 2-core machine,
-# fwd+bwd interleaved with Liger's, 5 rounds, N = 2,048, H = 512, V = 32,000: 512, 1,024 and 2,048
-# rows 0.98 s each (ratios to Liger 0.652-0.653), with 64, 128 and 256 MiB of logits. GPU: loose (the
-# budget decides), not measured.
+# Most rows in a chunk. CPU: past ~1k rows the matmuls run no faster and the logits buffer only
+# grows (benchmarks/results/chunk_size_cpu.md); GPU: loose (the budget decides), not measured.
 MAX_CHUNK_ROWS = {"cuda": 16384, "cpu": 1024}
 MIN_CHUNK_ROWS = 64
 
@@ -152,7 +150,7 @@ def default_chunk_size(vocab_size: int, hidden_size: int, dtype: torch.dtype, de
     (the logits matmul, ``2 c H / ((c + H) elt)`` flops per byte, then reaches ``R`` too). When
     ``2 H <= R elt`` no chunk reaches ``R`` (a small head is bound by memory) and the budget decides.
     Then, the caps: ``c * V * elt <= CHUNK_LOGITS_BUDGET[device]`` (256 MiB on a CPU, 1 GiB on a GPU)
-    and ``c <= MAX_CHUNK_ROWS[device]`` (1,024 on a CPU, measured), at least :data:`MIN_CHUNK_ROWS`.
+    and ``c <= MAX_CHUNK_ROWS[device]`` (1,024 on a CPU), at least :data:`MIN_CHUNK_ROWS`.
     Last, with ``num_tokens`` the ``N`` rows are split into ``ceil(N / c)`` equal chunks (multiples
     of 16), so no small remainder chunk runs at a low rate.
 
@@ -270,7 +268,7 @@ def _hand_over(grad: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Op
     return None if grad is None or dtype is None else grad.to(dtype)
 
 
-class FusedLinearTokenLogprobs(torch.autograd.Function):
+class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (logp [N], entropy [N]).
 
     For ``fused_linear_token_logprobs`` and GSPO, whose per-token gradients are known only after the
@@ -384,7 +382,7 @@ class LossCoefficients(Protocol):
         ...
 
 
-class FusedLinearGRPOLoss(torch.autograd.Function):
+class FusedLinearGRPOLossFunction(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (loss 0-d, logp [N], entropy [N]).
 
     For a loss whose gradient w.r.t. each token's log-prob and entropy depends on that token (and

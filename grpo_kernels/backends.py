@@ -20,6 +20,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 import torch
 
 from .kernels import torch_rows
+from .objective import is_token_local
 from .kernels.torch_rows import RowGradient
 from .options import LogitTransform
 
@@ -60,8 +61,9 @@ class RowBackend:
                       transform, ignore_index, out) -> torch.Tensor:
         raise NotImplementedError
 
-    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
-        """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows``."""
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
+        """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows`` (``entropy_coef``
+        overrides the options': the bonus weighted like the policy term, per token, in the kernel)."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
     def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
@@ -137,8 +139,8 @@ class TritonBackend(RowBackend):
     name = "triton"
 
     def fuses(self, options) -> bool:
-        """Token-level ratios and a token-local objective (vespo's weight is per sequence)."""
-        return options.importance_sampling_level == "token" and options.loss_type != "vespo"
+        """TRL's token-local objectives (``objective.is_token_local``; the epilogue has TRL's terms)."""
+        return is_token_local(options) and not options.is_verl
 
     @staticmethod
     def _module() -> ModuleType:
@@ -169,12 +171,13 @@ class TritonBackend(RowBackend):
             grad_entropy=grad_entropy, ignore_index=ignore_index, out=out, **self._transform_keywords(transform),
         )
 
-    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index):
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
         return self._module().grpo_forward_rows(
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
             ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
             ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
-            beta=options.beta, entropy_coef=options.entropy_coef, loss_type=options.loss_type,
+            beta=options.beta, entropy_coef=options.entropy_coef if entropy_coef is None else entropy_coef,
+            loss_type=options.loss_type,
             use_bias_correction_kl=options.use_bias_correction_kl, sapo_temperature_pos=options.sapo_temperature_pos,
             sapo_temperature_neg=options.sapo_temperature_neg,
         )

@@ -9,28 +9,58 @@ spec in ``reference`` instead.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _validation as V
 from . import backends, objective, reference
-from .autograd import (FusedGRPOLoss, FusedLinearGRPOLoss, FusedLinearTokenLogprobs, TokenLogprobs, compute_dtype,
+from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, compute_dtype,
                        default_chunk_size)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords, split_grpo_keywords
 
 
+
+_KERNEL_ONLY_CHECKS: dict = {
+    "chunk_size": V.check_chunk_size,
+    "inplace_backward": functools.partial(V.check_flag, "inplace_backward"),
+    "accumulate_in_weight_dtype": functools.partial(V.check_flag, "accumulate_in_weight_dtype"),
+}
+
+
+def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> Callable:
+    """Check ``backend`` and send ``backend="reference"`` to ``reference_fn`` (same arguments, less the
+    keywords only the kernels take, ``kernel_only``); any other backend runs the decorated function."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def dispatch(*args: Any, backend: str = "auto", **kwargs: Any):
+            V.check_choice("backend", backend, BACKENDS)
+            if backend == "reference":
+                for name in kernel_only:  # not used by the spec, but a bad value is still refused
+                    if name in kwargs:
+                        _KERNEL_ONLY_CHECKS[name](kwargs[name])
+                return reference_fn(*args, **{k: v for k, v in kwargs.items() if k not in kernel_only})
+            return fn(*args, backend=backend, **kwargs)
+
+        return dispatch
+
+    return decorate
+
+
 def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False):
     """(logp, entropy) with the shape of ``targets``; logits [..., V] viewed as rows without a copy."""
     rows = as_rows(logits)
-    logp, entropy = TokenLogprobs.apply(
+    logp, entropy = TokenLogprobsFunction.apply(
         rows, targets.reshape(rows.shape[:2]), backend, transform, ignore_index, with_entropy, inplace_backward
     )
     return logp.view(targets.shape), entropy.view(targets.shape)
 
 
+@_or_reference(reference.token_logprobs)
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -52,13 +82,7 @@ def token_logprobs(
     read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
     raises); the gradient has the logits' dtype.
     """
-    V.check_choice("backend", backend, BACKENDS)
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
-    if backend == "reference":
-        return reference.token_logprobs(
-            logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
-            softcap=softcap, logit_scale=logit_scale,
-        )
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -79,6 +103,7 @@ def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adv
 
 
 @grpo_keywords
+@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward",))
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -100,10 +125,7 @@ def grpo_loss(
     do not reuse the logits), so the loss needs only O(B*T) extra memory; autograd raises if
     anything else still needs the logits' values.
     """
-    V.check_choice("backend", backend, BACKENDS)
     inplace_backward = V.check_flag("inplace_backward", inplace_backward)
-    if backend == "reference":
-        return reference.grpo_loss(logits, completion_ids, advantages, completion_mask, **grpo_kwargs)
     logits = V.check_logits(logits)
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
@@ -113,11 +135,10 @@ def grpo_loss(
                                             ("ref_logps", inputs.ref_logps), ("is_ratio", inputs.is_ratio),
                                             ("segment_ids", inputs.segment_ids)])
     row_backend = backends.resolve(backend, logits.device)
-    if row_backend.fuses(options):
+    if row_backend.fuses(options) and not objective.needs_logprobs_first(options, inputs):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
-    # Sequence-level terms (GSPO's ratio, vespo's weight) need every token of a sequence before any
-    # token's loss, and the torch path has no fused epilogue: log-probs from the row kernel, then the
-    # O(B*T) maths of the objective.
+    # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives and the torch
+    # path (no fused epilogue): log-probs from the row kernel, then the O(B*T) maths of the objective.
     logp, entropy = _logprobs_rows(logits, ids, options.transform, IGNORE_INDEX, True, row_backend, inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
@@ -125,24 +146,29 @@ def grpo_loss(
 def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInputs, options: GRPOOptions,
                      inplace_backward) -> GRPOLossOutput:
     """Token-level GRPO on a backend whose kernel computes the loss in the log-prob pass
-    (``FusedGRPOLoss``); the per-token weights (the reduction) and the metrics come from ``objective``."""
+    (``FusedGRPOLossFunction``); the per-token weights (the reduction) and the metrics come from ``objective``."""
     rows = as_rows(logits)
     sequences = objective.Sequences(mask, inputs.segment_ids)
+    # the rollout correction from the old log-probs (needs_logprobs_first is False: nothing reads logp)
+    prep = objective.prepare(torch.zeros_like(mask), torch.zeros_like(mask), advantages, mask, inputs, options, sequences)
+    inputs = prep.inputs
     weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences)
+    bonus = objective.entropy_weights(mask, options, inputs, sequences)
     adv = objective.per_token_advantages(advantages, mask)
     kernel_inputs = GRPOInputs(  # constants of the loss, masked positions already never read
         old_logps=None if inputs.old_logps is None else inputs.old_logps.detach(),
         ref_logps=None if inputs.ref_logps is None else inputs.ref_logps.detach(),
         is_ratio=None if inputs.is_ratio is None else inputs.is_ratio.detach(),
     )
-    loss, logp, entropy, kl, clip = FusedGRPOLoss.apply(
-        rows, ids.reshape(rows.shape[:2]), adv, weights, row_backend, kernel_inputs, options, IGNORE_INDEX,
-        inplace_backward,
+    loss, logp, entropy, kl, clip = FusedGRPOLossFunction.apply(
+        rows, ids.reshape(rows.shape[:2]), adv, weights, None if bonus is None else bonus.reshape(rows.shape[:2]),
+        row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward,
     )
     logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
     # metrics: reductions of the per-token values the kernel wrote (clip: -1 low, +1 high)
     metrics = objective.loss_metrics(entropy, kl if inputs.ref_logps is not None else None, clip < 0, clip > 0, mask,
                                      options, sequences)
+    metrics.update(prep.metrics)
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
@@ -198,20 +224,11 @@ def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform,
     recomputes each chunk's logits (4 matmuls). Only rows whose target is not ``ignore_index`` are read."""
     row_backend = backends.resolve(backend, hidden.device)
     rows = _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
-    logp, entropy = FusedLinearTokenLogprobs.apply(
+    logp, entropy = FusedLinearTokenLogprobsFunction.apply(
         rows.hidden, weight, bias, rows.targets, row_backend, transform, ignore_index, with_entropy,
         rows.chunk_size, rows.dtype, accumulate_in_weight_dtype,
     )
     return _scatter_rows(rows, logp, targets.shape), _scatter_rows(rows, entropy, targets.shape)
-
-
-def _gradient_in_forward(options: GRPOOptions) -> bool:
-    """Whether each token's ``d loss / d logp`` and ``d loss / d entropy`` depend on that token and
-    constants only, so :class:`autograd.FusedLinearGRPOLoss` can form the gradient in the forward:
-    token-level importance sampling (``objective.per_token_loss`` is then token-local, and
-    ``objective.token_weights`` depends on the mask and sequences only). GSPO's ratio and vespo's
-    sequence weight couple a sequence's tokens."""
-    return options.importance_sampling_level == "token" and options.loss_type != "vespo"
 
 
 def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs: GRPOInputs,
@@ -225,35 +242,46 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     rows = _linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype)
     shape = ids.shape
     sequences = objective.Sequences(mask, inputs.segment_ids)
-    weights = _take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences), shape)
+    objective.check_spec_inputs(inputs, options, *shape)
+    weights = _take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences,
+                                                       inputs.global_batch_size), shape)
+    regulariser = _take_rows(rows, objective.regulariser_weights(mask, options, inputs, sequences), shape)
+    bonus = _take_rows(rows, objective.entropy_weights(mask, options, inputs, sequences), shape)
     adv = _take_rows(rows, objective.per_token_advantages(advantages, mask), shape)
-    old, ref, is_ratio = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps, inputs.is_ratio))
+    old, ref, is_ratio, rollout = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
+                                                                         inputs.is_ratio, inputs.rollout_logps))
 
     def coefficients(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice):
         at = lambda x: None if x is None else x[chunk].unsqueeze(0)  # noqa: E731 ([1, c] rows, all valid)
         with torch.enable_grad():
             logp_leaf = logp.detach().requires_grad_()
             entropy_leaf = entropy.detach().requires_grad_()
-            terms = objective.per_token_loss(
-                logp_leaf.unsqueeze(0), entropy_leaf.unsqueeze(0), at(adv), torch.ones_like(at(adv)),
-                GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=at(is_ratio)), options,
+            ones = torch.ones_like(at(adv))
+            chunk_is_ratio = at(is_ratio)
+            if options.rollout_correction is not None:  # token-level here (is_token_local)
+                chunk_is_ratio, _ = objective.rollout_correction(logp_leaf.unsqueeze(0), at(old), at(rollout), ones,
+                                                                 options, objective.Sequences(ones, None))
+            terms = objective.policy_terms(
+                logp_leaf.unsqueeze(0), entropy_leaf.unsqueeze(0), at(adv), ones,
+                GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=chunk_is_ratio), options,
             )
-            chunk_loss = (terms.loss[0] * weights[chunk]).sum()
+            chunk_loss = objective.weighted_loss(terms, entropy_leaf.unsqueeze(0), weights[chunk].unsqueeze(0),
+                                                 at(regulariser), at(bonus), options)
             g_logp, g_entropy = torch.autograd.grad(chunk_loss, (logp_leaf, entropy_leaf), allow_unused=True)
         return chunk_loss.detach(), torch.zeros_like(logp) if g_logp is None else g_logp, g_entropy
 
     needs_grad = (rows.hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    loss, logp, entropy = FusedLinearGRPOLoss.apply(
+    loss, logp, entropy = FusedLinearGRPOLossFunction.apply(
         rows.hidden, weight, bias, rows.targets, coefficients, row_backend, options.transform,
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
     )
     logp, entropy = _scatter_rows(rows, logp, shape), _scatter_rows(rows, entropy, shape)
-    with torch.no_grad():  # metrics only: the same per-token formulas, no autograd
-        terms = objective.per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
-        metrics = objective.metrics_of_terms(terms, entropy, advantages, mask, options, sequences)
+    with torch.no_grad():  # metrics only: the same formulas, no autograd
+        metrics = objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options).metrics
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
+@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -277,21 +305,14 @@ def fused_linear_token_logprobs(
     backward recomputes each chunk's logits. Extra memory: ``chunk_size`` rows of logits (default:
     :func:`grpo_kernels.autograd.default_chunk_size`) plus, with gradients, the fp32 ``d W``
     accumulator, or one in the weight's dtype with ``accumulate_in_weight_dtype=True`` (half the
-    memory for a bf16 head, 1.2 GB instead of 2.5 GB at V = 152k, H = 4,096; each chunk's
-    contribution is rounded to bf16 as it is added, an error of ~2^-9 * sqrt(number of chunks) of the
-    largest entry: measured 5.4e-3 over 8 chunks and 1.1e-2 over 32, against 3e-3 with the fp32
-    accumulator, for 2,048 bf16 tokens, H = 128, V = 4,000). Under autocast the matmuls run in
-    autocast's dtype, forward and backward alike; gradients come back in each input's dtype.
+    memory for a bf16 head); each chunk's contribution is then rounded to bf16 as it is added, an error
+    of ~2^-9 * sqrt(number of chunks) of the largest entry (benchmarks/results/accumulate_in_weight_dtype.md).
+    Under autocast the matmuls run in autocast's dtype, forward and backward alike; gradients come back
+    in each input's dtype.
     """
-    V.check_choice("backend", backend, BACKENDS)
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
-    if backend == "reference":
-        return reference.fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
-        )
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -302,6 +323,7 @@ def fused_linear_token_logprobs(
 
 
 @grpo_keywords
+@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -327,17 +349,13 @@ def fused_linear_grpo_loss(
     :func:`grpo_kernels.autograd.default_chunk_size`, from N, H, V and the device);
     ``accumulate_in_weight_dtype`` as in :func:`fused_linear_token_logprobs`.
     """
-    V.check_choice("backend", backend, BACKENDS)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
-    if backend == "reference":
-        return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
-                                                **grpo_kwargs)
     V.check_linear(hidden, weight, bias)
     inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad and _gradient_in_forward(options):
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype)
     logp, entropy = _fused_linear_rows(hidden, weight, bias, ids, options.transform, IGNORE_INDEX, True, chunk_size,

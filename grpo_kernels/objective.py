@@ -34,7 +34,7 @@ with length 1; dapo, cispo and vespo ``sum L m / num_items_in_batch`` (default `
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -169,74 +169,577 @@ def vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
 
 
 class TokenTerms(NamedTuple):
-    loss: torch.Tensor  # [B, T] fp32, not yet weighted
+    loss: torch.Tensor  # [B, T] fp32, not yet weighted: the policy term (and, under loss_type, beta * KL)
     ratio: torch.Tensor  # importance ratio: [B, T], or per sequence ([B, 1] / [B, T])
-    kl: Optional[torch.Tensor]  # [B, T] k3 KL (bias-corrected when asked), or None without ref_logps
-    extra: dict  # objective-specific per-token values for metrics (vespo's phi)
+    kl: Optional[torch.Tensor]  # [B, T] the KL estimate (k3 under loss_type), or None without ref_logps
+    vespo_phi: Optional[torch.Tensor]  # vespo's detached sequence weight (a metric), else None
 
 
+class PolicyTerms(NamedTuple):
+    """:class:`TokenTerms` and what some objectives add: clip flags for verl's metrics, and the
+    reduced policy loss of an objective that reduces itself (verl's geo_mean)."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    kl: Optional[torch.Tensor]
+    vespo_phi: Optional[torch.Tensor] = None
+    low: Optional[torch.Tensor] = None
+    high: Optional[torch.Tensor] = None
+    reduced: Optional[torch.Tensor] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the registries: objectives, reductions, KL estimators (verl's @register_policy_loss pattern)
+# --------------------------------------------------------------------------------------------------
+class PolicyInputs(NamedTuple):
+    """What an objective reads. ``logp`` [B, T] (differentiable), ``old`` [B, T] (detached; the
+    current log-probs where no old ones were given), ``adv`` [B, 1] or [B, T], ``mask`` [B, T],
+    ``is_ratio`` (the rollout weights, constants: [B, T] / [B, 1], or None); all 0 (1) where masked."""
+
+    logp: torch.Tensor
+    old: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    sequences: "Sequences"
+    is_ratio: Optional[torch.Tensor]
+    options: GRPOOptions
+
+
+class Objective(NamedTuple):
+    fn: Callable[[PolicyInputs], PolicyTerms]
+    token_local: bool  # each token's loss depends on that token and constants only
+    reduction: Optional[str]  # a reduction the objective always uses for its policy term (verl's gspo, sapo)
+    weights_by_is_ratio: bool  # the common code multiplies the policy term by is_ratio (else the objective uses it)
+
+
+OBJECTIVES: Dict[str, Objective] = {}
+
+
+def register_objective(name: str, *, token_local: bool = True, reduction: Optional[str] = None,
+                       weights_by_is_ratio: bool = True):
+    """Register a policy objective ``fn(PolicyInputs) -> PolicyTerms`` under ``name``: a new mode is one
+    function (plus, to run in the Triton epilogue, its term there, checked against autograd of this one)."""
+
+    def decorate(fn):
+        OBJECTIVES[name] = Objective(fn, token_local, reduction, weights_by_is_ratio)
+        return fn
+
+    return decorate
+
+
+class ReductionInputs(NamedTuple):
+    mask: torch.Tensor
+    sequences: "Sequences"
+    options: GRPOOptions
+    num_items_in_batch: Any
+    global_batch_size: Any
+
+
+REDUCTIONS: Dict[str, Callable[[ReductionInputs], torch.Tensor]] = {}
+
+
+def register_reduction(name: str):
+    """Register ``fn(ReductionInputs) -> weights [B, T]``, so that a reduced loss is ``sum(L * weights)``."""
+
+    def decorate(fn):
+        REDUCTIONS[name] = fn
+        return fn
+
+    return decorate
+
+
+KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_kl(*names: str):
+    """Register a KL estimator ``fn(logp, ref) -> [B, T]`` under each of ``names``."""
+
+    def decorate(fn):
+        for name in names:
+            KL_ESTIMATORS[name] = fn
+        return fn
+
+    return decorate
+
+
+# TRL's loss types: (objective, reduction)
+TRL_LOSS_TYPES: Dict[str, Tuple[str, str]] = {
+    "grpo": ("clipped", "sequence_mean"), "bnpo": ("clipped", "token_mean"),
+    "dr_grpo": ("clipped", "constant_length"), "dapo": ("clipped", "global_token_mean"),
+    "luspo": ("clipped", "sequence_sum_mean"), "cispo": ("cispo_trl", "global_token_mean"),
+    "sapo": ("sapo_trl", "sequence_mean"), "vespo": ("vespo", "global_token_mean"),
+}
+
+
+def _as_number(x, device) -> Any:
+    return x.to(device, torch.float32).reshape(()) if isinstance(x, torch.Tensor) else x
+
+
+# ---- TRL's reductions (GRPOTrainer._compute_loss, trl 1.16)
+@register_reduction("sequence_mean")  # grpo, sapo: mean over sequences of each one's token mean
+def _sequence_mean(r: ReductionInputs) -> torch.Tensor:
+    return r.mask / (r.sequences.lengths() * max(r.sequences.count, 1))
+
+
+@register_reduction("token_mean")  # bnpo: the call's token mean
+def _token_mean(r: ReductionInputs) -> torch.Tensor:
+    return r.mask / r.mask.sum().clamp(min=1.0)
+
+
+@register_reduction("constant_length")  # dr_grpo: sum / (sequences * max_completion_length)
+def _constant_length(r: ReductionInputs) -> torch.Tensor:
+    length = r.mask.shape[1] if r.options.max_completion_length is None else r.options.max_completion_length
+    return r.mask / (max(r.sequences.count, 1) * length)
+
+
+@register_reduction("sequence_sum_mean")  # luspo: sum / sequences
+def _sequence_sum_mean(r: ReductionInputs) -> torch.Tensor:
+    return r.mask / max(r.sequences.count, 1)
+
+
+@register_reduction("global_token_mean")  # dapo, cispo, vespo: sum / num_items_in_batch
+def _global_token_mean(r: ReductionInputs) -> torch.Tensor:
+    if r.num_items_in_batch is None:
+        return _token_mean(r)
+    return r.mask / _as_number(r.num_items_in_batch, r.mask.device)
+
+
+# ---- verl's agg_loss (verl.trainer.ppo.core_algos): fully masked sequences are left out of the
+# sequence count; num_items_in_batch is verl's batch_num_tokens, global_batch_size its own; both are
+# multiplied by dp_size. Where verl divides 0 by 0 (no token at all) the loss here is 0, not NaN.
+def _verl_sequence_count(r: ReductionInputs) -> Any:
+    if r.global_batch_size is not None:
+        return _as_number(r.global_batch_size, r.mask.device)
+    has_tokens = (r.sequences.per_sequence(r.mask) > 0).sum()
+    return has_tokens.clamp(min=1).float()
+
+
+@register_reduction("token-mean")
+def _verl_token_mean(r: ReductionInputs) -> torch.Tensor:
+    count = r.mask.sum().clamp(min=1.0) if r.num_items_in_batch is None else _as_number(r.num_items_in_batch, r.mask.device)
+    return r.mask / count * r.options.dp_size
+
+
+@register_reduction("seq-mean-token-sum")
+def _verl_seq_mean_token_sum(r: ReductionInputs) -> torch.Tensor:
+    return r.mask / _verl_sequence_count(r) * r.options.dp_size
+
+
+@register_reduction("seq-mean-token-mean")
+def _verl_seq_mean_token_mean(r: ReductionInputs) -> torch.Tensor:
+    lengths = r.sequences.sum(r.mask) + 1e-8  # verl's epsilon, not a clamp
+    return r.mask / lengths / _verl_sequence_count(r) * r.options.dp_size
+
+
+@register_reduction("seq-mean-token-sum-norm")  # no dp_size here, as in verl
+def _verl_seq_mean_token_sum_norm(r: ReductionInputs) -> torch.Tensor:
+    scale = r.mask.shape[-1] if r.options.max_completion_length is None else r.options.max_completion_length
+    return r.mask / scale
+
+
+# ---- verl's KL estimators (core_algos.kl_penalty; J. Schulman, "Approximating KL divergence")
+@register_kl("kl", "k1")
+def _kl_k1(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return logp - ref
+
+
+@register_kl("abs")
+def _kl_abs(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (logp - ref).abs()
+
+
+@register_kl("mse", "k2", "mse+", "k2+")  # k2's gradient is already the unbiased one: "+" changes nothing
+def _kl_k2(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - ref).square()
+
+
+@register_kl("low_var_kl", "k3")
+def _kl_k3_clamped(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    d = torch.clamp(ref - logp, min=-20, max=20)
+    return torch.clamp(torch.exp(d) - d - 1, min=-10, max=10)
+
+
+def _straight_through(estimator: Callable) -> Callable:
+    """verl's "+" variants: the value of ``estimator``, the gradient of k2."""
+
+    def fn(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        k2 = 0.5 * (logp - ref).square()
+        return k2 - k2.detach() + estimator(logp, ref).detach()
+
+    return fn
+
+
+for _name in ("kl", "k1", "abs", "low_var_kl", "k3"):
+    KL_ESTIMATORS[_name + "+"] = _straight_through(KL_ESTIMATORS[_name])
+
+
+def trl_k3(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """TRL's KL: k3 without verl's clamps."""
+    diff = ref - logp
+    return torch.exp(diff) - diff - 1
+
+
+# ---- TRL's objectives
+@register_objective("clipped")
+def _trl_clipped(x: PolicyInputs) -> PolicyTerms:
+    """PPO's clipped surrogate ``-min(r A, clip(r) A)``, the ratio capped at ``delta`` (two-sided)."""
+    o = x.options
+    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, o.importance_sampling_level, x.sequences))
+    clipped = torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
+    unclipped = torch.clamp(ratio, max=o.delta) if o.delta is not None else ratio
+    return PolicyTerms(-torch.min(unclipped * x.adv, clipped * x.adv), ratio, None)
+
+
+@register_objective("cispo_trl")
+def _trl_cispo(x: PolicyInputs) -> PolicyTerms:
+    """``-sg(min(r, eps_high)) A logp`` (MiniMax-M1)."""
+    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
+    return PolicyTerms(-torch.clamp(ratio, max=x.options.eps_high).detach() * x.adv * x.logp, ratio, None)
+
+
+def _sapo_gate(ratio: torch.Tensor, adv: torch.Tensor, options: GRPOOptions) -> torch.Tensor:
+    tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+
+
+@register_objective("sapo_trl")
+def _trl_sapo(x: PolicyInputs) -> PolicyTerms:
+    """``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau`` by the sign of ``A``."""
+    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
+    return PolicyTerms(_sapo_gate(ratio, x.adv, x.options), ratio, None)
+
+
+@register_objective("vespo", token_local=False, weights_by_is_ratio=False)
+def _trl_vespo(x: PolicyInputs) -> PolicyTerms:
+    """``-sg(phi(w)) A logp``; the rollout weights enter ``w`` (TRL's get_gamma_weights)."""
+    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
+    log_ratio_token = log_importance_ratio(x.logp, x.old, x.mask, "token")
+    phi = vespo_weight(log_ratio_token, x.adv, x.mask, x.is_ratio, x.options, x.sequences)
+    return PolicyTerms(-phi * x.adv * x.logp, ratio, None, vespo_phi=phi)
+
+
+# ---- verl's objectives (verl.trainer.ppo.core_algos, compute_policy_loss_*)
+def _verl_log_ratio(x: PolicyInputs, clamp: bool = True) -> torch.Tensor:
+    log_ratio = x.logp - x.old
+    return torch.clamp(log_ratio, min=-20.0, max=20.0) if clamp else log_ratio
+
+
+def _verl_adv(x: PolicyInputs) -> torch.Tensor:
+    return x.adv.expand_as(x.mask)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's masked_mean: ``sum(x m) / (sum(m) + 1e-8)``."""
+    return (values * mask).sum() / (mask.sum() + 1e-8)
+
+
+@register_objective("vanilla")
+def _verl_vanilla(x: PolicyInputs) -> PolicyTerms:
+    """PPO with verl's dual clip: ``max(-A r, -A clip(r))``, and where ``A < 0`` at most ``-A c``
+    (``c = delta``, verl's clip_ratio_c); the log-ratio clamped to [-20, 20]."""
+    o, adv = x.options, _verl_adv(x)
+    ratio = torch.exp(_verl_log_ratio(x))
+    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
+    clip1 = torch.maximum(loss1, loss2)
+    loss3 = -adv * o.delta
+    loss = torch.where(adv < 0, torch.min(loss3, clip1), clip1)
+    return PolicyTerms(loss, ratio, None, low=(clip1 > loss3) & (adv < 0), high=loss2 > loss1)
+
+
+@register_objective("gspo", token_local=False, reduction="seq-mean-token-mean")
+def _verl_gspo(x: PolicyInputs) -> PolicyTerms:
+    """GSPO: the token ratio ``sg(s) * p / sg(p)``, ``s`` the sequence's mean log-ratio, clamped at 10 in
+    log space; clipped surrogate without the dual clip; always seq-mean-token-mean."""
+    o, adv = x.options, _verl_adv(x)
+    seq_log_ratio = x.sequences.sum((x.logp - x.old) * x.mask) / x.sequences.sum(x.mask).clamp(min=1)
+    log_ratio = torch.clamp(x.logp - x.logp.detach() + seq_log_ratio.detach(), max=10.0)
+    ratio = torch.exp(log_ratio)
+    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
+    return PolicyTerms(torch.maximum(loss1, loss2), ratio, None, low=torch.zeros_like(x.mask, dtype=torch.bool),
+                      high=loss2 > loss1)
+
+
+@register_objective("sapo", reduction="seq-mean-token-mean")
+def _verl_sapo(x: PolicyInputs) -> PolicyTerms:
+    """SAPO's gate on the clamped token ratio; always seq-mean-token-mean."""
+    ratio = torch.exp(_verl_log_ratio(x))
+    return PolicyTerms(_sapo_gate(ratio, _verl_adv(x), x.options), ratio, None)
+
+
+@register_objective("gpg")
+def _verl_gpg(x: PolicyInputs) -> PolicyTerms:
+    """GPG: ``-logp A``."""
+    return PolicyTerms(-x.logp * _verl_adv(x), torch.exp(x.logp - x.old).detach(), None)
+
+
+@register_objective("cispo")
+def _verl_cispo(x: PolicyInputs) -> PolicyTerms:
+    """``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp`` on the clamped ratio (eps_low = 1: no floor)."""
+    o = x.options
+    ratio = torch.exp(_verl_log_ratio(x))
+    clipped = torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
+    return PolicyTerms(-clipped.detach() * _verl_adv(x) * x.logp, ratio, None, high=ratio != clipped)
+
+
+@register_objective("clip_cov", token_local=False)
+def _verl_clip_cov(x: PolicyInputs) -> PolicyTerms:
+    """Clip-Cov: the clipped surrogate (no log-ratio clamp, no dual clip), with the gradient of up to
+    ``max(int(clip_cov_ratio * tokens), 1)`` tokens whose centred covariance ``(A - mean A)(logp -
+    mean logp)`` lies in (clip_cov_lb, clip_cov_ub) dropped, chosen by ``torch.randperm`` as verl does."""
+    o, adv, valid = x.options, _verl_adv(x), x.mask > 0
+    ratio = torch.exp(x.logp - x.old)
+    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
+    with torch.no_grad():
+        cov = (adv - _masked_mean(adv, x.mask)) * (x.logp - _masked_mean(x.logp, x.mask))
+        candidate = (cov < o.clip_cov_ub) & (cov > o.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
+        index = torch.nonzero(candidate)
+        clip_num = max(int(o.clip_cov_ratio * x.mask.sum().item()), 1)
+        if len(index) > 0:
+            index = index[torch.randperm(len(index))[: min(clip_num, len(index))]]
+        corr = torch.ones_like(adv)
+        corr[index[:, 0], index[:, 1]] = 0
+    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=corr == 0)
+
+
+@register_objective("kl_cov", token_local=False)
+def _verl_kl_cov(x: PolicyInputs) -> PolicyTerms:
+    """KL-Cov: ``-A r`` (unclipped), plus ``ppo_kl_coef * |logp - old|`` on the
+    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance."""
+    o, adv = x.options, _verl_adv(x)
+    log_ratio = x.logp - x.old
+    ratio = torch.exp(log_ratio)
+    loss = -adv * ratio
+    valid = x.mask > 0
+    with torch.no_grad():
+        flat_index = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+        picked = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
+        if flat_index.numel() > 0:
+            a, lp = adv[valid].reshape(-1).cpu(), x.logp.detach()[valid].reshape(-1).cpu()
+            cov = (a - a.mean()) * (lp - lp.mean())
+            top = torch.topk(cov, max(1, int(len(cov) * o.kl_cov_ratio)), largest=True).indices
+            picked[flat_index[top.to(flat_index.device)]] = True
+        picked = picked.view_as(adv)
+    loss = torch.where(picked, loss + o.ppo_kl_coef * log_ratio.abs(), loss)
+    return PolicyTerms(loss, ratio, None)
+
+
+@register_objective("geo_mean", token_local=False, weights_by_is_ratio=False)
+def _verl_geo_mean(x: PolicyInputs) -> PolicyTerms:
+    """GMPO: ``-A_s exp(mean_t clip_sgn(log r))`` per sequence (the log-ratio clipped to [-eps_low,
+    eps_high] on the side the advantage's sign picks), mean over all rows; the rollout weights enter
+    as their per-sequence geometric mean."""
+    o, adv, seqs = x.options, _verl_adv(x), x.sequences
+    log_ratio = x.logp - x.old
+    sign = torch.sign(adv)
+    clamped = torch.clamp(log_ratio, -o.eps_low, o.eps_high)
+    clipped = sign * torch.min(sign * log_ratio, sign * clamped)
+    lengths = seqs.per_sequence(x.mask)
+    ratio = torch.exp(seqs.per_sequence(clipped * x.mask) / (lengths + 1e-8))
+    seq_adv = seqs.per_sequence(adv * x.mask) / (lengths + 1e-8)
+    loss = -seq_adv * ratio
+    if x.is_ratio is not None:
+        log_is = torch.log(x.is_ratio.expand_as(x.mask) + 1e-10)
+        loss = loss * torch.exp(seqs.per_sequence(log_is * x.mask) / (lengths + 1e-8))
+    reduced = loss.sum() / max(loss.numel(), 1)
+    changed = log_ratio != clamped
+    return PolicyTerms(torch.zeros_like(x.mask), torch.exp(log_ratio).detach(), None,
+                      low=changed & (adv < 0), high=changed & (adv > 0), reduced=reduced)
+
+
+# --------------------------------------------------------------------------------------------------
+# the loss spec of a call, and the extra TRL masks and the rollout correction
+# --------------------------------------------------------------------------------------------------
+class LossSpec(NamedTuple):
+    objective: str
+    reduction: str  # of the policy term
+    regulariser_reduction: Optional[str]  # of the KL and entropy terms under loss_mode; None: TRL's rules
+
+
+def loss_spec(options: GRPOOptions) -> LossSpec:
+    """The (objective, reduction, KL/entropy reduction) that ``loss_type`` or ``loss_mode`` names."""
+    if options.loss_mode is None:
+        objective, reduction = TRL_LOSS_TYPES[options.loss_type]
+        return LossSpec(objective, reduction, None)
+    forced = OBJECTIVES[options.loss_mode].reduction
+    return LossSpec(options.loss_mode, forced or options.loss_agg_mode, options.loss_agg_mode)
+
+
+def is_token_local(options: GRPOOptions) -> bool:
+    """Whether each token's ``d loss / d logp`` and ``d loss / d entropy`` depend on that token and
+    constants only: token-level importance sampling, an objective without a sequence or batch
+    coupling (GSPO's ratio, vespo's weight, clip_cov's and kl_cov's selections, geo_mean), and none
+    of TRL's masks that need every token first (top_entropy_quantile, off_policy_mask_threshold, a
+    sequence-level rollout correction). Such a loss can be evaluated inside the log-prob pass
+    (``backends.RowBackend.fuses``) and its gradient formed in the forward
+    (``functional.fused_linear_grpo_loss``)."""
+    return (options.importance_sampling_level == "token" and OBJECTIVES[loss_spec(options).objective].token_local
+            and options.top_entropy_quantile == 1.0 and options.off_policy_mask_threshold is None
+            and not (options.rollout_correction or "").startswith("sequence"))
+
+
+def needs_logprobs_first(options: GRPOOptions, inputs: GRPOInputs) -> bool:
+    """Whether a call's constants (TRL's masks, the rollout correction without old log-probs) need the
+    current log-probs or entropies of every token before any token's loss."""
+    return (options.top_entropy_quantile < 1.0 or options.off_policy_mask_threshold is not None
+            or (options.rollout_correction is not None and inputs.old_logps is None))
+
+
+def rollout_correction(logp: torch.Tensor, old_logps: Optional[torch.Tensor], rollout_logps: torch.Tensor,
+                       mask: torch.Tensor, options: GRPOOptions, sequences: "Sequences") -> Tuple[torch.Tensor, dict]:
+    """TRL's vLLM importance-sampling correction: ``exp(old - rollout)`` per token [B, T], or per
+    sequence of its summed difference ([B, 1] / [B, T] packed), then truncated to [min, max] or
+    zeroed outside it; ``old`` defaults to the detached current log-probs. A rollout log-prob that is
+    NaN (the engine could not score the token) counts as no difference. Returns (ratio, metrics)."""
+    with torch.no_grad():
+        old = logp.detach() if old_logps is None else torch.where(mask != 0, old_logps.detach().float(), logp.detach())
+        rollout = rollout_logps.detach().float()
+        diff = torch.where(mask != 0, old - rollout, torch.zeros((), device=mask.device)).nan_to_num(nan=0.0)
+        sequence_level = options.rollout_correction.startswith("sequence")
+        ratio = torch.exp(sequences.sum(diff) if sequence_level else diff)
+        low, high = options.rollout_correction_min, options.rollout_correction_max
+        if options.rollout_correction.endswith("truncate"):
+            ratio = torch.clamp(ratio, min=low, max=high)
+        else:
+            outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
+            ratio = ratio.masked_fill(outside, 0.0)
+        valid = mask != 0
+        delta = torch.where(valid, (old - rollout).abs(), torch.full((), math.nan, device=mask.device))
+        delta = delta[~torch.isnan(delta)]
+        if sequence_level:
+            flat = ratio.reshape(-1) if not sequences.packed else sequences.per_sequence(ratio * mask) / sequences.per_sequence(mask)
+        else:
+            flat = ratio[valid]
+        zero = torch.zeros((), device=mask.device)
+        metrics = {
+            "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
+            "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
+            "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else zero,
+            "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else zero,
+            "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else zero,
+        }
+    return ratio, metrics
+
+
+def off_policy_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, inputs: GRPOInputs,
+                    options: GRPOOptions, sequences: "Sequences") -> torch.Tensor:
+    """TRL's off-policy sequence mask (DeepSeek-V3.2): 1 where ``A >= 0`` or the sequence's mean
+    ``sampling - logp`` is at most the threshold, else 0; the sampling log-probs are ``rollout_logps``,
+    else ``old_logps``, else the detached current ones (the mask then keeps everything)."""
+    with torch.no_grad():
+        sampling = inputs.rollout_logps if inputs.rollout_logps is not None else inputs.old_logps
+        sampling = logp.detach() if sampling is None else sampling.detach().float()
+        kl = torch.where(mask != 0, sampling - logp.detach(), torch.zeros((), device=mask.device)).nan_to_num(nan=0.0)
+        mean_kl = sequences.sum(kl * mask) / sequences.lengths()
+        return ((adv >= 0) | (mean_kl <= options.off_policy_mask_threshold)).float()
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's entropy mask (Beyond the 80/20 Rule): 1 at the tokens whose entropy is at least the
+    ``1 - quantile`` quantile (``torch.quantile``, linear) of the completion tokens' entropies."""
+    with torch.no_grad():
+        valid = mask != 0
+        values = entropy.detach().float()[valid]
+        if values.numel() == 0:
+            return torch.zeros_like(mask)
+        threshold = torch.quantile(values, 1 - quantile)
+        return ((entropy.detach() * mask >= threshold) & valid).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# per-token loss
+# --------------------------------------------------------------------------------------------------
 def per_token_loss(
     logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     inputs: GRPOInputs, options: GRPOOptions, sequences: Optional[Sequences] = None,
+    policy_mask: Optional[torch.Tensor] = None,
 ) -> TokenTerms:
-    """The loss of every token, float32 [B, T] (to be weighted by :func:`token_weights`), with the
-    importance ratio and the k3 KL. ``logp`` and ``entropy`` must be 0 where the mask is 0."""
+    """:func:`policy_terms` as :class:`TokenTerms` (loss, ratio, kl, vespo_phi)."""
+    return TokenTerms(*policy_terms(logp, entropy, advantages, mask, inputs, options, sequences, policy_mask)[:4])
+
+
+def policy_terms(
+    logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    inputs: GRPOInputs, options: GRPOOptions, sequences: Optional[Sequences] = None,
+    policy_mask: Optional[torch.Tensor] = None,
+) -> PolicyTerms:
+    """The policy loss of every token, float32 [B, T] (to be weighted by :func:`token_weights`), with the
+    importance ratio and the KL estimate. Under ``loss_type`` the loss includes ``beta * k3`` (as TRL
+    adds it before reducing); under ``loss_mode`` the KL term is reduced apart (:func:`reduce_loss`).
+    ``policy_mask`` (TRL's off-policy and entropy masks, [B, 1] / [B, T]) scales the policy term
+    only. The entropy bonus is not here: it has its own weights (:func:`entropy_weights`).
+    ``logp`` and ``entropy`` must be 0 where the mask is 0."""
     sequences = sequences or Sequences(mask, inputs.segment_ids)
     adv = per_token_advantages(advantages, mask)
-    ratio = torch.exp(log_importance_ratio(logp, inputs.old_logps, mask, options.importance_sampling_level, sequences))
+    spec = loss_spec(options)
+    objective = OBJECTIVES[spec.objective]
     is_ratio = rollout_weights(inputs.is_ratio, mask)
-    extra = {}
-    loss_type = options.loss_type
-    if loss_type in CLIPPED_LOSS_TYPES:
-        clipped = torch.clamp(ratio, 1 - options.eps_low, 1 + options.eps_high)
-        unclipped = torch.clamp(ratio, max=options.delta) if options.delta is not None else ratio
-        loss = -torch.min(unclipped * adv, clipped * adv)
-    elif loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=options.eps_high).detach() * adv * logp
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-        loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
-    elif loss_type == "vespo":
-        log_ratio_token = log_importance_ratio(logp, inputs.old_logps, mask, "token")
-        phi = vespo_weight(log_ratio_token, adv, mask, is_ratio, options, sequences)
-        extra["vespo_phi"] = phi
-        loss = -phi * adv * logp
-    else:
-        raise AssertionError(f"unhandled loss_type {loss_type!r}")  # GRPOOptions validated it
-    if is_ratio is not None and loss_type != "vespo":
+    old = logp.detach() if inputs.old_logps is None else torch.where(mask != 0, inputs.old_logps.detach().float(), logp.detach())
+    terms = objective.fn(PolicyInputs(logp, old, adv, mask, sequences, is_ratio, options))
+    loss = terms.loss
+    if policy_mask is not None:
+        loss = loss * policy_mask
+    if is_ratio is not None and objective.weights_by_is_ratio:
         loss = loss * is_ratio
     kl = None
     if inputs.ref_logps is not None:
-        diff = _where_valid(mask, inputs.ref_logps, 0.0) - logp
-        kl = torch.exp(diff) - diff - 1
-        if options.use_bias_correction_kl:
-            kl = kl * ratio
-        if options.beta != 0:
-            loss = loss + options.beta * kl
-    if options.entropy_coef != 0:
-        loss = loss - options.entropy_coef * entropy
-    return TokenTerms(loss, ratio, kl, extra)
+        ref = _where_valid(mask, inputs.ref_logps, 0.0)
+        if options.is_verl:
+            kl = KL_ESTIMATORS[options.kl_loss_type](logp, ref)
+        else:
+            diff = ref - logp
+            kl = torch.exp(diff) - diff - 1
+            if options.use_bias_correction_kl:
+                kl = kl * terms.ratio
+            if options.beta != 0:
+                loss = loss + options.beta * kl
+    return terms._replace(loss=loss, kl=kl)
 
 
 def token_weights(mask: torch.Tensor, options: GRPOOptions, num_items_in_batch=None,
-                  sequences: Optional[Sequences] = None) -> torch.Tensor:
-    """Float32 [B, T]: each token's weight in the reduced loss, so that ``loss = sum(L * weight)``
+                  sequences: Optional[Sequences] = None, global_batch_size=None) -> torch.Tensor:
+    """Float32 [B, T]: each token's weight in the reduced policy loss, so that ``loss = sum(L * weight)``
     (the reduction table in this module's docstring)."""
-    loss_type = options.loss_type
-    if loss_type in ("grpo", "sapo"):
-        sequences = sequences or Sequences(mask, None)
-        return mask / (sequences.lengths() * max(sequences.count, 1))
-    if loss_type == "bnpo" or (num_items_in_batch is None and loss_type in ("dapo", "cispo", "vespo")):
-        return mask / mask.sum().clamp(min=1.0)
-    if loss_type in ("dr_grpo", "luspo"):
-        count = (sequences or Sequences(mask, None)).count
-        length = 1 if loss_type == "luspo" else (mask.shape[1] if options.max_completion_length is None else options.max_completion_length)
-        return mask / (max(count, 1) * length)
-    if loss_type in ("dapo", "cispo", "vespo"):
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(mask.device, torch.float32).reshape(())
-        return mask / num_items_in_batch
-    raise AssertionError(f"unhandled loss_type {loss_type!r}")  # GRPOOptions validated it
+    sequences = sequences or Sequences(mask, None)
+    return REDUCTIONS[loss_spec(options).reduction](
+        ReductionInputs(mask, sequences, options, num_items_in_batch, global_batch_size))
+
+
+def regulariser_weights(mask: torch.Tensor, options: GRPOOptions, inputs: GRPOInputs,
+                        sequences: Sequences) -> Optional[torch.Tensor]:
+    """Under ``loss_mode``: the weights of the KL and entropy terms (``loss_agg_mode``'s, as verl's
+    ``ppo_loss`` reduces them); None under ``loss_type`` (TRL's rules)."""
+    name = loss_spec(options).regulariser_reduction
+    if name is None:
+        return None
+    return REDUCTIONS[name](ReductionInputs(mask, sequences, options, inputs.num_items_in_batch, inputs.global_batch_size))
+
+
+def entropy_weights(mask: torch.Tensor, options: GRPOOptions, inputs: GRPOInputs, sequences: Sequences,
+                    entropy_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``u`` [B, T] with the entropy bonus ``-entropy_coef * sum(H * u)``; None when ``entropy_coef`` is 0.
+    TRL: the token mean over the completion mask times the entropy mask, for every loss type;
+    verl: ``loss_agg_mode``'s weights."""
+    if options.entropy_coef == 0:
+        return None
+    verl = regulariser_weights(mask, options, inputs, sequences)
+    if verl is not None:
+        return verl * options.entropy_coef
+    effective = mask if entropy_mask is None else mask * entropy_mask
+    return effective / effective.sum().clamp(min=1.0) * options.entropy_coef
+
+
+def weighted_loss(terms: PolicyTerms, entropy: torch.Tensor, policy_weights: torch.Tensor,
+                  kl_weights: Optional[torch.Tensor], bonus_weights: Optional[torch.Tensor],
+                  options: GRPOOptions) -> torch.Tensor:
+    """The reduced loss: ``sum(L w)`` (or the objective's own reduction), ``+ beta sum(KL w_kl)``
+    under ``loss_mode``, ``- sum(H u)`` for the entropy bonus."""
+    reduced = getattr(terms, "reduced", None)
+    loss = reduced if reduced is not None else (terms.loss * policy_weights).sum()
+    if kl_weights is not None and terms.kl is not None and options.beta != 0:
+        loss = loss + options.beta * (terms.kl * kl_weights).sum()
+    if bonus_weights is not None:
+        loss = loss - (entropy * bonus_weights).sum()
+    return loss
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,20 +812,91 @@ def _nan_extreme(values: torch.Tensor, extreme) -> torch.Tensor:
     return extreme(finite) if finite.numel() else torch.full((), float("nan"), device=values.device)
 
 
-def metrics_of_terms(terms: TokenTerms, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def verl_metrics(terms: PolicyTerms, logp: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                 options: GRPOOptions, regulariser: torch.Tensor) -> dict:
+    """What verl's actor logs (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
+    ``actor/entropy`` and ``actor/kl_loss`` reduced by ``loss_agg_mode``), as 0-d detached tensors."""
+    with torch.no_grad():
+        neg_kl = logp.detach() - old
+        metrics = {"actor/ppo_kl": _masked_mean(neg_kl.abs() if options.loss_mode == "kl_cov" else -neg_kl, mask)}
+        if options.loss_mode not in ("gpg", "kl_cov"):
+            zero = torch.zeros((), device=mask.device)
+            metrics["actor/pg_clipfrac"] = zero if terms.high is None else _masked_mean(terms.high.float(), mask)
+            if options.loss_mode != "clip_cov":
+                metrics["actor/pg_clipfrac_lower"] = zero if terms.low is None else _masked_mean(terms.low.float(), mask)
+        metrics["actor/entropy"] = (entropy.detach() * regulariser).sum()
+        if terms.kl is not None:
+            metrics["actor/kl_loss"] = (terms.kl.detach() * regulariser).sum()
+    return metrics
+
+
+def metrics_of_terms(terms: PolicyTerms, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                      options: GRPOOptions, sequences: Sequences) -> dict:
     """:func:`loss_metrics` of :func:`per_token_loss`'s terms."""
     low, high = clip_flags(terms.ratio.detach(), advantages, mask, options)
     return loss_metrics(entropy.detach(), None if terms.kl is None else terms.kl.detach(), low, high, mask, options,
-                        sequences, terms.extra.get("vespo_phi"))
+                        sequences, terms.vespo_phi)
+
+
+class Prepared(NamedTuple):
+    """A call's inputs after TRL's masks and the rollout correction: ``inputs.is_ratio`` holds the
+    corrected ratio; ``policy_mask`` scales the policy term, ``entropy_mask`` the bonus too."""
+
+    inputs: GRPOInputs
+    policy_mask: Optional[torch.Tensor]
+    entropy_mask: Optional[torch.Tensor]
+    metrics: dict
+
+
+def check_spec_inputs(inputs: GRPOInputs, options: GRPOOptions, b: int, t: int) -> None:
+    """The per-call tensors the chosen options need (ValueError naming the keyword)."""
+    if options.rollout_correction is not None:
+        if inputs.rollout_logps is None:
+            raise ValueError(f"rollout_correction={options.rollout_correction!r} needs rollout_logps [{b}, {t}] "
+                             f"(the rollout engine's log-probs)")
+        if inputs.is_ratio is not None:
+            raise ValueError("is_ratio and rollout_correction both weight the policy term: pass one of them")
+        if options.loss_type == "vespo" and options.rollout_correction.startswith("sequence"):
+            raise ValueError("vespo takes a token-level rollout_correction ('token_truncate' or 'token_mask'), as in TRL")
+    for name in ("rollout_logps",):
+        x = getattr(inputs, name)
+        if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, t) or not x.is_floating_point()):
+            raise ValueError(f"{name} must be a float tensor of shape [{b}, {t}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+
+
+def prepare(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+            inputs: GRPOInputs, options: GRPOOptions, sequences: Sequences) -> Prepared:
+    """TRL's off-policy and entropy masks and the rollout correction of a call (all constants of the loss)."""
+    check_spec_inputs(inputs, options, *mask.shape)
+    metrics = {}
+    if options.rollout_correction is not None:
+        ratio, metrics = rollout_correction(logp, inputs.old_logps, inputs.rollout_logps, mask, options, sequences)
+        inputs = GRPOInputs(**{**{k: getattr(inputs, k) for k in inputs.__dataclass_fields__}, "is_ratio": ratio})
+    policy_mask = entropy_mask = None
+    if options.off_policy_mask_threshold is not None:
+        policy_mask = off_policy_mask(logp, per_token_advantages(advantages, mask), mask, inputs, options, sequences)
+    if options.top_entropy_quantile < 1.0:
+        entropy_mask = high_entropy_mask(entropy, mask, options.top_entropy_quantile)
+        policy_mask = entropy_mask if policy_mask is None else policy_mask * entropy_mask
+    return Prepared(inputs, policy_mask, entropy_mask, metrics)
 
 
 def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                             inputs: GRPOInputs, options: GRPOOptions) -> GRPOLossOutput:
     """Everything after the log-probs: per-token loss, reduction and metrics (arguments checked)."""
     sequences = Sequences(mask, inputs.segment_ids)
-    terms = per_token_loss(logp, entropy, advantages, mask, inputs, options, sequences)
-    reduced = (terms.loss * token_weights(mask, options, inputs.num_items_in_batch, sequences)).sum()
+    prep = prepare(logp, entropy, advantages, mask, inputs, options, sequences)
+    inputs = prep.inputs
+    terms = policy_terms(logp, entropy, advantages, mask, inputs, options, sequences, prep.policy_mask)
+    weights = token_weights(mask, options, inputs.num_items_in_batch, sequences, inputs.global_batch_size)
+    regulariser = regulariser_weights(mask, options, inputs, sequences)
+    bonus = entropy_weights(mask, options, inputs, sequences, prep.entropy_mask)
+    reduced = weighted_loss(terms, entropy, weights, regulariser, bonus, options)
     metrics = metrics_of_terms(terms, entropy, advantages, mask, options, sequences)
+    if options.is_verl:
+        old = logp.detach() if inputs.old_logps is None else _where_valid(mask, inputs.old_logps, 0.0)
+        metrics.update(verl_metrics(terms, logp, old, entropy, mask, options, regulariser))
+    metrics.update({k: v.detach().float() for k, v in prep.metrics.items()})
     per_token_logps = torch.where(mask != 0, logp.detach(), torch.zeros_like(logp))
     return GRPOLossOutput(reduced, per_token_logps, metrics)

@@ -1,5 +1,12 @@
 """The GRPO loss's configuration, defined once.
 
+Two vocabularies name the same loss spec (``objective``: an objective, a reduction, a KL estimator):
+TRL's ``loss_type`` (each name an (objective, reduction) pair, TRL 1.16's ``GRPOTrainer``) and verl's
+three axes ``loss_mode`` / ``loss_agg_mode`` / ``kl_loss_type`` (verl's ``core_algos``); giving both
+``loss_type`` and ``loss_mode`` is an error. verl's other spellings (``clip_ratio_low``,
+``kl_loss_coef``, ``entropy_coeff``, ``rollout_is_weights``, ...) are accepted as keywords and mean
+the option :data:`VERL_SPELLINGS` names.
+
 ``GRPOOptions`` holds the scalar hyper-parameters (validated when it is built); ``GRPOInputs`` holds
 the optional per-call tensors. Both are frozen dataclasses carried from the public functions and
 modules through autograd to the kernels. The public functions take their fields as flat keywords:
@@ -21,9 +28,18 @@ from . import _validation as V
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
+# divide by a token count (dapo, cispo, vespo: num_items_in_batch; bnpo: the call's, which a trainer
+# splitting a batch into micro-batches turns into dapo's by passing the whole batch's count)
+TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# verl's names (verl.trainer.ppo.core_algos): policy_loss.loss_mode, loss_agg_mode, kl_loss_type
+LOSS_MODES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "k2+", "mse+", "low_var_kl+", "k3+")
+# TRL's vllm_importance_sampling_mode names
+ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 BACKENDS = ("auto", "triton", "torch", "reference")
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the target id of a position that predicts nothing (as in PyTorch and TRL)
 
 
 @dataclass(frozen=True)
@@ -66,22 +82,36 @@ class GRPOOptions:
     number. All are runtime values for the kernels: a new value compiles no new kernel.
     """
 
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; > 0 needs ref_logps"})
-    eps_low: float = field(default=0.2, metadata={"help": "lower clip: ratio >= 1 - eps_low"})
-    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clip: ratio <= 1 + eps_high; None = eps_low"})
-    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: the unclipped ratio is capped at delta"})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (verl: kl_loss_coef); > 0 needs ref_logps", "bounds": (0.0, None)})
+    eps_low: float = field(default=0.2, metadata={"help": "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; 1 only for cispo)", "bounds": (0.0, 1.0, False, True)})
+    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 (verl: clip_ratio_high)", "bounds": (0.0, None)})
+    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high; verl: clip_ratio_c, 3 under loss_mode='vanilla')", "bounds": (1.0, None, True)})
     temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
     softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
     logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
-    loss_type: str = field(default="dapo", metadata={"help": "reduction over tokens", "choices": LOSS_TYPES})
-    max_completion_length: Optional[int] = field(default=None, metadata={"help": "dr_grpo's constant; None = T"})
+    loss_type: Optional[str] = field(default=None, metadata={"help": "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or by completions * max_completion_length (dr_grpo; luspo: by completions); None: dapo, unless loss_mode is given", "choices": LOSS_TYPES})
+    loss_mode: Optional[str] = field(default=None, metadata={"help": "verl's policy_loss.loss_mode (instead of loss_type)", "choices": LOSS_MODES})
+    loss_agg_mode: Optional[str] = field(default=None, metadata={"help": "verl's loss_agg_mode (with loss_mode; None: token-mean)", "choices": LOSS_AGG_MODES})
+    kl_loss_type: Optional[str] = field(default=None, metadata={"help": "verl's KL estimator (with loss_mode; None: low_var_kl)", "choices": KL_LOSS_TYPES})
+    max_completion_length: Optional[int] = field(default=None, metadata={"help": "dr_grpo's constant (verl: loss_scale_factor of seq-mean-token-sum-norm); None = T", "bounds": (1, None)})
     importance_sampling_level: str = field(
-        default="token", metadata={"help": "token ratios, or sequence (GSPO)", "choices": IMPORTANCE_SAMPLING_LEVELS}
+        default="token", metadata={"help": "the importance ratio per token, or per sequence (GSPO)", "choices": IMPORTANCE_SAMPLING_LEVELS}
     )
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: the loss subtracts entropy_coef * H"})
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": "k3 KL times the importance ratio (TRL)"})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature where A > 0"})
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature where A <= 0"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: subtracts entropy_coef times the mean entropy (verl: entropy_coeff)", "bounds": (None, None)})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "multiply the k3 KL by the importance ratio (TRL's use_bias_correction_kl)"})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "TRL: the policy loss only on the top quantile of tokens by entropy (1: all)", "bounds": (0.0, 1.0)})
+    off_policy_mask_threshold: Optional[float] = field(default=None, metadata={"help": "TRL (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL to the sampling policy exceeds it", "bounds": (0.0, None)})
+    rollout_correction: Optional[str] = field(default=None, metadata={"help": "correct for the rollout engine's log-probs (rollout_logps), TRL's vllm_importance_sampling_mode", "choices": ROLLOUT_CORRECTIONS})
+    rollout_correction_max: Optional[float] = field(default=3.0, metadata={"help": "rollout correction's cap (None: unbounded)", "bounds": (0.0, None)})
+    rollout_correction_min: Optional[float] = field(default=None, metadata={"help": "rollout correction's floor: *_mask drop ratios below it, *_truncate clamp at it", "bounds": (0.0, None)})
+    clip_cov_ratio: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: fraction of tokens whose gradient is dropped (None: 0.0002)", "bounds": (0.0, None, True)})
+    clip_cov_lb: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: covariance lower bound (None: 1)"})
+    clip_cov_ub: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: covariance upper bound (None: 5)"})
+    kl_cov_ratio: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: fraction of tokens given the KL penalty (None: 0.0002)", "bounds": (0.0, None, True)})
+    ppo_kl_coef: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: coefficient of |log ratio| (None: 1)"})
+    dp_size: int = field(default=1, metadata={"help": "verl's agg_loss dp_size: the loss is multiplied by it (data-parallel ranks averaging gradients)", "bounds": (1, None)})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature where A > 0 (verl: tau_pos)"})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature where A <= 0 (verl: tau_neg)"})
     vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo: power k of the gamma weight where A >= 0"})
     vespo_lambda_pos: float = field(default=3.0, metadata={"help": "vespo: decay lambda where A >= 0"})
     vespo_k_neg: float = field(default=3.0, metadata={"help": "vespo: power k where A < 0"})
@@ -89,8 +119,13 @@ class GRPOOptions:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        self._resolve_vocabulary(set_)
         set_("beta", V.check_number("beta", self.beta))
-        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_open=True))
+        # verl's cispo takes eps_low = 1 for "no lower clamp" (its ratio is then clamped at 0)
+        cispo = self.loss_mode == "cispo"
+        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_open=not cispo))
+        if self.loss_mode == "vanilla" and self.delta is None:
+            set_("delta", 3.0)  # verl's clip_ratio_c default: the dual clip is always on
         eps_high = self.eps_low if self.eps_high is None else self.eps_high
         set_("eps_high", V.check_number("eps_high", eps_high, low=0.0))
         if self.delta is not None:
@@ -101,7 +136,8 @@ class GRPOOptions:
         set_("temperature", transform.temperature)
         set_("softcap", transform.softcap)
         set_("logit_scale", transform.logit_scale)
-        V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.loss_type is not None:
+            V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
         V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         if self.max_completion_length is not None:
             V.check_positive_int("max_completion_length", self.max_completion_length)
@@ -113,6 +149,52 @@ class GRPOOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             set_(name, V.check_number(name, getattr(self, name), low=0.0))
+        set_("top_entropy_quantile", V.check_number("top_entropy_quantile", self.top_entropy_quantile, low=0.0, high=1.0))
+        for name in ("off_policy_mask_threshold", "rollout_correction_max", "rollout_correction_min"):
+            if getattr(self, name) is not None:
+                set_(name, V.check_number(name, getattr(self, name), low=0.0))
+        if self.rollout_correction is not None:
+            V.check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if (self.rollout_correction_min is not None and self.rollout_correction_max is not None
+                and self.rollout_correction_min > self.rollout_correction_max):
+            raise ValueError(f"rollout_correction_min ({self.rollout_correction_min}) must be <= rollout_correction_max "
+                             f"({self.rollout_correction_max})")
+        for name, default in VERL_MODE_DEFAULTS.items():
+            value = getattr(self, name)
+            set_(name, default if value is None else V.check_number(name, value))
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be a positive int, got {self.dp_size!r}")
+
+    def _resolve_vocabulary(self, set_: Callable[[str, Any], None]) -> None:
+        """TRL's ``loss_type`` or verl's ``loss_mode`` (never both); each side's options only with it."""
+        if self.loss_mode is None:
+            set_("loss_type", "dapo" if self.loss_type is None else self.loss_type)
+            for name in VERL_ONLY_OPTIONS:
+                value = getattr(self, name)
+                if value not in (None, _FIELD_DEFAULTS[name], VERL_MODE_DEFAULTS.get(name)):
+                    raise ValueError(f"{name}={value!r} is verl's and needs loss_mode (one of {LOSS_MODES}); "
+                                     f"with loss_type the reduction and the KL are TRL's")
+            return
+        V.check_choice("loss_mode", self.loss_mode, LOSS_MODES)
+        if self.loss_type is not None:
+            raise ValueError(f"loss_type={self.loss_type!r} and loss_mode={self.loss_mode!r} name the loss twice: pass "
+                             f"TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both")
+        set_("loss_agg_mode", "token-mean" if self.loss_agg_mode is None else self.loss_agg_mode)
+        V.check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        set_("kl_loss_type", "low_var_kl" if self.kl_loss_type is None else self.kl_loss_type)
+        V.check_choice("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
+        for name, allowed in TRL_ONLY_OPTIONS.items():
+            if getattr(self, name) != allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is TRL's and needs loss_type; under loss_mode it must "
+                                 f"stay {allowed!r} (verl's sequence-level ratio is loss_mode='gspo')")
+
+    @property
+    def is_verl(self) -> bool:
+        """Named in verl's vocabulary (``loss_mode``): verl's reductions, KL estimators and clamps."""
+        return self.loss_mode is not None
 
     @property
     def transform(self) -> LogitTransform:
@@ -135,14 +217,61 @@ class GRPOInputs:
     is_ratio: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] or [B, 1] rollout importance weight, scales the policy term"})
     num_items_in_batch: Any = field(default=None, metadata={"help": "dapo's normaliser: global count of loss tokens"})
     segment_ids: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] int: packed rows, one id per sequence"})
+    rollout_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] the rollout engine's log-probs (rollout_correction, off_policy_mask_threshold)"})
+    global_batch_size: Any = field(default=None, metadata={"help": "verl: sequences of the global batch (seq-mean-* reductions); None = this call's"})
 
 
+# verl's mode-specific settings: None means verl's default, filled in by GRPOOptions
+VERL_MODE_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
+                      "ppo_kl_coef": 1.0}
+VERL_ONLY_OPTIONS = ("loss_agg_mode", "kl_loss_type", "dp_size") + tuple(VERL_MODE_DEFAULTS)
+# TRL's options that verl has no counterpart for, and the value that means "off"
+TRL_ONLY_OPTIONS = {"top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "use_bias_correction_kl": False,
+                    "importance_sampling_level": "token"}
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOOptions)}
 OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOOptions))
 INPUT_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOInputs))
 
 
+# verl's spellings of our options (actor config keys and core_algos arguments)
+VERL_SPELLINGS = {
+    "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high", "clip_ratio_c": "delta", "kl_loss_coef": "beta",
+    "entropy_coeff": "entropy_coef", "rollout_is_weights": "is_ratio", "tau_pos": "sapo_temperature_pos",
+    "tau_neg": "sapo_temperature_neg", "loss_scale_factor": "max_completion_length",
+    "batch_num_tokens": "num_items_in_batch",
+}
+# verl keys that have no equivalent here, and what to do instead
+VERL_WITHOUT_EQUIVALENT = {
+    "use_kl_loss": "pass beta (kl_loss_coef) > 0 and ref_logps",
+    "calculate_entropy": "the entropy is always computed (metrics['entropy'])",
+    "policy_loss": "pass its keys (loss_mode, clip_cov_ratio, ...) as keywords",
+    "global_batch_info": "pass num_items_in_batch (batch_num_tokens), global_batch_size and dp_size",
+}
+
+
+def _respell(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """verl's spellings -> ours; ``clip_ratio`` fills eps_low and eps_high; two spellings of one option raise."""
+    out = {k: v for k, v in kwargs.items() if k not in VERL_SPELLINGS and k != "clip_ratio"}
+    for verl_name, ours in VERL_SPELLINGS.items():
+        if verl_name in kwargs:
+            if ours in kwargs:
+                raise TypeError(f"{verl_name} (verl's name) and {ours} are the same option: pass one of them")
+            out[ours] = kwargs[verl_name]
+    if "clip_ratio" in kwargs:  # verl: clip_ratio_low / _high default to clip_ratio
+        for ours in ("eps_low", "eps_high"):
+            if ours in kwargs and "clip_ratio_low" not in kwargs and "clip_ratio_high" not in kwargs:
+                raise TypeError(f"clip_ratio (verl's name) and {ours} both set the clip range: pass one of them")
+            out.setdefault(ours, kwargs["clip_ratio"])
+    return out
+
+
 def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs, GRPOOptions]:
-    """Flat keywords -> (GRPOInputs, GRPOOptions); an unknown keyword is a TypeError naming it."""
+    """Flat keywords (ours, or verl's spellings) -> (GRPOInputs, GRPOOptions); an unknown keyword is a
+    TypeError naming it."""
+    for name, instead in VERL_WITHOUT_EQUIVALENT.items():
+        if name in kwargs:
+            raise TypeError(f"{where}() got verl's {name!r}, which has no equivalent here: {instead}")
+    kwargs = _respell(kwargs)
     unknown = [k for k in kwargs if k not in OPTION_NAMES and k not in INPUT_NAMES]
     if unknown:
         raise TypeError(

@@ -78,6 +78,12 @@ def grpo64(
     softcap=None,
     logit_scale=1.0,
     logprobs=None,
+    top_entropy_quantile=1.0,
+    off_policy_mask_threshold=None,
+    rollout_logps=None,
+    rollout_correction=None,
+    rollout_correction_max=3.0,
+    rollout_correction_min=None,
 ):
     """(loss, per-token logp, metrics) in float64, from logits [B, T, V] (or precomputed (logp, H)).
 
@@ -103,9 +109,21 @@ def grpo64(
     else:
         log_ratio = token_log_ratio
     ratio = torch.exp(log_ratio)
+    if rollout_correction is not None:  # TRL's vLLM importance sampling, old defaulting to the current
+        is_ratio = trl_is_ratio64(old, rollout_logps, m, rollout_correction, rollout_correction_max,
+                                  rollout_correction_min)
     w_is = None
     if is_ratio is not None:
         w_is = torch.where(m != 0, is_ratio.double().expand(b, t), 1.0)
+    policy_mask = torch.ones(b, t, dtype=torch.float64)
+    if off_policy_mask_threshold is not None:
+        sampling = rollout_logps if rollout_logps is not None else (old_logps if old_logps is not None else logp.detach())
+        sampling = torch.where(m != 0, sampling.double(), 0.0)
+        policy_mask = policy_mask * trl_off_policy_mask64(adv, logp, sampling, m, off_policy_mask_threshold)
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:
+        entropy_mask = trl_entropy_mask64(ent, m, top_entropy_quantile)
+        policy_mask = policy_mask * entropy_mask
     extra = {}
     if loss_type == "cispo":
         pg = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
@@ -132,6 +150,7 @@ def grpo64(
         r1 = torch.minimum(ratio, torch.tensor(float(delta), dtype=torch.float64)) if delta is not None else ratio
         r2 = ratio.clamp(1 - eps_low, 1 + eps_high)
         pg = -torch.minimum(r1 * adv, r2 * adv)
+    pg = pg * policy_mask
     if w_is is not None and loss_type != "vespo":
         pg = pg * w_is
     loss_t = pg
@@ -142,7 +161,6 @@ def grpo64(
         if use_bias_correction_kl:
             kl = kl * ratio
         loss_t = loss_t + beta * kl
-    loss_t = loss_t - entropy_coef * ent
 
     total = (loss_t * m).sum()
     n_seq = max(len(seqs), 1)
@@ -161,6 +179,9 @@ def grpo64(
     else:
         n = max(m.sum().item(), 1.0) if num_items_in_batch is None else float(num_items_in_batch)
         loss = total / n
+    if entropy_coef != 0:  # TRL 1.16: the bonus is the token mean of the entropy, for every loss type
+        em = m if entropy_mask is None else m * entropy_mask
+        loss = loss - entropy_coef * (ent * em).sum() / max(em.sum().item(), 1.0)
 
     count = max(m.sum().item(), 1.0)
     metrics = {"entropy": (ent * m).sum() / count}
@@ -203,3 +224,141 @@ def grpo64(
         else:
             metrics["vespo/phi_seq_mean"] = (extra["phi"] * m).sum() / count
     return loss, logp * (m != 0), {k: v.detach() for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# verl (verl.trainer.ppo.core_algos: compute_policy_loss_*, agg_loss, kl_penalty; workers' ppo_loss),
+# restated in float64 over [B, T] tensors, row by row where verl reduces rows
+# ------------------------------------------------------------------------------------------------------
+def verl_agg64(mat, m, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
+    rows = [(mat[i] * m[i]).sum() for i in range(m.shape[0])]
+    lengths = [m[i].sum() for i in range(m.shape[0])]
+    with_tokens = sum(1 for n in lengths if n > 0)
+    if mode == "token-mean":
+        n = m.sum() if batch_num_tokens is None else batch_num_tokens
+        return sum(rows) / max(float(n), 1.0) * dp_size
+    g = max(with_tokens, 1) if global_batch_size is None else global_batch_size
+    if mode == "seq-mean-token-sum":
+        return sum(r for r, n in zip(rows, lengths) if n > 0) / g * dp_size
+    if mode == "seq-mean-token-mean":
+        return sum(r / (n + 1e-8) for r, n in zip(rows, lengths) if n > 0) / g * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        return sum(rows) / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    raise ValueError(mode)
+
+
+def verl_kl64(logp, ref, kind):
+    base = kind.rstrip("+")
+    if base in ("kl", "k1"):
+        value = logp - ref
+    elif base == "abs":
+        value = (logp - ref).abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * (logp - ref) ** 2
+    else:
+        d = (ref - logp).clamp(-20, 20)
+        value = (torch.exp(d) - d - 1).clamp(-10, 10)
+    if kind.endswith("+") and base not in ("mse", "k2"):
+        k2 = 0.5 * (logp - ref) ** 2
+        value = k2 - k2.detach() + value.detach()
+    return value
+
+
+def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_agg_mode="token-mean",
+           kl_loss_type="low_var_kl", beta=0.0, entropy_coef=0.0, eps_low=0.2, eps_high=None, clip_ratio_c=3.0,
+           tau_pos=1.0, tau_neg=1.05, rollout_is_weights=None, dp_size=1, batch_num_tokens=None,
+           global_batch_size=None, loss_scale_factor=None, ppo_kl_coef=1.0, kl_cov_ratio=0.0002):
+    """verl's ppo_loss in float64 from per-token log-probs ``logp`` [B, T] (differentiable), entropies,
+    advantages [B, T]: policy loss by loss_mode, minus entropy_coef * agg(entropy), plus beta * agg(kl)."""
+    m = m.double()
+    eps_high = eps_low if eps_high is None else eps_high
+    old = logp.detach() if old is None else old.double()
+    agg = lambda x, mode=loss_agg_mode: verl_agg64(x, m, mode, dp_size, batch_num_tokens, global_batch_size,  # noqa: E731
+                                                 loss_scale_factor)
+    a = adv.double()
+    if loss_mode in ("vanilla", "sapo", "cispo"):
+        ratio = torch.exp((logp - old).clamp(-20, 20))
+    if loss_mode == "vanilla":
+        l1 = -a * ratio
+        l2 = -a * ratio.clamp(1 - eps_low, 1 + eps_high)
+        c1 = torch.maximum(l1, l2)
+        pg = torch.where(a < 0, torch.minimum(-a * clip_ratio_c, c1), c1)
+    elif loss_mode == "gspo":
+        seq = torch.stack([((logp[i] - old[i]) * m[i]).sum() / max(m[i].sum().item(), 1.0) for i in range(m.shape[0])])
+        r = torch.exp((logp - logp.detach() + seq.detach()[:, None]).clamp(max=10.0))
+        pg = torch.maximum(-a * r, -a * r.clamp(1 - eps_low, 1 + eps_high))
+    elif loss_mode == "sapo":
+        tau = torch.where(a > 0, tau_pos, tau_neg).double()
+        pg = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+    elif loss_mode == "gpg":
+        pg = -logp * a
+    elif loss_mode == "cispo":
+        pg = -ratio.clamp(1 - eps_low, 1 + eps_high).detach() * a * logp
+    elif loss_mode == "kl_cov":
+        lr = logp - old
+        pg = -a * torch.exp(lr)
+        valid = [(i, j) for i in range(m.shape[0]) for j in range(m.shape[1]) if m[i, j] > 0]
+        if valid:
+            av = torch.tensor([a[i, j].item() for i, j in valid], dtype=torch.float64)
+            lv = torch.tensor([logp[i, j].item() for i, j in valid], dtype=torch.float64)
+            cov = (av - av.mean()) * (lv - lv.mean())
+            k = max(1, int(len(valid) * kl_cov_ratio))
+            picked = sorted(range(len(valid)), key=lambda q: -cov[q].item())[:k]
+            extra = torch.zeros_like(pg)
+            for q in picked:
+                i, j = valid[q]
+                extra = extra.index_put((torch.tensor([i]), torch.tensor([j])), ppo_kl_coef * lr[i, j].abs().reshape(1))
+            pg = pg + extra
+    elif loss_mode == "geo_mean":
+        rows = []
+        for i in range(m.shape[0]):
+            n = m[i].sum()
+            lr = logp[i] - old[i]
+            s = torch.sign(a[i])
+            clipped = s * torch.minimum(s * lr, s * lr.clamp(-eps_low, eps_high))
+            seq_adv = (a[i] * m[i]).sum() / (n + 1e-8)
+            loss_i = -seq_adv * torch.exp((clipped * m[i]).sum() / (n + 1e-8))
+            if rollout_is_weights is not None:
+                loss_i = loss_i * torch.exp((torch.log(rollout_is_weights[i].double() + 1e-10) * m[i]).sum() / (n + 1e-8))
+            rows.append(loss_i)
+        pg_loss = torch.stack(rows).mean()
+    else:
+        raise ValueError(loss_mode)
+    if loss_mode != "geo_mean":
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights.double()
+        pg_loss = agg(pg, "seq-mean-token-mean" if loss_mode in ("gspo", "sapo") else loss_agg_mode)
+    loss = pg_loss
+    if entropy_coef != 0:
+        loss = loss - entropy_coef * agg(ent)
+    if ref is not None and beta != 0:
+        loss = loss + beta * agg(verl_kl64(logp, ref.double(), kl_loss_type))
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------------
+# TRL 1.16's extra terms (GRPOTrainer._compute_loss / _generate_and_score_completions)
+# ------------------------------------------------------------------------------------------------------
+def trl_is_ratio64(old, rollout, m, mode, clip_max=3.0, clip_min=None):
+    """vllm_importance_sampling_ratio: exp(old - sampling) per token or per row, truncated or masked."""
+    diff = torch.nan_to_num((old.double() - rollout.double()) * m.double(), nan=0.0)
+    r = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return r.clamp(min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return r.masked_fill((r < lo) | (r > hi), 0.0)
+
+
+def trl_off_policy_mask64(adv_col, logp, sampling, m, threshold):
+    kl = torch.nan_to_num(sampling.double() - logp.detach(), nan=0.0)
+    mean = (kl * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+    return ((adv_col >= 0) | (mean <= threshold)).double()
+
+
+def trl_entropy_mask64(ent, m, quantile):
+    values = ent.detach()[m.bool()]
+    if values.numel() == 0:
+        return torch.zeros_like(ent)
+    thr = torch.quantile(values, 1 - quantile)
+    return ((ent.detach() * m >= thr) & m.bool()).double()

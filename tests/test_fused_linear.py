@@ -244,7 +244,7 @@ def test_gradient_in_forward_every_option_matches_float64(case, loss_type):
         kw["max_completion_length"] = 9
     out, (h, w, b) = run_fused(hidden, weight, bias, batch, advantages, kw, chunk_size=4, backend="torch")
     token_level = kw.get("importance_sampling_level", "token") == "token"
-    assert (type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossBackward") == token_level
+    assert (type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward") == token_level
     out.loss.backward()
     loss64, logp64, metrics64, grads64 = run64(hidden, weight, bias, batch, advantages, kw)
     loss64.backward()
@@ -261,7 +261,7 @@ def test_gradient_in_forward_triton_backend(case):
     hidden, weight, bias, batch = linear_batch(400 + len(case))
     advantages, kw = build_kwargs(OPTION_CASES[case], batch)
     out, (h, w, b) = run_fused(hidden, weight, bias, batch, advantages, kw, chunk_size=5, backend="triton")
-    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossBackward"
+    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward"
     out.loss.backward()
     loss64, logp64, _, grads64 = run64(hidden, weight, bias, batch, advantages, kw)
     loss64.backward()
@@ -461,7 +461,7 @@ def test_gradient_in_forward_with_no_completion_token():
     _, ids, mask, *_ = batch
     h, w, b = leaves(hidden, weight, bias)
     out = gk.fused_linear_grpo_loss(h, w, ids, torch.randn(B), torch.zeros_like(mask), bias=b, backend="torch")
-    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossBackward"
+    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward"
     out.loss.backward()
     assert out.loss.item() == 0
     for grad in (h.grad, w.grad, b.grad):

@@ -55,7 +55,9 @@ def test_triton_epilogue_equals_autograd_of_the_objective(case):
     logp = logp_k.clone().requires_grad_()
     ent = ent_k.clone().requires_grad_()
     terms = objective.per_token_loss(logp, ent, adv, mask, inputs, options)
-    weighted = terms.loss * weights
+    # the kernel's own entropy term is weighted like the policy term (the library passes entropy_coef=0
+    # and adds TRL's token-mean bonus beside the kernel: objective.entropy_weights)
+    weighted = terms.loss * weights - options.entropy_coef * ent * weights
     d_logp, d_ent = torch.autograd.grad(weighted.sum(), (logp, ent), allow_unused=True)
     d_ent = torch.zeros_like(ent) if d_ent is None else d_ent
 

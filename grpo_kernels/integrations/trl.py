@@ -63,6 +63,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
     ) from exc
 
 import grpo_kernels
+from grpo_kernels.autograd import compute_dtype
+from grpo_kernels.options import IGNORE_INDEX
 
 MIN_TRL_VERSION = "1.15"
 if Version(trl.__version__) < Version(MIN_TRL_VERSION):
@@ -225,10 +227,7 @@ def _head_compute_dtype(hidden: torch.Tensor, cast_lm_head_to_fp32: bool) -> tor
     """The dtype TRL's ChunkedLogProbFunction computes the logits tiles in."""
     if cast_lm_head_to_fp32:  # TRL casts the hidden states to fp32 and turns autocast off
         return torch.float32
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return hidden.dtype
+    return compute_dtype(hidden)
 
 
 def _fused_forward(
@@ -267,7 +266,7 @@ def _fused_forward(
         weight, bias = lm_head.weight, lm_head.bias
         hidden_states = hidden_states.to(weight.device)  # with device_map the backbone may end elsewhere
         labels = labels.to(weight.device)
-        mask = labels != -100
+        mask = labels != IGNORE_INDEX
         dtype = _head_compute_dtype(hidden_states, cast_lm_head_to_fp32)
         # Only labelled positions are projected (TRL does so on Triton devices, scores all on others).
         with torch.autocast(hidden_states.device.type, enabled=False):

@@ -202,14 +202,10 @@ def backward_rows(
     return out
 
 
-# Elements per block of rows in the fused pass (4 MiB of fp32; at least one row). The first sweep
-# makes several passes over a block (max, shift, exp, sum, clamp, product, sum): only the first
-# reads memory.
-# The block's exp buffer is small enough to come from the allocator's heap, where a 32 MiB one was
-# mapped (and faulted in) anew on every call. Measured on the 2-core machine, fused_linear_grpo_loss
-# fwd+bwd at N = 1,024, H = 512, V = 32,000 interleaved with Liger's (7 rounds): 0.98-0.99x the time
-# of the former one-op-at-a-time sweeps over 2^23-element blocks, i.e. within noise; what it saves is
-# 28 MiB of peak memory. Blocks of 2^18 to 2^23 elements measured within noise of each other.
+# Elements per block of rows in the fused pass (4 MiB of fp32; at least one row): the block's exp
+# buffer then comes from the allocator's heap instead of a fresh mapping faulted in on every call,
+# and the first of the sweeps over a block is the only one that reads memory. Measurements:
+# benchmarks/results/block_elements_cpu.md.
 BLOCK_ELEMENTS = 1 << 20
 
 
