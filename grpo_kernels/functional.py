@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from . import _validation as V
-from . import backends, objective, reference
+from . import backends, objective, reference, vocab_parallel
 from .autograd import (FusedGRPOLoss, FusedLinearGRPOLoss, FusedLinearTokenLogprobs, TokenLogprobs, compute_dtype,
                        default_chunk_size)
 from .kernels.layout import as_rows
@@ -41,6 +41,7 @@ def token_logprobs(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
 ):
     """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
     ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
@@ -51,8 +52,16 @@ def token_logprobs(
     Positions whose target is ``ignore_index`` give 0 and a zero gradient, and their logits are never
     read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
     raises); the gradient has the logits' dtype.
+
+    ``process_group`` (a ``torch.distributed`` ProcessGroup): vocabulary-parallel, ``logits`` is this
+    rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
+    same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
     """
     V.check_choice("backend", backend, BACKENDS)
+    if process_group is not None:
+        return vocab_parallel.token_logprobs(
+            logits, targets, process_group=process_group, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend)
     if backend == "reference":
         return reference.token_logprobs(
             logits, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
@@ -73,7 +82,8 @@ def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adv
     V.check_grpo_inputs(leading_shape, completion_ids, advantages, completion_mask, inputs, options, name)
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
-    V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
+    if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
+        V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
     return inputs, options, mask, ids
 
 
@@ -86,6 +96,7 @@ def grpo_loss(
     *,
     backend: str = "auto",
     inplace_backward: bool = False,
+    process_group: Optional[Any] = None,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """The GRPO loss (every objective and reduction of ``docs/api.md``) from logits [B, T, V].
@@ -97,9 +108,13 @@ def grpo_loss(
     log-probs and ``is_ratio`` are constants of the loss (detached), on every backend.
     ``inplace_backward=True`` writes the logits' gradient into the logits buffer (for trainers that
     do not reuse the logits), so the loss needs only O(B*T) extra memory; autograd raises if
-    anything else still needs the logits' values.
+    anything else still needs the logits' values. ``process_group``: vocabulary-parallel logits
+    ``[B, T, V_r]``, as in :func:`token_logprobs`; every output is the whole vocabulary's.
     """
     V.check_choice("backend", backend, BACKENDS)
+    if process_group is not None:
+        return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, process_group=process_group,
+                                        backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
     if backend == "reference":
         return reference.grpo_loss(logits, completion_ids, advantages, completion_mask, **grpo_kwargs)
     logits = V.check_logits(logits)
@@ -265,6 +280,8 @@ def fused_linear_token_logprobs(
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)`` a chunk of rows at a time.
 
@@ -279,8 +296,18 @@ def fused_linear_token_logprobs(
     largest entry: measured 5.4e-3 over 8 chunks and 1.1e-2 over 32, against 3e-3 with the fp32
     accumulator, for 2,048 bf16 tokens, H = 128, V = 4,000). Under autocast the matmuls run in
     autocast's dtype, forward and backward alike; gradients come back in each input's dtype.
+
+    ``process_group``: vocabulary-parallel, ``weight [V_r, H]`` (and ``bias [V_r]``) is this rank's
+    shard (a DTensor ``Shard(0)`` on a 1-D mesh implies the group); ``d hidden`` is then this rank's
+    partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
     """
     V.check_choice("backend", backend, BACKENDS)
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        return vocab_parallel.fused_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+            temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
+            logit_scale=logit_scale, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
+            backend=backend)
     if backend == "reference":
         return reference.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -307,6 +334,8 @@ def fused_linear_grpo_loss(
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """``grpo_loss(hidden @ weight.T + bias, ...)`` without the [B*T, V] logits; hidden [B, T, H].
@@ -319,9 +348,15 @@ def fused_linear_grpo_loss(
     GSPO (``importance_sampling_level="sequence"``) recomputes each chunk's logits in the backward;
     under ``no_grad`` only the forward runs. ``chunk_size`` rows per chunk (default:
     :func:`grpo_kernels.autograd.default_chunk_size`, from N, H, V and the device);
-    ``accumulate_in_weight_dtype`` as in :func:`fused_linear_token_logprobs`.
+    ``accumulate_in_weight_dtype``, ``process_group`` and ``reduce_hidden_grad`` as in
+    :func:`fused_linear_token_logprobs`.
     """
     V.check_choice("backend", backend, BACKENDS)
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        return vocab_parallel.fused_linear_grpo_loss(
+            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, process_group=process_group,
+            reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
+            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
     if backend == "reference":
         return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
                                                 **grpo_kwargs)
