@@ -34,41 +34,32 @@ COLLECTIVE_TIMEOUT_S = 90
 
 
 # ---------------------------------------------------------------------------- the parent's side
-def _spawn(world: int, scenario: str, backend: str) -> None:
+def _spawn(world: int, scenarios) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(world, scenario, backend, os.path.join(tmp, "store")),
+        context = mp.start_processes(_worker, args=(world, scenarios, os.path.join(tmp, "store")),
                                      nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         try:
             while not context.join(timeout=max(1.0, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{scenario} on {world} ranks did not finish in {JOIN_TIMEOUT_S} s (a hang)")
+                    raise AssertionError(f"{scenarios} on {world} ranks did not finish in {JOIN_TIMEOUT_S} s (a hang)")
         finally:
             for process in context.processes:
                 if process.is_alive():
                     process.terminate()
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 3])
-def test_matches_one_device_torch(world):
-    _spawn(world, "match", "torch")
+# One spawn per group size (starting the processes is most of the time): the torch backend's
+# matrix, the Triton kernels (interpreter) on a few cases, then bad input (2 ranks) or a DTensor
+# weight (3 ranks).
+@pytest.mark.timeout(600)
+def test_two_ranks():
+    _spawn(2, ("match:torch", "match_small:triton", "bad_input:torch"))
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 3])
-def test_matches_one_device_triton(world):
-    _spawn(world, "match_small", "triton")
-
-
-@pytest.mark.timeout(400)
-def test_bad_input_and_group_of_one():
-    _spawn(2, "bad_input", "torch")
-
-
-@pytest.mark.timeout(400)
-def test_dtensor_weight():
-    _spawn(3, "dtensor", "torch")
+@pytest.mark.timeout(600)
+def test_three_ranks():
+    _spawn(3, ("match:torch", "match_small:triton", "dtensor:torch"))
 
 
 # ---------------------------------------------------------------------------- the ranks' side
@@ -90,7 +81,7 @@ class CommunicationLog:
         self.elements, self.largest = 0, 0
 
 
-def _worker(rank: int, world: int, scenario: str, backend: str, store_path: str) -> None:
+def _worker(rank: int, world: int, scenarios, store_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -98,8 +89,10 @@ def _worker(rank: int, world: int, scenario: str, backend: str, store_path: str)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        {"match": _match, "match_small": _match_small, "bad_input": _bad_input, "dtensor": _dtensor}[scenario](
-            rank, world, backend)
+        for scenario in scenarios:
+            name, backend = scenario.split(":")
+            {"match": _match, "match_small": _match_small, "bad_input": _bad_input, "dtensor": _dtensor}[name](
+                rank, world, backend)
     except BaseException:
         traceback.print_exc()
         raise
@@ -223,7 +216,8 @@ def _check_grpo(rank, world, backend, log, seed, case, linear=False, bias=False,
         total = h.grad.clone()
         torch.distributed.all_reduce(total)
         assert_close64(total, h64.grad, dtype, what=what + " sum of the partial d hidden")
-        assert not torch.allclose(h.grad.double(), h64.grad), what + ": d hidden already reduced"
+        if h64.grad.abs().max() > 1e-3:  # (a batch whose tokens are all clipped has no gradient)
+            assert not torch.allclose(h.grad.double(), h64.grad), what + ": d hidden already reduced"
 
 
 def _match(rank, world, backend):
@@ -241,6 +235,9 @@ def _match(rank, world, backend):
     cases["packed"] = dict(use_old=True, use_ref=True, beta=0.05, segment_ids=True, loss_type="grpo")
     cases["packed_gspo"] = dict(use_old=True, segment_ids=True, importance_sampling_level="sequence")
     cases["num_items"] = dict(use_old=True, num_items_in_batch=9)
+    if world > 2:  # the whole matrix runs on 2 ranks; 3 ranks take a covering subset
+        cases = {k: cases[k] for k in ("old_ref_beta", "is_ratio_per_sequence", "entropy_coef", "gspo", "cispo", "sapo",
+                                       "vespo", "softcap", "packed", "packed_gspo")}
     for i, case in enumerate(cases.values()):
         _check_grpo(rank, world, backend, log, 10 + i, case)
     _check_grpo(rank, world, backend, log, 40, cases["old_ref_beta"], dtype=torch.bfloat16)
@@ -281,8 +278,8 @@ def _match_small(rank, world, backend):
     log = CommunicationLog(dist)
     _check_logprobs(rank, world, backend, log, 1, temperature=0.7, softcap=3.0)
     _check_grpo(rank, world, backend, log, 2, dict(use_old=True, use_ref=True, beta=0.05, entropy_coef=0.01))
-    _check_grpo(rank, world, backend, log, 3, dict(use_old=True, importance_sampling_level="sequence"), linear=True,
-                bias=True)
+    _check_grpo(rank, world, backend, log, 3, dict(use_ref=True, beta=0.05, importance_sampling_level="sequence"),
+                linear=True, bias=True)
 
 
 def _expect_error(exc_type, fragment: str, fn) -> None:
@@ -303,7 +300,8 @@ def _bad_input(rank, world, backend):
     cols, vocab = _shard(world, rank)
     logits, ids, mask, old, ref, adv, *_ = _batch(5, vocab)
     shard = logits[..., cols].contiguous()
-    call = lambda **kw: gk.grpo_loss(shard, kw.pop("ids", ids), adv, mask, process_group=group, backend=backend, **kw)  # noqa: E731
+    call = lambda **kw: gk.grpo_loss(shard, kw.pop("ids", ids), adv, kw.pop("completion_mask", mask), process_group=group,  # noqa: E731
+                                     backend=kw.pop("backend", backend), **kw)
 
     bad_ids = ids.clone()
     bad_ids[0, 0] = vocab  # outside every shard
