@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -146,17 +146,14 @@ def _hash(value: Any) -> int:
 
 
 @torch.no_grad()
-def _tensor_fingerprint(x: Optional[torch.Tensor]) -> int:
-    """A cheap position-sensitive sum of a tensor (O(numel) on its device), or 0 for None: equal
-    tensors give equal fingerprints on every rank of one device type."""
-    if x is None:
-        return 0
+def _tensor_fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """A cheap position-sensitive sum of a tensor, an int64 scalar on its device (no synchronisation):
+    equal tensors give equal fingerprints on every rank of one device type."""
     flat = x.detach().reshape(-1)
     weights = torch.arange(flat.numel(), device=flat.device) % 8191 + 1
     if flat.is_floating_point():
-        total = (flat.double() * weights).sum().reshape(1)
-        return int(total.view(torch.int64).item()) ^ 1
-    return int((flat.long() * weights).sum().item()) ^ 2
+        return ((flat.double() * weights).sum().reshape(1).view(torch.int64) ^ 1).reshape(())
+    return ((flat.long() * weights).sum() ^ 2).reshape(())
 
 
 class _Agreement:
@@ -165,7 +162,7 @@ class _Agreement:
     def __init__(self) -> None:
         self.local_size = 0
         self.names: List[str] = []
-        self.values: List[int] = []
+        self.values: List[Any] = []  # ints, or int64 scalars on the data's device
         self.shard: Optional[VocabShard] = None  # set when the ranks agreed
 
     def declare(self, name: str, value: Any) -> None:
@@ -173,10 +170,18 @@ class _Agreement:
         self.names.append(name)
         self.values.append(_tensor_fingerprint(value) if isinstance(value, torch.Tensor) else _hash(value))
 
+    def fingerprints(self, slots: int) -> torch.Tensor:
+        """The declared values as int64 [slots] on the CPU, padded with 0 (one device transfer)."""
+        device = next((v.device for v in self.values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        out = torch.zeros(slots, dtype=torch.int64, device=device)
+        for i, value in enumerate(self.values):
+            out[i] = value
+        return out.cpu()
+
 
 @contextlib.contextmanager
-def agreement(group: Any, what: Sequence[str]) -> Iterator[_Agreement]:
-    """Run a call's local checks inside ``with agreement(group, names) as agree:`` and declare its
+def agreement(group: Any) -> Iterator[_Agreement]:
+    """Run a call's local checks inside ``with agreement(group) as agree:`` and declare its
     shard size (``agree.local_size``) and fingerprints there; on leaving, the ranks exchange them
     in one all-reduce, so a check that failed on one rank, or arguments that differ, raise on
     every rank (a local ValueError/TypeError is re-raised where it happened). ``agree.shard`` is
@@ -192,11 +197,11 @@ def agreement(group: Any, what: Sequence[str]) -> Iterator[_Agreement]:
     k = FINGERPRINT_SLOTS
     if failure is None and len(agree.values) > k:
         raise AssertionError(f"{len(agree.values)} fingerprints, FINGERPRINT_SLOTS is {k}")
-    values = [0] * k if failure is not None else agree.values + [0] * (k - len(agree.values))
     local = torch.zeros(2 * world + 2 * k, dtype=torch.int64)
     local[rank] = agree.local_size if failure is None else 0
     local[world + rank] = 1 if failure is not None else 0
-    local[2 * world: 2 * world + k] = torch.tensor(values, dtype=torch.int64)
+    if failure is None:
+        local[2 * world: 2 * world + k] = agree.fingerprints(k)
     local[2 * world + k:] = -local[2 * world: 2 * world + k]
     exchanged = local.to(_collective_device(group))
     dist.all_reduce(exchanged, op=dist.ReduceOp.MAX, group=group)
@@ -208,7 +213,7 @@ def agreement(group: Any, what: Sequence[str]) -> Iterator[_Agreement]:
         raise ValueError(f"the arguments of this vocabulary-parallel call were refused on rank(s) {failed} of the "
                          "process_group (see the error there); they must be valid, and the same, on every rank")
     high, low = exchanged[2 * world: 2 * world + k], exchanged[2 * world + k:]
-    differ = [name for i, name in enumerate(what) if high[i] != -low[i]]
+    differ = [name for i, name in enumerate(agree.names) if high[i] != -low[i]]
     if differ:
         raise ValueError(
             f"vocabulary-parallel arguments differ across the ranks of process_group: {', '.join(differ)}; every "
@@ -371,15 +376,11 @@ _GRPO_FINGERPRINT = ("the leading shape [B, T]", "completion_ids", "advantages",
 
 
 def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completion_mask, inputs, options) -> None:
-    agree.declare("shape", tuple(shape))
-    agree.declare("completion_ids", completion_ids)
-    agree.declare("advantages", advantages)
-    agree.declare("completion_mask", completion_mask)
-    for name in ("old_logps", "ref_logps", "is_ratio", "segment_ids"):
-        agree.declare(name, getattr(inputs, name))
     n = inputs.num_items_in_batch
-    agree.declare("num_items_in_batch", float(n.item()) if isinstance(n, torch.Tensor) else n)
-    agree.declare("options", options)
+    values = (tuple(shape), completion_ids, advantages, completion_mask, inputs.old_logps, inputs.ref_logps,
+              inputs.is_ratio, inputs.segment_ids, float(n.item()) if isinstance(n, torch.Tensor) else n, options)
+    for name, value in zip(_GRPO_FINGERPRINT, values):
+        agree.declare(name, value)
 
 
 def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend, inplace_backward):
@@ -400,7 +401,7 @@ def token_logprobs(logits, targets, *, process_group, temperature, ignore_index,
         return functional.token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index,
                                          return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
                                          backend=backend)
-    with agreement(group, _LOGPROB_FINGERPRINT) as agree:
+    with agreement(group) as agree:
         logits = V.check_logits(logits)
         targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
         transform = LogitTransform(temperature, softcap, logit_scale)
@@ -427,7 +428,7 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask, *, process_gr
     if world_size(group) == 1:
         return functional.grpo_loss(logits, completion_ids, advantages, completion_mask, backend=backend,
                                     inplace_backward=inplace_backward, **grpo_kwargs)
-    with agreement(group, _GRPO_FINGERPRINT) as agree:
+    with agreement(group) as agree:
         logits = V.check_logits(logits)
         inputs, options, mask, ids = functional._prepare_grpo("logits", logits.shape, None, completion_ids,
                                                               advantages, completion_mask, grpo_kwargs)
@@ -474,7 +475,7 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, process_group,
             return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
             accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend)
     fingerprint = ("the hidden states' shape",) + _LOGPROB_FINGERPRINT[1:] + ("reduce_hidden_grad",)
-    with agreement(group, fingerprint) as agree:
+    with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
         targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
         transform = LogitTransform(temperature, softcap, logit_scale)
@@ -505,14 +506,13 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
         return functional.fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, bias=bias, chunk_size=chunk_size,
             accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, **grpo_kwargs)
-    fingerprint = _GRPO_FINGERPRINT + ("the hidden size", "reduce_hidden_grad")
-    with agreement(group, fingerprint) as agree:
+    with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
         inputs, options, mask, ids = functional._prepare_grpo("hidden", hidden.shape, None, completion_ids,
                                                               advantages, completion_mask, grpo_kwargs)
         agree.local_size = weight.shape[0]
         _declare_grpo(agree, hidden.shape[:-1], ids, advantages, completion_mask, inputs, options)
-        agree.declare("hidden size", hidden.shape[-1])
+        agree.declare("the hidden size", hidden.shape[-1])
         agree.declare("reduce_hidden_grad", reduce_hidden_grad)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
     logp, entropy = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, options.transform, IGNORE_INDEX, True,

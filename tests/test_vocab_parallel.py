@@ -159,7 +159,7 @@ def _check_logprobs(rank, world, backend, log, seed, dtype=torch.float32, **tran
 
 
 def _check_grpo(rank, world, backend, log, seed, case, linear=False, bias=False, reduce_hidden_grad=False,
-                dtype=torch.float32):
+                dtype=torch.float32, inplace_backward=False):
     import grpo_kernels as gk
 
     cols, vocab = _shard(world, rank)
@@ -193,7 +193,9 @@ def _check_grpo(rank, world, backend, log, seed, case, linear=False, bias=False,
                                         reduce_hidden_grad=reduce_hidden_grad, chunk_size=4, **kw)
     else:
         shard = logits[..., cols].to(dtype).requires_grad_()
-        out = gk.grpo_loss(shard, ids, advantages, mask, backend=backend, process_group=group, **kw)
+        x = shard * 1 if inplace_backward else shard  # the buffer the gradient overwrites
+        out = gk.grpo_loss(x, ids, advantages, mask, backend=backend, process_group=group,
+                           inplace_backward=inplace_backward, **kw)
     assert log.largest <= max(4 * B * T, 64), f"{what}: a collective carried {log.largest} elements"
     out.loss.backward()
     assert_close64(out.loss, loss64, dtype, what=what + " loss")
@@ -241,6 +243,7 @@ def _match(rank, world, backend):
     for i, case in enumerate(cases.values()):
         _check_grpo(rank, world, backend, log, 10 + i, case)
     _check_grpo(rank, world, backend, log, 40, cases["old_ref_beta"], dtype=torch.bfloat16)
+    _check_grpo(rank, world, backend, log, 41, cases["entropy_coef"], inplace_backward=True)
     for i, name in enumerate(("old_ref_beta", "gspo", "entropy_coef", "packed", "vespo")):
         _check_grpo(rank, world, backend, log, 50 + i, cases[name], linear=True, bias=i % 2 == 0,
                     reduce_hidden_grad=i % 2 == 1)
