@@ -39,6 +39,7 @@ hanging in a collective or returning a wrong answer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -50,7 +51,7 @@ from .autograd import (FusedLinearTokenLogprobs, TokenLogprobs, _as_rows, _chunk
                        _logits_buffer, _operands)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
-from .options import IGNORE_INDEX, LogitTransform
+from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
 
 # Local target codes handed to the row kernels: a row's target in another rank's shard, and an
 # ignored row. Both negative, so no local id (>= 0) collides with them, whatever ignore_index is.
@@ -58,7 +59,7 @@ OTHER_SHARD = -1
 LOCAL_IGNORE = -2
 # Fingerprint slots exchanged by every call (a fixed count: ranks in different calls must still
 # exchange tensors of one size, and then disagree loudly).
-FINGERPRINT_SLOTS = 12
+FINGERPRINT_SLOTS = 24
 
 
 def _dist():
@@ -371,16 +372,16 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 _LOGPROB_FINGERPRINT = ("the logits' leading shape", "targets", "temperature/softcap/logit_scale", "ignore_index",
                         "return_entropy")
-_GRPO_FINGERPRINT = ("the leading shape [B, T]", "completion_ids", "advantages", "completion_mask", "old_logps",
-                     "ref_logps", "is_ratio", "segment_ids", "num_items_in_batch", "the GRPO options")
-
-
-def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completion_mask, inputs, options) -> None:
-    n = inputs.num_items_in_batch
-    values = (tuple(shape), completion_ids, advantages, completion_mask, inputs.old_logps, inputs.ref_logps,
-              inputs.is_ratio, inputs.segment_ids, float(n.item()) if isinstance(n, torch.Tensor) else n, options)
-    for name, value in zip(_GRPO_FINGERPRINT, values):
-        agree.declare(name, value)
+def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completion_mask, inputs: GRPOInputs,
+                  options) -> None:
+    """Fingerprints of a GRPO call: every field of ``GRPOInputs`` (whatever fields it has) and the options."""
+    agree.declare("the leading shape [B, T]", tuple(shape))
+    agree.declare("completion_ids", completion_ids)
+    agree.declare("advantages", advantages)
+    agree.declare("completion_mask", completion_mask)
+    for f in dataclasses.fields(inputs):
+        agree.declare(f.name, getattr(inputs, f.name))
+    agree.declare("the GRPO options", options)
 
 
 def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend, inplace_backward):

@@ -27,6 +27,8 @@ from conftest import assert_close64
 from grpo_cases import OPTION_CASES, build_kwargs
 from spec64 import grpo64, logprobs64
 
+from grpo_kernels.vocab_parallel import FINGERPRINT_SLOTS
+
 SHARDS = {2: (7, 12), 3: (5, 9, 6)}  # uneven vocabulary shards, in rank order
 B, T, H = 3, 5, 8
 JOIN_TIMEOUT_S = 240  # a deadlock fails the test instead of hanging CI
@@ -148,7 +150,7 @@ def _check_logprobs(rank, world, backend, log, seed, dtype=torch.float32, **tran
                                   process_group=torch.distributed.group.WORLD, **transform)
     # O(tokens) values travel: one exchange of the call's fingerprint, then 5 floats per token
     assert log.largest <= max(4 * B * T, 64), f"a collective carried {log.largest} elements"
-    assert log.elements <= 5 * B * T + 2 * world + 24
+    assert log.elements <= 5 * B * T + 2 * world + 2 * FINGERPRINT_SLOTS
     (logp * up_logp.float() + ent * up_ent.float()).sum().backward()
     what = f"token_logprobs {transform} {dtype} rank {rank}/{world}"
     assert_close64(logp, logp64, dtype, what=what + " logp")
@@ -248,6 +250,26 @@ def _match(rank, world, backend):
         _check_grpo(rank, world, backend, log, 50 + i, cases[name], linear=True, bias=i % 2 == 0,
                     reduce_hidden_grad=i % 2 == 1)
     _check_fused_linear_logprobs(rank, world, backend)
+    _check_modules(rank, world, backend)
+
+
+def _check_modules(rank, world, backend):
+    """The modules hold process_group (and reduce_hidden_grad) like any other keyword."""
+    import grpo_kernels as gk
+
+    group = torch.distributed.group.WORLD
+    cols, vocab = _shard(world, rank)
+    logits, ids, mask, old, *_ = _batch(61, vocab)
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(62))
+    shard = logits[..., cols].contiguous()
+    module = gk.GRPOLoss(process_group=group, loss_type="grpo", backend=backend)
+    direct = gk.grpo_loss(shard, ids, adv, mask, process_group=group, loss_type="grpo", backend=backend)
+    assert torch.equal(module(shard, ids, adv, mask).loss, direct.loss)
+    hidden, weight = torch.randn(B, T, H), torch.randn(cols.stop - cols.start, H)
+    module = gk.FusedLinearGRPOLoss(process_group=group, reduce_hidden_grad=True, backend=backend)
+    direct = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=old, process_group=group,
+                                       reduce_hidden_grad=True, backend=backend)
+    assert torch.equal(module(hidden, weight, ids, adv, mask, old_logps=old).loss, direct.loss)
 
 
 def _check_fused_linear_logprobs(rank, world, backend):
