@@ -89,10 +89,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
         gk.grpo_loss(x, ids, adv, mask, process_group=group, **kw).loss.backward()
         return x.grad
 
+    widest = max(sizes)  # gloo gathers equal sizes: uneven shards travel padded to the widest
+
+    def gathered(local: torch.Tensor, dim: int) -> torch.Tensor:
+        pad = [0, 0] * (local.dim() - 1 - dim) + [0, widest - local.shape[dim]]
+        parts = [torch.empty_like(torch.nn.functional.pad(local, pad)) for _ in sizes]
+        dist.all_gather(parts, torch.nn.functional.pad(local, pad))
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
     def gather_logits():
-        parts = [torch.empty(b, t, n) for n in sizes]
-        dist.all_gather(parts, shard)
-        full = torch.cat(parts, -1).requires_grad_()
+        full = gathered(shard, 2).requires_grad_()
         gk.grpo_loss(full, ids, adv, mask, **kw).loss.backward()
         return full.grad[..., cols]
 
@@ -102,9 +108,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
         return w.grad
 
     def gather_weight():
-        parts = [torch.empty(n, args.hidden) for n in sizes]
-        dist.all_gather(parts, weight_shard)
-        h, w = hidden.clone().requires_grad_(), torch.cat(parts).requires_grad_()
+        h, w = hidden.clone().requires_grad_(), gathered(weight_shard, 0).requires_grad_()
         gk.fused_linear_grpo_loss(h, w, ids, adv, mask, **kw).loss.backward()
         return w.grad[cols]
 
