@@ -308,6 +308,7 @@ def fused_linear_token_logprobs(
             temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
             logit_scale=logit_scale, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
             backend=backend)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     if backend == "reference":
         return reference.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -357,6 +358,7 @@ def fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, bias=bias, process_group=process_group,
             reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
             accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     if backend == "reference":
         return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
                                                 **grpo_kwargs)

@@ -60,6 +60,7 @@ LOCAL_IGNORE = -2
 # Fingerprint slots exchanged by every call (a fixed count: ranks in different calls must still
 # exchange tensors of one size, and then disagree loudly).
 FINGERPRINT_SLOTS = 24
+_FINGERPRINT_MASK = (1 << 62) - 1
 
 
 def _dist():
@@ -84,6 +85,7 @@ class VocabShard(NamedTuple):
 
 
 def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without distributed
@@ -121,7 +123,9 @@ def resolve_sharded_head(process_group: Any, weight: torch.Tensor, bias: Optiona
             "sharded over the vocabulary, Shard(0) on a 1-D mesh, is vocabulary-parallel (gather it otherwise)"
         )
     group = _check_group(mesh.get_group(), backend)
-    if process_group is not None and process_group is not group:
+    dist = _dist()
+    if process_group is not None and (dist.get_process_group_ranks(_check_group(process_group, backend))
+                                      != dist.get_process_group_ranks(group)):
         raise ValueError("process_group differs from the group of weight's device mesh; pass one of them")
     if bias is not None:
         if not is_dtensor(bias) or bias.device_mesh != mesh or tuple(bias.placements) != (Shard(0),):
@@ -152,9 +156,11 @@ def _tensor_fingerprint(x: torch.Tensor) -> torch.Tensor:
     equal tensors give equal fingerprints on every rank of one device type."""
     flat = x.detach().reshape(-1)
     weights = torch.arange(flat.numel(), device=flat.device) % 8191 + 1
-    if flat.is_floating_point():
-        return ((flat.double() * weights).sum().reshape(1).view(torch.int64) ^ 1).reshape(())
-    return ((flat.long() * weights).sum() ^ 2).reshape(())
+    if flat.is_floating_point():  # the bits of a float64 sum
+        total = (flat.double() * weights).sum().reshape(1).view(torch.int64).reshape(()) ^ 1
+    else:
+        total = (flat.long() * weights).sum() ^ 2
+    return total & _FINGERPRINT_MASK  # 62 bits: the exchange negates them (no int64 overflow)
 
 
 class _Agreement:
@@ -442,6 +448,15 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask, *, process_gr
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
+def check_reduce_hidden_grad(reduce_hidden_grad: object, group: Any) -> None:
+    """A bool; True only with a group to reduce over (without one it would be silently meaningless)."""
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
+    if reduce_hidden_grad and group is None:
+        raise ValueError("reduce_hidden_grad=True all-reduces d hidden over a process_group; none was given "
+                         "(and weight is not a DTensor)")
+
+
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -469,7 +484,7 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, process_group,
     from . import functional
 
     group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
-    _check_bool("reduce_hidden_grad", reduce_hidden_grad)
+    check_reduce_hidden_grad(reduce_hidden_grad, group)
     if group is None or world_size(group) == 1:
         return functional.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -502,7 +517,7 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
     from . import functional
 
     group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
-    _check_bool("reduce_hidden_grad", reduce_hidden_grad)
+    check_reduce_hidden_grad(reduce_hidden_grad, group)
     if group is None or world_size(group) == 1:
         return functional.fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, bias=bias, chunk_size=chunk_size,

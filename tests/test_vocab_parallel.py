@@ -64,6 +64,21 @@ def test_three_ranks():
     _spawn(3, ("match:torch", "match_small:triton", "dtensor:torch"))
 
 
+def test_without_a_group():
+    """No group: reduce_hidden_grad=True has nothing to reduce over, and a group needs torch.distributed."""
+    import grpo_kernels as gk
+
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)
+    ids, adv = torch.randint(0, 5, (2, 3)), torch.randn(2)
+    with pytest.raises(ValueError, match="reduce_hidden_grad"):
+        gk.fused_linear_grpo_loss(hidden, weight, ids, adv, reduce_hidden_grad=True)
+    with pytest.raises(TypeError, match="reduce_hidden_grad"):
+        gk.fused_linear_token_logprobs(hidden, weight, ids, reduce_hidden_grad="yes")
+    if not torch.distributed.is_initialized():
+        with pytest.raises(ValueError, match="not initialised"):
+            gk.token_logprobs(torch.randn(2, 3, 5), ids, process_group=object())
+
+
 # ---------------------------------------------------------------------------- the ranks' side
 class CommunicationLog:
     """Counts the elements every collective of ``torch.distributed`` carries on this rank."""
