@@ -66,6 +66,16 @@ class RowBackend:
         overrides the options': the bonus weighted like the policy term, per token, in the kernel)."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
+    def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
+        """``log sum_j exp(z_j)`` in nats (float32, the shape of ``row_max``) from ``forward_rows``'
+        ``(row_max, log_sum)``; ``grpo_kernels.vocab_parallel`` merges these across shards."""
+        return row_max + log_sum
+
+    def shift_log_sum(self, log_sum, shift) -> torch.Tensor:
+        """The ``log_sum`` for which ``backward_rows`` (with the same ``row_max``) sees a normaliser
+        ``exp(shift)`` times larger (``shift`` in nats): the whole vocabulary's, from one shard's row."""
+        return log_sum + shift
+
     def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
                               factored: bool = False) -> RowGradient:
         """Gradient in the forward (the fused-linear path), on rows the caller owns.
@@ -170,6 +180,12 @@ class TritonBackend(RowBackend):
             logits=logits, targets=targets, row_max=row_max, log_sum=log_sum, entropy=entropy, grad_logp=grad_logp,
             grad_entropy=grad_entropy, ignore_index=ignore_index, out=out, **self._transform_keywords(transform),
         )
+
+    def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
+        return self._module().log_normalizer(row_max, log_sum, **self._transform_keywords(transform))
+
+    def shift_log_sum(self, log_sum, shift) -> torch.Tensor:
+        return self._module().shift_log_sum(log_sum, shift)
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
         return self._module().grpo_forward_rows(

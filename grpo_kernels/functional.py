@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import torch
 
 from . import _validation as V
-from . import backends, objective, reference
+from . import backends, objective, reference, vocab_parallel
 from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, compute_dtype,
                        default_chunk_size)
 from .kernels.layout import as_rows
@@ -28,6 +28,8 @@ _KERNEL_ONLY_CHECKS: dict = {
     "chunk_size": V.check_chunk_size,
     "inplace_backward": functools.partial(V.check_flag, "inplace_backward"),
     "accumulate_in_weight_dtype": functools.partial(V.check_flag, "accumulate_in_weight_dtype"),
+    "process_group": lambda group: None,  # not None: a vocabulary-parallel call, which never reaches the reference
+    "reduce_hidden_grad": lambda flag: vocab_parallel.check_reduce_hidden_grad(flag, None),
 }
 
 
@@ -39,7 +41,8 @@ def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> 
         @functools.wraps(fn)
         def dispatch(*args: Any, backend: str = "auto", **kwargs: Any):
             V.check_choice("backend", backend, BACKENDS)
-            if backend == "reference":
+            vocab_parallel_call = kwargs.get("process_group") is not None or any(map(vocab_parallel.is_dtensor, args))
+            if backend == "reference" and not vocab_parallel_call:  # (vocab_parallel refuses the reference)
                 for name in kernel_only:  # not used by the spec, but a bad value is still refused
                     if name in kwargs:
                         _KERNEL_ONLY_CHECKS[name](kwargs[name])
@@ -60,7 +63,7 @@ def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, wit
     return logp.view(targets.shape), entropy.view(targets.shape)
 
 
-@_or_reference(reference.token_logprobs)
+@_or_reference(reference.token_logprobs, kernel_only=("process_group",))
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -71,6 +74,7 @@ def token_logprobs(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
 ):
     """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
     ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
@@ -81,8 +85,16 @@ def token_logprobs(
     Positions whose target is ``ignore_index`` give 0 and a zero gradient, and their logits are never
     read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
     raises); the gradient has the logits' dtype.
+
+    ``process_group`` (a ``torch.distributed`` ProcessGroup): vocabulary-parallel, ``logits`` is this
+    rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
+    same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
+    if process_group is not None:
+        return vocab_parallel.token_logprobs(
+            logits, targets, process_group=process_group, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend)
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -98,12 +110,13 @@ def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adv
     V.check_grpo_inputs(leading_shape, completion_ids, advantages, completion_mask, inputs, options, name)
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
-    V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
+    if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
+        V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
     return inputs, options, mask, ids
 
 
 @grpo_keywords
-@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward",))
+@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward", "process_group"))
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -112,6 +125,7 @@ def grpo_loss(
     *,
     backend: str = "auto",
     inplace_backward: bool = False,
+    process_group: Optional[Any] = None,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """The GRPO loss (every objective and reduction of ``docs/api.md``) from logits [B, T, V].
@@ -123,9 +137,13 @@ def grpo_loss(
     log-probs and ``is_ratio`` are constants of the loss (detached), on every backend.
     ``inplace_backward=True`` writes the logits' gradient into the logits buffer (for trainers that
     do not reuse the logits), so the loss needs only O(B*T) extra memory; autograd raises if
-    anything else still needs the logits' values.
+    anything else still needs the logits' values. ``process_group``: vocabulary-parallel logits
+    ``[B, T, V_r]``, as in :func:`token_logprobs`; every output is the whole vocabulary's.
     """
     inplace_backward = V.check_flag("inplace_backward", inplace_backward)
+    if process_group is not None:
+        return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, process_group=process_group,
+                                        backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
     logits = V.check_logits(logits)
     inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
@@ -281,7 +299,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
-@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
+@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -296,6 +314,8 @@ def fused_linear_token_logprobs(
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)`` a chunk of rows at a time.
 
@@ -309,10 +329,20 @@ def fused_linear_token_logprobs(
     of ~2^-9 * sqrt(number of chunks) of the largest entry (benchmarks/results/accumulate_in_weight_dtype.md).
     Under autocast the matmuls run in autocast's dtype, forward and backward alike; gradients come back
     in each input's dtype.
+    ``process_group``: vocabulary-parallel, ``weight [V_r, H]`` (and ``bias [V_r]``) is this rank's
+    shard (a DTensor ``Shard(0)`` on a 1-D mesh implies the group); ``d hidden`` is then this rank's
+    partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        return vocab_parallel.fused_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+            temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
+            logit_scale=logit_scale, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
+            backend=backend)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -323,7 +353,7 @@ def fused_linear_token_logprobs(
 
 
 @grpo_keywords
-@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype"))
+@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -335,6 +365,8 @@ def fused_linear_grpo_loss(
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
+    process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """``grpo_loss(hidden @ weight.T + bias, ...)`` without the [B*T, V] logits; hidden [B, T, H].
@@ -347,10 +379,17 @@ def fused_linear_grpo_loss(
     GSPO (``importance_sampling_level="sequence"``) recomputes each chunk's logits in the backward;
     under ``no_grad`` only the forward runs. ``chunk_size`` rows per chunk (default:
     :func:`grpo_kernels.autograd.default_chunk_size`, from N, H, V and the device);
-    ``accumulate_in_weight_dtype`` as in :func:`fused_linear_token_logprobs`.
+    ``accumulate_in_weight_dtype``, ``process_group`` and ``reduce_hidden_grad`` as in
+    :func:`fused_linear_token_logprobs`.
     """
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        return vocab_parallel.fused_linear_grpo_loss(
+            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, process_group=process_group,
+            reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
+            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     V.check_linear(hidden, weight, bias)
     inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)

@@ -42,7 +42,7 @@ class GRPOLoss(_GRPOLossModule):
     (e.g. ``old_logps``, ``ref_logps``, ``num_items_in_batch``) override it.
     """
 
-    _extra_keywords = ("inplace_backward",)
+    _extra_keywords = ("inplace_backward", "process_group")
     _function_name = "grpo_loss"
 
     def forward(self, logits: torch.Tensor, completion_ids: torch.Tensor, advantages: torch.Tensor,
@@ -53,7 +53,7 @@ class GRPOLoss(_GRPOLossModule):
 class FusedLinearGRPOLoss(_GRPOLossModule):
     """``FusedLinearGRPOLoss(**config)(hidden, weight, completion_ids, advantages, completion_mask=None, bias=None, **per_call)``."""
 
-    _extra_keywords = ("chunk_size", "accumulate_in_weight_dtype")
+    _extra_keywords = ("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad")
     _function_name = "fused_linear_grpo_loss"
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,

@@ -521,15 +521,13 @@ class AdapterWrappedHead(torch.nn.Module):
         return self.base_layer(x)
 
 
-@pytest.mark.parametrize("situation", ["peft_on_lm_head", "zero3", "dtensor"])
+@pytest.mark.parametrize("situation", ["peft_on_lm_head", "zero3"])
 def test_unservable_calls_fall_back(monkeypatch, core_calls, situation):
     """Calls our head cannot serve go to TRL's head: its exact numbers, one warning naming why.
-    (ZeRO-3 and DTensor are simulated at the integration's own checks: neither runs on one CPU process.)"""
+    (ZeRO-3 is simulated at the integration's own check: it does not run on one CPU process.)"""
     gk_trl._warned.clear()
     if situation == "zero3":
         monkeypatch.setattr(gk_trl, "_zero3_enabled", lambda: True)
-    if situation == "dtensor":
-        monkeypatch.setattr(gk_trl, "_is_dtensor", lambda t: True)
 
     def make():
         model = make_model()
@@ -537,12 +535,64 @@ def test_unservable_calls_fall_back(monkeypatch, core_calls, situation):
             model.lm_head = AdapterWrappedHead(model.lm_head)
         return model
 
-    match = {"peft_on_lm_head": "PEFT", "zero3": "ZeRO-3", "dtensor": "DTensor"}[situation]
+    match = {"peft_on_lm_head": "PEFT", "zero3": "ZeRO-3"}[situation]
     with pytest.warns(UserWarning, match=match) as record:
         (out_s, out_o), (_, ours) = trl_vs_ours_on_model(make)
         trl_vs_ours_on_model(make)
     assert count_warnings(record) == 1 and uses_our_head(ours) and core_calls == []
     assert torch.equal(out_o.log_probs, out_s.log_probs) and torch.equal(out_o.entropy, out_s.entropy)
+
+
+def _fsdp2_head_worker(rank: int, world: int, store_path: str) -> None:
+    """One rank of test_fsdp2_dtensor_head_is_served: TRL's head and ours on FSDP2 models whose
+    lm_head is its own FSDP unit, so the head reads ``lm_head.weight`` as a sharded DTensor."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        gk_trl._warned.clear()
+        models = []
+        for install in (trl.trainer.utils.add_fused_lm_head, gk_trl._make_add_fused_lm_head("torch")):
+            model = make_model()
+            install(model, temperature=0.9, outputs=("log_probs", "entropy"))
+            fully_shard(model.lm_head)
+            fully_shard(model)
+            models.append(model)
+        stock, ours = models
+        assert gk_trl._is_dtensor(ours.lm_head.weight) and uses_our_head(ours)
+        ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(rank))  # data parallel
+        labels = ids.clone()
+        labels[:, :4] = -100
+        calls = []
+        original = gk_trl.grpo_kernels.fused_linear_token_logprobs
+        gk_trl.grpo_kernels.fused_linear_token_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out_s, out_o = (m(input_ids=ids, labels=labels, fused_lm_head=True) for m in (stock, ours))
+        assert calls == [1] and count_warnings(record) == 0, "our head did not serve the DTensor head"
+        assert_close64(out_o.log_probs, out_s.log_probs.double(), what="FSDP2 log_probs")
+        assert_close64(out_o.entropy, out_s.entropy.double(), what="FSDP2 entropy")
+        for out in (out_s, out_o):
+            (out.log_probs.sum() + 0.3 * out.entropy.sum()).backward()
+        assert_close64(ours.lm_head.weight.grad.full_tensor(), stock.lm_head.weight.grad.full_tensor().double(),
+                       scale=8.0, what="FSDP2 d lm_head")
+        assert_close64(ours.model.norm.weight.grad.full_tensor(), stock.model.norm.weight.grad.full_tensor().double(),
+                       scale=8.0, what="FSDP2 d norm")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_dtensor_head_is_served(tmp_path):
+    """Under FSDP2 (2 gloo ranks, lm_head its own unit) the head is a DTensor: ours gathers it as
+    TRL's does and serves the call (no fallback, no warning), with TRL's numbers and gradients."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_fsdp2_head_worker, args=(2, str(tmp_path / "store")), nprocs=2, start_method="spawn")
 
 
 def test_output_contract_matches_trl():

@@ -32,9 +32,13 @@ autocast by default, also on CPU), else in the hidden states' dtype, or in fp32 
 states and ``lm_head`` in that same dtype with autocast off, so both heads round the logits the same
 way and differ only by fp32 reduction order.
 
+A DTensor head (FSDP2, or a tensor-parallel ``lm_head``) is gathered once per call with
+``full_tensor()``, as TRL 1.16's head does (its gradient flows back to the shards through it).
+
 Where grpo-kernels cannot serve, TRL's own head runs, after one ``UserWarning`` per reason (never a
 silent difference): MoE router logits (TRL's head adds the load-balancing loss), a PEFT adapter on
-``lm_head``, a DTensor (FSDP2 / tensor-parallel) or DeepSpeed ZeRO-3 partitioned head, a non-float
+``lm_head``, a DeepSpeed ZeRO-3 partitioned head (our backward recomputes the logits from the weight
+saved in the forward, which ZeRO-3 re-partitions when its gather context closes), a non-float
 (quantised) head, extra outputs TRL asks for that we do not compute (``log_sum_sq_probs``,
 ``mean_logits``, ``is_top1``), final-logit soft-capping or ``logit_scale`` when the installed
 grpo-kernels does not offer them with TRL's meaning, and a TRL whose head this module does not know.
@@ -213,8 +217,6 @@ def _unservable_call(model: torch.nn.Module, text_config: Any, kwargs: dict) -> 
     weight = getattr(lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in _CORE_DTYPES:
         return "lm_head.weight is not a 2-D fp32/bf16/fp16 matrix (quantised head?)"
-    if _is_dtensor(weight):
-        return "lm_head.weight is a DTensor (FSDP2 / tensor-parallel sharded head)"
     if _zero3_enabled():
         return "DeepSpeed ZeRO-3 partitions lm_head"
     return None
@@ -264,6 +266,9 @@ def _fused_forward(
         # Looked up on each call: FSDP and PEFT replace modules after TRL patched the model.
         lm_head = self.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
+        if _is_dtensor(weight):  # FSDP2 / tensor parallel: gathered for this call, as TRL's head does
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if _is_dtensor(bias) else bias
         hidden_states = hidden_states.to(weight.device)  # with device_map the backbone may end elsewhere
         labels = labels.to(weight.device)
         mask = labels != IGNORE_INDEX

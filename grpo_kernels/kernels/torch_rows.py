@@ -169,7 +169,9 @@ def backward_rows(
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
 
     ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, times ``dz / dx`` (the
-    temperature, softcap and logit scale: :func:`_chain_rule_`).
+    temperature, softcap and logit scale: :func:`_chain_rule_`). A target outside ``[0, V)`` (other
+    than ``ignore_index``) lies in another rank's vocabulary shard (``grpo_kernels.vocab_parallel``):
+    its row has no one-hot term.
     """
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
@@ -188,13 +190,16 @@ def backward_rows(
             grad = log_p.zero_()
         if grad_logp is not None:
             g = grad_logp[bs, ts].unsqueeze(-1)
-            safe = torch.where(valid, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
+            in_row = valid & (tgt >= 0) & (tgt < v)
+            safe = torch.where(in_row, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
             # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
             # before the one rounding, so a confident prediction keeps its small gradient.
             log_p_target = (_shifted(logits[bs, ts].gather(-1, safe), row_max[bs, ts].unsqueeze(-1), temperature,
                                      softcap, logit_scale) - log_sum[bs, ts].unsqueeze(-1))
             target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
             grad.sub_(p.mul_(g))
+            # a row whose target is in another shard keeps its -g p entry at column 0
+            target_term = torch.where(in_row.unsqueeze(-1), target_term, grad.gather(-1, safe))
             grad.scatter_(-1, safe, target_term)
         _chain_rule_(grad, logits[bs, ts], temperature, softcap, logit_scale)
         grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read

@@ -419,8 +419,11 @@ def token_logprobs_bwd_kernel(
         a = -(g_logp + g_entropy * entropy)
         b = -g_entropy * _LN2
         cap_scale = cap * cap_k  # the logit scale, dy/dx at 0 with soft-capping
+        # A target outside [0, V) lies in another rank's vocabulary shard (grpo_kernels.vocab_parallel):
+        # the row gets the softmax part of its gradient only.
+        in_row = (target >= 0) & (target < V)
         # Read before the loop: with out = logits (in-place backward) the loop overwrites it.
-        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        y_t = _load_row(row_ptr + tl.where(in_row, target, 0), cap_k, cap, SOFTCAP)
         q_t = (y_t - m) * c - log2_s
         for blk in range(blk_lo, blk_full):
             offs = blk * BLOCK_V + tile
@@ -436,7 +439,7 @@ def token_logprobs_bwd_kernel(
             if SOFTCAP:
                 grad = grad * _softcap_slope(x, cap_scale, cap)
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=offs < V)
-        if (target >= blk_lo * BLOCK_V) & (target < blk_hi * BLOCK_V):
+        if in_row & (target >= blk_lo * BLOCK_V) & (target < blk_hi * BLOCK_V):
             # Another thread may have written the target's loop value: order its store first.
             tl.debug_barrier()
             p_t = tl.exp2(q_t)
@@ -514,6 +517,18 @@ def _transform_args(temperature: float, softcap: Optional[float], logit_scale: f
                     cap_k=0.0, cap=1.0, SOFTCAP=False)
     return dict(c=_LOG2E.value / temperature, inv_temperature=1.0 / temperature, cap_k=logit_scale / softcap,
                 cap=float(softcap), SOFTCAP=True)
+
+
+def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: float, softcap: Optional[float],
+                   logit_scale: float) -> torch.Tensor:
+    """``log sum_j exp(z_j)`` in nats from this module's ``row_max`` (raw or capped logits) and
+    ``log_sum`` (bits): ``ln 2 * (row_max * c + log2 s)``."""
+    return (row_max * _transform_args(temperature, softcap, logit_scale)["c"] + log_sum) * _LN2.value
+
+
+def shift_log_sum(log_sum: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``log_sum`` (bits) of a normaliser ``exp(shift)`` times larger (``shift`` in nats)."""
+    return log_sum + shift * _LOG2E.value
 
 
 # The fused GRPO forward's policy terms (OBJECTIVE constexpr); vespo's weight is sequence-level.

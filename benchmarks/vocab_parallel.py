@@ -1,0 +1,186 @@
+"""Vocabulary-parallel GRPO loss against gathering the vocabulary: bytes communicated and time, gloo.
+
+W processes on this machine (gloo over 127.0.0.1), each holding a contiguous shard of the vocabulary.
+Four implementations of one GRPO step (forward + backward), interleaved round by round:
+
+- ``vp_logits``: ``grpo_loss(logits_shard, ..., process_group=group)`` (this library, ``vocab_parallel``);
+- ``gather_logits``: ``all_gather`` the logits shards into ``[B, T, V]``, ``grpo_loss`` on them, keep
+  this rank's slice of the gradient (what a framework does without a vocabulary-parallel loss);
+- ``vp_linear``: ``fused_linear_grpo_loss(hidden, weight_shard, ..., process_group=group)``;
+- ``gather_weight``: ``all_gather`` the ``[V_r, H]`` weight shards, ``fused_linear_grpo_loss`` on the
+  whole head, this rank's slice of ``d W``.
+
+Every collective is counted (elements and bytes each rank puts in, and the seconds spent inside it).
+Reported per implementation: median step time over the rounds, its ratio to the gathering
+counterpart, bytes per token communicated, and the median time inside collectives.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/vocab_parallel.py [--world 2] [--tokens 1024] [--vocab 32000]
+        [--hidden 256] [--rounds 5] [--out benchmarks/results/cpu-DATE-vocab_parallel.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable, Dict
+
+import torch
+import torch.multiprocessing as mp
+
+
+class CollectiveMeter:
+    """Wraps ``all_reduce`` and ``all_gather``: elements, bytes and seconds, per step."""
+
+    def __init__(self, dist) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.calls = 0
+        for name in ("all_reduce", "all_gather"):
+            original = getattr(dist, name)
+
+            def wrapped(first, *args, _original=original, **kwargs):
+                # all_reduce(tensor, ...), all_gather(list, tensor, ...): what this rank puts in
+                tensor = first if isinstance(first, torch.Tensor) else args[0]
+                self.bytes += tensor.numel() * tensor.element_size()
+                self.calls += 1
+                start = time.perf_counter()
+                out = _original(first, *args, **kwargs)
+                self.seconds += time.perf_counter() - start
+                return out
+
+            setattr(dist, name, wrapped)
+
+    def reset(self) -> None:
+        self.bytes, self.seconds, self.calls = 0, 0.0, 0
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    import grpo_kernels as gk
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    meter = CollectiveMeter(dist)
+    sizes = [args.vocab // world + (1 if r < args.vocab % world else 0) for r in range(world)]
+    start = sum(sizes[:rank])
+    cols = slice(start, start + sizes[rank])
+    b, t = 2, args.tokens // 2
+    g = torch.Generator().manual_seed(0)
+    logits_full = torch.randn(b, t, args.vocab, generator=g)
+    ids = torch.randint(0, args.vocab, (b, t), generator=g)
+    adv, mask = torch.randn(b, generator=g), torch.ones(b, t)
+    old = torch.log_softmax(logits_full, -1).gather(-1, ids[..., None])[..., 0] + 0.1 * torch.randn(b, t, generator=g)
+    shard = logits_full[..., cols].contiguous()
+    del logits_full
+    hidden = torch.randn(b, t, args.hidden, generator=g)
+    weight_shard = (torch.randn(args.vocab, args.hidden, generator=g) * 0.05)[cols].contiguous()
+    group = dist.group.WORLD
+    kw = dict(old_logps=old, beta=0.0, loss_type="dapo", backend="torch")
+
+    def vp_logits():
+        x = shard.clone().requires_grad_()
+        gk.grpo_loss(x, ids, adv, mask, process_group=group, **kw).loss.backward()
+        return x.grad
+
+    widest = max(sizes)  # gloo gathers equal sizes: uneven shards travel padded to the widest
+
+    def gathered(local: torch.Tensor, dim: int) -> torch.Tensor:
+        pad = [0, 0] * (local.dim() - 1 - dim) + [0, widest - local.shape[dim]]
+        parts = [torch.empty_like(torch.nn.functional.pad(local, pad)) for _ in sizes]
+        dist.all_gather(parts, torch.nn.functional.pad(local, pad))
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+
+    def gather_logits():
+        full = gathered(shard, 2).requires_grad_()
+        gk.grpo_loss(full, ids, adv, mask, **kw).loss.backward()
+        return full.grad[..., cols]
+
+    def vp_linear():
+        h, w = hidden.clone().requires_grad_(), weight_shard.clone().requires_grad_()
+        gk.fused_linear_grpo_loss(h, w, ids, adv, mask, process_group=group, **kw).loss.backward()
+        return w.grad
+
+    def gather_weight():
+        h, w = hidden.clone().requires_grad_(), gathered(weight_shard, 0).requires_grad_()
+        gk.fused_linear_grpo_loss(h, w, ids, adv, mask, **kw).loss.backward()
+        return w.grad[cols]
+
+    impls: Dict[str, Callable] = {"vp_logits": vp_logits, "gather_logits": gather_logits, "vp_linear": vp_linear,
+                                  "gather_weight": gather_weight}
+    # the two ways agree (the tests check both against float64; this guards the benchmark itself)
+    assert torch.allclose(vp_logits(), gather_logits(), rtol=1e-4, atol=1e-7)
+    assert torch.allclose(vp_linear(), gather_weight(), rtol=1e-4, atol=1e-6)
+    record = {name: {"seconds": [], "comm_seconds": [], "bytes": 0, "collectives": 0} for name in impls}
+    for _ in range(args.rounds):
+        for name, fn in impls.items():
+            dist.barrier()
+            meter.reset()
+            t0 = time.perf_counter()
+            fn()
+            record[name]["seconds"].append(time.perf_counter() - t0)
+            record[name]["comm_seconds"].append(meter.seconds)
+            record[name]["bytes"], record[name]["collectives"] = meter.bytes, meter.calls
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"sizes": sizes, "record": record}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw.json")
+        mp.start_processes(_worker, args=(args.world, args, os.path.join(tmp, "store"), raw), nprocs=args.world,
+                           start_method="spawn")
+        with open(raw) as f:
+            data = json.load(f)
+    n = args.tokens
+    rows = []
+    med = {name: statistics.median(r["seconds"]) for name, r in data["record"].items()}
+    baseline = {"vp_logits": "gather_logits", "gather_logits": "gather_logits", "vp_linear": "gather_weight",
+                "gather_weight": "gather_weight"}
+    for name, r in data["record"].items():
+        rows.append(f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med[baseline[name]]:.2f} | "
+                    f"{statistics.median(r['comm_seconds']) * 1e3:.2f} | {r['collectives']} | {r['bytes']:,} | "
+                    f"{r['bytes'] / n:,.1f} |")
+    date = datetime.date.today().strftime("%Y%m%d")
+    text = "\n".join([
+        f"# Vocabulary-parallel GRPO step vs gathering the vocabulary (CPU, gloo, {date})",
+        "",
+        f"{args.world} processes on one machine ({os.cpu_count()} cores, shared), gloo over 127.0.0.1; "
+        f"N = {n} tokens (B = 2), V = {args.vocab} in shards {data['sizes']}, H = {args.hidden}, fp32, "
+        f"dapo with old log-probs, torch backend; forward + backward, {args.rounds} interleaved rounds, medians, rank 0.",
+        "`bytes` is what rank 0 puts into collectives in one step (the all-reduces' inputs, or its all-gather shard).",
+        "",
+        "| implementation | step ms | vs gathering | ms in collectives | collectives | bytes | bytes / token |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Re-run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/vocab_parallel.py --world {args.world} "
+        f"--tokens {n} --vocab {args.vocab} --hidden {args.hidden} --rounds {args.rounds}`",
+        "",
+    ])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"args": vars(args), **data}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

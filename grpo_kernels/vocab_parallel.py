@@ -1,0 +1,536 @@
+"""Vocabulary-parallel log-probs and GRPO loss: each rank holds a contiguous shard of the vocabulary.
+
+Megatron-style tensor parallelism shards the lm_head over the vocabulary (a column-parallel output
+layer): with ``W`` ranks, rank ``r`` holds the logits ``[..., V_r]`` (or ``weight [V_r, H]``) of the
+ids ``[start_r, start_r + V_r)``, the shards in rank order, ``V = sum V_r``. The public functions take
+``process_group=`` and dispatch here; everything but the row statistics is the single-device code.
+
+The algebra is the split-vocabulary merge of the row kernels (``kernels/triton_rows.py``, few rows),
+across ranks instead of across programs. Each rank computes, per token and over its own shard only,
+``lse_r = log sum_j exp(z_j)``, the shard's entropy ``H_r`` and, on the rank that owns the target,
+``logp_r = z_t - lse_r``. With ``M = max_r lse_r``, ``x_r = lse_r - M <= 0``, ``a_r = exp(x_r)`` and
+``S = sum_r a_r`` (so ``lse = M + log S`` and shard ``r`` holds the probability mass ``a_r / S``)::
+
+    logp = (logp_r + x_r)[owner] - log S
+    H    = sum_r (a_r / S) (H_r + lse - lse_r) = (sum_r a_r H_r + sum_r a_r (-x_r)) / S + log S
+
+so a call communicates one all-reduce MAX of ``[N]`` and one all-reduce SUM of ``[4, N]`` float32
+(``[2, N]`` without entropy): 20 bytes per token, never the logits; the owner's term reaches the
+others through the SUM (the other ranks add 0, exactly). Every rank then holds bitwise the same
+``logp`` and ``H``, so the loss maths after them (``objective``, autograd through it) is the
+single-device code and gives every rank the same loss, metrics and ``d loss / d logp``,
+``d loss / d H`` per token.
+
+Backward: no communication. The softmax of the whole vocabulary restricted to a shard is the shard's
+softmax with the normaliser ``exp(lse - lse_r)`` times larger (``RowBackend.shift_log_sum``), so the
+row kernels' own backward, given the global entropy, writes this shard's slice of the unsharded
+gradient; a row whose target lies in another shard is passed the local target ``-1`` (no one-hot
+term: ``backward_rows``' contract). For hidden states, ``d hidden = d logits_r @ W_r`` is this rank's
+partial sum, as a column-parallel layer's input gradient is before the tensor-parallel all-reduce;
+``reduce_hidden_grad=True`` all-reduces it here.
+
+Agreement: before any statistics, one all-reduce MAX of ``2 W + 2 K`` int64 (``K`` =
+:data:`FINGERPRINT_SLOTS`) gathers every rank's shard size and a fingerprint of the call (shapes,
+options, and cheap sums of the targets, advantages, masks and per-token inputs): arguments that
+differ across ranks, or that one rank refused, raise the same ValueError on every rank instead of
+hanging in a collective or returning a wrong answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _validation as V
+from . import backends, objective
+from .autograd import (FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _as_rows, _chunk_logits, _first_order,
+                       _logits_buffer, _operands)
+from .kernels.layout import as_rows
+from .objective import GRPOLossOutput
+from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
+
+# Local target codes handed to the row kernels: a row's target in another rank's shard, and an
+# ignored row. Both negative, so no local id (>= 0) collides with them, whatever ignore_index is.
+OTHER_SHARD = -1
+LOCAL_IGNORE = -2
+# Fingerprint slots exchanged by every call (a fixed count: ranks in different calls must still
+# exchange tensors of one size, and then disagree loudly).
+FINGERPRINT_SLOTS = 24
+_FINGERPRINT_MASK = (1 << 62) - 1
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+# --------------------------------------------------------------------------------------------------
+# the group, the shard, and the agreement of the ranks
+# --------------------------------------------------------------------------------------------------
+class VocabShard(NamedTuple):
+    """This rank's place in the vocabulary: ids ``[start, start + size)`` of ``vocab_size``."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    world_size: int
+    start: int
+    size: int
+    vocab_size: int
+    sizes: Tuple[int, ...]  # every rank's shard size, in rank order
+
+
+def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+def _check_group(process_group: Any, backend: str = "auto") -> Any:
+    if backend == "reference":
+        raise ValueError("backend='reference' computes on the whole vocabulary; it takes no process_group")
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group was given but torch.distributed is not initialised (init_process_group)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}")
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("process_group does not contain this rank")
+    return process_group
+
+
+def resolve_sharded_head(process_group: Any, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: str = "auto"):
+    """(group or None, local weight, local bias): a DTensor weight sharded on dim 0 over a 1-D mesh
+    implies the group (its mesh's) and is replaced by its local shard (differentiable: the gradient
+    flows back to the DTensor); a plain weight keeps ``process_group``."""
+    if not is_dtensor(weight):
+        if is_dtensor(bias):
+            raise TypeError("bias is a DTensor but weight is not: shard both over the vocabulary, or neither")
+        return (None if process_group is None else _check_group(process_group, backend)), weight, bias
+    from torch.distributed.tensor import Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"weight is a DTensor with placements {tuple(weight.placements)} on a {mesh.ndim}-D mesh; only a weight "
+            "sharded over the vocabulary, Shard(0) on a 1-D mesh, is vocabulary-parallel (gather it otherwise)"
+        )
+    group = _check_group(mesh.get_group(), backend)
+    dist = _dist()
+    if process_group is not None and (dist.get_process_group_ranks(_check_group(process_group, backend))
+                                      != dist.get_process_group_ranks(group)):
+        raise ValueError("process_group differs from the group of weight's device mesh; pass one of them")
+    if bias is not None:
+        if not is_dtensor(bias) or bias.device_mesh != mesh or tuple(bias.placements) != (Shard(0),):
+            raise ValueError("bias must be a DTensor sharded Shard(0) on weight's device mesh when weight is one")
+        bias = bias.to_local()
+    return group, weight.to_local(), bias
+
+
+def world_size(group: Any) -> int:
+    return _dist().get_world_size(group)
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where this group's collectives take tensors: CUDA for NCCL, else the CPU (gloo)."""
+    if _dist().get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _hash(value: Any) -> int:
+    """A stable 62-bit hash of a value's repr (the same on every rank, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+@torch.no_grad()
+def _tensor_fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """A cheap position-sensitive sum of a tensor, an int64 scalar on its device (no synchronisation):
+    equal tensors give equal fingerprints on every rank of one device type."""
+    flat = x.detach().reshape(-1)
+    weights = torch.arange(flat.numel(), device=flat.device) % 8191 + 1
+    if flat.is_floating_point():  # the bits of a float64 sum
+        total = (flat.double() * weights).sum().reshape(1).view(torch.int64).reshape(()) ^ 1
+    else:
+        total = (flat.long() * weights).sum() ^ 2
+    return total & _FINGERPRINT_MASK  # 62 bits: the exchange negates them (no int64 overflow)
+
+
+class _Agreement:
+    """What a rank declares before the collectives: its shard size and named fingerprints."""
+
+    def __init__(self) -> None:
+        self.local_size = 0
+        self.names: List[str] = []
+        self.values: List[Any] = []  # ints, or int64 scalars on the data's device
+        self.shard: Optional[VocabShard] = None  # set when the ranks agreed
+
+    def declare(self, name: str, value: Any) -> None:
+        """A scalar (hashed) or a tensor (summed) that must be equal on every rank."""
+        self.names.append(name)
+        self.values.append(_tensor_fingerprint(value) if isinstance(value, torch.Tensor) else _hash(value))
+
+    def fingerprints(self, slots: int) -> torch.Tensor:
+        """The declared values as int64 [slots] on the CPU, padded with 0 (one device transfer)."""
+        device = next((v.device for v in self.values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        out = torch.zeros(slots, dtype=torch.int64, device=device)
+        for i, value in enumerate(self.values):
+            out[i] = value
+        return out.cpu()
+
+
+@contextlib.contextmanager
+def agreement(group: Any) -> Iterator[_Agreement]:
+    """Run a call's local checks inside ``with agreement(group) as agree:`` and declare its
+    shard size (``agree.local_size``) and fingerprints there; on leaving, the ranks exchange them
+    in one all-reduce, so a check that failed on one rank, or arguments that differ, raise on
+    every rank (a local ValueError/TypeError is re-raised where it happened). ``agree.shard`` is
+    then this rank's :class:`VocabShard`."""
+    dist = _dist()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    agree = _Agreement()
+    failure: Optional[BaseException] = None
+    try:
+        yield agree
+    except (TypeError, ValueError) as error:
+        failure = error
+    k = FINGERPRINT_SLOTS
+    if failure is None and len(agree.values) > k:
+        raise AssertionError(f"{len(agree.values)} fingerprints, FINGERPRINT_SLOTS is {k}")
+    local = torch.zeros(2 * world + 2 * k, dtype=torch.int64)
+    local[rank] = agree.local_size if failure is None else 0
+    local[world + rank] = 1 if failure is not None else 0
+    if failure is None:
+        local[2 * world: 2 * world + k] = agree.fingerprints(k)
+    local[2 * world + k:] = -local[2 * world: 2 * world + k]
+    exchanged = local.to(_collective_device(group))
+    dist.all_reduce(exchanged, op=dist.ReduceOp.MAX, group=group)
+    exchanged = exchanged.cpu().tolist()
+    failed = [r for r in range(world) if exchanged[world + r]]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ValueError(f"the arguments of this vocabulary-parallel call were refused on rank(s) {failed} of the "
+                         "process_group (see the error there); they must be valid, and the same, on every rank")
+    high, low = exchanged[2 * world: 2 * world + k], exchanged[2 * world + k:]
+    differ = [name for i, name in enumerate(agree.names) if high[i] != -low[i]]
+    if differ:
+        raise ValueError(
+            f"vocabulary-parallel arguments differ across the ranks of process_group: {', '.join(differ)}; every "
+            "rank passes the same targets, advantages, masks, per-token inputs and options (only its shard differs)"
+        )
+    sizes = tuple(exchanged[:world])
+    if min(sizes) < 1:
+        raise ValueError(f"every rank's vocabulary shard must be non-empty, got sizes {list(sizes)}")
+    agree.shard = VocabShard(group, rank, world, sum(sizes[:rank]), sizes[rank], sum(sizes), sizes)
+
+
+def check_targets_in_vocabulary(ids: torch.Tensor, shard: VocabShard, ignore_index: int, name: str) -> None:
+    """Targets are global ids: each in exactly one rank's shard (the same check on every rank)."""
+    if ids.numel() == 0:
+        return
+    bad = (ids != ignore_index) & ((ids < 0) | (ids >= shard.vocab_size))
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} holds id {ids[bad][0].item()} outside every vocabulary shard: the {shard.world_size} ranks' "
+            f"shards of sizes {list(shard.sizes)} cover [0, {shard.vocab_size}); use ignore_index={ignore_index} "
+            "for positions without a target"
+        )
+
+
+def local_targets(ids: torch.Tensor, shard: VocabShard, ignore_index: int) -> torch.Tensor:
+    """Global ids -> this shard's codes: ``id - start`` where the shard owns it, :data:`OTHER_SHARD`
+    where another does, :data:`LOCAL_IGNORE` where the id is ``ignore_index``."""
+    local = ids.long() - shard.start
+    local = torch.where((local >= 0) & (local < shard.size), local, torch.full_like(local, OTHER_SHARD))
+    return torch.where(ids == ignore_index, torch.full_like(local, LOCAL_IGNORE), local)
+
+
+# --------------------------------------------------------------------------------------------------
+# the merge of the shards' statistics (the module docstring's formulas)
+# --------------------------------------------------------------------------------------------------
+def merge_shard_statistics(group: Any, lse: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
+                           owned: torch.Tensor, valid: torch.Tensor, with_entropy: bool):
+    """Per-token statistics of one shard -> (logp, entropy, shift) of the whole vocabulary.
+
+    ``lse``, ``logp`` (meaningful where ``owned``), ``entropy`` float32 [n]; ``owned`` / ``valid``
+    bool [n]. Returns float32 [n] tensors, bitwise equal on every rank, 0 where not ``valid``;
+    ``shift = lse_global - lse_shard`` (for ``RowBackend.shift_log_sum``). Two all-reduces.
+    """
+    dist = _dist()
+    device = lse.device
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    x = lse - top  # <= 0; exactly 0 on the rank with the largest normaliser
+    mass = torch.exp(x)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    # a shard whose logits are all -inf holds no mass: its terms are 0, not 0 * inf
+    has_mass = mass > 0
+    terms = [mass, torch.where(owned, logp + x, zero)]
+    if with_entropy:
+        terms += [torch.where(has_mass, mass * entropy, zero), torch.where(has_mass, mass * -x, zero)]
+    sums = torch.stack(terms)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    log_total = torch.log(sums[0])
+    logp = torch.where(valid, sums[1] - log_total, zero)
+    if with_entropy:
+        entropy = torch.where(valid, (sums[2] + sums[3]) / sums[0] + log_total, zero)
+    else:
+        entropy = torch.zeros_like(logp)
+    shift = torch.where(valid, log_total - x, zero)
+    return logp, entropy, shift
+
+
+def _shard_row_stats(backend, logits_rows: torch.Tensor, codes: torch.Tensor, transform: LogitTransform,
+                     with_entropy: bool):
+    """The row kernel's forward over one shard: every row not ignored gets its statistics (a row
+    whose target is elsewhere is read at local column 0, its log-prob unused)."""
+    readable = torch.where(codes == OTHER_SHARD, torch.zeros_like(codes), codes)
+    return backend.forward_rows(logits_rows, readable, transform, LOCAL_IGNORE, with_entropy)
+
+
+def _merged(group, backend, codes, transform, with_entropy, logp, entropy, row_max, log_sum):
+    """The whole vocabulary's (logp, entropy) and the backward's shifted ``log_sum``."""
+    lse = backend.log_normalizer(row_max, log_sum, transform)
+    owned = codes >= 0
+    logp, entropy, shift = merge_shard_statistics(
+        group, lse.reshape(-1), logp.reshape(-1), entropy.reshape(-1), owned.reshape(-1),
+        (codes != LOCAL_IGNORE).reshape(-1), with_entropy)
+    shape = codes.shape
+    return logp.view(shape), entropy.view(shape), backend.shift_log_sum(log_sum, shift.view(shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------------
+class VocabParallelTokenLogprobsFunction(torch.autograd.Function):
+    """(logits shard [B, T, V_r], codes [B, T] (:func:`local_targets`)) -> (logp, entropy) float32
+    [B, T] of the whole vocabulary, equal on every rank. The backward is :class:`TokenLogprobsFunction`'
+    (the backend's ``backward_rows``) with the whole vocabulary's normaliser and entropy: this
+    shard's slice of the unsharded gradient, no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, codes, backend, transform: LogitTransform, with_entropy: bool, inplace_backward: bool,
+                group):
+        stats = _shard_row_stats(backend, logits, codes, transform, with_entropy)
+        logp, entropy, log_sum = _merged(group, backend, codes, transform, with_entropy, *stats)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, codes, stats[2], log_sum, entropy)
+        ctx.config = (backend, transform, LOCAL_IGNORE, inplace_backward)
+        return logp, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy):
+        grad_logits = TokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[0]
+        return grad_logits, None, None, None, None, None, None
+
+
+class VocabParallelFusedLinearFunction(torch.autograd.Function):
+    """(hidden [n, H], weight shard [V_r, H], bias shard [V_r] | None, codes [n]) -> (logp, entropy)
+    float32 [n] of the whole vocabulary. Forward: each chunk's shard logits, the row kernel's
+    statistics, then one merge for all n rows. Backward: :class:`FusedLinearTokenLogprobsFunction`' (the
+    chunk's logits recomputed, their gradient, ``d hidden`` and ``d W``, ``d b``), with the whole
+    vocabulary's normaliser and entropy; ``d hidden`` is this rank's partial sum, all-reduced over
+    the group when ``reduce_hidden_grad``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, codes, backend, transform: LogitTransform, with_entropy: bool,
+                chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool, group,
+                reduce_hidden_grad: bool):
+        n = hidden.shape[0]
+        stats = [torch.zeros(n, dtype=torch.float32, device=hidden.device) for _ in range(4)]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            buffer = _logits_buffer(n, chunk_size, w)
+            for start in range(0, n, chunk_size):
+                rows = slice(start, min(n, start + chunk_size))
+                logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
+                chunk = _shard_row_stats(backend, _as_rows(logits), _as_rows(codes[rows]), transform, with_entropy)
+                for out, value in zip(stats, chunk):
+                    out[rows] = value[0]
+        logp, entropy, log_sum = _merged(group, backend, codes, transform, with_entropy, *stats)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, codes, stats[2], log_sum, entropy)
+        ctx.config = (backend, transform, LOCAL_IGNORE, chunk_size, dtype, accumulate_in_weight_dtype)
+        ctx.reduce = group if reduce_hidden_grad else None
+        return logp, entropy
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy):
+        grad_hidden, grad_weight, grad_bias = FusedLinearTokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[:3]
+        if ctx.reduce is not None and grad_hidden is not None:
+            dist = _dist()
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.reduce)
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 9
+
+
+# --------------------------------------------------------------------------------------------------
+# the public functions' vocabulary-parallel paths (functional.py dispatches here)
+# --------------------------------------------------------------------------------------------------
+_LOGPROB_FINGERPRINT = ("the logits' leading shape", "targets", "temperature/softcap/logit_scale", "ignore_index",
+                        "return_entropy")
+def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completion_mask, inputs: GRPOInputs,
+                  options) -> None:
+    """Fingerprints of a GRPO call: every field of ``GRPOInputs`` (whatever fields it has) and the options."""
+    agree.declare("the leading shape [B, T]", tuple(shape))
+    agree.declare("completion_ids", completion_ids)
+    agree.declare("advantages", advantages)
+    agree.declare("completion_mask", completion_mask)
+    for f in dataclasses.fields(inputs):
+        agree.declare(f.name, getattr(inputs, f.name))
+    agree.declare("the GRPO options", options)
+
+
+def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend, inplace_backward):
+    rows = as_rows(logits)
+    codes = local_targets(ids.reshape(rows.shape[:2]), shard, ignore_index)
+    logp, entropy = VocabParallelTokenLogprobsFunction.apply(rows, codes, backend, transform, with_entropy,
+                                                             inplace_backward, shard.group)
+    return logp.view(ids.shape), entropy.view(ids.shape)
+
+
+def token_logprobs(logits, targets, *, process_group, temperature, ignore_index, return_entropy, softcap, logit_scale,
+                   backend):
+    """``functional.token_logprobs`` over a vocabulary shard (see the module docstring)."""
+    from . import functional
+
+    group = _check_group(process_group, backend)
+    if world_size(group) == 1:
+        return functional.token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index,
+                                         return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
+                                         backend=backend)
+    with agreement(group) as agree:
+        logits = V.check_logits(logits)
+        targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
+        transform = LogitTransform(temperature, softcap, logit_scale)
+        if not isinstance(return_entropy, bool):
+            raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
+        row_backend = backends.resolve(backend, logits.device)
+        agree.local_size = logits.shape[-1]
+        for name, value in zip(_LOGPROB_FINGERPRINT, (tuple(logits.shape[:-1]), targets, transform, ignore_index,
+                                                      return_entropy)):
+            agree.declare(name, value)
+    check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
+    logp, entropy = _logits_rows(logits, targets, agree.shard, transform, ignore_index, return_entropy, row_backend,
+                                 False)
+    return (logp, entropy) if return_entropy else logp
+
+
+def grpo_loss(logits, completion_ids, advantages, completion_mask, *, process_group, backend, inplace_backward,
+              grpo_kwargs) -> GRPOLossOutput:
+    """``functional.grpo_loss`` over a vocabulary shard: the shards' merged log-probs and entropies,
+    then the single-device objective (``objective.grpo_loss_from_logprobs``)."""
+    from . import functional
+
+    group = _check_group(process_group, backend)
+    if world_size(group) == 1:
+        return functional.grpo_loss(logits, completion_ids, advantages, completion_mask, backend=backend,
+                                    inplace_backward=inplace_backward, **grpo_kwargs)
+    with agreement(group) as agree:
+        logits = V.check_logits(logits)
+        inputs, options, mask, ids = functional._prepare_grpo("logits", logits.shape, None, completion_ids,
+                                                              advantages, completion_mask, grpo_kwargs)
+        row_backend = backends.resolve(backend, logits.device)
+        agree.local_size = logits.shape[-1]
+        _declare_grpo(agree, logits.shape[:-1], ids, advantages, completion_mask, inputs, options)
+    check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
+    logp, entropy = _logits_rows(logits, ids, agree.shard, options.transform, IGNORE_INDEX, True, row_backend,
+                                 inplace_backward)
+    return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
+
+
+def check_reduce_hidden_grad(reduce_hidden_grad: object, group: Any) -> None:
+    """A bool; True only with a group to reduce over (without one it would be silently meaningless)."""
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
+    if reduce_hidden_grad and group is None:
+        raise ValueError("reduce_hidden_grad=True all-reduces d hidden over a process_group; none was given "
+                         "(and weight is not a DTensor)")
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
+                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad):
+    from . import functional
+
+    row_backend = backends.resolve(backend, hidden.device)
+    rows = functional._linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype)
+    codes = local_targets(rows.targets, shard, ignore_index)
+    logp, entropy = VocabParallelFusedLinearFunction.apply(
+        rows.hidden, weight, bias, codes, row_backend, transform, with_entropy, rows.chunk_size, rows.dtype,
+        accumulate_in_weight_dtype, shard.group, reduce_hidden_grad,
+    )
+    return functional._scatter_rows(rows, logp, ids.shape), functional._scatter_rows(rows, entropy, ids.shape)
+
+
+def fused_linear_token_logprobs(hidden, weight, targets, *, bias, process_group, reduce_hidden_grad, temperature,
+                                ignore_index, return_entropy, softcap, logit_scale, chunk_size,
+                                accumulate_in_weight_dtype, backend):
+    """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard."""
+    from . import functional
+
+    group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
+    check_reduce_hidden_grad(reduce_hidden_grad, group)
+    if group is None or world_size(group) == 1:
+        return functional.fused_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
+            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend)
+    fingerprint = ("the hidden states' shape",) + _LOGPROB_FINGERPRINT[1:] + ("reduce_hidden_grad",)
+    with agreement(group) as agree:
+        V.check_linear(hidden, weight, bias)
+        targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
+        transform = LogitTransform(temperature, softcap, logit_scale)
+        _check_bool("return_entropy", return_entropy)
+        agree.local_size = weight.shape[0]
+        for name, value in zip(fingerprint, (tuple(hidden.shape), targets, transform, ignore_index, return_entropy,
+                                             reduce_hidden_grad)):
+            agree.declare(name, value)
+    check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
+    logp, entropy = _linear_shard_rows(hidden, weight, bias, targets, agree.shard, transform, ignore_index,
+                                       return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
+                                       reduce_hidden_grad)
+    return (logp, entropy) if return_entropy else logp
+
+
+def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, bias, process_group,
+                           reduce_hidden_grad, chunk_size, accumulate_in_weight_dtype, backend,
+                           grpo_kwargs) -> GRPOLossOutput:
+    """``functional.fused_linear_grpo_loss`` with this rank's ``weight [V_r, H]`` shard: the merged
+    log-probs and entropies, then the single-device objective. Every objective takes the backward
+    that recomputes each chunk's logits (4 matmuls a chunk): the per-token coefficients need the
+    whole vocabulary's statistics, known only after the forward's merge."""
+    from . import functional
+
+    group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
+    check_reduce_hidden_grad(reduce_hidden_grad, group)
+    if group is None or world_size(group) == 1:
+        return functional.fused_linear_grpo_loss(
+            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, chunk_size=chunk_size,
+            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, **grpo_kwargs)
+    with agreement(group) as agree:
+        V.check_linear(hidden, weight, bias)
+        inputs, options, mask, ids = functional._prepare_grpo("hidden", hidden.shape, None, completion_ids,
+                                                              advantages, completion_mask, grpo_kwargs)
+        agree.local_size = weight.shape[0]
+        _declare_grpo(agree, hidden.shape[:-1], ids, advantages, completion_mask, inputs, options)
+        agree.declare("the hidden size", hidden.shape[-1])
+        agree.declare("reduce_hidden_grad", reduce_hidden_grad)
+    check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
+    logp, entropy = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, options.transform, IGNORE_INDEX, True,
+                                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad)
+    return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
