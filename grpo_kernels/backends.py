@@ -114,6 +114,10 @@ class TorchBackend(RowBackend):
         return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
                                         t.temperature, ignore_index, out, softcap=t.softcap, logit_scale=t.logit_scale)
 
+    def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
+        t = LogitTransform.of(transform)
+        return torch_rows.log_normalizer(row_max, log_sum, t.temperature, t.softcap, t.logit_scale)
+
     def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
                               factored: bool = False) -> RowGradient:
         t = LogitTransform.of(transform)

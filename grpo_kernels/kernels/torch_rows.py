@@ -86,6 +86,13 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float, softcap
     return y.mul_(k) if k != 1.0 else y
 
 
+def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: float, softcap: Optional[float],
+                   logit_scale: float) -> torch.Tensor:
+    """``log sum_j exp(z_j)`` in nats from :func:`forward_rows`' ``row_max`` (of :func:`_capped`, before
+    the slope) and ``log_sum``: ``row_max * k + log_sum``."""
+    return row_max * _slope(temperature, softcap, logit_scale) + log_sum
+
+
 def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> None:
     """``grad`` (d loss / d z, fp32) times ``dz / dx = logit_scale * (1 - tanh^2(logit_scale x / softcap)) / temperature``."""
     if softcap is not None:
