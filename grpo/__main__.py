@@ -63,6 +63,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind, nargs = _flag_type(hints[field.name])
         meta = field.metadata
+        nargs = "+" if meta.get("words") else nargs
         bounds = f"{meta['bounds'].describe(integer=kind is int)}; " if meta.get("bounds") is not None else ""
         text = meta.get("help", "").replace("%", "%%") + f" ({bounds}default: %(default)s)"
         if kind is bool:
@@ -75,8 +76,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
 
 def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
     """The config the flags describe; a value the config refuses is reported as a usage error."""
+    words = lambda f, v: ",".join(v) if f.metadata.get("words") and isinstance(v, list) else v  # noqa: E731
     try:
-        return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+        return config_cls(**{f.name: words(f, getattr(args, f.name)) for f in dataclasses.fields(config_cls)})
     except (TypeError, ValueError) as e:
         parser.error(str(e))
 
@@ -86,6 +88,8 @@ def train_command(argv: list[str]) -> None:
     from . import distributed
     from .data import load_jsonl
     from .config import GRPOConfig
+    from .lora import check_flags
+    from .precision import torch_dtype
     from .trainer import load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
@@ -101,7 +105,13 @@ def train_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
     reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
-    model, tokenizer = load_model(args.model)
+    try:  # the LoRA flags against the model's config, before its weights are loaded
+        from transformers import AutoConfig
+
+        check_flags(cfg, AutoConfig.from_pretrained(args.model) if cfg.use_peft else None)
+    except ValueError as e:
+        parser.error(str(e))
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
     rows = load_jsonl(args.data, args.prompt_key)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:
@@ -114,12 +124,13 @@ def train_command(argv: list[str]) -> None:
     distributed.teardown()
     if not main_process:
         return
-    model.save_pretrained(f"{cfg.output_dir}/model")
-    tokenizer.save_pretrained(f"{cfg.output_dir}/model")
+    if not cfg.use_peft:  # (a LoRA run wrote its adapter, output_dir/adapter, and the base is unchanged)
+        model.save_pretrained(f"{cfg.output_dir}/model")
+        tokenizer.save_pretrained(f"{cfg.output_dir}/model")
     if records:
         last = {k: v for k, v in records[-1].items() if isinstance(v, (int, float))}
         print(json.dumps(last, indent=1))
-    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, model/")
+    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, {'adapter/' if cfg.use_peft else 'model/'}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
