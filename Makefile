@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl,peft]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,6 +1,8 @@
 """Command line: ``python -m grpo demo`` and ``python -m grpo train``.
 
     python -m grpo demo                                # the CPU demo (about a minute)
+    python -m grpo plan --model Qwen2.5-1.5B --tokens 32768 --use-peft --model-dtype bfloat16 \
+        --gradient-checkpointing --gpu-memory 24GiB    # the predicted peak memory of a step (grpo.plan)
     python -m grpo train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl \\
         --rewards accuracy format --reward-weights 1.0 0.2 --num-steps 200 --learning-rate 1e-6
 
@@ -135,7 +137,8 @@ def train_command(argv: list[str]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest)}
+    commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest),
+                "plan": lambda rest: importlib.import_module("grpo.plan").main(rest)}
     if not argv or argv[0] not in commands:
         print(__doc__)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)

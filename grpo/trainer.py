@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 
-from . import checkpoint, distributed, lora, packing, precision
+from . import checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_rows, columns_of, prompts_for_step, shard_for_rank
@@ -689,6 +689,8 @@ def train(
     if cfg.resume and os.path.exists(checkpoint_path):
         start_step = checkpoint.load(checkpoint_path, policy, ref_weights, optimizer)
     log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
+    if main_process:  # the predicted peak of a step, term by term (grpo.plan)
+        plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()), device.type)
 
     bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
                disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
