@@ -622,6 +622,24 @@ def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> d
     return dict(named)
 
 
+def setup_training(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device):
+    """(model, policy, ref_policy, optimizer): the weights cast to ``cfg.model_dtype``, LoRA adapters
+    added with ``use_peft`` (``model`` is then the peft model), the policy to train, the reference
+    (None with ``beta = 0``; the policy with its adapters off under LoRA; else a frozen copy) and AdamW."""
+    precision.check_device_supports(cfg.model_dtype, device)
+    model = precision.cast_model(model, cfg.model_dtype)
+    if cfg.use_peft:  # (the adapters start from the seeded RNG: every rank draws the same)
+        model = lora.add_adapters(model, cfg)
+    policy = prepare_model(model, cfg, device)
+    if cfg.beta <= 0:
+        ref_policy = None
+    elif cfg.use_peft:
+        ref_policy = ReferenceWithoutAdapters(policy)
+    else:
+        ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True)
+    return model, policy, ref_policy, make_optimizer(policy, cfg)
+
+
 def set_seed(seed: int) -> None:
     import numpy as np
 
@@ -669,20 +687,9 @@ def train(
     if cfg.prompts_per_step % distributed.world_size():
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
-    precision.check_device_supports(cfg.model_dtype, device)
     set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
-    model = precision.cast_model(model, cfg.model_dtype)
-    if cfg.use_peft:  # (the adapters start from the seeded RNG: every rank draws the same)
-        model = lora.add_adapters(model, cfg)
-    policy = prepare_model(model, cfg, device)
-    if cfg.beta <= 0:
-        ref_policy = None
-    elif cfg.use_peft:
-        ref_policy = ReferenceWithoutAdapters(policy)
-    else:
-        ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True)
+    model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
     ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
-    optimizer = make_optimizer(policy, cfg)
     rollout = rollout or default_rollout(model, tokenizer, cfg)
     main_process = distributed.is_main_process()
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
