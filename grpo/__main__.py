@@ -91,8 +91,8 @@ def train_command(argv: list[str]) -> None:
     from .data import load_jsonl
     from .config import GRPOConfig
     from .lora import check_flags
-    from .precision import torch_dtype
-    from .trainer import load_model, train
+    from .precision import check_device_supports, torch_dtype
+    from .trainer import default_device, load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
@@ -107,9 +107,10 @@ def train_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
     reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
-    try:  # the LoRA flags against the model's config, before its weights are loaded
+    try:  # the dtype against the device and the LoRA flags against the model's config, before its weights load
         from transformers import AutoConfig
 
+        check_device_supports(cfg.model_dtype, default_device())
         check_flags(cfg, AutoConfig.from_pretrained(args.model) if cfg.use_peft else None)
     except ValueError as e:
         parser.error(str(e))

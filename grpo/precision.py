@@ -36,8 +36,8 @@ def check_device_supports(name: str, device: torch.device) -> None:
     GPU before Ampere). A CPU computes bf16 (slowly without AVX512-BF16/AMX)."""
     if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ValueError(
-            f"model_dtype='bfloat16' (--model-dtype bfloat16): {torch.cuda.get_device_name(device)} has no bf16 "
-            "support; use --model-dtype float32"
+            f"model_dtype='bfloat16' (--model-dtype bfloat16): the GPU {device} has no bf16 support (before "
+            "Ampere); use --model-dtype float32"
         )
 
 

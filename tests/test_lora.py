@@ -195,6 +195,14 @@ def test_use_peft_without_peft_names_the_flag(tmp_path, monkeypatch):
         train(model, tokenizer, problems()[:4], REWARDS, lora_config(tmp_path))
 
 
+def test_bf16_on_a_gpu_without_it_names_the_flag(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(ValueError, match="--model-dtype"):
+        precision.check_device_supports("bfloat16", torch.device("cuda", 0))
+    precision.check_device_supports("float32", torch.device("cuda", 0))  # (fp32 is always there)
+    precision.check_device_supports("bfloat16", torch.device("cpu"))
+
+
 @pytest.mark.parametrize("targets, tied, match", [
     ("q_proj,not_a_layer", False, "no module named 'not_a_layer'"),
     ("lm_head", False, "lm_head"),
@@ -293,3 +301,66 @@ def test_a_frozen_head_costs_two_matmuls_and_no_weight_gradient():
     chunks = N // chunk
     assert frozen.matmuls == 2 * chunks and trainable.matmuls == 3 * chunks
     assert (V, H) not in frozen.shapes and (V, H) in trainable.shapes
+
+
+# ---------------------------------------------------------------------------- DDP and FSDP2 (2 CPU ranks, gloo)
+def worker_data_parallel(out: str) -> None:
+    """Under torchrun, for DDP and FSDP2: a LoRA run with beta > 0 straight, and interrupted after 1 of
+    2 steps then resumed."""
+    import os
+
+    from grpo import distributed
+
+    distributed.setup("ddp")
+    base = os.path.dirname(out)
+    results = {kind: data_parallel_runs(kind, base) for kind in ("ddp", "fsdp")}
+    if distributed.is_main_process():
+        torch.save(results, out)
+    distributed.teardown()
+
+
+def data_parallel_runs(kind: str, base: str) -> dict:
+    import dataclasses
+    import os
+
+    def run(name, **kw):
+        model, tokenizer = build_model_and_tokenizer(seed=0)
+        initial = base_weights(model)
+        cfg = GRPOConfig(
+            output_dir=os.path.join(base, f"{kind}-{name}"), num_steps=2, prompts_per_step=2, num_generations=2,
+            max_new_tokens=6, learning_rate=1e-2, beta=0.05, backend="torch", progress=False, plot=False,
+            save_every=0, distributed=kind, use_peft=True, lora_r=4, lora_alpha=8,
+        )
+        records = train(model, tokenizer, problems()[:12], REWARDS, dataclasses.replace(cfg, **kw))
+        return records, adapter_weights(model), initial, base_weights(model)
+
+    straight = run("straight")
+    run("resumed", num_steps=1)
+    return {"straight": straight, "resumed": run("resumed", resume=True)}
+
+
+def test_lora_on_two_ranks_trains_adapters_and_resumes_exactly(tmp_path):
+    from tests.test_distributed import torchrun
+
+    out = tmp_path / "data_parallel.pt"
+    torchrun([__file__, str(out)])
+    results = torch.load(out, weights_only=False)
+    for kind in ("ddp", "fsdp"):
+        check_data_parallel_run(results[kind], tmp_path / f"{kind}-straight")
+
+
+def check_data_parallel_run(result: dict, output_dir) -> None:
+    (straight, adapters, initial, final), (resumed, adapters_resumed, _, _) = result["straight"], result["resumed"]
+    assert all(r["grad_norm"] > 0 for r in straight) and adapters
+    for k, v in initial.items():
+        assert torch.equal(final[k], v), k  # the base stays bit-identical
+    for k, v in adapters.items():
+        assert torch.equal(adapters_resumed[k], v), k
+    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
+        {k: v for k, v in r.items() if k not in drop} for r in straight]
+    assert (output_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+if __name__ == "__main__":
+    worker_data_parallel(sys.argv[1])
