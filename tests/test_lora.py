@@ -153,6 +153,27 @@ def test_bf16_weights_with_fp32_adapters(tmp_path):
 
 
 # ---------------------------------------------------------------------------- AdamW on bf16 weights
+def test_full_fine_tuning_in_bf16_steps_fp32_masters_and_resumes_exactly(tmp_path):
+    rows = problems()[:8]
+    opts = dict(use_peft=False, model_dtype="bfloat16", num_steps=2, learning_rate=1e-3)
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    initial = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    straight = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "a", **opts))
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(v.dtype == torch.bfloat16 for v in final.values())
+    assert any(not torch.equal(final[k], initial[k]) for k in final)  # the masters' updates reach the weights
+    state = torch.load(tmp_path / "a" / "run" / "checkpoint.pt", weights_only=False)
+    assert all(m.dtype == torch.float32 for m in state["optimizer"]["master_weights"])
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **dict(opts, num_steps=1)))
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    resumed = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **opts, resume=True))
+    for k, v in final.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert resumed[-1]["loss"] == straight[-1]["loss"]
+
+
 def test_adamw_on_bf16_weights_loses_the_update_and_master_copies_keep_it():
     """Why full fine-tuning in bf16 steps fp32 masters: at lr 1e-5 the bf16 parameter never moves."""
     torch.manual_seed(0)
