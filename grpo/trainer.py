@@ -628,7 +628,7 @@ def setup_training(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device
     (None with ``beta = 0``; the policy with its adapters off under LoRA; else a frozen copy) and AdamW."""
     precision.check_device_supports(cfg.model_dtype, device)
     model = precision.cast_model(model, cfg.model_dtype)
-    if cfg.use_peft:  # (the adapters start from the seeded RNG: every rank draws the same)
+    if cfg.use_peft:  # (initialised from the RNG; DDP / FSDP2 then give every rank rank 0's)
         model = lora.add_adapters(model, cfg)
     policy = prepare_model(model, cfg, device)
     if cfg.beta <= 0:
