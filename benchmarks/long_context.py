@@ -242,7 +242,7 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo import plan, trainer
+    from grpo import plan, precision, trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -253,7 +253,11 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
     torch.manual_seed(0)
     config = Qwen2Config(**MEMORY_SIZES[size], max_position_embeddings=max(length, 1024))
     config._attn_implementation = "sdpa"
-    model = Qwen2ForCausalLM(config).float()
+    torch.set_default_dtype(precision.torch_dtype(cfg.model_dtype))  # built in its dtype, as the CLI loads it:
+    try:  # an fp32 model cast afterwards would set the peak RSS itself
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
     parameters = sum(p.numel() for p in model.parameters())
     device = torch.device("cpu")
     t0 = time.perf_counter()
