@@ -17,7 +17,7 @@ TORCH_PIP_ARGS := $(strip $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl,peft]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -23,6 +23,17 @@ activations, the Python/PyTorch runtime, everything. "Fits in X GiB" means that 
     python -m benchmarks.long_context group --scale 0.125          # G = 8 lognormal lengths
     python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
     python -m benchmarks.long_context run --mode packed --lengths 2048  # one measurement (what the others spawn)
+    python -m benchmarks.long_context memory --sizes 81M 180M --lengths 1024 2048   # full FT vs LoRA vs LoRA+bf16
+    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head time
+
+``memory``: one trainer step (``grpo.trainer.setup_training``, then the reference log-probs with
+``beta`` = 0.04 and ``grpo.trainer.update``: forward, fused loss, backward, AdamW; packed, no
+generation) of one sequence, in a fresh process each, for full fine-tuning (fp32, the reference a
+frozen copy), LoRA (r 16, all-linear, fp32; the reference the policy with adapters off) and LoRA with
+bf16 weights, at two Qwen2-shaped sizes (:data:`MEMORY_SIZES`, both with the real vocabulary, untied
+head), beside ``grpo.plan``'s prediction for the same settings (device "cpu": the runtime term
+included, the KV cache not: nothing is generated). ``frozen-head``: ``fused_linear_grpo_loss``
+forward + backward with ``lm_head.weight`` trainable vs frozen (LoRA's case), interleaved rounds, medians.
 
 Each command prints JSON lines and a markdown table; ``--out FILE`` appends the JSON lines there.
 """
@@ -210,6 +221,127 @@ def run_one(mode: str, lengths: list[int], prompt_tokens: int, max_tokens: Optio
 
 
 # --------------------------------------------------------------------------------------------------
+# full fine-tuning vs LoRA vs LoRA + bf16: one trainer step, beside the memory plan
+# --------------------------------------------------------------------------------------------------
+MEMORY_SIZES = {
+    "81M": MODEL_SHAPE,  # 4 layers, H 256 (the sweep's model)
+    "180M": dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, tie_word_embeddings=False),
+}
+VARIANTS = {
+    "full": dict(use_peft=False, model_dtype="float32"),
+    "lora": dict(use_peft=True, model_dtype="float32"),
+    "lora+bf16": dict(use_peft=True, model_dtype="bfloat16"),
+}
+MEMORY_BETA = 0.04
+
+
+def memory_run(size: str, variant: str, length: int, gradient_checkpointing: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    """One trainer step in this process (what ``memory`` spawns): peak RSS, times, the plan's prediction."""
+    import tempfile
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo import plan, precision, trainer
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    cfg = trainer.GRPOConfig(
+        output_dir=tempfile.mkdtemp(), beta=MEMORY_BETA, gradient_checkpointing=gradient_checkpointing, padding_free=True,
+        backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=length, **VARIANTS[variant],
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(**MEMORY_SIZES[size], max_position_embeddings=max(length, 1024))
+    config._attn_implementation = "sdpa"
+    torch.set_default_dtype(precision.torch_dtype(cfg.model_dtype))  # built in its dtype, as the CLI loads it:
+    try:  # an fp32 model cast afterwards would set the peak RSS itself
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    parameters = sum(p.numel() for p in model.parameters())
+    device = torch.device("cpu")
+    t0 = time.perf_counter()
+    model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, device)
+    setup_s = time.perf_counter() - t0
+    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    fields = vars(make_batch([length], prompt_tokens, config.vocab_size))
+    batch = trainer.UpdateBatch(**{k: fields[k] for k in ("input_ids", "attention_mask", "prompt_len", "completion_ids", "loss_mask", "advantages")})
+    t0 = time.perf_counter()
+    batch.ref_logps = trainer.completion_logps(ref_policy, batch, cfg, device)
+    t1 = time.perf_counter()
+    policy.train()
+    logs = trainer.update(policy, optimizer, batch, cfg, device)
+    t2 = time.perf_counter()
+    predicted = plan.plan_for_run(trainer.unwrap(policy).config, cfg, length, "cpu")
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {
+        "size": size, "parameters": parameters, "trainable": trainable, "variant": variant, "tokens": length,
+        "gradient_checkpointing": gradient_checkpointing, "beta": MEMORY_BETA, "loss": logs["loss"],
+        "step_s": round(t2 - t0, 2), "reference_s": round(t1 - t0, 2), "update_s": round(t2 - t1, 2), "setup_s": round(setup_s, 2),
+        "rss_start_gib": rss_start, "rss_after_setup_gib": rss_setup, "peak_rss_gib": peak,
+        "predicted_peak_gib": predicted.peak / 2**30,
+        "predicted_terms_gib": {k: v / 2**30 for k, v in predicted.terms.items()},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| size | variant | tokens | ckpt | peak RSS GiB | predicted GiB | pred / meas | x full FT | step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    full = {(r["size"], r["tokens"], r["gradient_checkpointing"]): r["peak_rss_gib"] for r in rows if r.get("variant") == "full" and "peak_rss_gib" in r}
+    for r in rows:
+        if "peak_rss_gib" not in r:
+            lines.append(f"| {r.get('size')} | {r.get('variant')} | {r.get('tokens')} | | {r.get('error')} | | | | |")
+            continue
+        base = full.get((r["size"], r["tokens"], r["gradient_checkpointing"]))
+        ratio = "" if base is None else f"{r['peak_rss_gib'] / base:.2f}"
+        lines.append(
+            f"| {r['size']} ({r['parameters'] / 1e6:.0f}M) | {r['variant']} | {r['tokens']} | "
+            f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['peak_rss_gib']:.2f} | {r['predicted_peak_gib']:.2f} | "
+            f"{r['predicted_peak_gib'] / r['peak_rss_gib']:.2f} | {ratio} | {r['step_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def measure_memory(size: str, variant: str, length: int, gradient_checkpointing: bool) -> dict:
+    """``memory_run`` in a fresh process (JSON on its last line)."""
+    cmd = [sys.executable, "-m", "benchmarks.long_context", "memory-run", "--size", size, "--variant", variant,
+           "--length", str(length)] + (["--gradient-checkpointing"] if gradient_checkpointing else [])
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        return {"size": size, "variant": variant, "tokens": length, "error": f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def frozen_head(N: int, H: int, V: int, rounds: int) -> dict:
+    """``fused_linear_grpo_loss`` forward + backward (dapo, fp32, backend torch) with a trainable vs a
+    frozen weight, interleaved, ``rounds`` each after a warm-up of both; medians and their ratio."""
+    from grpo_kernels import fused_linear_grpo_loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(1, N, H) * 0.5
+    weight = torch.randn(V, H) * 0.02
+    ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
+
+    def step(trainable: bool) -> float:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        t0 = time.perf_counter()
+        fused_linear_grpo_loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward()
+        return time.perf_counter() - t0
+
+    step(True), step(False)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for trainable in (True, False):
+            times[trainable].append(step(trainable))
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"N": N, "H": H, "V": V, "dtype": "float32", "rounds": rounds, "threads": torch.get_num_threads(),
+            "trainable_s": times[True], "frozen_s": times[False], "trainable_median_s": med[True],
+            "frozen_median_s": med[False], "frozen_over_trainable": med[False] / med[True]}
+
+
+# --------------------------------------------------------------------------------------------------
 # measurements in fresh processes
 # --------------------------------------------------------------------------------------------------
 def _rss_gib(pid: int) -> float:
@@ -323,15 +455,42 @@ def main(argv: Optional[list[str]] = None) -> None:
     bis.add_argument("--lo", type=int, default=1024)
     bis.add_argument("--hi", type=int, default=32768)
     bis.add_argument("--rel-tol", type=float, default=0.1)
-    for q in (sweep, group, bis):
+    mem = sub.add_parser("memory", help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan")
+    mem.add_argument("--sizes", nargs="+", default=list(MEMORY_SIZES), choices=list(MEMORY_SIZES))
+    mem.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    mem.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    mem.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    mrun = sub.add_parser("memory-run", help="one memory measurement in this process (JSON on the last line)")
+    mrun.add_argument("--size", required=True, choices=list(MEMORY_SIZES))
+    mrun.add_argument("--variant", required=True, choices=list(VARIANTS))
+    mrun.add_argument("--length", type=int, required=True)
+    mrun.add_argument("--gradient-checkpointing", action="store_true")
+    fh = sub.add_parser("frozen-head", help="fused linear loss fwd+bwd: trainable vs frozen lm_head")
+    fh.add_argument("--N", type=int, default=2048)
+    fh.add_argument("--H", type=int, default=512)
+    fh.add_argument("--V", type=int, default=151936)
+    fh.add_argument("--rounds", type=int, default=5)
+    for q in (sweep, group, bis, mem, fh):
         q.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args(argv)
 
     if args.cmd == "run":
         print(json.dumps(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps)))
         return
+    if args.cmd == "memory-run":
+        print(json.dumps(memory_run(args.size, args.variant, args.length, args.gradient_checkpointing)))
+        return
     results = []
-    if args.cmd == "sweep":
+    if args.cmd == "memory":
+        for size in args.sizes:
+            for n in args.lengths:
+                for variant in args.variants:
+                    results.append(measure_memory(size, variant, n, args.gradient_checkpointing))
+                    print(json.dumps(results[-1]), flush=True)
+    elif args.cmd == "frozen-head":
+        results.append(frozen_head(args.N, args.H, args.V, args.rounds))
+        print(json.dumps(results[-1]), flush=True)
+    elif args.cmd == "sweep":
         for n in args.lengths:
             for mode in args.modes:
                 results.append(measure(mode, [n], budget_gib=args.budget_gib))
@@ -356,7 +515,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         with open(args.out, "a") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")
-    if args.cmd != "bisect":
+    if args.cmd == "memory":
+        print(memory_table(results))
+    elif args.cmd not in ("bisect", "frozen-head"):
         print(table(results))
 
 

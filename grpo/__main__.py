@@ -1,6 +1,8 @@
 """Command line: ``python -m grpo demo`` and ``python -m grpo train``.
 
     python -m grpo demo                                # the CPU demo (about a minute)
+    python -m grpo plan --model Qwen2.5-1.5B --tokens 32768 --use-peft --model-dtype bfloat16 \
+        --gradient-checkpointing --gpu-memory 24GiB    # the predicted peak memory of a step (grpo.plan)
     python -m grpo train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl \\
         --rewards accuracy format --reward-weights 1.0 0.2 --num-steps 200 --learning-rate 1e-6
 
@@ -87,6 +89,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind, nargs, optional = _flag_type(hints[field.name])
         meta = field.metadata
+        nargs = "+" if meta.get("words") else nargs
         bounds = f"{meta['bounds'].describe(integer=kind is int)}; " if meta.get("bounds") is not None else ""
         text = meta.get("help", "").replace("%", "%%") + f" ({bounds}default: %(default)s)"
         metavar = kind.__name__.upper() + ("|None" if optional else "")
@@ -101,8 +104,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
 
 def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
     """The config the flags describe; a value the config refuses is reported as a usage error."""
+    words = lambda f, v: ",".join(v) if f.metadata.get("words") and isinstance(v, list) else v  # noqa: E731
     try:
-        return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+        return config_cls(**{f.name: words(f, getattr(args, f.name)) for f in dataclasses.fields(config_cls)})
     except (TypeError, ValueError) as e:
         parser.error(str(e))
 
@@ -112,7 +116,9 @@ def train_command(argv: list[str]) -> None:
     from . import distributed
     from .data import load_jsonl
     from .config import GRPOConfig
-    from .trainer import load_model, train
+    from .lora import check_flags
+    from .precision import check_device_supports, torch_dtype
+    from .trainer import default_device, load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
@@ -134,7 +140,14 @@ def train_command(argv: list[str]) -> None:
         rows = load_jsonl(args.data, args.prompt_key)
     except OSError as e:
         parser.error(f"--data: {e}")
-    model, tokenizer = load_model(args.model)
+    try:  # the dtype against the device and the LoRA flags against the model's config, before its weights load
+        from transformers import AutoConfig
+
+        check_device_supports(cfg.model_dtype, default_device())
+        check_flags(cfg, AutoConfig.from_pretrained(args.model) if cfg.use_peft else None)
+    except ValueError as e:
+        parser.error(str(e))
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:
         for row in rows:
@@ -146,19 +159,21 @@ def train_command(argv: list[str]) -> None:
     distributed.teardown()
     if not main_process:
         return
-    model.save_pretrained(f"{cfg.output_dir}/model")
-    tokenizer.save_pretrained(f"{cfg.output_dir}/model")
+    if not cfg.use_peft:  # (a LoRA run wrote its adapter, output_dir/adapter, and the base is unchanged)
+        model.save_pretrained(f"{cfg.output_dir}/model")
+        tokenizer.save_pretrained(f"{cfg.output_dir}/model")
     if records:
         last = {k: v for k, v in records[-1].items() if isinstance(v, (int, float))}
         print(json.dumps(last, indent=1))
-    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, model/")
+    print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, {'adapter/' if cfg.use_peft else 'model/'}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest)}
+    commands = {"train": train_command, "demo": lambda rest: importlib.import_module("grpo.demo").main(rest),
+                "plan": lambda rest: importlib.import_module("grpo.plan").main(rest)}
     parser = argparse.ArgumentParser(
-        prog="python -m grpo", usage="%(prog)s [-h] {train,demo} [flags ...]", description=__doc__,
+        prog="python -m grpo", usage="%(prog)s [-h] {train,demo,plan} [flags ...]", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="`python -m grpo train --help` and `python -m grpo demo --help` list each command's flags.",
     )

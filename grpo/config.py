@@ -25,6 +25,7 @@ from grpo_kernels.options import BACKENDS, OPTION_NAMES, GRPOOptions
 
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
+from .precision import MODEL_DTYPES
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,12 @@ FINITE = Bounds()
 ZERO_TO_ONE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
 
 
-def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "") -> Any:
+def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "",
+           words: bool = False) -> Any:
     """A config field with its help text, and its choices or range when it has them (``why``: the reason
-    for a range that is not obvious, added to the error)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why})
+    for a range that is not obvious, added to the error; ``words``: a comma-separated str field whose
+    flag also takes several words, joined with commas)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why, "words": words})
 
 
 # Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
@@ -170,6 +173,17 @@ class GRPOConfig:
     micro_batch_size: Optional[int] = option(None, "padded steps (padding_free off): completions per forward/backward "
                                              "(None: the whole batch)", bounds=at_least(1))
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    model_dtype: str = option("float32", "the dtype the policy's weights are held in; bfloat16: the frozen weights in "
+                              "bf16, trainable ones with fp32 AdamW master copies (LoRA adapters stay fp32)",
+                              choices=MODEL_DTYPES)
+    # LoRA adapters through peft (TRL's trl.ModelConfig names); grpo.lora
+    use_peft: bool = option(False, "train LoRA adapters only (peft); with beta > 0 the reference is the same model "
+                            "with its adapters disabled (no second copy)")
+    lora_r: int = option(16, "LoRA rank", bounds=at_least(1))
+    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)", bounds=at_least(1))
+    lora_dropout: float = option(0.05, "dropout on the adapters' input", bounds=ZERO_TO_ONE)
+    lora_target_modules: str = option("all-linear", "modules that get adapters: 'all-linear' (every linear layer but "
+                                      "lm_head) or module names, comma-separated (q_proj,v_proj)", words=True)
     bf16: bool = option(True, "bf16 autocast (on CUDA only)")
     # logging and checkpoints
     save_every: int = option(50, "write a checkpoint every this many steps (0: only at the end)", bounds=at_least(0))
@@ -224,6 +238,12 @@ class GRPOConfig:
             raise type(e)(f"GRPOConfig: {e}") from None
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if not self.lora_target_modules.replace(",", "").strip():
+            raise ValueError("GRPOConfig.lora_target_modules must be 'all-linear' or module names (comma-separated), got ''")
+        if self.model_dtype != "float32" and self.distributed == "fsdp":
+            raise ValueError(f"GRPOConfig.model_dtype={self.model_dtype!r} with distributed='fsdp' is not supported "
+                             "(FSDP2 shards need one dtype per unit, and the fp32 master weights are not sharded): "
+                             "use distributed='ddp' or model_dtype='float32'")
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
 

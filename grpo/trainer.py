@@ -9,7 +9,8 @@ One training step:
      ``grpo_kernels.fused_linear_grpo_loss``, so the [tokens, vocab] logits never exist. The batch is
      cut into micro-batches whose gradients accumulate; the DAPO normaliser counts the tokens of the
      whole batch. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
-     recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term.
+     recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term
+     (with LoRA, ``use_peft``: the policy with its adapters disabled, ``grpo.lora``).
   4. log one JSON line, and now and then write a checkpoint (``grpo.checkpoint``) from which a run
      resumes exactly.
 
@@ -52,7 +53,7 @@ from tqdm.auto import tqdm
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES
 
-from . import checkpoint, distributed, packing
+from . import checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
@@ -78,8 +79,8 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_model(name_or_path: str, device: Optional[torch.device] = None):
-    """A causal LM and its (left-padding) tokenizer from a local path or a hub name."""
+def load_model(name_or_path: str, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
+    """A causal LM (weights in ``dtype``) and its (left-padding) tokenizer from a local path or a hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
@@ -87,7 +88,7 @@ def load_model(name_or_path: str, device: Optional[torch.device] = None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, attn_implementation=attention_implementation(device), dtype=torch.float32
+        name_or_path, attn_implementation=attention_implementation(device), dtype=dtype
     )
     return model, tokenizer
 
@@ -140,9 +141,10 @@ def as_policy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The language model inside a (DDP-wrapped) ``Policy``."""
+    """The transformers language model inside a (DDP-wrapped) ``Policy`` (and inside a peft model, whose
+    adapter layers it then holds)."""
     model = distributed.unwrap_ddp(model)
-    return model.model if isinstance(model, Policy) else model
+    return lora.base_of(model.model if isinstance(model, Policy) else model)
 
 
 def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
@@ -173,11 +175,25 @@ def make_reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
+class ReferenceWithoutAdapters(Policy):
+    """The reference policy of a LoRA run: the policy itself, called with its adapters disabled (peft's
+    ``disable_adapter``), so the reference costs no memory. The policy is not a submodule: its weights
+    are held (and checkpointed) once."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        torch.nn.Module.__init__(self)
+        object.__setattr__(self, "policy", policy)  # (the DDP / FSDP2-wrapped policy: FSDP2 gathers its shards)
+
+    def forward(self, task: str, *args, **kwargs):
+        with lora.adapters_disabled(distributed.unwrap_ddp(self.policy).model):
+            return self.policy(task, *args, **kwargs)
+
+
 def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optimizer:
+    """AdamW on the trainable parameters; 16-bit ones get fp32 master copies (``grpo.precision``)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
-    )
+    adamw = precision.MasterWeightAdamW if any(p.dtype != torch.float32 for p in params) else torch.optim.AdamW
+    return adamw(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
 
 
 def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> HFGenerate:
@@ -513,6 +529,7 @@ def train_step(
     # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
     indices = prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
+    model.eval()  # sampling and scoring without dropout (LoRA's); the update trains
     rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G).check(len(batch_rows) * G, type(rollout_engine).__name__)
     generate_time = time.perf_counter() - start
 
@@ -623,6 +640,24 @@ def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> d
     return dict(named)
 
 
+def setup_training(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device):
+    """(model, policy, ref_policy, optimizer): the weights cast to ``cfg.model_dtype``, LoRA adapters
+    added with ``use_peft`` (``model`` is then the peft model), the policy to train, the reference
+    (None with ``beta = 0``; the policy with its adapters off under LoRA; else a frozen copy) and AdamW."""
+    precision.check_device_supports(cfg.model_dtype, device)
+    model = precision.cast_model(model, cfg.model_dtype)
+    if cfg.use_peft:  # (initialised from the RNG; DDP / FSDP2 then give every rank rank 0's)
+        model = lora.add_adapters(model, cfg)
+    policy = prepare_model(model, cfg, device)
+    if cfg.beta <= 0:
+        ref_policy = None
+    elif cfg.use_peft:
+        ref_policy = ReferenceWithoutAdapters(policy)
+    else:
+        ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True)
+    return model, policy, ref_policy, make_optimizer(policy, cfg)
+
+
 def set_seed(seed: int) -> None:
     import numpy as np
 
@@ -652,9 +687,14 @@ def train(
 
     Under torchrun, with ``cfg.distributed`` "ddp" or "fsdp", every rank calls this with the same
     arguments; ``cfg.prompts_per_step`` (the global batch) is split evenly among the ranks.
+
+    The weights are cast to ``cfg.model_dtype`` in place. With ``cfg.use_peft`` peft adds LoRA adapters
+    to ``model`` in place (``grpo.lora``), only they train, and the run ends by writing them to
+    ``output_dir/adapter``.
     """
     if not isinstance(cfg, GRPOConfig):
         raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
+    lora.check_flags(cfg)  # peft installed, before anything runs
     if rollout is not None and not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
     columns = check_rows(rows)  # before anything is loaded or sampled
@@ -668,9 +708,8 @@ def train(
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
     set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
-    policy = prepare_model(model, cfg, device)
-    ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True) if cfg.beta > 0 else None
-    optimizer = make_optimizer(policy, cfg)
+    model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
+    ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
     rollout = rollout or default_rollout(model, tokenizer, cfg)
     main_process = distributed.is_main_process()
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
@@ -678,10 +717,13 @@ def train(
     # step, with a checkpoint
     with checkpoint.RunLock(cfg.output_dir, enabled=main_process), checkpoint.StopOnSigterm() as sigterm:
         if cfg.resume and os.path.exists(checkpoint_path):
-            start_step = checkpoint.load(checkpoint_path, policy, ref_policy, optimizer, dataclasses.asdict(cfg),
+            start_step = checkpoint.load(checkpoint_path, policy, ref_weights, optimizer, dataclasses.asdict(cfg),
                                          allow_changes=cfg.resume_with_changes)
         log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
         zero_signal = ZeroSignalWatch(log.records)
+        if main_process:  # the predicted peak of a step, term by term (grpo.plan)
+            plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()),
+                             device.type)
 
         bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
                    disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
@@ -698,12 +740,14 @@ def train(
             done = step + 1
             stopping = sigterm.agreed()
             if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
-                checkpoint.save(checkpoint_path, done, policy, ref_policy, optimizer, dataclasses.asdict(cfg))
+                checkpoint.save(checkpoint_path, done, policy, ref_weights, optimizer, dataclasses.asdict(cfg))
             if stopping:
                 bar.close()
                 sigterm.exit(checkpoint_path, done)
         bar.close()
     distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
+    if cfg.use_peft and main_process:
+        lora.save_adapter(model, cfg.output_dir, tokenizer)
     if cfg.plot and main_process:
         plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))
     return log.records

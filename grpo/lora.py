@@ -1,0 +1,151 @@
+"""LoRA adapters through peft: the seam where the trainer turns a causal LM into one that trains adapters.
+
+``GRPOConfig.use_peft`` (TRL's ``trl.ModelConfig`` names: ``lora_r``, ``lora_alpha``, ``lora_dropout``,
+``lora_target_modules``) makes the trainer call :func:`add_adapters`, which wraps the model in a
+``peft.PeftModel`` with a LoRA adapter (Hu et al., 2021: ``W x + (alpha / r) B A x``, ``A`` [r, in]
+random, ``B`` [out, r] zero, so the adapted model starts as the base model). Only the adapters train:
+the base weights, the embeddings and ``lm_head`` are frozen, so the fused loss computes no ``d W`` for
+the head (``grpo_kernels``: two matmuls a chunk instead of three), there are no gradients or AdamW
+state for the base, and with ``beta > 0`` the reference log-probs are the same model's with its
+adapters disabled (:func:`adapters_disabled`, peft's ``disable_adapter``): no second copy is held.
+
+The fused loss reads ``lm_head.weight`` itself, so an adapter on ``lm_head`` would be ignored by it:
+targeting ``lm_head`` is refused, as is targeting the embeddings of a model whose ``lm_head`` is tied
+to them. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
+target names against the model's modules, built on the meta device from its config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
+ADAPTER_DIR = "adapter"  # under output_dir: what peft.PeftModel.from_pretrained loads
+
+
+class PeftNotInstalled(ImportError, ValueError):
+    """``use_peft`` without peft: a missing dependency, and a flag that cannot be honoured."""
+
+
+def require_peft() -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise PeftNotInstalled(
+            "use_peft=True (--use-peft) needs the peft package: pip install 'grpo-kernels[peft]' (or pip install peft)"
+        ) from None
+
+
+def target_modules(cfg) -> str | list[str]:
+    """``lora_target_modules`` as peft takes it: ``"all-linear"`` or a list of module names."""
+    if cfg.lora_target_modules.strip().lower() == ALL_LINEAR:
+        return ALL_LINEAR
+    return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """peft's rule for a name in ``target_modules``: the module's full name, or its last dotted parts."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def check_targets(model: torch.nn.Module, cfg) -> None:
+    """``ValueError`` naming ``lora_target_modules`` for a name that matches no module of ``model``, or
+    that names its output head (or, when the head is tied to them, its input embeddings). ``model``
+    may live on the meta device: only names and the structure are read."""
+    targets = target_modules(cfg)
+    if targets == ALL_LINEAR:
+        return
+    names = {name: module for name, module in model.named_modules() if name}
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in names.items() if isinstance(m, torch.nn.Linear) and m is not head})
+    for target in targets:
+        matched = [m for name, m in names.items() if _matches(name, target)]
+        if not matched:
+            raise ValueError(
+                f"lora_target_modules (--lora-target-modules): no module named {target!r} in {type(model).__name__}; "
+                f"its linear layers are {linear} (or use 'all-linear')"
+            )
+        if any(m is head for m in matched):
+            why = (" and it is tied to the input embeddings (tie_word_embeddings), so training it would change both"
+                   if tied else "")
+            raise ValueError(
+                f"lora_target_modules (--lora-target-modules) names {target!r}, the output head lm_head{why}: the fused "
+                f"loss reads lm_head.weight itself, so an adapter there is not supported; target the decoder's layers"
+            )
+        if tied and any(m is embeddings for m in matched):
+            raise ValueError(
+                f"lora_target_modules (--lora-target-modules) names {target!r}, the input embeddings, which this model "
+                "ties to lm_head (tie_word_embeddings): an adapter would train the embeddings but not the head that "
+                "shares their weight; untie them or target the decoder's layers"
+            )
+
+
+def check_flags(cfg, model_config=None) -> None:
+    """What can be checked before the model's weights are loaded: peft is installed, and (given the
+    model's ``transformers`` config) every target module exists and is not the head. Nothing without
+    ``use_peft``."""
+    if not cfg.use_peft:
+        return
+    require_peft()
+    if model_config is not None and target_modules(cfg) != ALL_LINEAR:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # the modules without their weights
+            skeleton = AutoModelForCausalLM.from_config(model_config)
+        check_targets(skeleton, cfg)
+
+
+def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """``model`` wrapped in a ``peft.PeftModel`` with a fresh LoRA adapter (initialised from torch's RNG),
+    everything but the adapters frozen. peft injects the adapter layers into ``model`` in place.
+
+    Adapter weights are fp32 even when the base is bf16 (peft's ``autocast_adapter_dtype``).
+    """
+    require_peft()
+    from peft import LoraConfig, get_peft_model
+
+    check_targets(model, cfg)
+    config = LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=target_modules(cfg),
+        task_type="CAUSAL_LM", bias="none",
+    )
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as e:  # e.g. a matched module of a type LoRA has no layer for
+        raise ValueError(f"lora_target_modules (--lora-target-modules) = {cfg.lora_target_modules!r}: {e}") from None
+    trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"lora_target_modules (--lora-target-modules) = {cfg.lora_target_modules!r} added no adapters")
+    return peft_model
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model (it can disable its adapters)."""
+    return callable(getattr(model, "disable_adapter", None)) and callable(getattr(model, "get_base_model", None))
+
+
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft model (its adapter layers injected), or ``model``."""
+    return model.get_base_model() if has_adapters(model) else model
+
+
+@contextlib.contextmanager
+def adapters_disabled(peft_model: torch.nn.Module) -> Iterator[None]:
+    """Run ``peft_model`` as its base model: the reference policy, from the same weights."""
+    with peft_model.disable_adapter():
+        yield
+
+
+def save_adapter(peft_model: torch.nn.Module, output_dir: str, tokenizer=None) -> Optional[str]:
+    """Write the adapter with peft (``adapter_config.json``, ``adapter_model.safetensors``) under
+    ``output_dir/adapter``; ``peft.PeftModel.from_pretrained(base_model, path)`` loads it. Returns the path."""
+    path = os.path.join(output_dir, ADAPTER_DIR)
+    peft_model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

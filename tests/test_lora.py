@@ -1,0 +1,392 @@
+"""LoRA through peft (``grpo.lora``), bf16 weights (``grpo.precision``) and the frozen head in the fused loss.
+
+Real peft on the demo's 2-layer Qwen2 (built in code, nothing downloaded), CPU, backend="torch".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from grpo import lora, precision
+from grpo.demo import accuracy, build_model_and_tokenizer, problems
+from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.timeout(300)
+
+
+def length_reward(prompts, completions, **_):
+    return [len(c) / 10 for c in completions]
+
+
+REWARDS = {"accuracy": accuracy, "length": length_reward}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def lora_config(tmp_path, **overrides) -> GRPOConfig:
+    base = dict(
+        output_dir=str(tmp_path / "run"), seed=0, num_steps=2, prompts_per_step=4, num_generations=4,
+        max_new_tokens=10, learning_rate=1e-2, backend="torch", progress=False, plot=False, save_every=0,
+        use_peft=True, lora_r=4, lora_alpha=8, beta=0.05,
+    )
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    """The transformers model's own tensors (embeddings, layers, lm_head), by their original names."""
+    model = lora.base_of(model)
+    return {k.replace(".base_layer", ""): v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+
+
+# ---------------------------------------------------------------------------- training
+def test_only_the_adapters_train_and_the_saved_adapter_loads(tmp_path):
+    from peft import PeftModel
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = base_weights(model)
+    cfg = lora_config(tmp_path, padding_free=True, gradient_checkpointing=True)
+    records = train(model, tokenizer, problems()[:8], REWARDS, cfg)
+    peft_model = model  # (the trainer wrapped it; peft injected the adapter layers into it in place)
+    assert all(r["grad_norm"] > 0 for r in records)
+    after = base_weights(peft_model.get_base_model()) if hasattr(peft_model, "get_base_model") else base_weights(model)
+    assert after.keys() == before.keys()
+    for k, v in before.items():  # embeddings, every layer, lm_head: bit-identical
+        assert torch.equal(after[k], v), k
+    trained = lora.base_of(model)
+    assert any(float(v.abs().max()) > 0 for k, v in adapter_weights(trained).items() if "lora_B" in k)  # B starts at 0
+    # the adapter peft wrote loads onto a fresh base and gives the trained model's logits
+    fresh, _ = build_model_and_tokenizer(seed=0)
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "run" / "adapter")).eval()
+    ids = torch.randint(3, 20, (2, 9))
+    trained.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=0, atol=0)
+        with loaded.disable_adapter():
+            torch.testing.assert_close(loaded(ids).logits, fresh_logits(ids), rtol=1e-6, atol=1e-6)
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+
+
+def fresh_logits(ids: torch.Tensor) -> torch.Tensor:
+    model, _ = build_model_and_tokenizer(seed=0)
+    return model.eval()(ids).logits
+
+
+def test_reference_is_the_policy_with_its_adapters_off(tmp_path):
+    """The reference's log-probs are the base model's, from the policy's own weights (no copy)."""
+    from tests.test_trainer import update_batch, generate_rollouts
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    untouched = copy.deepcopy(model)
+    cfg = lora_config(tmp_path)
+    peft_model = lora.add_adapters(model, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the model
+    policy = prepare_model(peft_model, cfg, torch.device("cpu"))
+    ref = ReferenceWithoutAdapters(policy)
+    assert list(ref.parameters()) == []  # it holds no weights of its own
+    rollout = generate_rollouts(peft_model, tokenizer, [r["prompt"] for r in problems()[:2]], cfg, 3)
+    batch = update_batch(rollout, torch.zeros(6))
+    policy.eval()
+    ref_logps = completion_logps(ref, batch, cfg, torch.device("cpu"))
+    base_logps = completion_logps(prepare_model(untouched, cfg, torch.device("cpu"), frozen=True), batch, cfg, torch.device("cpu"))
+    policy_logps = completion_logps(policy, batch, cfg, torch.device("cpu"))
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(ref_logps[mask], base_logps[mask], rtol=1e-5, atol=1e-5)
+    assert (policy_logps[mask] - base_logps[mask]).abs().max() > 1e-3  # the adapters were on for the policy
+
+
+def test_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path):
+    rows = problems()[:12]
+    opts = dict(num_steps=4, num_iterations=2, lora_dropout=0.1, padding_free=True, gradient_checkpointing=True)
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    straight = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "a", **opts))
+    adapters_straight = adapter_weights(model)
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **dict(opts, num_steps=2)))
+    torch.manual_seed(1234)  # whatever happened in between must not matter
+    model, tokenizer = build_model_and_tokenizer(seed=0)  # a new process builds the model again
+    resumed = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **opts, resume=True))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    adapters_resumed = adapter_weights(model)
+    assert adapters_resumed.keys() == adapters_straight.keys() and adapters_straight
+    for k, v in adapters_straight.items():
+        assert torch.equal(adapters_resumed[k], v), k
+    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
+        {k: v for k, v in r.items() if k not in drop} for r in straight
+    ]
+    state = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=False)
+    assert state["ref_model"] is None  # the reference is the policy: held, and saved, once
+
+
+def test_bf16_weights_with_fp32_adapters(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = {k: v.to(torch.bfloat16) for k, v in base_weights(model).items()}
+    records = train(model, tokenizer, problems()[:8], REWARDS, lora_config(tmp_path, model_dtype="bfloat16"))
+    assert all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in records)
+    after = base_weights(model)
+    for k, v in before.items():
+        assert after[k].dtype == torch.bfloat16 and torch.equal(after[k], v), k
+    adapters = adapter_weights(lora.base_of(model))
+    assert adapters and all(v.dtype == torch.float32 for v in adapters.values())
+
+
+# ---------------------------------------------------------------------------- AdamW on bf16 weights
+def test_full_fine_tuning_in_bf16_steps_fp32_masters_and_resumes_exactly(tmp_path):
+    rows = problems()[:8]
+    opts = dict(use_peft=False, model_dtype="bfloat16", num_steps=2, learning_rate=1e-3)
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    initial = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    straight = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "a", **opts))
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(v.dtype == torch.bfloat16 for v in final.values())
+    assert any(not torch.equal(final[k], initial[k]) for k in final)  # the masters' updates reach the weights
+    state = torch.load(tmp_path / "a" / "run" / "checkpoint.pt", weights_only=False)
+    assert all(m.dtype == torch.float32 for m in state["optimizer"]["master_weights"])
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **dict(opts, num_steps=1)))
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    resumed = train(model, tokenizer, rows, REWARDS, lora_config(tmp_path / "b", **opts, resume=True))
+    for k, v in final.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert resumed[-1]["loss"] == straight[-1]["loss"]
+
+
+def test_adamw_on_bf16_weights_loses_the_update_and_master_copies_keep_it():
+    """Why full fine-tuning in bf16 steps fp32 masters: at lr 1e-5 the bf16 parameter never moves."""
+    torch.manual_seed(0)
+    start = torch.randn(256, dtype=torch.float64).clamp(-2, 2)
+    grads = [torch.randn(256, dtype=torch.float64) for _ in range(20)]
+
+    def run(param, opt):
+        for g in grads:
+            param.grad = g.to(param.dtype)
+            opt.step()
+            opt.zero_grad()
+        return param.detach().double()
+
+    reference = torch.nn.Parameter(start.clone())  # float64 AdamW: the update GRPO asks for
+    want = run(reference, torch.optim.AdamW([reference], lr=1e-5, weight_decay=0.0))
+    plain = torch.nn.Parameter(start.to(torch.bfloat16))
+    got_plain = run(plain, torch.optim.AdamW([plain], lr=1e-5, weight_decay=0.0))
+    master = torch.nn.Parameter(start.to(torch.bfloat16))
+    opt = precision.MasterWeightAdamW([master], lr=1e-5, weight_decay=0.0)
+    got_master = run(master, opt)
+    moved = (want - start.to(torch.bfloat16).double()).abs()
+    lost = (got_plain - start.to(torch.bfloat16).double()).abs()
+    assert float(moved.mean()) > 1e-4 and float(lost.max()) == 0.0  # plain bf16 AdamW: every update rounded away
+    master_fp32 = opt.param_groups[0]["params"][0].detach().double()
+    start_bf16 = start.to(torch.bfloat16).double()  # (where the masters start)
+    torch.testing.assert_close(master_fp32 - start_bf16, want - start, rtol=1e-2, atol=2e-6)  # fp32 rounding of ~1 weights
+    torch.testing.assert_close(got_master, master_fp32.to(torch.bfloat16).double(), rtol=0, atol=0)
+    # the masters travel in the state dict, so a resumed run continues from the fp32 values
+    again = torch.nn.Parameter(got_master.to(torch.bfloat16))
+    restored = precision.MasterWeightAdamW([again], lr=1e-5, weight_decay=0.0)
+    restored.load_state_dict(opt.state_dict())
+    assert torch.equal(restored.param_groups[0]["params"][0], opt.param_groups[0]["params"][0])
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_use_peft_without_peft_names_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    with pytest.raises(ValueError, match="--use-peft"):
+        train(model, tokenizer, problems()[:4], REWARDS, lora_config(tmp_path))
+
+
+def test_bf16_on_a_gpu_without_it_names_the_flag(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(ValueError, match="--model-dtype"):
+        precision.check_device_supports("bfloat16", torch.device("cuda", 0))
+    precision.check_device_supports("float32", torch.device("cuda", 0))  # (fp32 is always there)
+    precision.check_device_supports("bfloat16", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("targets, tied, match", [
+    ("q_proj,not_a_layer", False, "no module named 'not_a_layer'"),
+    ("lm_head", False, "lm_head"),
+    ("q_proj,lm_head", True, "tied"),
+    ("embed_tokens", True, "tie_word_embeddings"),
+])
+def test_bad_target_modules_name_the_flag(tmp_path, targets, tied, match):
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    cfg = lora_config(tmp_path, lora_target_modules=targets)
+    with pytest.raises(ValueError, match="lora_target_modules") as err:
+        lora.check_flags(cfg, config)  # from the config alone (a meta-device skeleton), before any weights load
+    assert match in str(err.value)
+
+
+def test_the_cli_refuses_bad_lora_flags_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    import grpo.trainer
+    from grpo.__main__ import main
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) for r in problems()[:2]))
+    monkeypatch.setattr(grpo.trainer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit):
+        main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--use-peft",
+              "--lora-target-modules", "q_proj", "nope_proj"])
+    assert "lora_target_modules" in capsys.readouterr().err
+
+
+def test_cli_trains_lora_in_bf16_and_writes_the_adapter(tmp_path, capsys):
+    from grpo.__main__ import main
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) for r in problems()[:4]))
+    main([
+        "train", "--model", str(tmp_path / "model"), "--data", str(data), "--rewards", "grpo.demo:accuracy",
+        "--num-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4",
+        "--backend", "torch", "--no-progress", "--no-plot", "--output-dir", str(tmp_path / "out"),
+        "--use-peft", "--lora-r", "4", "--lora-target-modules", "q_proj", "v_proj", "--beta", "0.04",
+        "--model-dtype", "bfloat16",
+    ])
+    adapter = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    assert not (tmp_path / "out" / "model").exists()
+    assert '"step": 1' in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the frozen head
+def test_a_frozen_head_costs_two_matmuls_and_no_weight_gradient():
+    """Under LoRA lm_head.weight does not require grad: per chunk the fused loss runs the logits and
+    d hidden matmuls only, and no [V, H] buffer is ever allocated; d hidden is the trainable head's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo_kernels import fused_linear_grpo_loss
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.matmuls, self.shapes = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                self.matmuls += 1
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append(tuple(t.shape))
+            return out
+
+    torch.manual_seed(0)
+    N, H, V, chunk = 48, 16, 40, 16
+    hidden = torch.randn(1, N, H)
+    weight = torch.randn(V, H) * 0.3
+    ids, adv = torch.randint(0, V, (1, N)), torch.randn(1)
+    mask = torch.ones(1, N)
+
+    def run(trainable: bool):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        rec = Record()
+        with rec:
+            out = fused_linear_grpo_loss(h, w, ids, adv, mask, loss_type="dapo", chunk_size=chunk, backend="torch")
+            out.loss.backward()
+        return h.grad, w.grad, rec
+
+    g_frozen, w_frozen, frozen = run(False)
+    g_train, w_train, trainable = run(True)
+    assert w_frozen is None and w_train is not None
+    torch.testing.assert_close(g_frozen, g_train, rtol=1e-6, atol=1e-7)
+    chunks = N // chunk
+    assert frozen.matmuls == 2 * chunks and trainable.matmuls == 3 * chunks
+    assert (V, H) not in frozen.shapes and (V, H) in trainable.shapes
+
+
+# ---------------------------------------------------------------------------- DDP and FSDP2 (2 CPU ranks, gloo)
+def worker_data_parallel(out: str) -> None:
+    """Under torchrun: a LoRA run with beta > 0 under DDP and under FSDP2, and under FSDP2 the same run
+    interrupted after 1 of 2 steps then resumed."""
+    import os
+
+    from grpo import distributed
+
+    distributed.setup("ddp")
+    base = os.path.dirname(out)
+    results = {kind: data_parallel_runs(kind, base) for kind in ("ddp", "fsdp")}
+    if distributed.is_main_process():
+        torch.save(results, out)
+    distributed.teardown()
+
+
+def data_parallel_runs(kind: str, base: str) -> dict:
+    import dataclasses
+    import os
+
+    def run(name, **kw):
+        model, tokenizer = build_model_and_tokenizer(seed=0)
+        initial = base_weights(model)
+        cfg = GRPOConfig(
+            output_dir=os.path.join(base, f"{kind}-{name}"), num_steps=2, prompts_per_step=2, num_generations=2,
+            max_new_tokens=6, learning_rate=1e-2, beta=0.05, backend="torch", progress=False, plot=False,
+            save_every=0, distributed=kind, use_peft=True, lora_r=4, lora_alpha=8,
+        )
+        records = train(model, tokenizer, problems()[:12], REWARDS, dataclasses.replace(cfg, **kw))
+        return records, adapter_weights(model), initial, base_weights(model)
+
+    straight = run("straight")
+    if kind == "ddp":  # (DDP checkpoints as one process does, which the tests above resume)
+        return {"straight": straight, "resumed": None}
+    run("resumed", num_steps=1)
+    return {"straight": straight, "resumed": run("resumed", resume=True)}
+
+
+def test_lora_on_two_ranks_trains_adapters_and_resumes_exactly(tmp_path):
+    from tests.test_distributed import torchrun
+
+    out = tmp_path / "data_parallel.pt"
+    torchrun([__file__, str(out)])
+    results = torch.load(out, weights_only=False)
+    for kind in ("ddp", "fsdp"):
+        check_data_parallel_run(results[kind], tmp_path / f"{kind}-straight")
+
+
+def check_data_parallel_run(result: dict, output_dir) -> None:
+    straight, adapters, initial, final = result["straight"]
+    assert all(r["grad_norm"] > 0 for r in straight) and adapters
+    for k, v in initial.items():
+        assert torch.equal(final[k], v), k  # the base stays bit-identical
+    assert (output_dir / "adapter" / "adapter_model.safetensors").exists()
+    if result["resumed"] is None:
+        return
+    resumed, adapters_resumed, _, _ = result["resumed"]
+    for k, v in adapters.items():
+        assert torch.equal(adapters_resumed[k], v), k
+    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
+        {k: v for k, v in r.items() if k not in drop} for r in straight]
+
+
+if __name__ == "__main__":
+    worker_data_parallel(sys.argv[1])
