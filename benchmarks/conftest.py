@@ -9,6 +9,13 @@
 - Copy bandwidth and matmul rate (for the fraction-of-ceiling figures) are read from
   ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS`` when set (``gpu_check.sh`` measures them
   once), else measured once per session.
+- After timing, each case is checked against ``grpo_kernels.reference`` on the same inputs (every
+  output and gradient, dtype-fit tolerances; cases with large ``[N, V]`` on their first rows): a
+  disagreement fails the case. ``GRPO_BENCH_CHECK=0`` turns the check off.
+- A case that cannot run here (an implementation not installed or not on this device, a shape that
+  does not fit the free memory, out of memory) is skipped with the reason, and so is an operation the
+  set has no case for; an unknown ``GRPO_BENCH_SET`` skips everything, naming the known sets.
+- ``--benchmark-disable`` (CI's smoke run) executes every case once, with its memory run and check.
 - TRITON_INTERPRET is never set here: Triton is benchmarked on CUDA only.
 """
 
@@ -52,17 +59,31 @@ def bench_device() -> torch.device:
 
 
 def pytest_generate_tests(metafunc):
+    """One parameter per case of the set for the module's ``OP``; a set with no case for it here (no
+    implementation on this device, ``GRPO_BENCH_IMPLS`` excluding them all, an unknown set name) gives
+    one skipped item that says why, so the run goes on (an empty parametrisation would reach the
+    hooks below as pytest's NOTSET placeholder)."""
     if "case" not in metafunc.fixturenames:
         return
     op = getattr(metafunc.module, "OP")
-    selected = [c for c in H.cases(bench_set(metafunc.config), bench_device().type) if c.op == op]
+    device = bench_device().type
+    try:
+        selected = [c for c in H.cases(bench_set(metafunc.config), device) if c.op == op]
+        reason = (f"the {bench_set(metafunc.config)!r} set has no {op} case on {device} (implementations here: "
+                  f"{', '.join(H.implementations(device)) or 'none'})")
+    except ValueError as exc:  # an unknown set name
+        selected, reason = [], str(exc)
+    if not selected:
+        H.SKIPPED.append((op, reason))
+        metafunc.parametrize("case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["no-case"])
+        return
     metafunc.parametrize("case", selected, ids=[c.id.replace(op + "-", "") for c in selected])
 
 
 def pytest_collection_modifyitems(config, items):
     def priority(item):
         case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        return case.priority if case is not None else 100
+        return case.priority if isinstance(case, H.Case) else 100
 
     items.sort(key=priority)  # stable: file and parameter order within a priority
 
@@ -139,6 +160,15 @@ def run_case(benchmark, ceilings, request):
         stats = getattr(getattr(benchmark, "stats", None), "stats", None)
         median = getattr(stats, "median", None)
         benchmark.extra_info.update(H.throughput(case, median, *ceilings))
+        if os.environ.get("GRPO_BENCH_CHECK", "1") != "0":
+            for r in runners:  # the timed inputs go before the check builds its own
+                r.close()
+            runners.clear()
+            agreement = H.check_agreement(case, device)
+            benchmark.extra_info["agreement"] = agreement
+            if not agreement["ok"]:
+                H.DISAGREED.append(H.format_agreement(case, agreement))
+                pytest.fail("disagrees with the reference: " + H.format_agreement(case, agreement), pytrace=False)
         H.RESULTS.append(dict(benchmark.extra_info, median_s=median))
 
     yield _run
@@ -164,6 +194,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if checks:
         terminalreporter.section("fused-linear peak memory checks")
         terminalreporter.write_line(H.format_checks(checks))
+    if H.DISAGREED:
+        terminalreporter.section("benchmark cases that disagree with the reference")
+        for line in H.DISAGREED:
+            terminalreporter.write_line(line)
     if H.SKIPPED:
         terminalreporter.section("benchmark cases not run")
         for case, reason in H.SKIPPED:
