@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -88,6 +89,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=priority)  # stable: file and parameter order within a priority
 
 
+def _budget_s() -> Optional[float]:
+    value = os.environ.get("GRPO_BENCH_BUDGET_S")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"GRPO_BENCH_BUDGET_S must be a number of seconds, got {value!r}") from None
+
+
+def pytest_configure(config):
+    _budget_s()  # a malformed budget is a usage error before anything runs
+
+
+def pytest_runtest_setup(item):
+    """Past ``GRPO_BENCH_BUDGET_S``, every benchmark still to start is skipped (any file's), so the
+    results JSON is written before an outer timeout."""
+    budget = _budget_s()
+    if budget is not None and time.monotonic() - _START > budget:
+        H.SKIPPED.append((item.name, "time budget spent"))
+        pytest.skip("GRPO_BENCH_BUDGET_S spent")
+
+
 @pytest.fixture(scope="session")
 def ceilings():
     """(copy GB/s, matmul TFLOP/s) of this machine, from the environment or measured once on a GPU.
@@ -130,10 +154,6 @@ def run_case(benchmark, ceilings, request):
     runners = []
 
     def _run(case: H.Case):
-        budget = os.environ.get("GRPO_BENCH_BUDGET_S")
-        if budget and time.monotonic() - _START > float(budget):
-            H.SKIPPED.append((case.id, "time budget spent"))
-            pytest.skip("GRPO_BENCH_BUDGET_S spent")
         device = bench_device()
         reason = None
         try:

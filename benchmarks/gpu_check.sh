@@ -8,12 +8,18 @@
 #      side by side with Liger-Kernel (fused_selective_log_softmax, triton_grpo_loss,
 #      LigerFusedLinearGRPOLoss) and TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
 #      whenever they are importable
-#   4. the report                                                         -> OUT_DIR/gpu.md (+ PNGs)
+#   3b. one full GRPO step, ours vs TRL (benchmarks/trainer_step.py; with the smoke set its --quick run)
+#                                                                         -> OUT_DIR/trainer_step-*.{md,jsonl}
+#   4. the report (the trainer step's table appended)                    -> OUT_DIR/gpu.md (+ PNGs)
 #
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (or OUT_DIR=...; default benchmarks/results/gpu-<date>)
 # Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 345), TEST_TIMEOUT_S
-# (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report).
-# Dry run without a GPU: GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke TEST_TIMEOUT_S=30 bash benchmarks/gpu_check.sh /tmp/x
+# (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report),
+# GPU_CHECK_KERNEL_TESTS=0 (skip the kernel test files of step 2: CI has just run them),
+# TRAINER_STEP_S (seconds kept for step 3b, default 100; 0 skips it).
+# Dry run without a GPU (what CI runs, `make gpu-check-dry`):
+#   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 bash benchmarks/gpu_check.sh /tmp/x
+# The smoke set also sets GRPO_LC_SET=smoke (bench_long_context.py's tiny lengths) unless given.
 #
 # Comparators without network: put their wheels in .whl/ (git-ignored; WHEEL_DIR overrides) on a
 # machine that has network, before the run; the lent machine copies the working tree, ignored
@@ -43,6 +49,8 @@ fail() { local rc=$1; shift; log "FAILED ($rc): $*"; if [ "$STATUS" -eq 0 ]; the
 
 # --- 0. a CUDA device, and what it is -------------------------------------------------------------
 BENCH_SET=${GPU_CHECK_SET:-gpu}
+TRAINER_STEP_S=${TRAINER_STEP_S:-100}
+if [ "$BENCH_SET" = smoke ]; then export GRPO_LC_SET=${GRPO_LC_SET:-smoke}; fi
 if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
     log "no CUDA device visible to torch: nothing to check"
     exit 3
@@ -92,7 +100,9 @@ shopt -s nullglob
 KERNEL_TESTS=(tests/test_token_logprobs*.py tests/test_grpo_loss*.py tests/test_fused_linear*.py tests/test_kernel*.py tests/test_triton*.py)
 shopt -u nullglob
 LEFT=$((TEST_END - SECONDS))
-if [ "${#KERNEL_TESTS[@]}" -gt 0 ] && [ "$LEFT" -gt 10 ]; then
+if [ "${GPU_CHECK_KERNEL_TESTS:-1}" = 0 ]; then
+    log "kernel test files skipped (GPU_CHECK_KERNEL_TESTS=0)"
+elif [ "${#KERNEL_TESTS[@]}" -gt 0 ] && [ "$LEFT" -gt 10 ]; then
     log "kernel test files (${KERNEL_TESTS[*]}), ${LEFT}s left for tests"
     rc=0
     timeout "$LEFT" $PY -m pytest "${KERNEL_TESTS[@]}" -q -m "not gpu and not slow" -p no:cacheprovider \
@@ -105,7 +115,7 @@ fi
 
 # --- 3. the GPU benchmark set, time-budgeted so the JSON is always written ------------------------
 REPORT_RESERVE=30
-BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - 45))  # 45 s: the last case's overrun + startup
+BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - TRAINER_STEP_S - 45))  # 45 s: the last case's overrun + startup
 if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
 log "benchmarks ($BENCH_SET set), budget ${BUDGET}s for starting cases"
 rc=0
@@ -117,11 +127,30 @@ grep -A40 "fused-linear peak memory checks" "$OUT_DIR/bench.log" | tee -a "$LOG"
 tail -n 2 "$OUT_DIR/bench.log" | tee -a "$LOG"
 if [ "$rc" -ne 0 ]; then fail "$rc" "benchmarks (124 = timed out)"; fi
 
+# --- 3b. one full GRPO step: ours (fused / reference loss) vs TRL (stock / patched) -----------------
+# After the kernel cases (the headline numbers come first); the smoke set runs its CI-sized --quick.
+TRAINER_MD=""
+if [ "$TRAINER_STEP_S" -gt 0 ]; then
+    if [ "$BENCH_SET" = smoke ]; then STEP_ARGS=(--quick); else STEP_ARGS=(--rounds 1 --timeout $((TRAINER_STEP_S / 2))); fi
+    log "trainer step (${STEP_ARGS[*]}), at most ${TRAINER_STEP_S}s"
+    rc=0
+    timeout "$TRAINER_STEP_S" $PY -m benchmarks.trainer_step "${STEP_ARGS[@]}" --out-dir "$OUT_DIR" \
+        > "$OUT_DIR/trainer_step.log" 2>&1 || rc=$?
+    grep "^\[trainer_step\]" "$OUT_DIR/trainer_step.log" | tee -a "$LOG" || true
+    if [ "$rc" -ne 0 ]; then fail "$rc" "benchmarks.trainer_step (124 = timed out)"; fi
+    shopt -s nullglob
+    for f in "$OUT_DIR"/trainer_step-*.md; do TRAINER_MD="$f"; done
+    shopt -u nullglob
+fi
+
 # --- 4. report ------------------------------------------------------------------------------------
 if [ -s "$OUT_DIR/gpu.json" ]; then
     log "report"
     $PY -m benchmarks.report "$OUT_DIR/gpu.json" --env "$OUT_DIR/env.json" \
         --title "grpo-kernels benchmarks: GPU set" >> "$LOG" 2>&1 || fail $? "benchmarks.report"
+    if [ -n "$TRAINER_MD" ] && [ -s "$OUT_DIR/gpu.md" ]; then
+        { echo; cat "$TRAINER_MD"; } >> "$OUT_DIR/gpu.md"
+    fi
 else
     fail 1 "no gpu.json written"
 fi

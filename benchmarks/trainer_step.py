@@ -467,8 +467,9 @@ def _vllm_rollout(model, tokenizer, cfg, out_dir):
     path = os.path.join(out_dir, "policy")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    dtype = "bfloat16" if next(model.parameters()).is_cuda and cfg.bf16 else "float32"  # as the trainer's autocast
     return VLLMRollout(path, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       seed=cfg.seed, eos_token_id=1)
+                       dtype=dtype, seed=cfg.seed, eos_token_id=1)
 
 
 register(Side("ours", "grpo.trainer, fused loss (backend auto)", run_ours))
