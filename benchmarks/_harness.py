@@ -105,17 +105,13 @@ def implementations(device: str) -> List[str]:
 
     Triton on a CPU runs only in its interpreter, far too slow to time: it is left out there.
     """
-    impls = ["reference", "torch"]
-    if device == "cuda":
-        impls.append("triton")
-    if liger_available():
-        impls.append("liger")
-    if trl_available():
-        impls.append("trl")
+    impls = ["reference", "torch"] + (["triton"] if device == "cuda" else []) + ["liger", "trl"]
     only = os.environ.get("GRPO_BENCH_IMPLS")
     if only:
         impls = [i for i in impls if i in only.split(",")]
-    return impls
+    # (the peers are imported only when asked for: importing them takes seconds)
+    available = {"liger": liger_available, "trl": trl_available}
+    return [i for i in impls if i not in available or available[i]()]
 
 
 def cpu_cases(impls: List[str]) -> List[Case]:

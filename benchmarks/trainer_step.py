@@ -93,7 +93,7 @@ SHAPES = {
     # CI's: seconds per side
     "tiny": Shape(4096, 64, 128, 2, 2, 1, prompts_per_step=2, num_generations=4, max_new_tokens=16, prompt_tokens=12),
     # the real Qwen2/2.5 vocabulary on a small body (benchmarks/long_context.py's model): the head dominates
-    "qwen-vocab": Shape(151936, 256, 1024, 4, 4, 2, prompts_per_step=2, num_generations=8, max_new_tokens=64,
+    "qwen-vocab": Shape(151936, 256, 1024, 4, 4, 2, prompts_per_step=2, num_generations=4, max_new_tokens=32,
                         prompt_tokens=32),
     # Qwen2.5-0.5B's shape (24 layers, H 896, V 151,936), random weights: the GPU set's
     "qwen2.5-0.5b": Shape(151936, 896, 4864, 24, 14, 2, prompts_per_step=4, num_generations=8, max_new_tokens=128,
