@@ -223,6 +223,7 @@ class StepMeter:
         self.rss_start_kib = _status_kib("VmRSS")
         if self.device.type == "cuda":
             self.torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_start = self.torch.cuda.memory_allocated(self.device)
         self.start = time.perf_counter()
 
     def end(self) -> dict:
@@ -240,6 +241,7 @@ class StepMeter:
         }
         if self.device.type == "cuda":
             out["cuda_peak_allocated_mib"] = self.torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["cuda_start_allocated_mib"] = self.cuda_start / 2**20
         return out
 
 
@@ -489,8 +491,13 @@ def child(shape_name: str, *side_names: str) -> int:
 
     import torch
 
+    import gc
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name in side_names:
+        gc.collect()  # (several sides in one process: the previous one's model and trainer go first)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         try:
             result = {"side": name, **SIDES[name].run(SHAPES[shape_name], device)}
         except Exception as exc:
@@ -581,7 +588,7 @@ def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, s
         f"{cond['date']}; {cond.get('gpu_name') or cond.get('cpu_model', '?')}, {cond.get('cpu_count', '?')} CPUs "
         f"(torch threads {cond['side_threads'] or cond['torch_threads']}); torch {cond.get('torch')}, transformers {cond.get('transformers')}, "
         f"trl {cond.get('trl')}; {cond['dtype']}; {cond['rounds']} interleaved round(s), "
-        + ("each side in a fresh process, " if cond["process_per_side"] else "all sides in one process (--quick: a smoke run), ")
+        + ("each side in a fresh process, " if cond["process_per_side"] else "all sides in one process, ")
         + f"{WARMUP_STEPS} warm-up step then the measured one; medians; ratios are per-round ratios to `ours`, medianed.",
         "",
     ]
@@ -615,11 +622,16 @@ def main(argv=None) -> int:
     if argv[:1] == ["child"]:
         return child(*argv[1:])
     parser.add_argument("--quick", action="store_true",
-                        help="shape tiny, 1 round, every side in one process with 1 thread (CI's smoke run; under a minute)")
+                        help="shape tiny, 1 round, --one-process, 1 thread (CI's smoke run; under a minute)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="all sides of a round in one process (saves the start-ups; CUDA peaks stay per step, "
+                             "the RSS of a later side includes what the earlier ones left)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per process (default 120 quick, else 900)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per process (default 120 with --quick, else 900); a process past it loses the "
+                             "sides it had not finished (reported as failed), the tables are still written")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the side processes (default: torch's own; 1 with --quick)")
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -654,13 +666,13 @@ def main(argv=None) -> int:
     sections = []
     with open(stem + ".jsonl", "a") as jsonl:
         for shape in shapes:
-            cond = {**conditions(shape, rounds, args.quick), "side_threads": threads,
-                    "process_per_side": not args.quick}
+            one_process = args.quick or args.one_process
+            cond = {**conditions(shape, rounds, args.quick), "side_threads": threads, "process_per_side": not one_process}
             records = []
             for rnd in range(rounds):
                 order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # rotate: interleaved, no fixed position
-                # a fresh process per side; --quick: all of them in one (a smoke run, not a measurement)
-                batches = [order] if args.quick else [[side] for side in order]
+                # a fresh process per side; --quick / --one-process: all of them in one
+                batches = [order] if one_process else [[side] for side in order]
                 results = [(side, r) for batch in batches for side, r in zip(batch, run_child(batch, shape, timeout, threads))]
                 for side, result in results:
                     record = {"shape": shape, "side": side, "round": rnd, **result}
