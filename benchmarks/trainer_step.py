@@ -315,7 +315,8 @@ def run_ours(shape: Shape, device, backend: str = "auto", rollout_factory: Optio
         "optimizer": measured["optimizer_s"],
     }
     batch = shape.prompts_per_step * shape.num_generations
-    return {**measured, "phases": phases_with_other(measured["step_s"], phases),
+    weights = str(next(model.parameters()).dtype).replace("torch.", "")
+    return {**measured, "phases": phases_with_other(measured["step_s"], phases), "weights": weights,
             "completion_tokens": round(record["completion_length/mean"] * batch), "loss": record.get("loss"),
             "reward": record.get("reward"), "kl": record.get("kl")}
 
@@ -447,7 +448,8 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
         "optimizer": measured["optimizer_s"],
     }
     # what _prepare_inputs does besides the three phases (advantages, bookkeeping) is in "other"
-    return {**measured, "phases": phases_with_other(measured["step_s"], phases), "log_prob_head": head,
+    weights = str(next(trainer.model.parameters()).dtype).replace("torch.", "")
+    return {**measured, "phases": phases_with_other(measured["step_s"], phases), "log_prob_head": head, "weights": weights,
             "completion_tokens": round(logged.get("completions/mean_length", float("nan")) * P * G),
             "loss": logged.get("loss"), "reward": logged.get("reward"), "kl": logged.get("kl")}
 
@@ -615,6 +617,25 @@ def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, s
     return "\n".join(lines)
 
 
+def render_jsonl(path: str) -> int:
+    """The tables of the records in ``path`` (every shape in it), written to the ``.md`` beside it."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    sections = []
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        mine = [r for r in records if r["shape"] == shape]
+        cond = {**mine[-1]["conditions"], "rounds": len({r["round"] for r in mine})}
+        sections.append(markdown(shape, summarise(mine), cond, {}))
+    text = TITLE + "\n\n".join(sections) + "\n"
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+TITLE = "## One GRPO step: ours vs TRL (`python -m benchmarks.trainer_step`)\n\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     if argv is None:
@@ -636,7 +657,11 @@ def main(argv=None) -> int:
                         help="OMP_NUM_THREADS of the side processes (default: torch's own; 1 with --quick)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--list", action="store_true", help="print the shapes and sides and exit")
+    parser.add_argument("--report", metavar="JSONL", help="only render the tables of an earlier run's JSONL "
+                        "(e.g. one stopped early: its finished rounds) into the .md beside it")
     args = parser.parse_args(argv)
+    if args.report:
+        return render_jsonl(args.report)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -687,7 +712,7 @@ def main(argv=None) -> int:
                               f"{result['step_peak_rss_mib']:,.0f} MiB, {result['completion_tokens']} completion tokens",
                               flush=True)
             sections.append(markdown(shape, summarise(records), cond, skipped))
-    text = "## One GRPO step: ours vs TRL (`python -m benchmarks.trainer_step`)\n\n" + "\n\n".join(sections) + "\n"
+    text = TITLE + "\n\n".join(sections) + "\n"
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
