@@ -698,19 +698,19 @@ def main(argv=None) -> int:
                 order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # rotate: interleaved, no fixed position
                 # a fresh process per side; --quick / --one-process: all of them in one
                 batches = [order] if one_process else [[side] for side in order]
-                results = [(side, r) for batch in batches for side, r in zip(batch, run_child(batch, shape, timeout, threads))]
-                for side, result in results:
-                    record = {"shape": shape, "side": side, "round": rnd, **result}
-                    records.append(record)
-                    jsonl.write(json.dumps({**record, "conditions": cond}) + "\n")
-                    jsonl.flush()
-                    if "error" in result:
-                        failed = True
-                        print(f"[trainer_step] {shape} round {rnd} {side}: FAILED {result['error']}", flush=True)
-                    else:
-                        print(f"[trainer_step] {shape} round {rnd} {side}: step {result['step_s']:.2f} s, step peak RSS "
-                              f"{result['step_peak_rss_mib']:,.0f} MiB, {result['completion_tokens']} completion tokens",
-                              flush=True)
+                for batch in batches:
+                    for side, result in zip(batch, run_child(batch, shape, timeout, threads)):
+                        record = {"shape": shape, "side": side, "round": rnd, **result}
+                        records.append(record)
+                        jsonl.write(json.dumps({**record, "conditions": cond}) + "\n")
+                        jsonl.flush()
+                        if "error" in result:
+                            failed = True
+                            print(f"[trainer_step] {shape} round {rnd} {side}: FAILED {result['error']}", flush=True)
+                        else:
+                            print(f"[trainer_step] {shape} round {rnd} {side}: step {result['step_s']:.2f} s, step peak RSS "
+                                  f"{result['step_peak_rss_mib']:,.0f} MiB, {result['completion_tokens']} completion tokens",
+                                  flush=True)
             sections.append(markdown(shape, summarise(records), cond, skipped))
     text = TITLE + "\n\n".join(sections) + "\n"
     with open(stem + ".md", "w") as f:
