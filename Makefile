@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 TORCH_EXTRA_INDEX_URL ?=
 TORCH_PIP_ARGS := $(strip $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(if $(TORCH_EXTRA_INDEX_URL),--extra-index-url $(TORCH_EXTRA_INDEX_URL)))
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-ci bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,23 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory bench-ci
+
+# After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with
+# the smoke set, where every kernel case runs once (one timed round) and is checked against the
+# reference, then `trainer_step --quick`; it must exit 0 and write its report. (bench-smoke: the same
+# cases under --benchmark-disable.) One thread: tiny shapes, and two spin-wait on a loaded machine.
+BENCH_CI_DIR ?= /tmp/grpo-bench-ci
+bench-ci: install
+	rm -rf $(BENCH_CI_DIR)
+	GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 OMP_NUM_THREADS=1 PYTHON=$(abspath $(PY)) \
+		GPU_CHECK_BENCH_ARGS=--ignore=benchmarks/bench_long_context.py bash benchmarks/gpu_check.sh $(BENCH_CI_DIR)
+	test -s $(BENCH_CI_DIR)/gpu.md && test -s $(BENCH_CI_DIR)/gpu.json && ls $(BENCH_CI_DIR)/trainer_step-*.md
+	! grep -q '"time budget spent"' $(BENCH_CI_DIR)/gpu.json
+
+bench-smoke: install
+	GRPO_BENCH_SET=smoke OMP_NUM_THREADS=1 $(PY) -m pytest benchmarks/ --benchmark-disable -q -p no:cacheprovider \
+		--ignore=benchmarks/bench_long_context.py
 
 bench: install
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results/cpu.json -q

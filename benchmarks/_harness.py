@@ -17,6 +17,7 @@ CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import os
@@ -35,6 +36,8 @@ PASSES = ("fwd", "fwd+bwd")
 RESULTS: List[dict] = []
 # Cases that did not run: (case id, reason), reported in the results JSON.
 SKIPPED: List[Tuple[str, str]] = []
+# Cases whose outputs disagree with the reference's (the message), for the end of the session.
+DISAGREED: List[str] = []
 
 
 class Unavailable(Exception):
@@ -102,17 +105,13 @@ def implementations(device: str) -> List[str]:
 
     Triton on a CPU runs only in its interpreter, far too slow to time: it is left out there.
     """
-    impls = ["reference", "torch"]
-    if device == "cuda":
-        impls.append("triton")
-    if liger_available():
-        impls.append("liger")
-    if trl_available():
-        impls.append("trl")
+    impls = ["reference", "torch"] + (["triton"] if device == "cuda" else []) + ["liger", "trl"]
     only = os.environ.get("GRPO_BENCH_IMPLS")
     if only:
         impls = [i for i in impls if i in only.split(",")]
-    return impls
+    # (the peers are imported only when asked for: importing them takes seconds)
+    available = {"liger": liger_available, "trl": trl_available}
+    return [i for i in impls if i not in available or available[i]()]
 
 
 def cpu_cases(impls: List[str]) -> List[Case]:
@@ -182,8 +181,7 @@ def smoke_cases(impls: List[str]) -> List[Case]:
             for pass_ in PASSES:
                 if (impl == "liger" and op == "token_logprobs" and pass_ == "fwd+bwd") or impl == "trl":
                     continue
-                for n in (64, 128):
-                    out.append(Case(op, impl, n, 1024, "fp32", pass_, T=32, rounds=1))
+                out.append(Case(op, impl, 128, 1024, "fp32", pass_, T=32, rounds=1))
     for impl in _impls_for("fused_linear_grpo_loss", impls):
         for n in (64, 128):
             out.append(Case("fused_linear_grpo_loss", impl, n, 1024, "fp32", "fwd+bwd", T=32, H=64, rounds=1, sweep=True))
@@ -203,11 +201,16 @@ def _impls_for(op: str, impls: List[str]) -> List[str]:
     return [i for i in impls if i != "trl"]
 
 
+SETS = {"cpu": cpu_cases, "gpu": gpu_cases, "smoke": smoke_cases}
+
+
 def cases(bench_set: str, device: str) -> List[Case]:
-    impls = implementations(device)
-    if bench_set == "smoke":
-        return smoke_cases(impls)
-    return gpu_cases(impls) if bench_set == "gpu" else cpu_cases(impls)
+    """The cases of ``bench_set`` ("cpu", "gpu" or "smoke") with the implementations available on
+    ``device``; ``ValueError`` naming the set for any other name."""
+    if bench_set not in SETS:
+        raise ValueError(f"unknown benchmark set {bench_set!r} (GRPO_BENCH_SET / --bench-set): choose from "
+                         f"{', '.join(SETS)} or auto")
+    return SETS[bench_set](implementations(device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,9 +227,10 @@ class Runner:
     device: torch.device
     inputs: dict = field(default_factory=dict)
 
-    def __call__(self) -> None:
-        self.fn()
+    def __call__(self) -> dict:
+        out = self.fn()
         _sync(self.device)  # the timer must see the device's work, not just the launches
+        return out
 
     def close(self) -> None:
         self.inputs.clear()
@@ -301,6 +305,9 @@ def _first(x):
 def build(case: Case, device: torch.device) -> Runner:
     """Inputs for ``case`` on ``device`` (made once) and the function that runs it.
 
+    The function returns the case's outputs by name (:data:`OUTPUTS`: the loss or log-probs, and in
+    ``fwd+bwd`` the gradients), which :func:`check_agreement` compares with the reference's.
+
     The GRPO settings are TRL's defaults: on-policy (``old_logps=None``), ``beta=0``, ``eps=0.2``,
     ``loss_type="dapo"``, every token in the mask. From-logits operations read the strided view
     ``model_logits[:, :-1]`` of a ``[B, T+1, V]`` tensor, as a trainer does; Liger-Kernel's
@@ -314,6 +321,7 @@ def build(case: Case, device: torch.device) -> Runner:
         raise Unavailable("liger_kernel is not installed")
     if case.impl == "trl" and case.op not in ("fused_linear_grpo_loss", "fused_linear_token_logprobs"):
         raise Unavailable("TRL has a fused head only")
+    check_fits(case, device)
     dtype = DTYPES[case.dtype]
     grad = case.pass_ == "fwd+bwd"
     B, T, V = case.B, case.T, case.V
@@ -334,32 +342,38 @@ def build(case: Case, device: torch.device) -> Runner:
                 sel = _liger_selective_log_softmax()
 
                 def run():
-                    sel(buf, ids, 1.0)
+                    return {"logp": sel(buf, ids, 1.0)}
             else:
                 def run():
                     with torch.set_grad_enabled(grad):
                         logp = gk.token_logprobs(logits, ids, backend=backend)
+                        out = {"logp": logp}
                         if grad:
-                            torch.autograd.grad(logp.sum(), [logits])
+                            out["grad_logits"], = torch.autograd.grad(logp.sum(), [logits])
+                        return out
         else:
             if case.impl == "liger":
                 liger = _liger_grpo()
 
                 def run():
                     with torch.set_grad_enabled(grad):
-                        out = liger(buf, None, None, ids, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2,
+                        res = liger(buf, None, None, ids, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2,
                                     eps_high=0.2, inplace=False)
-                        loss = _first(out)
+                        loss = _first(res)
                         if loss.dim() > 0:  # older Liger returns per-token losses
                             loss = (loss * mask).sum() / mask.sum()
+                        out = {"loss": loss}
                         if grad:
-                            torch.autograd.grad(loss, [buf])
+                            out["grad_logits"] = torch.autograd.grad(loss, [buf])[0][:, :-1]  # (its last position: 0)
+                        return out
             else:
                 def run():
                     with torch.set_grad_enabled(grad):
-                        out = gk.grpo_loss(logits, ids, adv, mask, backend=backend)
+                        res = gk.grpo_loss(logits, ids, adv, mask, backend=backend)
+                        out = {"loss": res.loss, "logp": res.per_token_logps}
                         if grad:
-                            torch.autograd.grad(out.loss, [logits])
+                            out["grad_logits"], = torch.autograd.grad(res.loss, [logits])
+                        return out
     elif case.op == "fused_linear_grpo_loss":
         # dapo with beta = 0.04: old and reference log-probs near the current ones, as in training.
         H = case.H
@@ -370,14 +384,19 @@ def build(case: Case, device: torch.device) -> Runner:
         old = logp + 0.1 * torch.randn_like(logp)
         ref = logp + 0.1 * torch.randn_like(logp)
         inputs.update(hidden=hidden, weight=weight, old=old, ref=ref)
+
+        def finish(loss):
+            out = {"loss": loss}
+            if grad:
+                out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(loss, [hidden, weight])
+            return out
+
         if case.impl == "liger":
             module = _liger_fused_linear(case)
 
             def run():
                 with torch.set_grad_enabled(grad):
-                    loss = _first(module(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old))
-                    if grad:
-                        torch.autograd.grad(loss, [hidden, weight])
+                    return finish(_first(module(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)))
         elif case.impl == "trl":
             head = _trl_fused_head()
             from grpo_kernels import objective
@@ -390,39 +409,182 @@ def build(case: Case, device: torch.device) -> Runner:
                 with torch.set_grad_enabled(grad):
                     lp, ent = head.apply(hidden.reshape(-1, H), weight, None, ids.reshape(-1), 1.0, 32768, None, 1.0,
                                          ("entropy",))[:2]
-                    out = objective.grpo_loss_from_logprobs(lp.view(B, T), ent.view(B, T), adv, mask, grpo_inputs, options)
-                    if grad:
-                        torch.autograd.grad(out.loss, [hidden, weight])
+                    res = objective.grpo_loss_from_logprobs(lp.view(B, T), ent.view(B, T), adv, mask, grpo_inputs, options)
+                    return finish(res.loss)
         else:
             def run():
                 with torch.set_grad_enabled(grad):
-                    out = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=old, ref_logps=ref,
+                    res = gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=old, ref_logps=ref,
                                                     beta=FUSED_LINEAR_BETA, backend=backend)
-                    if grad:
-                        torch.autograd.grad(out.loss, [hidden, weight])
+                    return finish(res.loss)
     elif case.op == "fused_linear_token_logprobs":
         H = case.H
         hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(grad)
         weight = (torch.randn(V, H, device=device, dtype=torch.float32) / H**0.5).to(dtype).requires_grad_(grad)
         inputs.update(hidden=hidden, weight=weight)
+
+        def finish(logp, entropy):
+            out = {"logp": logp.reshape(B, T), "entropy": entropy.reshape(B, T)}
+            if grad:
+                out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
+            return out
+
         if case.impl == "trl":
             trl_head = _trl_logprob_head()
 
             def run():
                 with torch.set_grad_enabled(grad):
-                    logp, entropy = trl_head(hidden.view(-1, H), weight, ids.view(-1))
-                    if grad:
-                        torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
+                    return finish(*trl_head(hidden.view(-1, H), weight, ids.view(-1)))
         else:
             def run():
                 with torch.set_grad_enabled(grad):
-                    logp, entropy = gk.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True,
-                                                                   backend=backend)
-                    if grad:
-                        torch.autograd.grad(logp.sum() + entropy.sum(), [hidden, weight])
+                    return finish(*gk.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True, backend=backend))
     else:
         raise ValueError(f"unknown op {case.op!r}")
     return Runner(run, device, inputs)
+
+
+# The outputs each operation's runner returns (those of ``fwd+bwd`` add the gradients); a peer's
+# runner returns the ones its interface gives (Liger's GRPO loss: no per-token log-probs).
+OUTPUTS = {
+    "token_logprobs": ("logp", "grad_logits"),
+    "grpo_loss": ("loss", "logp", "grad_logits"),
+    "fused_linear_grpo_loss": ("loss", "grad_hidden", "grad_weight"),
+    "fused_linear_token_logprobs": ("logp", "entropy", "grad_hidden", "grad_weight"),
+}
+
+
+def reference_outputs(case: Case, inputs: dict) -> dict:
+    """The case's outputs from ``grpo_kernels.reference`` (plain PyTorch, fp32 ``log_softmax`` over the
+    whole vocabulary) on the same inputs, with the same GRPO settings as :func:`build`'s."""
+    from grpo_kernels import reference as R
+
+    grad = case.pass_ == "fwd+bwd"
+    ids, adv, mask = inputs["ids"], inputs["adv"], inputs["mask"]
+    with torch.set_grad_enabled(grad):
+        if case.op in ("token_logprobs", "grpo_loss"):
+            logits = inputs["buf"].detach().requires_grad_(grad)[:, :-1]
+            if case.op == "token_logprobs":
+                logp = R.token_logprobs(logits, ids)
+                out, target = {"logp": logp}, logp.sum()
+            else:
+                res = R.grpo_loss(logits, ids, adv, mask)
+                out, target = {"loss": res.loss, "logp": res.per_token_logps}, res.loss
+            if grad:
+                out["grad_logits"], = torch.autograd.grad(target, [logits])
+            return out
+        hidden = inputs["hidden"].detach().requires_grad_(grad)
+        weight = inputs["weight"].detach().requires_grad_(grad)
+        if case.op == "fused_linear_grpo_loss":
+            loss = R.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, old_logps=inputs["old"], ref_logps=inputs["ref"],
+                                            beta=FUSED_LINEAR_BETA).loss
+            out, target = {"loss": loss}, loss
+        else:
+            logp, entropy = R.fused_linear_token_logprobs(hidden, weight, ids, return_entropy=True)
+            out, target = {"logp": logp, "entropy": entropy}, logp.sum() + entropy.sum()
+        if grad:
+            out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(target, [hidden, weight])
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# will it fit, and does it agree with the reference
+# --------------------------------------------------------------------------------------------------
+def estimated_bytes(case: Case) -> int:
+    """A lower bound on the memory ``case`` needs: its inputs, their gradients in ``fwd+bwd``, and for
+    the reference three fp32 ``[N, V]`` buffers (logits, ``log_softmax``, its gradient)."""
+    elt = torch.finfo(DTYPES[case.dtype]).bits // 8
+    tokens = case.B * case.T
+    if case.op in ("token_logprobs", "grpo_loss"):
+        inputs = case.B * (case.T + 1) * case.V * elt
+    else:
+        inputs = (tokens + case.V) * case.H * elt
+    grads = inputs if case.pass_ == "fwd+bwd" else 0
+    materialised = 3 * tokens * case.V * 4 if case.impl == "reference" else 0
+    return inputs + grads + materialised
+
+
+def available_bytes(device: torch.device) -> Optional[int]:
+    """Free memory on ``device``: CUDA's free bytes, or the kernel's MemAvailable on a CPU (None if unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(case: Case, device: torch.device) -> None:
+    """:class:`Unavailable` when the case cannot fit in the device's free memory (on a CPU the kernel
+    would kill the whole pytest run instead of raising an out-of-memory error)."""
+    need, free = estimated_bytes(case), available_bytes(device)
+    if free is not None and need > free:
+        raise Unavailable(f"shape too large for this {device.type}: needs at least {need / 2**30:.1f} GiB, "
+                          f"{free / 2**30:.1f} GiB free")
+
+
+# (rtol, atol) of one rounding to the dtype at O(1) magnitudes; atol is scaled by each output's largest
+# magnitude (tests/conftest.py's TOLERANCES, the same figures).
+TOLERANCES = {"fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
+# The largest [N, V] a check materialises (the reference's fp32 logits): larger cases are checked on
+# their first rows (same V, H, dtype, pass and implementation), so a check costs seconds, not minutes.
+CHECK_ELEMENTS = {"cpu": 2**24, "cuda": 2**28}
+
+
+def check_case(case: Case, device: torch.device) -> Case:
+    """``case`` cut to at most ``CHECK_ELEMENTS`` logits (whole rows of ``T`` tokens, T shortened if need be)."""
+    cap = max(64, CHECK_ELEMENTS.get(device.type, 2**24) // case.V)
+    n = min(case.B * case.T, cap)
+    T = min(case.T, n)
+    return dataclasses.replace(case, N=(n // T) * T, T=T, rounds=1)
+
+
+def compare(actual: dict, expected: dict, dtype: str) -> dict:
+    """Per output: the largest error and its bound ``rtol * |e| + atol * max|e|``; NaN or inf where
+    the reference is finite always fails."""
+    rtol, atol = TOLERANCES[dtype]
+    report = {}
+    for name, e in expected.items():
+        if name not in actual:
+            continue
+        a = actual[name].detach().double().cpu().reshape(e.shape)
+        e = e.detach().double().cpu()
+        scale = float(e.abs().max()) if e.numel() else 0.0
+        err = (a - e).abs()
+        bound = rtol * e.abs() + atol * scale
+        finite = bool(torch.isfinite(a).all()) or not bool(torch.isfinite(e).all())
+        worst = float((err / bound.clamp(min=1e-300)).max()) if e.numel() else 0.0
+        report[name] = {"max_abs_err": float(err.max()) if e.numel() else 0.0, "scale": scale,
+                        "err_over_bound": worst, "ok": finite and bool((err <= bound).all())}
+    return report
+
+
+def check_agreement(case: Case, device: torch.device) -> dict:
+    """Run ``case`` (cut by :func:`check_case`) and the reference on the same inputs and compare every
+    output the implementation returns. Returns ``{"checked": {N, T}, "rtol", "atol", "outputs", "ok"}``."""
+    small = check_case(case, device)
+    runner = build(small, device)
+    try:
+        actual = runner()
+        expected = reference_outputs(small, runner.inputs)
+        outputs = compare(actual, expected, case.dtype)
+    finally:
+        runner.inputs.clear()  # (no gc pass: small tensors, freed by reference counting)
+    rtol, atol = TOLERANCES[case.dtype]
+    return {"checked": {"N": small.N, "T": small.T}, "rtol": rtol, "atol": atol, "outputs": outputs,
+            "ok": bool(outputs) and all(o["ok"] for o in outputs.values())}
+
+
+def format_agreement(case: Case, result: dict) -> str:
+    bad = {k: v for k, v in result["outputs"].items() if not v["ok"]}
+    parts = [f"{k}: max |err| {v['max_abs_err']:.3e} = {v['err_over_bound']:.2f}x the bound (scale {v['scale']:.3e})"
+             for k, v in (bad or result["outputs"]).items()]
+    return (f"{case.id} vs grpo_kernels.reference at N={result['checked']['N']} (rtol {result['rtol']}, atol "
+            f"{result['atol']} x max|ref|): " + "; ".join(parts or ["no output to compare"]))
 
 
 # --------------------------------------------------------------------------------------------------

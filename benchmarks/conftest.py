@@ -9,6 +9,13 @@
 - Copy bandwidth and matmul rate (for the fraction-of-ceiling figures) are read from
   ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS`` when set (``gpu_check.sh`` measures them
   once), else measured once per session.
+- After timing, each case is checked against ``grpo_kernels.reference`` on the same inputs (every
+  output and gradient, dtype-fit tolerances; cases with large ``[N, V]`` on their first rows): a
+  disagreement fails the case. ``GRPO_BENCH_CHECK=0`` turns the check off.
+- A case that cannot run here (an implementation not installed or not on this device, a shape that
+  does not fit the free memory, out of memory) is skipped with the reason, and so is an operation the
+  set has no case for; an unknown ``GRPO_BENCH_SET`` skips everything, naming the known sets.
+- ``--benchmark-disable`` (CI's smoke run) executes every case once, with its memory run and check.
 - TRITON_INTERPRET is never set here: Triton is benchmarked on CUDA only.
 """
 
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -52,19 +60,56 @@ def bench_device() -> torch.device:
 
 
 def pytest_generate_tests(metafunc):
+    """One parameter per case of the set for the module's ``OP``; a set with no case for it here (no
+    implementation on this device, ``GRPO_BENCH_IMPLS`` excluding them all, an unknown set name) gives
+    one skipped item that says why, so the run goes on (an empty parametrisation would reach the
+    hooks below as pytest's NOTSET placeholder)."""
     if "case" not in metafunc.fixturenames:
         return
     op = getattr(metafunc.module, "OP")
-    selected = [c for c in H.cases(bench_set(metafunc.config), bench_device().type) if c.op == op]
+    device = bench_device().type
+    try:
+        selected = [c for c in H.cases(bench_set(metafunc.config), device) if c.op == op]
+        reason = (f"the {bench_set(metafunc.config)!r} set has no {op} case on {device} (implementations here: "
+                  f"{', '.join(H.implementations(device)) or 'none'})")
+    except ValueError as exc:  # an unknown set name
+        selected, reason = [], str(exc)
+    if not selected:
+        H.SKIPPED.append((op, reason))
+        metafunc.parametrize("case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["no-case"])
+        return
     metafunc.parametrize("case", selected, ids=[c.id.replace(op + "-", "") for c in selected])
 
 
 def pytest_collection_modifyitems(config, items):
     def priority(item):
         case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        return case.priority if case is not None else 100
+        return case.priority if isinstance(case, H.Case) else 100
 
     items.sort(key=priority)  # stable: file and parameter order within a priority
+
+
+def _budget_s() -> Optional[float]:
+    value = os.environ.get("GRPO_BENCH_BUDGET_S")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"GRPO_BENCH_BUDGET_S must be a number of seconds, got {value!r}") from None
+
+
+def pytest_configure(config):
+    _budget_s()  # a malformed budget is a usage error before anything runs
+
+
+def pytest_runtest_setup(item):
+    """Past ``GRPO_BENCH_BUDGET_S``, every benchmark still to start is skipped (any file's), so the
+    results JSON is written before an outer timeout."""
+    budget = _budget_s()
+    if budget is not None and time.monotonic() - _START > budget:
+        H.SKIPPED.append((item.name, "time budget spent"))
+        pytest.skip("GRPO_BENCH_BUDGET_S spent")
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +154,6 @@ def run_case(benchmark, ceilings, request):
     runners = []
 
     def _run(case: H.Case):
-        budget = os.environ.get("GRPO_BENCH_BUDGET_S")
-        if budget and time.monotonic() - _START > float(budget):
-            H.SKIPPED.append((case.id, "time budget spent"))
-            pytest.skip("GRPO_BENCH_BUDGET_S spent")
         device = bench_device()
         reason = None
         try:
@@ -139,6 +180,15 @@ def run_case(benchmark, ceilings, request):
         stats = getattr(getattr(benchmark, "stats", None), "stats", None)
         median = getattr(stats, "median", None)
         benchmark.extra_info.update(H.throughput(case, median, *ceilings))
+        if case.impl != "reference" and os.environ.get("GRPO_BENCH_CHECK", "1") != "0":  # (the reference is what it is checked against)
+            for r in runners:  # the timed inputs go before the check builds its own
+                r.close()
+            runners.clear()
+            agreement = H.check_agreement(case, device)
+            benchmark.extra_info["agreement"] = agreement
+            if not agreement["ok"]:
+                H.DISAGREED.append(H.format_agreement(case, agreement))
+                pytest.fail("disagrees with the reference: " + H.format_agreement(case, agreement), pytrace=False)
         H.RESULTS.append(dict(benchmark.extra_info, median_s=median))
 
     yield _run
@@ -164,6 +214,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if checks:
         terminalreporter.section("fused-linear peak memory checks")
         terminalreporter.write_line(H.format_checks(checks))
+    if H.DISAGREED:
+        terminalreporter.section("benchmark cases that disagree with the reference")
+        for line in H.DISAGREED:
+            terminalreporter.write_line(line)
     if H.SKIPPED:
         terminalreporter.section("benchmark cases not run")
         for case, reason in H.SKIPPED:

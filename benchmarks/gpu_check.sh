@@ -8,12 +8,21 @@
 #      side by side with Liger-Kernel (fused_selective_log_softmax, triton_grpo_loss,
 #      LigerFusedLinearGRPOLoss) and TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
 #      whenever they are importable
-#   4. the report                                                         -> OUT_DIR/gpu.md (+ PNGs)
+#   3b. one full GRPO step, ours vs TRL (benchmarks/trainer_step.py; with the smoke set its --quick run)
+#                                                                         -> OUT_DIR/trainer_step-*.{md,jsonl}
+#   4. the report (the trainer step's table appended)                    -> OUT_DIR/gpu.md (+ PNGs)
 #
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]      (or OUT_DIR=...; default benchmarks/results/gpu-<date>)
-# Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 345), TEST_TIMEOUT_S
-# (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report).
-# Dry run without a GPU: GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke TEST_TIMEOUT_S=30 bash benchmarks/gpu_check.sh /tmp/x
+# Knobs (env): PYTHON (default python), DEADLINE_S (whole script, default 360), TEST_TIMEOUT_S
+# (default 120), GRPO_BENCH_IMPLS (e.g. reference,triton), GRPO_BENCH_NOTE (free text in the report),
+# GPU_CHECK_KERNEL_TESTS=0 (skip the kernel test files of step 2: CI has just run them),
+# TRAINER_STEP_S (seconds kept for step 3b, default 90, 600 with the smoke set; 0 skips it),
+# GPU_CHECK_BENCH_ARGS (extra pytest arguments for step 3, e.g. --ignore=benchmarks/bench_long_context.py).
+# With the smoke set (a CPU dry run, bounded by no GPU lease; a loaded CPU imports slowly) DEADLINE_S
+# defaults to 1800 and TEST_TIMEOUT_S to 300: CI's own time limit is the guard there.
+# Dry run without a GPU (what CI runs, `make gpu-check-dry`):
+#   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 bash benchmarks/gpu_check.sh /tmp/x
+# The smoke set also sets GRPO_LC_SET=smoke (bench_long_context.py's tiny lengths) unless given.
 #
 # Comparators without network: put their wheels in .whl/ (git-ignored; WHEEL_DIR overrides) on a
 # machine that has network, before the run; the lent machine copies the working tree, ignored
@@ -31,8 +40,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 OUT_DIR=${1:-${OUT_DIR:-benchmarks/results/gpu-$(date -u +%Y%m%d)}}
-DEADLINE_S=${DEADLINE_S:-345}
-TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}
+# (a dry run with the smoke set is not bounded by a GPU lease: a loaded CPU gets more time)
+if [ "${GPU_CHECK_SET:-gpu}" = smoke ]; then DEADLINE_S=${DEADLINE_S:-1800}; else DEADLINE_S=${DEADLINE_S:-360}; fi
+if [ "${GPU_CHECK_SET:-gpu}" = smoke ]; then TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}; else TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}; fi
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 : > "$LOG"
@@ -43,6 +53,8 @@ fail() { local rc=$1; shift; log "FAILED ($rc): $*"; if [ "$STATUS" -eq 0 ]; the
 
 # --- 0. a CUDA device, and what it is -------------------------------------------------------------
 BENCH_SET=${GPU_CHECK_SET:-gpu}
+if [ "$BENCH_SET" = smoke ]; then TRAINER_STEP_S=${TRAINER_STEP_S:-600}; else TRAINER_STEP_S=${TRAINER_STEP_S:-90}; fi
+if [ "$BENCH_SET" = smoke ]; then export GRPO_LC_SET=${GRPO_LC_SET:-smoke}; fi
 if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
     log "no CUDA device visible to torch: nothing to check"
     exit 3
@@ -70,7 +82,12 @@ print('comparators importable: liger_kernel', liger_available(), ', trl chunked_
 
 # --- 1. environment and ceilings (copy bandwidth and matmul rate, measured once) --------------------
 log "machine info, copy bandwidth and matmul rate"
-if ! $PY -m benchmarks.machine --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG"; then
+CEILING_ARGS=()
+# a CPU dry run measures no ceilings (the benchmarks report none on a CPU; a bf16 8192^3 matmul takes minutes)
+if [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+    CEILING_ARGS=(--no-ceilings)
+fi
+if ! $PY -m benchmarks.machine "${CEILING_ARGS[@]}" --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG"; then
     fail 1 "benchmarks.machine"
     $PY -m benchmarks.machine --no-ceilings --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG" || true
 fi
@@ -92,7 +109,9 @@ shopt -s nullglob
 KERNEL_TESTS=(tests/test_token_logprobs*.py tests/test_grpo_loss*.py tests/test_fused_linear*.py tests/test_kernel*.py tests/test_triton*.py)
 shopt -u nullglob
 LEFT=$((TEST_END - SECONDS))
-if [ "${#KERNEL_TESTS[@]}" -gt 0 ] && [ "$LEFT" -gt 10 ]; then
+if [ "${GPU_CHECK_KERNEL_TESTS:-1}" = 0 ]; then
+    log "kernel test files skipped (GPU_CHECK_KERNEL_TESTS=0)"
+elif [ "${#KERNEL_TESTS[@]}" -gt 0 ] && [ "$LEFT" -gt 10 ]; then
     log "kernel test files (${KERNEL_TESTS[*]}), ${LEFT}s left for tests"
     rc=0
     timeout "$LEFT" $PY -m pytest "${KERNEL_TESTS[@]}" -q -m "not gpu and not slow" -p no:cacheprovider \
@@ -105,23 +124,44 @@ fi
 
 # --- 3. the GPU benchmark set, time-budgeted so the JSON is always written ------------------------
 REPORT_RESERVE=30
-BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - 45))  # 45 s: the last case's overrun + startup
+BUDGET=$((DEADLINE_S - (SECONDS - START) - REPORT_RESERVE - TRAINER_STEP_S - 45))  # 45 s: the last case's overrun + startup
 if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
 log "benchmarks ($BENCH_SET set), budget ${BUDGET}s for starting cases"
 rc=0
 GRPO_BENCH_SET="$BENCH_SET" GRPO_BENCH_BUDGET_S="$BUDGET" GRPO_BENCH_COPY_GBPS="$COPY_GBPS" GRPO_BENCH_MATMUL_TFLOPS="$MATMUL_TFLOPS" \
-    timeout $((BUDGET + 60)) $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider \
+    timeout $((BUDGET + 60)) $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider ${GPU_CHECK_BENCH_ARGS:-} \
     --benchmark-json "$OUT_DIR/gpu.json" --benchmark-columns=min,median,max,rounds \
     > "$OUT_DIR/bench.log" 2>&1 || rc=$?
 grep -A40 "fused-linear peak memory checks" "$OUT_DIR/bench.log" | tee -a "$LOG" || true
 tail -n 2 "$OUT_DIR/bench.log" | tee -a "$LOG"
 if [ "$rc" -ne 0 ]; then fail "$rc" "benchmarks (124 = timed out)"; fi
 
+# --- 3b. one full GRPO step: ours (fused / reference loss) vs TRL (stock / patched) -----------------
+# After the kernel cases (the headline numbers come first); the smoke set runs its CI-sized --quick.
+TRAINER_MD=""
+if [ "$TRAINER_STEP_S" -gt 0 ]; then
+    # every side in one process (one start-up); the process's own timeout leaves time for the tables
+    if [ "$BENCH_SET" = smoke ]; then STEP_ARGS=(--quick); else STEP_ARGS=(--rounds 1 --one-process); fi
+    STEP_ARGS+=(--timeout $((TRAINER_STEP_S - 10)))
+    log "trainer step (${STEP_ARGS[*]}), at most ${TRAINER_STEP_S}s"
+    rc=0
+    timeout $((TRAINER_STEP_S + 60)) $PY -m benchmarks.trainer_step "${STEP_ARGS[@]}" --out-dir "$OUT_DIR" \
+        > "$OUT_DIR/trainer_step.log" 2>&1 || rc=$?
+    grep "^\[trainer_step\]" "$OUT_DIR/trainer_step.log" | tee -a "$LOG" || true
+    if [ "$rc" -ne 0 ]; then fail "$rc" "benchmarks.trainer_step (124 = timed out)"; fi
+    shopt -s nullglob
+    for f in "$OUT_DIR"/trainer_step-*.md; do TRAINER_MD="$f"; done
+    shopt -u nullglob
+fi
+
 # --- 4. report ------------------------------------------------------------------------------------
 if [ -s "$OUT_DIR/gpu.json" ]; then
     log "report"
     $PY -m benchmarks.report "$OUT_DIR/gpu.json" --env "$OUT_DIR/env.json" \
         --title "grpo-kernels benchmarks: GPU set" >> "$LOG" 2>&1 || fail $? "benchmarks.report"
+    if [ -n "$TRAINER_MD" ] && [ -s "$OUT_DIR/gpu.md" ]; then
+        { echo; cat "$TRAINER_MD"; } >> "$OUT_DIR/gpu.md"
+    fi
 else
     fail 1 "no gpu.json written"
 fi

@@ -521,6 +521,7 @@ def train_step(
     """Rollouts, rewards, advantages and the update for one batch of prompts; returns the step's log."""
     G = cfg.num_generations
     start = time.perf_counter()
+    clock = PhaseClock(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for group in optimizer.param_groups:
@@ -531,7 +532,7 @@ def train_step(
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
     model.eval()  # sampling and scoring without dropout (LoRA's); the update trains
     rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G).check(len(batch_rows) * G, type(rollout_engine).__name__)
-    generate_time = time.perf_counter() - start
+    generate_time = clock.lap("generate")
 
     # 2. rewards -> advantages
     per_fn, nonfinite = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F] float64, [F]
@@ -544,6 +545,7 @@ def train_step(
     mine = slice(distributed.rank() * len(rewards), (distributed.rank() + 1) * len(rewards))
     advantages = group_advantages(all_rewards, G, std=cfg.advantage_std, scale=cfg.scale_rewards)[mine]
     zero_signal = zero_signal_groups(rewards, G)  # [B/G]
+    clock.lap("score")
 
     # 3. the update, on the groups that carry a signal if so asked
     loss_mask = rollout.completion_mask.clone()
@@ -565,8 +567,10 @@ def train_step(
             batch.old_logps = completion_logps(model, batch, cfg, device)
         if ref_model is not None:
             batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
+        clock.lap("logps")
         model.train()
         update_logs = update(model, optimizer, batch, cfg, device)
+    clock.lap("update")
 
     # 4. the step's log, over every rank's completions
     step_time = time.perf_counter() - start
@@ -593,6 +597,7 @@ def train_step(
         "lr": learning_rate(step, cfg),
         "step_time": step_time,
         "generate_time": generate_time,
+        **clock.times,  # time/generate, time/score, time/logps (old and reference), time/update (loss, backward, optimizer)
         "tokens_per_s": float(lengths.sum()) / step_time,  # completion tokens sampled and trained on
         "peak_memory_mb": distributed.all_reduce(peak_memory_mb(device), "max"),
         "sample": rollout.prompts[0] + rollout.completions[0],
@@ -614,6 +619,22 @@ def reward_logs(per_fn: torch.Tensor, nonfinite: torch.Tensor, names: list[str],
     if cfg.overlong_buffer > 0:
         logs["rewards/overlong/mean"] = float(penalty.mean())
     return logs
+
+
+class PhaseClock:
+    """Seconds spent in each phase of a step, as ``{"time/<phase>": s}``; on CUDA a lap first waits for
+    the queued work, so that a phase is charged with its own kernels (benchmarks/trainer_step.py reads these)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.last, self.times = device, time.perf_counter(), {}
+
+    def lap(self, phase: str) -> float:
+        """The seconds since the previous lap (or the start), recorded as ``time/<phase>``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[f"time/{phase}"], self.last = now - self.last, now
+        return self.times[f"time/{phase}"]
 
 
 def peak_memory_mb(device: torch.device) -> float:
