@@ -86,6 +86,7 @@ def train_command(argv: list[str]) -> None:
     from . import distributed
     from .data import load_jsonl
     from .config import GRPOConfig
+    from .rollout import require_vllm
     from .trainer import load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
@@ -101,6 +102,11 @@ def train_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
     reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
+    if cfg.use_vllm:
+        try:
+            require_vllm()  # before the model loads
+        except ImportError as e:
+            parser.error(str(e))
     model, tokenizer = load_model(args.model)
     rows = load_jsonl(args.data, args.prompt_key)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
