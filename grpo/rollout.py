@@ -514,8 +514,12 @@ class VLLMRollout:
         self.sync_weights(policy)
         # a draw from torch's generator (checkpointed) per call; vLLM seeds sample j of a request with seed + j
         base = (int(torch.randint(0, 2**62, (), dtype=torch.int64)) + self.seed * 2**31) % 2**62
-        params = [self._params(num_generations, greedy, self.max_new_tokens, seed=base + i * num_generations)
-                  for i in range(len(prompt_ids))]
+        if greedy:  # (vLLM samples n > 1 only at random: G requests of one each)
+            prompt_ids = [p for p in prompt_ids for _ in range(num_generations)]
+            params = self._params(1, True, self.max_new_tokens, seed=base)
+        else:
+            params = [self._params(num_generations, False, self.max_new_tokens, seed=base + i * num_generations)
+                      for i in range(len(prompt_ids))]
         outputs = self._sample(prompt_ids, params)
         if self.sleeps:
             self.llm.sleep(level=2)  # the trainer's update gets the memory
