@@ -256,12 +256,10 @@ def test_cli_use_vllm_trains_three_steps_and_resumes(tmp_path, saved_model):
     assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), saved_model[1].parameters()))
 
 
-def test_cli_prompt_longer_than_the_engine_takes_fails_before_the_first_step(tmp_path, saved_model):
-    data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n" + json.dumps({"prompt": "1+" * 40, "answer": "41"}) + "\n")
-    out = run_cli("--model", saved_model[0], "--data", str(data), "--use-vllm", "--output-dir", str(tmp_path / "run"),
-                  "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--num-steps", "1",
-                  "--backend", "torch", "--no-progress", "--no-plot")
-    assert out.returncode != 0
-    assert "prompt 1" in out.stderr and "more than max_model_len (64)" in out.stderr
-    assert not (tmp_path / "run" / "log.jsonl").exists() or not open(tmp_path / "run" / "log.jsonl").read().strip()
+def test_train_refuses_a_prompt_longer_than_the_engine_takes_before_the_first_step(tmp_path, engine, saved_model):
+    model = copy.deepcopy(saved_model[1])
+    rows = problems()[:3] + [{"prompt": "1+" * 40, "a": 1, "b": 40, "answer": "41"}]
+    with pytest.raises(ValueError, match=r"prompt 3 .* has 80 tokens, more than max_model_len \(64\)"):
+        train(model, saved_model[2], rows, {"accuracy": accuracy}, tiny_config(tmp_path, "long"), rollout=engine[0])
+    assert not os.path.exists(tmp_path / "long" / "log.jsonl") or not open(tmp_path / "long" / "log.jsonl").read().strip()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved_model[1].parameters()))
