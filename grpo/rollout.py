@@ -409,7 +409,7 @@ class VLLMRollout:
         require_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        self.model_name_or_path = model_name_or_path
+        self.model_name_or_path, self.dtype = model_name_or_path, getattr(torch, dtype)
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, float(temperature), float(top_p), seed
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, padding_side="left")
@@ -425,6 +425,9 @@ class VLLMRollout:
                 eos_token_id = None
             eos_token_id = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = eos_token_id
+        length = max_model_len or _context_length(config)  # (vLLM's default max_model_len)
+        if max_new_tokens >= length:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) must be < max_model_len ({length}): a prompt needs a token")
         self.on_cuda = torch.cuda.is_available()
         options: dict[str, Any] = dict(
             model=model_name_or_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -437,7 +440,6 @@ class VLLMRollout:
             options.update(enable_sleep_mode=_sleep_mode_available())
         else:
             options.update(enforce_eager=True)  # (no CUDA graphs, and no torch.compile on CPU)
-            length = max_model_len or _context_length(config)
             per_sequence = _kv_bytes_per_token(config, dtype) * length
             options["kv_cache_memory_bytes"] = max(per_sequence, min(CPU_KV_CACHE_CAP, per_sequence * engine_kwargs.get("max_num_seqs", 256)))
         options.update(engine_kwargs)
@@ -456,8 +458,6 @@ class VLLMRollout:
         if self.sleeps:
             self.llm.sleep(level=2)
             self.asleep = True
-        if self.max_new_tokens >= self.max_model_len:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) must be < max_model_len ({self.max_model_len}): a prompt needs a token")
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer, **kwargs: Any) -> "VLLMRollout":
@@ -496,7 +496,8 @@ class VLLMRollout:
         """Copy the policy's current weights (LoRA merged) into the engine; its cached prefixes are dropped."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = engine_weights(language_model(policy))
+        dtype = self.dtype  # (vLLM casts a tensor of another dtype too, with a warning per tensor)
+        weights = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in engine_weights(language_model(policy)))
         with torch.no_grad():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.asleep:

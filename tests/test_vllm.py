@@ -181,6 +181,8 @@ def test_bad_arguments_are_refused_before_an_engine_starts(saved_model):
         VLLMRollout(path, max_new_tokens=4, temperature=0.0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         VLLMRollout(path, max_new_tokens=4, dtype="int8")
+    with pytest.raises(ValueError, match=r"max_new_tokens \(64\) must be < max_model_len \(64\)"):
+        VLLMRollout(path, max_new_tokens=64)
     with pytest.raises(TypeError, match=r"engine_kwargs may not set \['model'\]"):
         VLLMRollout(path, max_new_tokens=4, model="other")
 
@@ -231,19 +233,19 @@ def run_cli(*args: str, path: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "grpo", "train", *args], capture_output=True, text=True, timeout=800, env=env)
 
 
-def test_cli_use_vllm_trains_three_steps_and_resumes(tmp_path, saved_model):
+def test_cli_use_vllm_trains_three_steps(tmp_path, saved_model):
+    """One CLI run (each starts an engine: the resume is the in-process test above, through the same
+    ``train(..., resume=True)``)."""
     path = saved_model[0]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in problems()[:12]))
     (tmp_path / "length_reward.py").write_text("def length(prompts, completions, **_):\n    return [len(c) / 10 for c in completions]\n")
-    flags = ["--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
-             "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "10",
-             "--learning-rate", "3e-3", "--backend", "torch", "--save-every", "1", "--no-progress", "--no-plot",
-             "--vllm-importance-sampling-mode", "token_truncate"]
-    first = run_cli(*flags, "--num-steps", "2", path=str(tmp_path))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_cli(*flags, "--num-steps", "3", "--resume", path=str(tmp_path))
-    assert second.returncode == 0, second.stderr[-3000:]
+    out = run_cli("--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
+                  "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "10",
+                  "--learning-rate", "3e-3", "--backend", "torch", "--save-every", "1", "--no-progress", "--no-plot",
+                  "--vllm-importance-sampling-mode", "token_truncate", "--num-steps", "3", path=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
     records = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
