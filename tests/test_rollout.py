@@ -11,6 +11,7 @@ import copy
 import math
 import subprocess
 import sys
+import tempfile
 import importlib.util
 
 import pytest
@@ -136,7 +137,7 @@ def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
     def run(**overrides):
         model, tokenizer = build_model_and_tokenizer(seed=0)
         before = copy.deepcopy(model.state_dict())
-        cfg = GRPOConfig(output_dir=str(tmp_path / "run"), num_steps=1, prompts_per_step=2, num_generations=4, max_new_tokens=6,
+        cfg = GRPOConfig(output_dir=tempfile.mkdtemp(dir=tmp_path), num_steps=1, prompts_per_step=2, num_generations=4, max_new_tokens=6,
                          learning_rate=1e-3, backend="torch", progress=False, plot=False, save_every=0, max_grad_norm=math.inf, **overrides)
         engine = ShiftedLogpsRollout(tokenizer, 0.5, max_new_tokens=6, bf16=False)
         rec = train(model, tokenizer, problems()[:4], {"accuracy": accuracy, "length": lambda p, c, **_: [len(x) for x in c]}, cfg,
