@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .config import GRPOConfig
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 ADAPTER_DIR = "adapter"  # under output_dir: what peft.PeftModel.from_pretrained loads
@@ -40,7 +43,7 @@ def require_peft() -> None:
         ) from None
 
 
-def target_modules(cfg) -> str | list[str]:
+def target_modules(cfg: "GRPOConfig") -> str | list[str]:
     """``lora_target_modules`` as peft takes it: ``"all-linear"`` or a list of module names."""
     if cfg.lora_target_modules.strip().lower() == ALL_LINEAR:
         return ALL_LINEAR
@@ -52,7 +55,7 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith("." + target)
 
 
-def check_targets(model: torch.nn.Module, cfg) -> None:
+def check_targets(model: torch.nn.Module, cfg: "GRPOConfig") -> None:
     """``ValueError`` naming ``lora_target_modules`` for a name that matches no module of ``model``, or
     that names its output head (or, when the head is tied to them, its input embeddings). ``model``
     may live on the meta device: only names and the structure are read."""
@@ -85,7 +88,7 @@ def check_targets(model: torch.nn.Module, cfg) -> None:
             )
 
 
-def check_flags(cfg, model_config=None) -> None:
+def check_flags(cfg: "GRPOConfig", model_config: Optional[Any] = None) -> None:
     """What can be checked before the model's weights are loaded: peft is installed, and (given the
     model's ``transformers`` config) every target module exists and is not the head. Nothing without
     ``use_peft``."""
@@ -100,7 +103,7 @@ def check_flags(cfg, model_config=None) -> None:
         check_targets(skeleton, cfg)
 
 
-def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
+def add_adapters(model: torch.nn.Module, cfg: "GRPOConfig") -> torch.nn.Module:
     """``model`` wrapped in a ``peft.PeftModel`` with a fresh LoRA adapter (initialised from torch's RNG),
     everything but the adapters frozen. peft injects the adapter layers into ``model`` in place.
 
@@ -141,7 +144,7 @@ def adapters_disabled(peft_model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def save_adapter(peft_model: torch.nn.Module, output_dir: str, tokenizer=None) -> Optional[str]:
+def save_adapter(peft_model: torch.nn.Module, output_dir: str, tokenizer: Optional[Any] = None) -> str:
     """Write the adapter with peft (``adapter_config.json``, ``adapter_model.safetensors``) under
     ``output_dir/adapter``; ``peft.PeftModel.from_pretrained(base_model, path)`` loads it. Returns the path."""
     path = os.path.join(output_dir, ADAPTER_DIR)
