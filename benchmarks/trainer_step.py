@@ -297,9 +297,7 @@ def run_ours(shape: Shape, device, backend: str = "auto", rollout_factory: Optio
     with tempfile.TemporaryDirectory() as out:
         cfg = _our_config(shape, backend, out)
         tr.set_seed(cfg.seed)
-        policy = tr.prepare_model(model, cfg, device)
-        ref_policy = tr.prepare_model(tr.make_reference_model(model), cfg, device, frozen=True) if cfg.beta > 0 else None
-        optimizer = tr.make_optimizer(policy, cfg)
+        model, policy, ref_policy, optimizer = tr.setup_training(model, cfg, device)
         rollout = rollout_factory(model, tokenizer, cfg, out) if rollout_factory else tr.default_rollout(model, tokenizer, cfg)
         reward_fns = tr.as_named([checksum_reward])
         meter = StepMeter(device)
