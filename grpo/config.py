@@ -89,8 +89,6 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: 
 # it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, and the trainer
 # scales micro-batch losses by the number of ranks (verl's dp_size).
 TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size")
-# The config's own default where the loss's is "resolved later": loss_type None means dapo there.
-_CONFIG_DEFAULTS = {"loss_type": (str, "dapo")}
 
 
 def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
@@ -115,7 +113,7 @@ def with_loss_fields(after: str):
             for f in dataclasses.fields(GRPOOptions):
                 if f.name in TRAINER_OWNED_LOSS_OPTIONS:
                     continue
-                kind, default = _CONFIG_DEFAULTS.get(f.name, (hints[f.name], f.default))
+                kind, default = hints[f.name], f.default
                 annotations[f.name] = kind
                 setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
                                             bounds=_bounds(f.metadata.get("bounds"))))

@@ -210,10 +210,12 @@ def resolve(name: str, device: torch.device) -> RowBackend:
     """The backend for a name ("auto", "triton", "torch") and the tensors' device.
 
     "auto" is Triton for CUDA tensors, and for CPU tensors when Triton runs in its interpreter;
-    otherwise the chunked torch path.
+    otherwise, and while torch.compile traces, the chunked torch path.
     """
     if name == "auto":
-        use_triton = device.type == "cuda" or (device.type == "cpu" and triton_interprets())
+        # under torch.compile the torch rows (dynamo traces them; the Triton launches are not custom ops yet)
+        use_triton = not torch.compiler.is_compiling() and (
+            device.type == "cuda" or (device.type == "cpu" and triton_interprets()))
         name = "triton" if use_triton else "torch"
     backend = REGISTRY.get(name)
     if backend is None:

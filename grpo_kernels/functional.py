@@ -210,11 +210,16 @@ def _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumu
     dtype = compute_dtype(hidden)
     flat_targets = targets.reshape(-1)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    keep = (flat_targets != ignore_index).nonzero().squeeze(-1)
-    if keep.numel() == flat_targets.numel():  # nothing to leave out: no copy, no scatter back
-        keep = None
+    if torch.compiler.is_compiling():  # a row count set by the data would break the graph: every row stays,
+        # those without a target zeroed (so a NaN there still reaches nothing); the kernels skip them
+        valid = (flat_targets != ignore_index).unsqueeze(-1)
+        flat_hidden, keep = torch.where(valid, flat_hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device)), None
     else:
-        flat_hidden, flat_targets = flat_hidden.index_select(0, keep), flat_targets.index_select(0, keep)
+        keep = (flat_targets != ignore_index).nonzero().squeeze(-1)
+        if keep.numel() == flat_targets.numel():  # nothing to leave out: no copy, no scatter back
+            keep = None
+        else:
+            flat_hidden, flat_targets = flat_hidden.index_select(0, keep), flat_targets.index_select(0, keep)
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0], weight.shape[1], dtype, hidden.device, flat_targets.numel())
     return _LinearRows(flat_hidden, flat_targets, keep, targets.numel(), chunk_size, dtype)
@@ -394,7 +399,9 @@ def fused_linear_grpo_loss(
     inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):
+    # under torch.compile the recomputing path (its coefficients come from autograd.grad inside the forward,
+    # which dynamo does not trace): the same loss and gradients, 4 matmuls a chunk instead of 3
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options) and not torch.compiler.is_compiling():
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype)
     logp, entropy = _fused_linear_rows(hidden, weight, bias, ids, options.transform, IGNORE_INDEX, True, chunk_size,

@@ -603,21 +603,36 @@ def rollout_correction(logp: torch.Tensor, old_logps: Optional[torch.Tensor], ro
             outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
             ratio = ratio.masked_fill(outside, 0.0)
         valid = mask != 0
-        delta = torch.where(valid, (old - rollout).abs(), torch.full((), math.nan, device=mask.device))
-        delta = delta[~torch.isnan(delta)]
+        delta = (old - rollout).abs()
+        delta_on = valid & ~torch.isnan(delta)  # TRL leaves out the tokens the engine could not score
         if sequence_level:
-            flat = ratio.reshape(-1) if not sequences.packed else sequences.per_sequence(ratio * mask) / sequences.per_sequence(mask)
+            values = ratio.expand_as(mask) if sequences.packed else ratio
+            on = valid if sequences.packed else torch.ones_like(ratio, dtype=torch.bool)
+            if sequences.packed:  # one value per sequence: each sequence's tokens share it
+                values = sequences.broadcast(sequences.per_sequence(ratio * mask) / sequences.per_sequence(mask).clamp(min=1))
         else:
-            flat = ratio[valid]
-        zero = torch.zeros((), device=mask.device)
+            values, on = ratio, valid
         metrics = {
-            "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
-            "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else zero,
-            "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else zero,
-            "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else zero,
-            "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else zero,
+            "sampling/sampling_logp_difference/mean": _masked_stat(delta, delta_on, "mean"),
+            "sampling/sampling_logp_difference/max": _masked_stat(delta, delta_on, "max"),
+            "sampling/importance_sampling_ratio/min": _masked_stat(values, on, "min"),
+            "sampling/importance_sampling_ratio/mean": _masked_stat(values, on, "mean"),
+            "sampling/importance_sampling_ratio/max": _masked_stat(values, on, "max"),
         }
     return ratio, metrics
+
+
+def _masked_stat(values: torch.Tensor, on: torch.Tensor, kind: str) -> torch.Tensor:
+    """mean / min / max of ``values`` where ``on``; 0 where nothing is on (as TRL logs an empty set).
+    Masked rather than indexed, so no shape depends on the data (torch.compile needs no graph break)."""
+    count = on.sum()
+    if kind == "mean":
+        out = torch.where(on, values, torch.zeros((), device=values.device)).sum() / count.clamp(min=1)
+    else:
+        fill = math.inf if kind == "min" else -math.inf
+        picked = torch.where(on, values, torch.full((), fill, device=values.device))
+        out = picked.amin() if kind == "min" else picked.amax()
+    return torch.where(count > 0, out, torch.zeros((), device=values.device))
 
 
 def off_policy_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, inputs: GRPOInputs,
@@ -637,12 +652,19 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     """TRL's entropy mask (Beyond the 80/20 Rule): 1 at the tokens whose entropy is at least the
     ``1 - quantile`` quantile (``torch.quantile``, linear) of the completion tokens' entropies."""
     with torch.no_grad():
-        valid = mask != 0
-        values = entropy.detach().float()[valid]
-        if values.numel() == 0:
-            return torch.zeros_like(mask)
-        threshold = torch.quantile(values, 1 - quantile)
-        return ((entropy.detach() * mask >= threshold) & valid).float()
+        valid = (mask != 0).reshape(-1)
+        # torch.quantile's linear interpolation over the valid entries, written with a sort so that no
+        # shape depends on the data (the invalid entries sort last, as +inf)
+        values = torch.where(valid, entropy.detach().float().reshape(-1), torch.full((), math.inf, device=mask.device))
+        ordered = values.sort().values
+        count = valid.sum()
+        position = (1 - quantile) * (count - 1).clamp(min=0).float()
+        below = position.floor().long()
+        above = position.ceil().long()
+        v_below, v_above = ordered.gather(0, below.reshape(1))[0], ordered.gather(0, above.reshape(1))[0]
+        threshold = torch.lerp(v_below, v_above, position - below.float())
+        keep = (entropy.detach() * mask >= threshold) & (mask != 0)
+        return torch.where(count > 0, keep, torch.zeros_like(keep)).float()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -808,8 +830,13 @@ def loss_metrics(entropy: torch.Tensor, kl: Optional[torch.Tensor], low: Optiona
 
 def _nan_extreme(values: torch.Tensor, extreme) -> torch.Tensor:
     """min / max over the non-NaN entries; NaN when there are none (as TRL's nanmin / nanmax)."""
-    finite = values[~torch.isnan(values)]
-    return extreme(finite) if finite.numel() else torch.full((), float("nan"), device=values.device)
+    # masked, not indexed: no data-dependent shape (torch.compile traces it without a graph break)
+    nan = torch.isnan(values)
+    fill = math.inf if extreme is torch.min else -math.inf
+    if values.numel() == 0:
+        return torch.full((), float("nan"), device=values.device)
+    out = extreme(torch.where(nan, torch.full((), fill, device=values.device), values))
+    return torch.where(nan.all(), torch.full((), float("nan"), device=values.device), out)
 
 
 def verl_metrics(terms: PolicyTerms, logp: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,

@@ -89,7 +89,7 @@ class GRPOOptions:
     temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
     softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
     logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
-    loss_type: Optional[str] = field(default=None, metadata={"help": "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or by completions * max_completion_length (dr_grpo; luspo: by completions); None: dapo, unless loss_mode is given", "choices": LOSS_TYPES})
+    loss_type: str = field(default="dapo", metadata={"help": "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or by completions * max_completion_length (dr_grpo; luspo: by completions); not with loss_mode", "choices": LOSS_TYPES})
     loss_mode: Optional[str] = field(default=None, metadata={"help": "verl's policy_loss.loss_mode (instead of loss_type)", "choices": LOSS_MODES})
     loss_agg_mode: Optional[str] = field(default=None, metadata={"help": "verl's loss_agg_mode (with loss_mode; None: token-mean)", "choices": LOSS_AGG_MODES})
     kl_loss_type: Optional[str] = field(default=None, metadata={"help": "verl's KL estimator (with loss_mode; None: low_var_kl)", "choices": KL_LOSS_TYPES})
@@ -136,7 +136,7 @@ class GRPOOptions:
         set_("temperature", transform.temperature)
         set_("softcap", transform.softcap)
         set_("logit_scale", transform.logit_scale)
-        if self.loss_type is not None:
+        if self.loss_mode is None:
             V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
         V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         if self.max_completion_length is not None:
@@ -171,7 +171,6 @@ class GRPOOptions:
     def _resolve_vocabulary(self, set_: Callable[[str, Any], None]) -> None:
         """TRL's ``loss_type`` or verl's ``loss_mode`` (never both); each side's options only with it."""
         if self.loss_mode is None:
-            set_("loss_type", "dapo" if self.loss_type is None else self.loss_type)
             for name in VERL_ONLY_OPTIONS:
                 value = getattr(self, name)
                 if value not in (None, _FIELD_DEFAULTS[name], VERL_MODE_DEFAULTS.get(name)):
@@ -179,9 +178,10 @@ class GRPOOptions:
                                      f"with loss_type the reduction and the KL are TRL's")
             return
         V.check_choice("loss_mode", self.loss_mode, LOSS_MODES)
-        if self.loss_type is not None:
+        if self.loss_type not in (None, _FIELD_DEFAULTS["loss_type"]):  # (the default, or resolved already)
             raise ValueError(f"loss_type={self.loss_type!r} and loss_mode={self.loss_mode!r} name the loss twice: pass "
                              f"TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both")
+        set_("loss_type", None)  # the loss is named by loss_mode
         set_("loss_agg_mode", "token-mean" if self.loss_agg_mode is None else self.loss_agg_mode)
         V.check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         set_("kl_loss_type", "low_var_kl" if self.kl_loss_type is None else self.kl_loss_type)
@@ -272,6 +272,9 @@ def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs,
         if name in kwargs:
             raise TypeError(f"{where}() got verl's {name!r}, which has no equivalent here: {instead}")
     kwargs = _respell(kwargs)
+    if "loss_type" in kwargs and kwargs.get("loss_mode") is not None:
+        raise ValueError(f"loss_type={kwargs['loss_type']!r} and loss_mode={kwargs['loss_mode']!r} name the loss twice: "
+                         f"pass TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both")
     unknown = [k for k in kwargs if k not in OPTION_NAMES and k not in INPUT_NAMES]
     if unknown:
         raise TypeError(

@@ -125,3 +125,28 @@ def test_a_bad_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as done:
         main(["train", "--model", "m", "--data", "d.jsonl", "--eps-low", "1.5"])
     assert done.value.code == 2 and "GRPOConfig.eps_low must be >= 0, < 1, got 1.5" in capsys.readouterr().err
+
+
+def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):
+    """Every GRPOOptions field (but those the trainer sets) is a config field and a flag, with the option's
+    own default, help and choices: a new loss option appears here without being retyped."""
+    from grpo.config import TRAINER_OWNED_LOSS_OPTIONS
+
+    config_fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for f in dataclasses.fields(grpo_kernels.GRPOOptions):
+        if f.name in TRAINER_OWNED_LOSS_OPTIONS:
+            continue
+        assert f.name in config_fields, f.name
+        assert config_fields[f.name].metadata["help"] == f.metadata["help"]
+        assert config_fields[f.name].metadata["choices"] is f.metadata.get("choices")
+    for name in ("sapo_temperature_pos", "vespo_lambda_neg", "top_entropy_quantile", "rollout_correction", "loss_mode"):
+        assert name in config_fields
+    assert GRPOConfig(loss_type="sapo", sapo_temperature_neg=1.3).loss_options()["sapo_temperature_neg"] == 1.3
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        GRPOConfig(top_entropy_quantile=1.5)
+    monkeypatch.setenv("COLUMNS", "10000")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "--rollout-correction {token_truncate,token_mask,sequence_truncate,sequence_mask}" in text
+    assert "--top-entropy-quantile" in text and "--vespo-k-pos" in text

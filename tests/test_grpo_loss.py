@@ -265,3 +265,51 @@ def test_fused_forward_masked_rows_are_zero_and_never_read():
         if x.is_floating_point():
             assert torch.isfinite(x).all(), name
     assert outs[-1].dtype == torch.int8
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True): no graph break, the same loss and gradients (issue 27)
+# --------------------------------------------------------------------------------------------------
+COMPILE_CASES = {
+    "dapo_old_ref_entropy": dict(old_logps=True, ref_logps=True, beta=0.04, entropy_coef=0.01),
+    "gspo": dict(old_logps=True, importance_sampling_level="sequence"),
+    "verl_vanilla_kl": dict(old_logps=True, ref_logps=True, loss_mode="vanilla", loss_agg_mode="seq-mean-token-mean",
+                            kl_loss_type="low_var_kl", beta=0.1),
+    "trl_masks_rollout": dict(rollout=True, rollout_correction="token_mask", top_entropy_quantile=0.5,
+                              off_policy_mask_threshold=2.0, rollout_correction_max=10.0),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("function", ["grpo_loss", "fused_linear_grpo_loss"])
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_torch_compile_fullgraph_same_loss_and_gradients(function, case):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(list(COMPILE_CASES).index(case))
+    b, t, v, h = 2, 5, 13, 8
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t)
+    mask[0, 3:] = 0
+    adv = torch.randn(b, generator=g)
+    adv[0] = adv[0].abs()  # a sequence the off-policy mask keeps
+    base = torch.randn(b, t, generator=g) * 0.2 - 2.5
+    kw = dict(COMPILE_CASES[case])
+    for name, key in (("old_logps", "old_logps"), ("ref_logps", "ref_logps"), ("rollout", "rollout_logps")):
+        if kw.pop(name, False):
+            kw[key] = base + 0.1 * torch.randn(b, t, generator=g)
+    if function == "grpo_loss":
+        args = (torch.randn(b, t, v, generator=g, requires_grad=True),)
+        fn = lambda x: gk.grpo_loss(x, ids, adv, mask, backend="torch", **kw).loss  # noqa: E731
+    else:
+        args = (torch.randn(b, t, h, generator=g, requires_grad=True), torch.randn(v, h, generator=g, requires_grad=True))
+        fn = lambda x, w: gk.fused_linear_grpo_loss(x, w, ids, adv, mask, backend="torch", chunk_size=4, **kw).loss  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    loss_c = compiled(*args)
+    grads_c = torch.autograd.grad(loss_c, args)
+    loss_e = fn(*args)
+    grads_e = torch.autograd.grad(loss_e, args)
+    assert torch.isfinite(loss_c)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    for a, e in zip(grads_c, grads_e):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)

@@ -272,7 +272,8 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     z_buf = None if fp32 and not factored else torch.empty(min(block, n), v, **f32)
     e_buf = None if fp32 and factored else torch.empty(min(block, n), v, **f32)
     valid = targets != ignore_index
-    all_valid = bool(valid.all())
+    # (an optimisation only: under torch.compile the masks always run, no data-dependent branch)
+    all_valid = False if torch.compiler.is_compiling() else bool(valid.all())
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
     inv_t = 1.0 / temperature
 
