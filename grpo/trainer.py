@@ -435,15 +435,21 @@ def policy_loss(model, mb: MicroBatch, num_items: torch.Tensor, batch_size: int,
     DDP and FSDP2 average gradients over the ranks, so each rank's share is multiplied by their number.
     "dapo", "bnpo", "cispo" and "vespo" divide by the whole batch's token count; "grpo", "sapo",
     "dr_grpo" and "luspo" divide by the micro-batch's sequence count, which ``len(mb) / batch_size``
-    turns into the whole batch's.
+    turns into the whole batch's. The entropy bonus is ``entropy_coef`` times the batch's mean token
+    entropy, whatever the loss type and the micro-batching.
     """
     # Token-normalised losses divide by the whole batch's token count (bnpo's token mean of the whole
     # batch is dapo's loss); the others by sequence counts, rescaled below.
     per_token = cfg.loss_type in TOKEN_NORMALISED_LOSS_TYPES
-    out = as_policy(model)(
-        "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items
-    )
     scale = 1.0 if per_token else sequences_in_loss(mb) / batch_size
+    # The entropy bonus is TRL's token mean over the call's tokens; the step's bonus is the mean over the
+    # whole batch's: coef * H_mb * n_mb / num_items, then divided by the scale this loss is multiplied by.
+    tokens = float(mb.loss_mask.sum())
+    entropy_coef = cfg.entropy_coef * tokens / (float(num_items) * scale) if tokens and cfg.entropy_coef else 0.0
+    out = as_policy(model)(
+        "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items,
+        entropy_coef=entropy_coef,
+    )
     return out.loss * (scale * distributed.world_size()), out.metrics
 
 
