@@ -33,6 +33,15 @@ _KERNEL_ONLY_CHECKS: dict = {
 }
 
 
+def _no_hidden_to_reduce(reduce_hidden_grad: object) -> None:
+    """``reduce_hidden_grad`` on a call from logits: a bool, and False (there is no ``d hidden`` here)."""
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
+    if reduce_hidden_grad:
+        raise ValueError("reduce_hidden_grad=True all-reduces d hidden, which only the fused-linear functions "
+                         "compute; a call from logits has none (all-reduce the logits' producer's input gradient instead)")
+
+
 def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> Callable:
     """Check ``backend`` and send ``backend="reference"`` to ``reference_fn`` (same arguments, less the
     keywords only the kernels take, ``kernel_only``); any other backend runs the decorated function."""
@@ -63,7 +72,7 @@ def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, wit
     return logp.view(targets.shape), entropy.view(targets.shape)
 
 
-@_or_reference(reference.token_logprobs, kernel_only=("process_group",))
+@_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -75,6 +84,7 @@ def token_logprobs(
     logit_scale: float = 1.0,
     backend: str = "auto",
     process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
 ):
     """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
     ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
@@ -89,8 +99,10 @@ def token_logprobs(
     ``process_group`` (a ``torch.distributed`` ProcessGroup): vocabulary-parallel, ``logits`` is this
     rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
     same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
+    ``reduce_hidden_grad`` (the fused-linear functions' option) must be False: logits have no ``d hidden``.
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
+    _no_hidden_to_reduce(reduce_hidden_grad)
     if process_group is not None:
         return vocab_parallel.token_logprobs(
             logits, targets, process_group=process_group, temperature=temperature, ignore_index=ignore_index,
@@ -116,7 +128,7 @@ def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adv
 
 
 @grpo_keywords
-@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward", "process_group"))
+@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward", "process_group", "reduce_hidden_grad"))
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -126,6 +138,7 @@ def grpo_loss(
     backend: str = "auto",
     inplace_backward: bool = False,
     process_group: Optional[Any] = None,
+    reduce_hidden_grad: bool = False,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """The GRPO loss (every objective and reduction of ``docs/api.md``) from logits [B, T, V].
@@ -141,6 +154,7 @@ def grpo_loss(
     ``[B, T, V_r]``, as in :func:`token_logprobs`; every output is the whole vocabulary's.
     """
     inplace_backward = V.check_flag("inplace_backward", inplace_backward)
+    _no_hidden_to_reduce(reduce_hidden_grad)
     if process_group is not None:
         return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, process_group=process_group,
                                         backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)

@@ -42,7 +42,7 @@ class GRPOLoss(_GRPOLossModule):
     (e.g. ``old_logps``, ``ref_logps``, ``num_items_in_batch``) override it.
     """
 
-    _extra_keywords = ("inplace_backward", "process_group")
+    _extra_keywords = ("inplace_backward", "process_group", "reduce_hidden_grad")
     _function_name = "grpo_loss"
 
     def forward(self, logits: torch.Tensor, completion_ids: torch.Tensor, advantages: torch.Tensor,

@@ -414,3 +414,19 @@ def _dtensor(rank, world, backend):
     replicated = distribute_tensor(weight, mesh, [Replicate()])
     _expect_error(ValueError, "Shard(0)", lambda: gk.fused_linear_grpo_loss(h, replicated, ids, adv, mask,
                                                                             backend=backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_reduce_hidden_grad_on_calls_from_logits(backend):
+    """The four functions share the keyword; from logits there is no d hidden, so only False is taken."""
+    import grpo_kernels as gk
+
+    logits, ids, adv = torch.randn(2, 3, 11), torch.randint(11, (2, 3)), torch.randn(2)
+    torch.testing.assert_close(gk.grpo_loss(logits, ids, adv, reduce_hidden_grad=False, backend=backend).loss,
+                               gk.grpo_loss(logits, ids, adv, backend=backend).loss, rtol=0, atol=0)
+    for call in (lambda **kw: gk.grpo_loss(logits, ids, adv, backend=backend, **kw),
+                 lambda **kw: gk.token_logprobs(logits, ids, backend=backend, **kw)):
+        with pytest.raises(ValueError, match="reduce_hidden_grad"):
+            call(reduce_hidden_grad=True)
+        with pytest.raises(TypeError, match="reduce_hidden_grad"):
+            call(reduce_hidden_grad="False")
