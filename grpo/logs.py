@@ -60,6 +60,16 @@ class ZeroSignalWatch:
         return out
 
 
+# What a step's record says about the machine, not the run: a resumed run logs the same record except these.
+MEASURED_KEYS = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
+MEASURED_PREFIX = "time/"  # the phase timings, time/generate ... time/update
+
+
+def run_values(record: dict) -> dict:
+    """``record`` without its measurements of the machine (:data:`MEASURED_KEYS`, ``time/*``)."""
+    return {k: v for k, v in record.items() if k not in MEASURED_KEYS and not k.startswith(MEASURED_PREFIX)}
+
+
 class RunLog:
     """Appends per-step records to ``path`` (JSONL) and keeps them in ``records``.
 

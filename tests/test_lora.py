@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from grpo.logs import run_values
 from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
@@ -131,10 +132,7 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path):
     assert adapters_resumed.keys() == adapters_straight.keys() and adapters_straight
     for k, v in adapters_straight.items():
         assert torch.equal(adapters_resumed[k], v), k
-    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
-        {k: v for k, v in r.items() if k not in drop} for r in straight
-    ]
+    assert [run_values(r) for r in resumed] == [run_values(r) for r in straight]
     state = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=False)
     assert state["ref_model"] is None  # the reference is the policy: held, and saved, once
 
@@ -382,9 +380,7 @@ def check_data_parallel_run(result: dict, output_dir) -> None:
     resumed, adapters_resumed, _, _ = result["resumed"]
     for k, v in adapters.items():
         assert torch.equal(adapters_resumed[k], v), k
-    drop = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed] == [
-        {k: v for k, v in r.items() if k not in drop} for r in straight]
+    assert [run_values(r) for r in resumed] == [run_values(r) for r in straight]
 
 
 if __name__ == "__main__":
