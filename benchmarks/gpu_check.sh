@@ -106,7 +106,7 @@ tail -n 3 "$OUT_DIR/tests-gpu.log" | tee -a "$LOG"
 # exit 5 = nothing collected (no gpu-marked test): not a failure
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then fail "$rc" "pytest -m gpu (124 = timed out)"; fi
 shopt -s nullglob
-KERNEL_TESTS=(tests/test_token_logprobs*.py tests/test_grpo_loss*.py tests/test_fused_linear*.py tests/test_kernel*.py tests/test_triton*.py)
+KERNEL_TESTS=(tests/test_functional*.py tests/test_autograd*.py tests/test_triton_rows*.py tests/test_torch_rows*.py)
 shopt -u nullglob
 LEFT=$((TEST_END - SECONDS))
 if [ "${GPU_CHECK_KERNEL_TESTS:-1}" = 0 ]; then

@@ -2,7 +2,8 @@
 
 - Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter: TRITON_INTERPRET=1
   must be set before triton is first imported, so it is set here, at collection time.
-- ``assert_close64``: compare a result with a float64 reference at a tolerance that fits the dtype.
+- The shared helpers (``DEVICE``, ``assert_close64``, ``poison_``, ``tiny_config``) live in
+  ``tests/helpers.py`` and are imported from there.
 - ``@pytest.mark.gpu`` tests are skipped without CUDA.
 """
 
@@ -17,47 +18,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-# (rtol, atol) for values that went through one rounding to the dtype, relative to O(1) magnitudes.
-TOLERANCES = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-    torch.float64: (1e-10, 1e-10),
-}
+from helpers import HAS_CUDA  # noqa: E402
 
 
-def tolerance(dtype: torch.dtype):
-    return TOLERANCES[dtype]
-
-
-def assert_close64(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32, scale: float = 1.0, what: str = ""):
-    """``actual`` against a float64 ``expected``: no NaN unless expected is NaN there, then within
-    ``rtol * |expected| + atol * scale`` where the tolerance fits ``dtype``."""
-    rtol, atol = TOLERANCES[dtype]
-    a = actual.detach().double().cpu()
-    e = expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
-    assert torch.equal(nan_a, nan_e), f"{what}: NaN pattern differs ({int(nan_a.sum())} vs {int(nan_e.sum())} NaNs)"
-    a, e = a[~nan_e], e[~nan_e]
-    inf_e = torch.isinf(e)
-    assert torch.equal(a[inf_e], e[inf_e]), f"{what}: infinities differ"
-    a, e = a[~inf_e], e[~inf_e]
-    err = (a - e).abs()
-    bound = rtol * e.abs() + atol * scale
-    worst = (err - bound).argmax() if err.numel() else None
-    assert bool((err <= bound).all()), (
-        f"{what}: max error {err.max().item():.3e} (at expected {e[worst].item():.6g}, got {a[worst].item():.6g}), "
-        f"rtol={rtol}, atol={atol * scale:.3e}"
-    )
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill a buffer with NaN so a kernel that forgets to write an element is caught."""
-    return t.fill_(float("nan"))
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread is fastest, and immune to other processes on the machine."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def pytest_collection_modifyitems(config, items):

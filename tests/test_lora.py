@@ -16,9 +16,10 @@ from grpo.logs import run_values
 from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
+from helpers import tiny_config
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 
 def length_reward(prompts, completions, **_):
@@ -28,22 +29,13 @@ def length_reward(prompts, completions, **_):
 REWARDS = {"accuracy": accuracy, "length": length_reward}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+LORA_RUN = dict(
+    num_steps=2, prompts_per_step=4, max_new_tokens=10, learning_rate=1e-2, use_peft=True, lora_r=4, lora_alpha=8, beta=0.05,
+)
 
 
 def lora_config(tmp_path, **overrides) -> GRPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"), seed=0, num_steps=2, prompts_per_step=4, num_generations=4,
-        max_new_tokens=10, learning_rate=1e-2, backend="torch", progress=False, plot=False, save_every=0,
-        use_peft=True, lora_r=4, lora_alpha=8, beta=0.05,
-    )
-    base.update(overrides)
-    return GRPOConfig(**base)
+    return tiny_config(tmp_path, **{**LORA_RUN, **overrides})
 
 
 def base_weights(model) -> dict[str, torch.Tensor]:

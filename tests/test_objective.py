@@ -1,73 +1,223 @@
-"""The Triton epilogue is the one hand-differentiated copy of the objective: its per-token loss,
-``d loss / d logp``, ``d loss / d entropy``, KL and clip flags must equal ``objective``'s, with the
-derivatives from autograd of ``objective.per_token_loss``."""
+"""The loss spec against float64 restatements of verl's core_algos and TRL 1.16's _compute_loss
+(``tests/spec64.py``): every verl loss_mode x loss_agg_mode x KL estimator, TRL's entropy bonus,
+top_entropy_quantile, off_policy_mask_threshold and rollout correction, loss and gradients; and the
+errors for conflicting or unknown names."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from helpers import DEVICE
+from spec64 import grpo64, logprobs64, verl64
 
+import grpo_kernels as gk
 from grpo_kernels import objective
-from grpo_kernels.options import GRPOInputs, GRPOOptions
+from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS
 
-CASES = {
-    "clip": dict(loss_type="dapo", eps_high=0.28),
-    "clip_delta_beta": dict(loss_type="grpo", eps_high=0.28, delta=1.4, beta=0.05),
-    "bias_corrected_kl": dict(loss_type="bnpo", beta=0.1, use_bias_correction_kl=True),
-    "entropy_is_ratio": dict(loss_type="dr_grpo", entropy_coef=0.03, use_is=True),
-    "cispo": dict(loss_type="cispo", eps_high=1.25, beta=0.02),
-    "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3, use_is=True),
-}
+B, T, V = 3, 6, 13
+pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_triton_epilogue_equals_autograd_of_the_objective(case):
-    from grpo_kernels.kernels import triton_rows
+def batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    mask[1] = 0  # a fully masked row: verl leaves it out of the sequence count
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0]
+    old = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    ref = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    rollout = (logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    adv = torch.randn(B, T, generator=g)
+    return logits, ids, mask, old, ref, rollout, adv
 
-    kw = dict(CASES[case])
-    use_is = kw.pop("use_is", False)
-    options = GRPOOptions(temperature=0.9, **kw)
-    g = torch.Generator().manual_seed(list(CASES).index(case))
-    b, t, v = 3, 11, 29
-    logits = torch.randn(b, t, v, generator=g) * 2
-    ids = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.ones(b, t)
-    logp_now = torch.log_softmax(logits / options.temperature, -1).gather(-1, ids[..., None])[..., 0]
-    # ratios spread over every region (below, inside and above the clip range; above delta / the cap)
-    old = logp_now - torch.linspace(-0.7, 0.7, b * t).reshape(b, t)
-    ref = logp_now + 0.3 * torch.randn(b, t, generator=g)
-    adv = torch.randn(b, t, generator=g)
-    is_ratio = torch.rand(b, t, generator=g) + 0.5 if use_is else None
-    inputs = GRPOInputs(old_logps=old, ref_logps=ref, is_ratio=is_ratio)
-    weights = objective.token_weights(mask, options)
 
-    out = triton_rows.grpo_forward_rows(
-        logits=logits.to(DEVICE), targets=ids.to(DEVICE), advantages=adv.to(DEVICE), weights=weights.to(DEVICE),
-        old_logps=old.to(DEVICE), ref_logps=ref.to(DEVICE), is_ratio=None if is_ratio is None else is_ratio.to(DEVICE),
-        temperature=options.temperature, ignore_index=-100, eps_low=options.eps_low, eps_high=options.eps_high,
-        delta=options.delta, beta=options.beta, entropy_coef=options.entropy_coef, loss_type=options.loss_type,
-        use_bias_correction_kl=options.use_bias_correction_kl, sapo_temperature_pos=options.sapo_temperature_pos,
-        sapo_temperature_neg=options.sapo_temperature_neg,
-    )
-    loss_k, logp_k, ent_k, _, _, coef_logp_k, coef_ent_k, kl_k, clip_k = (x.cpu() for x in out)
+def ours(logits, ids, adv, mask, backend="torch", **kw):
+    x = logits.clone().to(DEVICE).requires_grad_()
+    kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend, **kw)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    return out, grad.cpu()
 
-    logp = logp_k.clone().requires_grad_()
-    ent = ent_k.clone().requires_grad_()
-    terms = objective.per_token_loss(logp, ent, adv, mask, inputs, options)
-    # the kernel's own entropy term is weighted like the policy term (the library passes entropy_coef=0
-    # and adds TRL's token-mean bonus beside the kernel: objective.entropy_weights)
-    weighted = terms.loss * weights - options.entropy_coef * ent * weights
-    d_logp, d_ent = torch.autograd.grad(weighted.sum(), (logp, ent), allow_unused=True)
-    d_ent = torch.zeros_like(ent) if d_ent is None else d_ent
 
-    torch.testing.assert_close(loss_k, weighted.detach(), rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(coef_logp_k, d_logp, rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(coef_ent_k, d_ent, rtol=0, atol=0)
-    # exp(d) - d - 1 is formed from O(1) terms: its rounding is absolute, a few ulp of 1
-    torch.testing.assert_close(kl_k, terms.kl.detach(), rtol=2e-6, atol=3e-7)
-    low, high = objective.clip_flags(terms.ratio.detach(), adv, mask, options)
-    expected_clip = high.to(torch.int8) - (low.to(torch.int8) if low is not None else 0) if high is not None else torch.zeros_like(clip_k)
-    assert torch.equal(clip_k, expected_clip.to(torch.int8))
-    if options.loss_type in ("dapo", "cispo"):
-        assert (clip_k != 0).any(), "the case must exercise a clip region"
+def expected(fn, logits, ids, mask, **kw):
+    x = logits.double().requires_grad_()
+    ids = torch.where(mask != 0, ids, -100)
+    logp, ent = logprobs64(x, ids)
+    loss = fn(logp, ent, mask, **kw)
+    (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad
+
+
+def check(out, grad, loss64, grad64):
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.loss.detach().cpu().double(), loss64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), grad64, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_mode", [m for m in LOSS_MODES if m != "clip_cov"])
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_verl_loss_modes_and_reductions(loss_mode, loss_agg_mode):
+    logits, ids, mask, old, ref, _, adv = batch(LOSS_MODES.index(loss_mode) * 7 + LOSS_AGG_MODES.index(loss_agg_mode))
+    kw = dict(loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, beta=0.05, entropy_coef=0.01, eps_high=0.28,
+              kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2)
+    out, grad = ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, clip_ratio_c=1.5, **kw)
+    loss64, grad64 = expected(
+        lambda lp, en, m: verl64(lp, en, torch.where(m != 0, adv.double(), 0.0), m, old=old, ref=ref, loss_mode=loss_mode,
+                                 loss_agg_mode=loss_agg_mode, beta=0.05, entropy_coef=0.01, eps_high=0.28, clip_ratio_c=1.5,
+                                 kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2), logits, ids, mask)
+    check(out, grad, loss64, grad64)
+    assert "actor/ppo_kl" in out.metrics and "actor/entropy" in out.metrics
+
+
+@pytest.mark.parametrize("kl_loss_type", KL_LOSS_TYPES)
+def test_verl_kl_estimators(kl_loss_type):
+    logits, ids, mask, old, ref, _, adv = batch(100 + KL_LOSS_TYPES.index(kl_loss_type))
+    ref = ref.clone()
+    ref[0, 0] = ref[0, 0] - 30.0  # beyond the low_var_kl clamps
+    out, grad = ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, loss_mode="vanilla",
+                     kl_loss_type=kl_loss_type, kl_loss_coef=0.1, loss_agg_mode="seq-mean-token-mean")
+    loss64, grad64 = expected(
+        lambda lp, en, m: verl64(lp, en, torch.where(m != 0, adv.double(), 0.0), m, old=old, ref=ref,
+                                 kl_loss_type=kl_loss_type, beta=0.1, loss_agg_mode="seq-mean-token-mean"),
+        logits, ids, mask)
+    check(out, grad, loss64, grad64)
+
+
+def test_verl_global_normalisers_and_rollout_weights():
+    logits, ids, mask, old, ref, _, adv = batch(200)
+    w = torch.rand(B, T) + 0.5
+    for mode in LOSS_AGG_MODES:
+        for loss_mode in ("vanilla", "geo_mean"):
+            out, grad = ours(logits, ids, adv, mask, old_logps=old, loss_mode=loss_mode, loss_agg_mode=mode,
+                             rollout_is_weights=w, batch_num_tokens=40, global_batch_size=5, dp_size=2,
+                             loss_scale_factor=9)
+            loss64, grad64 = expected(
+                lambda lp, en, m: verl64(lp, en, torch.where(m != 0, adv.double(), 0.0), m, old=old, loss_mode=loss_mode,
+                                         loss_agg_mode=mode, rollout_is_weights=w, dp_size=2, batch_num_tokens=40,
+                                         global_batch_size=5, loss_scale_factor=9), logits, ids, mask)
+            check(out, grad, loss64, grad64)
+
+
+def test_verl_clip_cov_drops_the_selected_gradients():
+    """clip_cov with every candidate selected (clip_cov_ratio large): verl's random choice is then all."""
+    logits, ids, mask, old, _, _, adv = batch(300)
+    adv = adv * 3
+    out, grad = ours(logits, ids, adv, mask, old_logps=old, loss_mode="clip_cov", clip_cov_ratio=1.0, clip_cov_lb=0.0,
+                     clip_cov_ub=1e9)
+    x = logits.double().requires_grad_()
+    logp, _ = logprobs64(x, torch.where(mask != 0, ids, -100))
+    m, a, o = mask.double(), torch.where(mask != 0, adv.double(), 0.0), old.double()
+    r = torch.exp(logp - o)
+    l1, l2 = -a * r, -a * r.clamp(0.8, 1.2)
+    mean = lambda v: (v * m).sum() / (m.sum() + 1e-8)  # noqa: E731
+    cov = (a - mean(a)) * (logp.detach() - mean(logp.detach()))
+    dropped = (cov > 0) & (m > 0) & ~(l2 > l1)
+    assert dropped.any() and (~dropped & (m > 0)).any()
+    loss64 = (torch.maximum(l1, l2) * (~dropped).double() * m).sum() / m.sum()
+    (grad64,) = torch.autograd.grad(loss64, x)
+    check(out, grad, loss64.detach(), grad64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
+def test_trl_entropy_bonus_is_a_token_mean_for_every_loss_type(backend, loss_type):
+    logits, ids, mask, old, ref, _, adv = batch(400)
+    kw = dict(old_logps=old, ref_logps=ref, beta=0.04, entropy_coef=0.05, loss_type=loss_type)
+    out, grad = ours(logits, ids, adv, mask, backend=backend, **kw)
+    loss64, grad64 = expected(lambda lp, en, m: grpo64(None, ids, adv, m, logprobs=(lp, en), **kw)[0], logits, ids, mask)
+    check(out, grad, loss64, grad64)
+
+
+@pytest.mark.parametrize("mode", ROLLOUT_CORRECTIONS)
+@pytest.mark.parametrize("with_old", [True, False])
+def test_trl_rollout_correction(mode, with_old):
+    logits, ids, mask, old, _, rollout, adv = batch(500 + ROLLOUT_CORRECTIONS.index(mode))
+    kw = dict(rollout_logps=rollout, rollout_correction=mode, rollout_correction_max=1.3, rollout_correction_min=0.8,
+              loss_type="dapo", **(dict(old_logps=old) if with_old else {}))
+    for backend in ("torch", "triton"):
+        out, grad = ours(logits, ids, adv, mask, backend=backend, **kw)
+        loss64, grad64 = expected(lambda lp, en, m: grpo64(None, ids, adv, m, logprobs=(lp, en), **kw)[0], logits, ids, mask)
+        check(out, grad, loss64, grad64)
+        assert "sampling/importance_sampling_ratio/mean" in out.metrics
+
+
+def test_rollout_correction_equals_the_is_ratio_route():
+    """The same loss as today's is_ratio fed TRL's ratio."""
+    logits, ids, mask, old, _, rollout, adv = batch(600)
+    ratio = torch.exp(((old - rollout) * mask).sum(-1, keepdim=True)).clamp(max=3.0)
+    a, _ = ours(logits, ids, adv, mask, old_logps=old, rollout_logps=rollout, rollout_correction="sequence_truncate")
+    b, _ = ours(logits, ids, adv, mask, old_logps=old, is_ratio=ratio)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["top_entropy", "off_policy_rollout", "off_policy_old", "both_grpo"])
+def test_trl_masks(case):
+    logits, ids, mask, old, ref, rollout, adv = batch(700 + ["top_entropy", "off_policy_rollout", "off_policy_old",
+                                                              "both_grpo"].index(case))
+    kw = {"top_entropy": dict(top_entropy_quantile=0.4, entropy_coef=0.02, old_logps=old),
+          "off_policy_rollout": dict(off_policy_mask_threshold=0.01, rollout_logps=rollout, old_logps=old),
+          "off_policy_old": dict(off_policy_mask_threshold=0.01, old_logps=old),
+          "both_grpo": dict(loss_type="grpo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.02, old_logps=old,
+                            ref_logps=ref, beta=0.03, entropy_coef=0.01)}[case]
+    out, grad = ours(logits, ids, adv, mask, **kw)
+    loss64, grad64 = expected(lambda lp, en, m: grpo64(None, ids, adv, m, logprobs=(lp, en), **kw)[0], logits, ids, mask)
+    check(out, grad, loss64, grad64)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(loss_mode="vanilla", loss_agg_mode="seq-mean-token-sum", kl_loss_type="k3+", beta=0.05, entropy_coef=0.01),
+    dict(loss_mode="cispo", eps_low=1.0, eps_high=0.3), dict(loss_mode="sapo", beta=0.02, kl_loss_type="abs"),
+    dict(loss_type="grpo", entropy_coef=0.03, rollout_correction="token_mask", rollout_correction_max=1.2),
+])
+def test_fused_linear_gradient_in_forward_matches_the_reference(kw):
+    """The fused-linear path (gradient in the forward for these token-local specs) against the reference."""
+    g = torch.Generator().manual_seed(800)
+    hidden = torch.randn(B, T, 8, generator=g)
+    weight = torch.randn(V, 8, generator=g) * 0.5
+    _, ids, mask, old, ref, rollout, adv = batch(801)
+    kw = dict(kw, old_logps=old, ref_logps=ref, rollout_logps=rollout) if "rollout_correction" in kw else dict(kw, old_logps=old, ref_logps=ref)
+    outs = []
+    for backend in ("torch", "reference"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, backend=backend, chunk_size=5, **kw)
+        outs.append((out.loss.detach(), *torch.autograd.grad(out.loss, [h, w])))
+        if backend == "torch":
+            assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward"
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_verl_spellings_mean_our_options():
+    logits, ids, mask, old, ref, _, adv = batch(900)
+    a, ga = ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, loss_mode="vanilla", clip_ratio_low=0.1,
+                 clip_ratio_high=0.3, clip_ratio_c=2.0, kl_loss_coef=0.05, entropy_coeff=0.01)
+    b, gb = ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, loss_mode="vanilla", eps_low=0.1, eps_high=0.3,
+                 delta=2.0, beta=0.05, entropy_coef=0.01)
+    assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(loss_type="grpo", loss_mode="vanilla"), ValueError, ["loss_type", "loss_mode", "vanilla", "dapo"]),
+    (dict(loss_mode="ppo"), ValueError, ["loss_mode", "geo_mean"]),
+    (dict(loss_mode="vanilla", kl_loss_type="k4"), ValueError, ["kl_loss_type", "low_var_kl"]),
+    (dict(loss_mode="vanilla", loss_agg_mode="token-sum"), ValueError, ["loss_agg_mode", "seq-mean-token-mean"]),
+    (dict(loss_agg_mode="token-mean"), ValueError, ["loss_agg_mode", "loss_mode"]),
+    (dict(kl_loss_coef=0.1, beta=0.1), TypeError, ["kl_loss_coef", "beta"]),
+    (dict(use_kl_loss=True), TypeError, ["use_kl_loss", "beta"]),
+    (dict(loss_mode="vanilla", top_entropy_quantile=0.5), ValueError, ["top_entropy_quantile", "loss_type"]),
+    (dict(rollout_correction="token_clip"), ValueError, ["rollout_correction", "token_truncate"]),
+    (dict(rollout_correction="token_mask"), ValueError, ["rollout_logps"]),
+    (dict(rollout_correction_min=2.0, rollout_correction_max=1.0), ValueError, ["rollout_correction_min"]),
+])
+def test_bad_names_are_refused_naming_the_keyword(kw, error, words):
+    logits, ids, mask, *_ , adv = batch(0)
+    with pytest.raises(error) as e:
+        gk.grpo_loss(logits, ids, adv, mask, backend="torch", **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_registries_cover_the_names():
+    assert set(LOSS_MODES) <= set(objective.OBJECTIVES)
+    assert set(LOSS_AGG_MODES) <= set(objective.REDUCTIONS) and set(KL_LOSS_TYPES) <= set(objective.KL_ESTIMATORS)
+    assert all(o in objective.OBJECTIVES and r in objective.REDUCTIONS for o, r in objective.TRL_LOSS_TYPES.values())

@@ -18,7 +18,7 @@ from grpo import packing
 from grpo_kernels import reference
 from grpo_kernels.options import GRPOOptions
 
-from conftest import assert_close64
+from helpers import assert_close64
 from spec64 import grpo64
 
 VOCAB = 301

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close64
+from helpers import B, H, T, V, assert_close64, batch
 from grpo_cases import OPTION_CASES, build_kwargs, make_batch
 from spec64 import grpo64, logprobs64
 
+import grpo_kernels as gk
 from grpo_kernels import objective as O
 from grpo_kernels import reference as R
 from grpo_kernels.options import GRPOInputs, GRPOOptions
@@ -87,3 +88,18 @@ def test_worked_example_of_clipped_objective(ratio, adv, kl, objective):
     )
     assert kl_t.item() == pytest.approx(kl, rel=1e-5)
     assert -loss.item() == pytest.approx(objective, abs=5e-5)
+
+
+def test_reference_supports_double_backward():
+    logits, ids, mask, adv, *_ = batch(8)
+    x = logits.clone().requires_grad_()
+    (g,) = torch.autograd.grad(gk.grpo_loss(x, ids, adv, mask, backend="reference").loss, x, create_graph=True)
+    assert g.requires_grad
+
+
+def test_reference_functions_check_their_flags_too():
+    logits, ids, *_ = batch(14)
+    with pytest.raises(TypeError, match="return_entropy"):
+        gk.reference.token_logprobs(logits, ids, return_entropy="no")
+    with pytest.raises(TypeError, match="ignore_index"):
+        gk.reference.fused_linear_token_logprobs(torch.randn(B, T, H), torch.randn(V, H), ids, ignore_index=None)

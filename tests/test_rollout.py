@@ -1,7 +1,7 @@
 """grpo.rollout without an engine to start: TRL's importance-sampling correction, the weights a vLLM
 engine is sent (LoRA merged, with real peft), the Completions contract, and --use-vllm without vLLM.
 
-The engine itself is tests/test_vllm.py (a real vLLM, in the vLLM venv). Tiny models built in code,
+The engine itself is tests/test_rollout_vllm.py (a real vLLM, in the vLLM venv). Tiny models built in code,
 CPU, fp32; a few seconds in all.
 """
 
@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import assert_close64
+from helpers import assert_close64
 from grpo.config import GRPOConfig
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.rollout import (
@@ -29,12 +29,7 @@ from grpo.trainer import as_policy, train
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- TRL's correction
@@ -244,7 +239,7 @@ def test_config_vllm_fields():
     GRPOConfig(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask")
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: tests/test_vllm.py runs the engine")
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: tests/test_rollout_vllm.py runs the engine")
 def test_use_vllm_without_vllm_is_a_clear_error_before_anything_runs(tmp_path):
     model, tokenizer = build_model_and_tokenizer(seed=0)
     before = copy.deepcopy(model.state_dict())

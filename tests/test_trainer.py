@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+import helpers
 from grpo.logs import run_values
 from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_reward, problems, run_demo
 from grpo.rollout import Completions, completion_mask
@@ -32,23 +33,13 @@ def length_reward(prompts, completions, **_):
 REWARDS = {"accuracy": accuracy, "format": format_reward, "length": length_reward}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is fastest, and immune to other processes on the machine."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAINER_RUN = dict(num_steps=2, prompts_per_step=4, max_new_tokens=12)
 
 
 def tiny_config(tmp_path, **overrides) -> GRPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"), seed=0, num_steps=2, prompts_per_step=4, num_generations=4,
-        max_new_tokens=12, learning_rate=1e-3, backend="torch", progress=False, plot=False, save_every=0,
-    )
-    base.update(overrides)
-    return GRPOConfig(**base)
+    return helpers.tiny_config(tmp_path, **{**TRAINER_RUN, **overrides})
 
 
 def fresh_model():

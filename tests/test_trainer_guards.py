@@ -18,26 +18,14 @@ from grpo.logs import run_values
 from grpo import checkpoint, logs
 from grpo.advantages import group_advantages
 from grpo.config import GRPOConfig
+from helpers import tiny_config
 from grpo.data import columns_of, load_jsonl
 from grpo.demo import accuracy, build_model_and_tokenizer, format_reward, problems
 from grpo.rollout import HFGenerate
 from grpo.trainer import UpdateBatch, as_policy, make_optimizer, prepare_model, score, train, update
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_config(tmp_path, **overrides) -> GRPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "run"), seed=0, num_steps=1, prompts_per_step=2, num_generations=4,
-        max_new_tokens=6, learning_rate=1e-3, backend="torch", progress=False, plot=False, save_every=0,
-    )
-    return GRPOConfig(**{**base, **overrides})
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def finite_params(model) -> bool:

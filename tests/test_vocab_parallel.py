@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import assert_close64
+from helpers import assert_close64
 from grpo_cases import OPTION_CASES, build_kwargs
 from spec64 import grpo64, logprobs64
 

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import assert_close64  # noqa: E402
+from helpers import assert_close64  # noqa: E402
 from grpo.demo import accuracy, problems  # noqa: E402
 from grpo.rollout import HFGenerate, VLLMRollout  # noqa: E402
 from grpo.tokenizer import char_tokenizer  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 
 trl = pytest.importorskip("trl", minversion="1.15", reason="trl >= 1.15 is not installed (pip install -e '.[trl]')")
 
-from conftest import assert_close64, tolerance  # noqa: E402
+from helpers import assert_close64, tolerance  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
@@ -627,7 +627,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     sys.path.insert(0, sys.argv[1])
-    import test_trl_integration as t
+    import test_integrations_trl as t
     import trl
     from grpo_kernels.integrations import trl as gk_trl
 
@@ -675,3 +675,38 @@ def test_patched_step_peak_memory_below_trl(tmp_path):
     print(f"peak RSS growth during one GRPO step: TRL {peaks['trl']:.0f} MiB, grpo-kernels {peaks['ours']:.0f} MiB")
     assert peaks["trl"] > 200, f"TRL's step should need hundreds of MiB here, measured {peaks['trl']:.0f}: measurement off"
     assert peaks["ours"] < 0.6 * peaks["trl"], peaks
+
+
+def test_a_patched_trl_trainer_logs_which_head_it_got(tmp_path, caplog):
+    """patch() said nothing: building a patched trl.GRPOTrainer logs one INFO record (logger
+    ``grpo_kernels.integrations.trl``) naming our head; a head that falls back names the reason."""
+    import logging
+
+    pytest.importorskip("trl")
+    import trl
+    import test_integrations_trl as t
+
+    from grpo_kernels.integrations import trl as gk_trl
+
+    model_dir = str(tmp_path / "model")
+    t.make_model().save_pretrained(model_dir)
+    args = t.make_config(tmp_path / "run", "fp32", beta=0.0)
+    gk_trl.patch(backend="torch")
+    try:
+        assert gk_trl.is_patched()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"):
+            trainer = t.build(trl.GRPOTrainer, model_dir, t.make_tokenizer(), args)
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and ours[0].levelno == logging.INFO, [r.getMessage() for r in ours]
+        assert "grpo_kernels.fused_linear_token_logprobs" in ours[0].getMessage()
+        assert "backend='torch'" in ours[0].getMessage() and t.uses_our_head(trainer.model)
+        caplog.clear()
+        gk_trl._warned.clear()
+        with caplog.at_level(logging.INFO, logger="grpo_kernels"), pytest.warns(UserWarning, match="is_top1"):
+            # TRL asks for an output we do not compute
+            trl.trainer.grpo_trainer.add_fused_lm_head(t.make_model(), outputs=("log_probs", "is_top1"))
+        ours = [r for r in caplog.records if r.name == "grpo_kernels.integrations.trl"]
+        assert len(ours) == 1 and "keeps TRL's own fused LM head" in ours[0].getMessage()
+        assert "is_top1" in ours[0].getMessage()
+    finally:
+        gk_trl.unpatch()
