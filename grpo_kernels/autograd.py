@@ -263,6 +263,27 @@ def _operands(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.d
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
+                       row_stats: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, ...]],
+                       num_stats: int = 4) -> list:
+    """The forward's chunk loop: the logits ``hidden [n, H] @ weight^T [H, V] + bias`` are formed
+    ``chunk_size`` rows at a time in ``dtype`` (autocast off, one reused buffer, never all n rows) and
+    reduced at once by ``row_stats(logits [1, r, V], targets [1, r])`` to ``num_stats`` per-row
+    statistics, each [1, r]. Returns them as ``num_stats`` float32 [n] tensors."""
+    n = hidden.shape[0]
+    stats = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(num_stats)]
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        buffer = _logits_buffer(n, chunk_size, w)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
+            for out, value in zip(stats, row_stats(_as_rows(logits), _as_rows(targets[rows]))):
+                out[rows] = value[0]
+    return stats
+
+
 def _hand_over(grad: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
     """An accumulated gradient in its input's dtype (rounded once, at the end)."""
     return None if grad is None or dtype is None else grad.to(dtype)
@@ -283,17 +304,9 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
                 with_entropy: bool, chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool = False):
-        n = hidden.shape[0]
-        logp, entropy, row_max, log_sum = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            buffer = _logits_buffer(n, chunk_size, w)
-            for start in range(0, n, chunk_size):
-                rows = slice(start, min(n, start + chunk_size))
-                logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
-                stats = backend.forward_rows(_as_rows(logits), _as_rows(targets[rows]), transform, ignore_index, with_entropy)
-                for out, value in zip((logp, entropy, row_max, log_sum), stats):
-                    out[rows] = value[0]
+        logp, entropy, row_max, log_sum = _chunked_row_stats(
+            hidden, weight, bias, targets, chunk_size, dtype,
+            lambda logits, rows: backend.forward_rows(logits, rows, transform, ignore_index, with_entropy))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype)

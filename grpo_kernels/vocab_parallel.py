@@ -47,8 +47,7 @@ import torch
 
 from . import _validation as V
 from . import backends, objective
-from .autograd import (FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _as_rows, _chunk_logits, _first_order,
-                       _logits_buffer, _operands)
+from .autograd import FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _chunked_row_stats, _first_order
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
@@ -345,17 +344,8 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, codes, backend, transform: LogitTransform, with_entropy: bool,
                 chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool, group,
                 reduce_hidden_grad: bool):
-        n = hidden.shape[0]
-        stats = [torch.zeros(n, dtype=torch.float32, device=hidden.device) for _ in range(4)]
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            buffer = _logits_buffer(n, chunk_size, w)
-            for start in range(0, n, chunk_size):
-                rows = slice(start, min(n, start + chunk_size))
-                logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
-                chunk = _shard_row_stats(backend, _as_rows(logits), _as_rows(codes[rows]), transform, with_entropy)
-                for out, value in zip(stats, chunk):
-                    out[rows] = value[0]
+        stats = _chunked_row_stats(hidden, weight, bias, codes, chunk_size, dtype,
+                                   lambda logits, rows: _shard_row_stats(backend, logits, rows, transform, with_entropy))
         logp, entropy, log_sum = _merged(group, backend, codes, transform, with_entropy, *stats)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, codes, stats[2], log_sum, entropy)

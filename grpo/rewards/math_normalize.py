@@ -58,7 +58,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 MAX_CHARS = 2000  # longer "answers" are essays or attacks, not answers
 MAX_DEPTH = 40  # bracket nesting; deeper input is adversarial and slow to parse
@@ -893,16 +893,24 @@ def _sym_equal(a: Any, b: Any) -> bool:
     return bool(sp.simplify(a - b) == 0)
 
 
-def _sample_equal(a: Any, b: Any, syms: list) -> bool | None:
-    """Compare at fixed pseudo-random points; None when too few points evaluate."""
+def _evaluations(a: Any, b: Any, syms: list) -> Iterator[tuple[Any, Any]]:
+    """``a`` and ``b`` evaluated to 50 digits at each of the fixed pseudo-random points (one value of
+    ``_SAMPLES`` per symbol of ``syms``, shifted per point); a point where either fails is skipped."""
     sp = _L.sympy
-    good = 0
     for k in range(len(_SAMPLES)):
         subs = {s: sp.Float(_SAMPLES[(k + j) % len(_SAMPLES)] + 0.1 * j, 50) for j, s in enumerate(syms)}
         try:
             va, vb = a.evalf(50, subs=subs), b.evalf(50, subs=subs)
         except Exception:  # noqa: BLE001
             continue
+        yield va, vb
+
+
+def _sample_equal(a: Any, b: Any, syms: list) -> bool | None:
+    """Compare at fixed pseudo-random points; None when too few points evaluate."""
+    sp = _L.sympy
+    good = 0
+    for va, vb in _evaluations(a, b, syms):
         if not (va.is_number and vb.is_number) or va.has(sp.nan, sp.zoo) or vb.has(sp.nan, sp.zoo):
             continue
         if not _close(va, vb, 25):
@@ -973,12 +981,7 @@ def _rel_equal(p: Rel | Assign, g: Rel | Assign) -> bool:
         return e1 == e2
     syms = sorted(e1.free_symbols | e2.free_symbols, key=lambda s: s.name)
     ratios = []
-    for k in range(len(_SAMPLES)):
-        subs = {s: sp.Float(_SAMPLES[(k + j) % len(_SAMPLES)] + 0.1 * j, 50) for j, s in enumerate(syms)}
-        try:
-            v1, v2 = e1.evalf(50, subs=subs), e2.evalf(50, subs=subs)
-        except Exception:  # noqa: BLE001
-            continue
+    for v1, v2 in _evaluations(e1, e2, syms):
         if not (v1.is_number and v2.is_number) or abs(v2) < 1e-30:
             continue
         ratios.append(v1 / v2)

@@ -124,6 +124,23 @@ class RunResult:
     results_bytes: bytes = b""  # the raw result descriptor (capped), for the judge
 
 
+def _end_group(proc: subprocess.Popen, fds: list, timeout: float) -> bool:
+    """Close the parent's copies of the child's descriptors ``fds`` (emptied), wait up to ``timeout``
+    seconds for the leader, then kill its whole process group whether or not the leader exited:
+    nothing may outlive a run (and the jail's PID 1 dies with its parent, PR_SET_PDEATHSIG).
+    The leader is reaped last; True when it exited in time."""
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    exited = _wait_exit(proc, timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    return exited
+
+
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
     """Wait for the process to exit *without reaping it*; False on timeout.
 
@@ -189,17 +206,7 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
                 stdin=stdin_fd, stdout=out, stderr=err, pass_fds=(job_fd, res_w), cwd="/",
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
                 close_fds=True)
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            exited = _wait_exit(proc, timeout)
-            # Kill the whole group whether or not the leader exited: nothing may outlive a run
-            # (and the jail's PID 1 dies with its parent, PR_SET_PDEATHSIG).
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+            exited = _end_group(proc, fds, timeout)
             res.seek(0)
             raw = res.read(MAX_RESULT_BYTES + 1)
             results = raw[:65536].decode("utf-8", errors="replace")
@@ -799,15 +806,7 @@ def judge(sources: list[str], results: bytes, nonce: str) -> list[bool]:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
                 pass_fds=(job_fd, res_fd), cwd="/", env={"LANG": "C.UTF-8"},
                 start_new_session=True, close_fds=True)
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            exited = _wait_exit(proc, JUDGE_SECONDS)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+            exited = _end_group(proc, fds, JUDGE_SECONDS)
             out.seek(0)
             text = out.read(16 * n + 64).decode("ascii", errors="replace")
     finally:
