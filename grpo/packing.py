@@ -33,14 +33,11 @@ Attention stays within each sequence (:func:`packed_forward`):
   mask is given (``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal
   mask: exact as well, but the ``[L, L]`` mask is materialised and attention costs ``L^2``.
 
-What packing costs: building the layouts is a Python loop over the sequences (about 1 s for a
-G = 8 step of 31k tokens on this shared CPU, against minutes for the step); ``packed_sdpa`` makes one
-SDPA call per sequence per layer, whose fixed cost on a CPU is large (measured on this 2-core shared
-CPU: a 4,096-token row of 8 sequences, 4 heads x 64, forward+backward, 4.2 s per-sequence vs 4.2 s
-with the block-diagonal mask vs 1.9 s for plain causal attention over the row, which is wrong), so on
-a CPU its gain is memory (no ``[L, L]`` mask) and ``sum l_i^2`` scaling for long sequences, not speed
-on short ones. The step's saving is elsewhere: no model FLOPs, no attention and no micro-batch
-overhead spent on padding.
+What packing costs: building the layouts is a Python loop over the sequences (small against the
+step); ``packed_sdpa`` makes one SDPA call per sequence per layer, whose fixed cost on a CPU is large,
+so there its gain is memory (no ``[L, L]`` mask) and ``sum l_i^2`` scaling for long sequences, not
+speed on short ones. The step's saving is elsewhere: no model FLOPs, no attention and no micro-batch
+overhead spent on padding. The measurements: benchmarks/results/cpu-20261130-packing_cost.md.
 
 The loss normalisers equal the padded run's because they are computed once per step over all
 sequences, never per micro-batch: dapo divides by ``num_items_in_batch``, the loss tokens of the whole

@@ -117,3 +117,17 @@ def test_matches_a_float64_reference_on_random_rewards(scale, std, magnitude):
 def test_equal_rewards_with_eps_zero_give_zero_not_nan():
     close(group_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, eps=0.0), [0.0, 0.0, -1.0, 1.0], atol=1e-6)
     close(group_advantages(torch.tensor([1.0, 1.0, 2.0, 2.0]), 2, eps=0.0, scale="batch"), [0.0] * 4, atol=0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_huge_rewards_never_make_advantages_nan(scale):
+    rewards = torch.tensor([1e39, 0.0, 1.0, 2.0, 1.5e308, 1.5e308, -1.7e308, 0.0], dtype=torch.float64)
+    adv = group_advantages(rewards, 4, scale=scale)
+    assert not torch.isnan(adv).any()
+    if scale != "none":  # |r - mean| itself overflows float32 only without a std to divide by
+        assert torch.isfinite(adv).all()
+        assert adv[4] > 0 and adv[6] < 0
+    if scale == "group":  # (with the batch's std, set by 1e308, the first group's advantages round to 0)
+        assert adv[0] > 0 and adv[1] < 0
+    with pytest.raises(ValueError, match=r"rewards\[1\] is inf"):
+        group_advantages(torch.tensor([0.0, math.inf]), 2, scale=scale)

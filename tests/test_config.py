@@ -150,3 +150,8 @@ def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "--rollout-correction {token_truncate,token_mask,sequence_truncate,sequence_mask}" in text
     assert "--top-entropy-quantile" in text and "--vespo-k-pos" in text
+
+
+def test_one_generation_per_prompt_is_refused():
+    with pytest.raises(ValueError, match=r"num_generations must be >= 2.*advantage"):
+        GRPOConfig(num_generations=1)

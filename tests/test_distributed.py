@@ -26,10 +26,12 @@ import time
 
 import torch
 
+from helpers import CORE_LOSS_TYPES
+
 from grpo.logs import run_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = CORE_LOSS_TYPES
 SPLITS = {"even": 6, "uneven": 9}  # rows of the 12 on rank 0 (whole groups of 3)
 CASES = [(kind, loss, split, False) for kind in ("ddp", "fsdp") for loss in LOSS_TYPES for split in SPLITS]
 CASES += [("fsdp", "dapo", "uneven", True), ("ddp", "grpo", "even", True)]

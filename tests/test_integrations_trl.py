@@ -31,7 +31,7 @@ from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 from grpo_kernels.integrations import trl as gk_trl  # noqa: E402
 
 # Every loss TRL's _compute_loss knows (test_loss_types_cover_trl checks this list against TRL's source).
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+from grpo_kernels.options import LOSS_TYPES  # noqa: E402
 VOCAB = 67  # odd on purpose
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 "
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -254,3 +254,9 @@ def test_use_vllm_without_vllm_is_a_clear_error_before_anything_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "grpo", "train", "--model", str(tmp_path / "no-model"), "--data", str(data), "--use-vllm"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "needs vLLM" in out.stderr and "grpo-kernels[vllm]" in out.stderr
+
+
+def test_prompts_that_tokenize_to_nothing_are_a_clear_error():
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    with pytest.raises(ValueError, match="all 2 prompts are empty"):
+        HFGenerate(tokenizer, max_new_tokens=4).generate(as_policy(model), ["", ""], 2)

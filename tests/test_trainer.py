@@ -11,18 +11,29 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 import helpers
+from grpo import checkpoint, logs
 from grpo.logs import run_values
 from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_reward, problems, run_demo
-from grpo.rollout import Completions, completion_mask
+from grpo.rewards import REWARD_FUNCTIONS
+from grpo.rollout import Completions, HFGenerate, completion_mask
 from grpo.trainer import (
-    GRPOConfig, UpdateBatch, as_policy, completion_logps, default_rollout, overlong_penalty, prepare_model, total_reward, train, update,
+    GRPOConfig, UpdateBatch, as_policy, completion_logps, default_rollout, make_optimizer, overlong_penalty, prepare_model,
+    score, total_reward, train, update,
 )
-
 
 
 def length_reward(prompts, completions, **_):
@@ -323,3 +334,305 @@ def unwrap_model_logits(model, batch):
     out = model.base_model(input_ids=batch.input_ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
                            use_cache=False)
     return model.lm_head(out.last_hidden_state[:, batch.prompt_len - 1:-1]).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer refuses poison: non-finite rewards, losses, gradients and weights; bad data; a second run
+# on one output directory; a SIGTERM. Each test failed before the fix it guards (issues 16, 29). The
+# one-step run of helpers.tiny_config (2 prompts x 4 generations of 6 tokens).
+# ---------------------------------------------------------------------------------------------------
+def finite_params(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def completions(n: int):
+    return types.SimpleNamespace(prompts=[f"p{i}" for i in range(n)], completions=[f"c{i}" for i in range(n)])
+
+
+def test_non_finite_rewards_are_unscorable_with_a_warning_naming_function_and_row():
+    def spiky(prompts, completions, **_):
+        return [1.0, math.inf, None, -math.inf, math.nan, 1e39, 0.0, 2.0]
+
+    with pytest.warns(RuntimeWarning, match=r"reward function 'spiky' returned inf for row 1 .*3 values"):
+        per_fn, nonfinite = score({"spiky": spiky}, completions(8), {})
+    assert per_fn.dtype == torch.float64
+    assert torch.isnan(per_fn[[1, 2, 3, 4], 0]).all()  # +-inf and NaN: unscorable, as None is
+    assert per_fn[5, 0].item() == 1e39  # huge but finite: a score (float32 would have made it inf)
+    assert nonfinite.tolist() == [3]
+
+
+@pytest.mark.parametrize(
+    "values, kind",
+    [(["1.0"] * 4, TypeError), (None, TypeError), ([[1.0]] * 4, TypeError), (1.0, TypeError), (torch.tensor(1.0), TypeError),
+     ("1234", TypeError), ([1.0] * 3, ValueError)],
+)
+def test_a_reward_of_the_wrong_type_is_refused_naming_the_function(values, kind):
+    def broken(prompts, completions, **_):
+        return values
+
+    with pytest.raises(kind, match="reward function 'broken'"):
+        score({"broken": broken}, completions(4), {})
+
+
+def test_rewards_as_tuples_arrays_and_tensors_are_read():
+    import numpy as np
+
+    for values in ((1.0, None, 0.5, 2), np.array([1.0, 7.0, 0.5, 2.0], dtype=np.float32), torch.tensor([1.0, 0.0, 0.5, 2.0])):
+        per_fn, _ = score({"f": lambda p, c, **_: values}, completions(4), {})
+        assert per_fn[[0, 2, 3], 0].tolist() == [1.0, 0.5, 2.0] and per_fn.shape == (4, 1)
+
+
+def test_run_with_infinite_and_huge_rewards_stays_finite(tmp_path):
+    """A reward of +-inf is unscorable; 1e39 is a score: advantages, weights and the checkpoint stay finite."""
+    def spiky(prompts, completions, **_):
+        return [[math.inf, 1e39, -math.inf, 0.5][i % 4] for i in range(len(completions))]
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    with pytest.warns(RuntimeWarning, match="reward function 'spiky' returned inf for row 0"):
+        record = train(model, tokenizer, problems()[:4], {"spiky": spiky, "format": format_reward}, helpers.tiny_config(tmp_path))[0]
+    assert record["rewards/spiky/nonfinite"] == 4 and record["skipped_updates"] == 0
+    assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+    assert finite_params(model)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
+
+
+def fixed_batch(model, tokenizer, cfg, advantages):
+    engine = HFGenerate(tokenizer, max_new_tokens=cfg.max_new_tokens)
+    out = engine.generate(as_policy(model), ["1+2=", "3+4="], 2)
+    return UpdateBatch(
+        input_ids=torch.cat([out.prompt_ids, out.completion_ids], 1),
+        attention_mask=torch.cat([out.prompt_mask, out.completion_mask], 1),
+        prompt_len=out.prompt_ids.shape[1], completion_ids=out.completion_ids,
+        loss_mask=out.completion_mask, advantages=advantages,
+    )
+
+
+@pytest.mark.parametrize("poison", ["advantage", "weight"])
+def test_a_non_finite_loss_or_gradient_never_reaches_the_optimizer(tmp_path, poison):
+    torch.manual_seed(0)
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = helpers.tiny_config(tmp_path, num_iterations=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    batch = fixed_batch(model, tokenizer, cfg, advantages)
+    if poison == "advantage":
+        batch.advantages = torch.tensor([math.inf, -1.0, 0.5, -0.5])
+    else:  # a NaN in one layer's weights: NaN activations, loss and gradient
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, 0] = math.nan
+    policy = prepare_model(model, cfg, torch.device("cpu"))
+    optimizer = make_optimizer(policy, cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        logs_ = update(policy, optimizer, batch, cfg, torch.device("cpu"))
+    assert logs_["skipped_updates"] == 2  # both iterations
+    assert not math.isfinite(logs_["loss"]) or not math.isfinite(logs_["grad_norm"])
+    assert not optimizer.state  # AdamW never stepped: no moments filled with NaN
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_skipped_update_is_in_the_json_log_line(tmp_path):
+    """A reward of 1e39 without std scaling gives an advantage beyond float32: that step is skipped and logged."""
+    calls = []
+
+    def huge(prompts, completions, **_):  # in the first step only
+        calls.append(1)
+        return [1e39 if i == 0 and len(calls) == 1 else float(i % 2) for i in range(len(completions))]
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = helpers.tiny_config(tmp_path, num_steps=2, scale_rewards="none")
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        records = train(model, tokenizer, problems()[:4], {"huge": huge}, cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped_updates"] for r in lines] == [1, 0] == [r["skipped_updates"] for r in records]
+    assert lines[0]["loss"] is None or lines[0]["grad_norm"] is None  # non-finite: written as null
+    assert finite_params(model)
+
+
+def test_train_checks_every_row_before_it_starts(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    rows = problems()[:6]
+    del rows[4]["answer"]
+    with pytest.raises(ValueError, match=r"rows\[4\] has no 'answer' column"):
+        train(model, tokenizer, rows, {"accuracy": accuracy}, helpers.tiny_config(tmp_path))
+    with pytest.raises(ValueError, match=r"rows\[0\]: empty prompt"):
+        train(model, tokenizer, [{"prompt": ""}] * 4, {"format": format_reward}, helpers.tiny_config(tmp_path))
+    with pytest.raises(TypeError, match=r"rows\[1\]: the prompt must be a str"):
+        train(model, tokenizer, [{"prompt": "1+1="}, {"prompt": 7}], {"format": format_reward}, helpers.tiny_config(tmp_path))
+    with pytest.raises(ValueError, match="no rows"):
+        train(model, tokenizer, [], {"format": format_reward}, helpers.tiny_config(tmp_path))
+
+
+def test_reward_functions_are_checked_before_the_run(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = helpers.tiny_config(tmp_path)
+    with pytest.raises(ValueError, match="share a name"):  # two lambdas: one would have been dropped
+        train(model, tokenizer, problems()[:4], [lambda p, c, **_: [0.0] * len(c), lambda p, c, **_: [1.0] * len(c)], cfg)
+    with pytest.raises(ValueError, match="at least one reward function"):
+        train(model, tokenizer, problems()[:4], {}, cfg)
+    with pytest.raises(TypeError, match="reward function 'x' is not callable"):
+        train(model, tokenizer, problems()[:4], {"x": 1.0}, cfg)
+    with pytest.raises(TypeError, match="rollout must implement"):
+        train(model, tokenizer, problems()[:4], {"format": format_reward}, cfg, rollout=object())
+    assert not os.path.exists(cfg.output_dir)  # refused before anything was written
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_any_real_number_like_reward_is_read_and_bools_are_0_or_1():
+    """``np.array(..) == 1`` gives numpy.bool_: it stopped the run while Python and torch bools worked."""
+    cases = [
+        (np.array([1, 0, 1, 1]) == 1, [1.0, 0.0, 1.0, 1.0]),
+        ([np.float32(0.5), np.int64(2), np.bool_(False), np.float16(1.5)], [0.5, 2.0, 0.0, 1.5]),
+        ([Fraction(1, 4), Decimal("0.75"), True, torch.tensor(False)], [0.25, 0.75, 1.0, 0.0]),
+        ([torch.tensor(0.5), torch.tensor([2]), np.array(3.0), np.array([4])], [0.5, 2.0, 3.0, 4.0]),
+        (torch.tensor([True, False, True, False]), [1.0, 0.0, 1.0, 0.0]),
+    ]
+    for values, expected in cases:
+        per_fn, nonfinite = score({"f": lambda p, c, **_: values}, completions(4), {})
+        assert per_fn[:, 0].tolist() == expected and nonfinite.tolist() == [0], values
+
+
+@pytest.mark.parametrize("value", ["1", b"1", [1.0], {"r": 1}, 1 + 2j, torch.tensor([1.0, 2.0]), object()])
+def test_a_value_that_is_not_a_number_is_refused_naming_function_and_row(value):
+    with pytest.raises(TypeError, match=r"reward function 'f' returned .* for row 2: expected a number or None"):
+        score({"f": lambda p, c, **_: [1.0, None, value, 0.0]}, completions(4), {})
+
+
+def test_a_number_beyond_float64_is_unscorable_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="reward function 'f' returned inf for row 1"):
+        per_fn, nonfinite = score({"f": lambda p, c, **_: [1, 10**400, Decimal("NaN"), 0]}, completions(4), {})
+    assert torch.isnan(per_fn[[1, 2], 0]).all() and nonfinite.tolist() == [2]
+
+
+def test_a_reward_that_needs_a_missing_column_is_refused_before_the_first_step(tmp_path):
+    """The default rewards without an ``answer`` column trained on format alone, logging accuracy: null."""
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    rows = [{"prompt": r["prompt"]} for r in problems()[:4]]
+    cfg = helpers.tiny_config(tmp_path)
+    with pytest.raises(ValueError, match=r"reward function 'accuracy' needs the column 'answer'"):
+        train(model, tokenizer, rows, {"accuracy": REWARD_FUNCTIONS["accuracy"], "format": REWARD_FUNCTIONS["format"]}, cfg)
+    with pytest.raises(ValueError, match=r"'code' needs the column 'tests'"):
+        train(model, tokenizer, rows, {"code": REWARD_FUNCTIONS["code"]}, cfg)
+    with pytest.raises(ValueError, match=r"'mine' needs the column 'gold'"):
+        train(model, tokenizer, rows, {"mine": lambda prompts, completions, gold, **_: [0.0] * len(completions)}, cfg)
+    assert not os.path.exists(cfg.output_dir)  # refused before anything was written
+
+
+def test_a_run_without_learning_signal_says_so_in_the_log_and_warns(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = helpers.tiny_config(tmp_path, num_steps=logs.ZERO_SIGNAL_PATIENCE, max_new_tokens=2)
+    with pytest.warns(RuntimeWarning, match=f"no learning signal for {logs.ZERO_SIGNAL_PATIENCE} steps"):
+        records = train(model, tokenizer, problems()[:4], {"flat": lambda p, c, **_: [1.0] * len(c)}, cfg)
+    assert [r["zero_signal_steps"] for r in records] == list(range(1, logs.ZERO_SIGNAL_PATIENCE + 1))
+    assert "warning" in records[-1] and all("warning" not in r for r in records[:-1])
+    logged = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "log.jsonl"))]
+    assert "no learning signal" in logged[-1]["warning"]
+    # the count restarts after a step with signal, and a resumed log gives the same count
+    watch = logs.ZeroSignalWatch([{"zero_signal_frac": 1.0}, {"zero_signal_frac": 0.5}, {"zero_signal_frac": 1.0}])
+    assert watch.update({"zero_signal_frac": 1.0}) == {"zero_signal_steps": 2}
+
+
+def test_a_second_run_on_one_output_dir_is_refused_and_a_killed_runs_lock_is_not(tmp_path):
+    out = str(tmp_path / "run")
+    with checkpoint.RunLock(out):
+        with pytest.raises(checkpoint.OutputDirInUse, match=rf"{out} is in use by another training run \(pid {os.getpid()}"):
+            checkpoint.RunLock(out).__enter__()
+        model, tokenizer = build_model_and_tokenizer(seed=0)
+        with pytest.raises(checkpoint.OutputDirInUse, match=out):
+            train(model, tokenizer, problems()[:4], {"format": format_reward}, helpers.tiny_config(tmp_path))
+    # a process holding the lock is SIGKILLed: its lock file stays, its lock does not
+    # (a forked child: it only takes the lock and sleeps, so no interpreter or torch to start again)
+    ready, done = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            checkpoint.RunLock(out).__enter__()
+            os.write(done, b"locked")
+            time.sleep(600)
+        finally:
+            os._exit(1)
+    assert os.read(ready, 6) == b"locked"
+    with pytest.raises(checkpoint.OutputDirInUse, match=f"pid {pid}"):
+        checkpoint.RunLock(out).__enter__()
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert os.path.exists(os.path.join(out, checkpoint.LOCK_FILENAME))
+    with checkpoint.RunLock(out):
+        pass
+
+
+def test_a_fresh_run_never_replaces_a_checkpoint_and_resume_refuses_changed_settings(tmp_path):
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    rows, rewards = problems()[:4], {"format": format_reward}
+    train(model, tokenizer, rows, rewards, helpers.tiny_config(tmp_path))
+    path = os.path.join(tmp_path, "run", "checkpoint.pt")
+    before = os.stat(path).st_mtime_ns
+    with pytest.raises(FileExistsError, match=r"already holds a checkpoint .*--resume .*another --output-dir"):
+        train(model, tokenizer, rows, rewards, helpers.tiny_config(tmp_path))
+    for field, value in (("beta", 0.1), ("num_generations", 2), ("learning_rate", 1e-2), ("seed", 1), ("loss_type", "grpo")):
+        with pytest.raises(ValueError, match=rf"{field}: .* -> {value!r}.*--resume-with-changes"):
+            train(model, tokenizer, rows, rewards, helpers.tiny_config(tmp_path, num_steps=2, resume=True, **{field: value}))
+    assert os.stat(path).st_mtime_ns == before  # nothing was replaced
+    # what may change: the length of the run, logging, the layout of the same maths
+    records = train(model, tokenizer, rows, rewards, helpers.tiny_config(tmp_path, num_steps=2, resume=True, micro_batch_size=2,
+                                                                 padding_free=False))
+    assert [r["step"] for r in records] == [1, 2]
+    records = train(model, tokenizer, rows, rewards, helpers.tiny_config(tmp_path, num_steps=3, resume=True, beta=0.1,
+                                                                 resume_with_changes=True))
+    assert [r["step"] for r in records] == [1, 2, 3]
+
+
+SIGTERM_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from grpo.demo import build_model_and_tokenizer, problems
+    from grpo.trainer import train
+    sys.path.insert(0, {tests!r})
+    from helpers import tiny_config
+    from test_trainer import pathlib_dir, counting_reward
+    torch.set_num_threads(1)
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    train(model, tokenizer, problems()[:8], {{"r": counting_reward(kill_at_call=2)}},
+          tiny_config(pathlib_dir({out!r}), num_steps=50))
+""")
+
+
+def pathlib_dir(path: str):
+    import pathlib
+
+    return pathlib.Path(path)
+
+
+def counting_reward(kill_at_call: int = 0):
+    """A reward that varies with the completion; on its ``kill_at_call``-th call the process gets a real SIGTERM."""
+    calls = [0]
+
+    def r(prompts, completions, **_):
+        calls[0] += 1
+        if calls[0] == kill_at_call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return [float(len(c) % 3) for c in completions]
+
+    r.__name__ = "r"
+    return r
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_and_the_resumed_run_is_the_uninterrupted_one(tmp_path):
+    killed = tmp_path / "killed"
+    child = subprocess.run([sys.executable, "-c", SIGTERM_CHILD.format(tests=os.path.join(ROOT, "tests"), out=str(killed))],
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 128 + signal.SIGTERM, child.stderr[-3000:]
+    assert "SIGTERM: stopped after step 2; checkpoint written to" in child.stderr
+    assert torch.load(killed / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert not os.path.exists(killed / "run" / "checkpoint.pt.tmp")
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    resumed = train(model, tokenizer, problems()[:8], {"r": counting_reward()}, helpers.tiny_config(killed, num_steps=3, resume=True))
+    p_resumed = {k: v.clone() for k, v in model.state_dict().items()}
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    straight = train(model, tokenizer, problems()[:8], {"r": counting_reward()}, helpers.tiny_config(tmp_path / "straight", num_steps=3))
+    assert [run_values(r) for r in resumed] == [run_values(r) for r in straight]
+    for k, v in model.state_dict().items():
+        assert torch.equal(p_resumed[k], v), k

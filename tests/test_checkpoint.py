@@ -1,0 +1,85 @@
+"""grpo.checkpoint: nothing non-finite is saved, saves are durable (fsync around the rename), and a full disk
+or a file-size limit during a save says so with the path. Tiny model built in code, CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from grpo import checkpoint
+from grpo.atomic import write_atomically
+from grpo.demo import build_model_and_tokenizer
+from grpo.trainer import make_optimizer, prepare_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
+    model, _ = build_model_and_tokenizer(seed=0)
+    cfg = tiny_config(tmp_path)
+    policy = prepare_model(model, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        model.lm_head.weight[3, 5] = math.inf
+    path = checkpoint.path_in(cfg.output_dir)
+    with pytest.raises(ValueError, match=r"non-finite.*lm_head\.weight"):
+        checkpoint.save(path, 1, policy, None, make_optimizer(policy, cfg), {})
+    assert not os.path.exists(path) and not os.path.exists(path + ".tmp")
+
+
+def test_a_checkpoint_is_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", b)), real_replace(a, b)))
+    model, _ = build_model_and_tokenizer(seed=0)
+    cfg = tiny_config(tmp_path)
+    policy = prepare_model(model, cfg, torch.device("cpu"))
+    path = checkpoint.path_in(cfg.output_dir)
+    checkpoint.save(path, 1, policy, None, make_optimizer(policy, cfg), {})
+    assert events == [("fsync", False), ("replace", path), ("fsync", True)]  # the file, the rename, its directory
+
+
+def test_a_full_disk_during_a_save_says_so_with_the_path(tmp_path):
+    """/dev/full answers every write with ENOSPC: the checkpoint's temporary file is made a link to it
+    (a real full device; torch.save alone reports "PytorchStreamWriter failed writing file")."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    model, _ = build_model_and_tokenizer(seed=0)
+    path = str(tmp_path / "checkpoint.pt")
+    write_atomically(path, lambda f: f.write(b"the previous checkpoint"))
+    os.symlink("/dev/full", path + ".tmp")
+    policy = prepare_model(model, tiny_config(tmp_path), torch.device("cpu"))
+    with pytest.raises(OSError, match=rf"No space left on device: could not write {path}") as info:
+        checkpoint.save(path, 1, policy, None, make_optimizer(policy, tiny_config(tmp_path)), {})
+    assert info.value.errno == 28
+    assert open(path, "rb").read() == b"the previous checkpoint" and not os.path.lexists(path + ".tmp")
+
+
+def test_a_file_size_limit_during_a_save_says_so_with_the_path(tmp_path):
+    """RLIMIT_FSIZE (a real kernel limit, in a child process) makes writes fail with EFBIG."""
+    code = textwrap.dedent(f"""
+        import importlib.util, resource, signal
+        spec = importlib.util.spec_from_file_location("atomic", {os.path.join(ROOT, 'grpo', 'atomic.py')!r})
+        atomic = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(atomic)  # (grpo.atomic alone: importing the package would load torch)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ kills the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        try:
+            atomic.write_atomically({str(tmp_path / 'checkpoint.pt')!r}, lambda f: [f.write(bytes(1000)) for _ in range(10)])
+        except OSError as e:
+            print("OSError", e.errno, e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=300)
+    assert f"File too large: could not write {tmp_path / 'checkpoint.pt'}" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert not os.listdir(tmp_path)
