@@ -187,7 +187,7 @@ class TritonBackend(RowBackend):
 
     def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
         return self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
-                                           with_entropy=with_entropy, **self._transform_keywords(transform))
+                                              with_entropy=with_entropy, **self._transform_keywords(transform))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
                       transform, ignore_index, out) -> torch.Tensor:

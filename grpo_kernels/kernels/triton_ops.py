@@ -18,8 +18,10 @@ scalar parameter of a launcher (an int, float, bool, str or Optional of one, wit
 of the op with no change here. Every output is a fresh tensor; nothing aliases an input.
 
 ``log_normalizer`` and ``shift_log_sum`` are plain tensor arithmetic (no kernel), traced as they are.
-The ops cost a dispatch each (a few microseconds), so ``backends.TritonBackend`` calls them only
-while compiling and the launchers directly otherwise (benchmarks/results/custom_op_overhead.md).
+An op call costs a Python dispatch on top of the launch (measured on a CPU: ~0.1-0.2 ms, in
+benchmarks/results/custom_op_overhead.md), so ``backends.TritonBackend`` calls the ops only while
+compiling and the launchers directly otherwise. Importing this module registers the ops (the backend
+imports it on its first traced launch; a saved graph that names them needs it imported to load).
 """
 
 from __future__ import annotations
