@@ -255,3 +255,18 @@ def test_custom_op_outputs_equal_the_launchers():
     expected = triton_rows.backward_rows(logits, ids, row_max, log_sum, entropy, grad_logp, None, 0.7, -100,
                                          torch.empty_like(logits))
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["forward_rows", "grpo_forward_rows"])
+def test_forward_ops_take_the_launchers_signature(name):
+    """The forward ops' schemas are inferred from the launchers themselves, so a parameter added to a
+    launcher (a typed scalar) is part of its op with no other change: names, order and defaults agree."""
+    import inspect
+
+    schema = getattr(torch.ops.grpo_kernels, name).default._schema
+    params = inspect.signature(getattr(triton_rows, name)).parameters
+    assert [a.name for a in schema.arguments] == list(params)
+    for arg in schema.arguments:
+        default = params[arg.name].default
+        if default is not inspect.Parameter.empty:
+            assert arg.has_default_value() and arg.default_value == default, arg.name
