@@ -67,7 +67,7 @@ def check_equal(compiled, eager, what):
     """The compiled graph runs the same kernels as the eager call, its O(tokens) maths maybe in another
     order (the fused linear's coefficients come from torch.func while tracing): equal to fp32 rounding."""
     rtol, atol = tolerance(torch.float32)
-    scale = float(eager.abs().max())
+    scale = float(eager.detach().abs().max())
     torch.testing.assert_close(compiled, eager, rtol=rtol, atol=atol * scale, msg=lambda m: f"{what}: {m}")
 
 
