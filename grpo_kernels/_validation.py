@@ -111,6 +111,10 @@ def check_writable(name: str, value: torch.Tensor, others: Sequence[Tuple[str, O
             f"(an expand()ed or overlapping view): the in-place gradient would overwrite itself. Pass "
             f"{name}.contiguous(), or inplace_backward=False"
         )
+    if torch.compiler.is_compiling():
+        # no addresses while tracing; nor a need: AOTAutograd functionalizes the in-place write (an
+        # out-of-place result copied back at the end), so no other argument can read it midway
+        return
     lo, hi = _extent(value)
     storage = value.untyped_storage().data_ptr()
     for other_name, other in others:

@@ -472,7 +472,9 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None  # the buffers now belong to the caller: no copy, no second use
         out = []
         for grad, dtype in zip(grads, ctx.out_dtypes):
-            if grad is not None and not (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0):
+            # (skipped for the common 1 on a CPU, where reading it costs nothing; never while compiling)
+            unit = not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0
+            if grad is not None and not unit:
                 grad.mul_(grad_loss)  # in the accumulator's dtype (fp32 for d W and d b), before rounding
             out.append(_hand_over(grad, dtype))
         return (*out,) + (None,) * 9

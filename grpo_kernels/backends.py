@@ -127,6 +127,7 @@ class TorchBackend(RowBackend):
         return super().forward_backward_rows(logits, targets, t, ignore_index, coefficients)
 
 
+@torch.compiler.assume_constant_result  # fixed for the process once Triton is imported: no guard, no graph break
 def triton_interprets() -> bool:
     """Whether Triton kernels run in Triton's CPU interpreter in this process.
 
@@ -162,6 +163,16 @@ class TritonBackend(RowBackend):
 
         return triton_rows
 
+    @classmethod
+    def _launchers(cls) -> ModuleType:
+        """The launchers as custom ops while torch.compile traces (one opaque node per launch:
+        ``kernels.triton_ops``), else the launchers themselves (no dispatch cost in eager mode)."""
+        if torch.compiler.is_compiling():
+            from .kernels import triton_ops
+
+            return triton_ops
+        return cls._module()
+
     def check_device(self, device: torch.device) -> None:
         if device.type == "cpu" and not triton_interprets():
             raise ValueError(
@@ -175,15 +186,16 @@ class TritonBackend(RowBackend):
         return dict(temperature=t.temperature, softcap=t.softcap, logit_scale=t.logit_scale)
 
     def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
-        return self._module().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
-                                           with_entropy=with_entropy, **self._transform_keywords(transform))
+        return self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
+                                              with_entropy=with_entropy, **self._transform_keywords(transform))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
                       transform, ignore_index, out) -> torch.Tensor:
-        return self._module().backward_rows(
+        self._launchers().backward_rows(  # the custom op returns nothing: it mutates ``out``
             logits=logits, targets=targets, row_max=row_max, log_sum=log_sum, entropy=entropy, grad_logp=grad_logp,
             grad_entropy=grad_entropy, ignore_index=ignore_index, out=out, **self._transform_keywords(transform),
         )
+        return out
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
         return self._module().log_normalizer(row_max, log_sum, **self._transform_keywords(transform))
@@ -192,7 +204,7 @@ class TritonBackend(RowBackend):
         return self._module().shift_log_sum(log_sum, shift)
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
-        return self._module().grpo_forward_rows(
+        return self._launchers().grpo_forward_rows(
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
             ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
             ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
@@ -210,12 +222,11 @@ def resolve(name: str, device: torch.device) -> RowBackend:
     """The backend for a name ("auto", "triton", "torch") and the tensors' device.
 
     "auto" is Triton for CUDA tensors, and for CPU tensors when Triton runs in its interpreter;
-    otherwise, and while torch.compile traces, the chunked torch path.
+    otherwise the chunked torch path. The same while torch.compile traces (the Triton launches are
+    custom ops then: ``kernels.triton_ops``).
     """
     if name == "auto":
-        # under torch.compile the torch rows (dynamo traces them; the Triton launches are not custom ops yet)
-        use_triton = not torch.compiler.is_compiling() and (
-            device.type == "cuda" or (device.type == "cpu" and triton_interprets()))
+        use_triton = device.type == "cuda" or (device.type == "cpu" and triton_interprets())
         name = "triton" if use_triton else "torch"
     backend = REGISTRY.get(name)
     if backend is None:

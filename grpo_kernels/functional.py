@@ -288,22 +288,31 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     old, ref, is_ratio, rollout = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
                                                                          inputs.is_ratio, inputs.rollout_logps))
 
-    def coefficients(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice):
+    def chunk_loss_of(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice) -> torch.Tensor:
+        """The weighted loss of one chunk's rows from their log-probs and entropies [c] (0-d)."""
         at = lambda x: None if x is None else x[chunk].unsqueeze(0)  # noqa: E731 ([1, c] rows, all valid)
+        ones = torch.ones_like(at(adv))
+        chunk_is_ratio = at(is_ratio)
+        if options.rollout_correction is not None:  # token-level here (is_token_local)
+            chunk_is_ratio, _ = objective.rollout_correction(logp.unsqueeze(0), at(old), at(rollout), ones,
+                                                             options, objective.Sequences(ones, None))
+        terms = objective.policy_terms(
+            logp.unsqueeze(0), entropy.unsqueeze(0), at(adv), ones,
+            GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=chunk_is_ratio), options,
+        )
+        return objective.weighted_loss(terms, entropy.unsqueeze(0), weights[chunk].unsqueeze(0), at(regulariser),
+                                       at(bonus), options)
+
+    def coefficients(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice):
+        if torch.compiler.is_compiling():
+            # dynamo traces torch.func's grad (not torch.autograd.grad); an unused entropy gets zeros, not None
+            (g_logp, g_entropy), chunk_loss = torch.func.grad_and_value(chunk_loss_of, argnums=(0, 1))(
+                logp.detach(), entropy.detach(), chunk)
+            return chunk_loss, g_logp, g_entropy
         with torch.enable_grad():
             logp_leaf = logp.detach().requires_grad_()
             entropy_leaf = entropy.detach().requires_grad_()
-            ones = torch.ones_like(at(adv))
-            chunk_is_ratio = at(is_ratio)
-            if options.rollout_correction is not None:  # token-level here (is_token_local)
-                chunk_is_ratio, _ = objective.rollout_correction(logp_leaf.unsqueeze(0), at(old), at(rollout), ones,
-                                                                 options, objective.Sequences(ones, None))
-            terms = objective.policy_terms(
-                logp_leaf.unsqueeze(0), entropy_leaf.unsqueeze(0), at(adv), ones,
-                GRPOInputs(old_logps=at(old), ref_logps=at(ref), is_ratio=chunk_is_ratio), options,
-            )
-            chunk_loss = objective.weighted_loss(terms, entropy_leaf.unsqueeze(0), weights[chunk].unsqueeze(0),
-                                                 at(regulariser), at(bonus), options)
+            chunk_loss = chunk_loss_of(logp_leaf, entropy_leaf, chunk)
             g_logp, g_entropy = torch.autograd.grad(chunk_loss, (logp_leaf, entropy_leaf), allow_unused=True)
         return chunk_loss.detach(), torch.zeros_like(logp) if g_logp is None else g_logp, g_entropy
 
@@ -413,9 +422,7 @@ def fused_linear_grpo_loss(
     inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    # under torch.compile the recomputing path (its coefficients come from autograd.grad inside the forward,
-    # which dynamo does not trace): the same loss and gradients, 4 matmuls a chunk instead of 3
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options) and not torch.compiler.is_compiling():
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype)
     logp, entropy = _fused_linear_rows(hidden, weight, bias, ids, options.transform, IGNORE_INDEX, True, chunk_size,

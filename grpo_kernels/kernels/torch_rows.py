@@ -341,6 +341,6 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         grad.scatter_(-1, safe[rows], target_term[rows])
         if not all_valid:
             grad.masked_fill_(~valid[rows].unsqueeze(-1), 0.0)
-        if grad.data_ptr() != x.data_ptr():
+        if grad is not x:  # (in-place ops return their tensor itself; no data_ptr, which dynamo cannot compare)
             x.copy_(grad)
     return RowGradient(logp, entropy)

@@ -531,6 +531,11 @@ def shift_log_sum(log_sum: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return log_sum + shift * _LOG2E.value
 
 
+# grpo_forward_rows' outputs: weighted_loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip
+GRPORows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 torch.Tensor, torch.Tensor]
+GRPO_ROWS_FLOAT_OUTPUTS = 8  # the first 8 are fp32 [B, T]; clip is int8 [B, T]
+
 # The fused GRPO forward's policy terms (OBJECTIVE constexpr); vespo's weight is sequence-level.
 _OBJECTIVES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "luspo": 0, "cispo": 1, "sapo": 2}
 
@@ -562,7 +567,7 @@ def forward_rows(
     with_entropy: bool = True,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
-):
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum).
 
     All fp32 [B, T], of ``softmax(softcap * tanh(logit_scale * logits / softcap) / temperature)``
@@ -614,7 +619,7 @@ def grpo_forward_rows(
     sapo_temperature_neg: float = 1.05,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
-):
+) -> GRPORows:
     """One pass of the token-level GRPO loss; per-token inputs are [B], [B, 1] or [B, T].
 
     ``loss_type`` picks the policy term (the clipped surrogate, cispo or sapo; the reduction is in
@@ -627,7 +632,7 @@ def grpo_forward_rows(
     ``ref_logps``) and ``clip`` make the metrics masked means. Masked rows give zeros.
     """
     b, t, v = logits.shape
-    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(8)]
+    outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(GRPO_ROWS_FLOAT_OUTPUTS)]
     outputs.append(torch.empty(b, t, dtype=torch.int8, device=logits.device))
     if b * t == 0:
         return tuple(outputs)
