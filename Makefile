@@ -44,7 +44,7 @@ demo: install
 
 test: install install-vllm
 	$(PY) -m pytest -q tests
-	$(VLLM_PY) -m pytest -q tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py tests/test_new_trainer27_vllm.py
 	$(MAKE) --no-print-directory bench-ci
 
 # After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with

@@ -485,9 +485,11 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     totals = batch_totals(batch)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
+    weights: dict[str, float] = {}  # what each mean in sums is weighted by: tokens, or sequences
+    per_sequence = sequence_mean_metrics(cfg)
     summed: dict[str, float] = {}
     extremes: dict[str, float] = {}
-    weight_total, losses, grad_norms, skipped = 0.0, [], [], 0
+    losses, grad_norms, skipped = [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -497,7 +499,7 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
                 loss, metrics = policy_loss(model, mb, totals, cfg, device)
                 loss.backward()
             loss_sum += loss.item()
-            tokens = float(mb.loss_mask.sum())  # metrics are token means: weigh them by tokens
+            tokens = float(mb.loss_mask.sum())  # most metrics are token means: weigh them by tokens
             for k, v in metrics.items():  # (every rank has every key, fillers included)
                 if k in _EXTREME_KEYS:  # extremes: the extreme over micro-batches
                     if tokens and math.isfinite(v.item()):
@@ -507,8 +509,9 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
                 if k in _SHARE_KEYS:  # already this call's share of the batch's value: summed
                     summed[k] = summed.get(k, 0.0) + v.item()
                     continue
-                sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
-            weight_total += tokens
+                weight = mb.sequences_in_loss if k in per_sequence else tokens
+                sums[k] = sums.get(k, 0.0) + (v.item() * weight if tokens else 0.0)
+                weights[k] = weights.get(k, 0.0) + (weight if tokens else 0.0)
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(loss_sum)
         if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
@@ -519,15 +522,27 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
         optimizer.step()
     # every rank's sums, in one all-reduce; each rank's loss (and each share) was scaled by the world size
     keys, share_keys = list(sums), list(summed)
-    reduced = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [summed[k] for k in share_keys] + [weight_total] + losses,
-                                                  dtype=torch.float64))
+    reduced = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weights[k] for k in keys]
+                                                  + [summed[k] for k in share_keys] + losses, dtype=torch.float64))
     n, m = len(keys), len(share_keys)
-    weight_total, losses = float(reduced[n + m]), (reduced[n + m + 1 :] / distributed.world_size()).tolist()
-    logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, reduced)}
-    logs.update({k: float(v) / (distributed.world_size() * cfg.num_iterations) for k, v in zip(share_keys, reduced[n:])})
+    losses = (reduced[2 * n + m :] / distributed.world_size()).tolist()
+    logs = {k: float(v) / max(float(w), 1.0) for k, v, w in zip(keys, reduced[:n], reduced[n : 2 * n])}
+    logs.update({k: float(v) / (distributed.world_size() * cfg.num_iterations) for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
     logs.update(global_extremes(extremes))
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
+
+
+def sequence_mean_metrics(cfg: GRPOConfig) -> frozenset:
+    """The loss's metrics that are means over sequences, not tokens, under ``cfg`` (so the micro-batches'
+    values are weighted by their sequences): TRL's clip fractions with a per-sequence ratio, and the
+    rollout correction's ratio per sequence."""
+    keys = set()
+    if cfg.importance_sampling_level == "sequence":
+        keys |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    if (cfg.rollout_correction or "").startswith("sequence"):
+        keys.add("sampling/importance_sampling_ratio/mean")
+    return frozenset(keys)
 
 
 def global_extremes(extremes: dict[str, float]) -> dict[str, float]:
