@@ -10,7 +10,8 @@ One training step:
   3. update the policy: its last hidden states and ``lm_head`` weight go to
      ``grpo_kernels.fused_linear_grpo_loss``, so the [tokens, vocab] logits never exist. The batch is
      cut into micro-batches whose gradients accumulate; the normalisers count the tokens and the
-     sequences of the whole batch (``policy_loss``), under TRL's ``loss_type`` and verl's ``loss_mode``. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
+     sequences of the whole batch (``policy_loss``), under TRL's ``loss_type`` and verl's
+     ``loss_mode``. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
      recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term
      (with LoRA, ``use_peft``: the policy with its adapters disabled, ``grpo.lora``).
   4. log one JSON line, and now and then write a checkpoint (``grpo.checkpoint``) from which a run

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import assert_close64
+from grpo_kernels.options import LOSS_AGG_MODES, LOSS_MODES
 from spec64 import logprobs64, verl64, verl_agg64, verl_kl64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,13 +30,15 @@ pytestmark = pytest.mark.timeout(900)
 
 COMMON = dict(beta=0.05, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
               max_grad_norm=math.inf, backend="torch", progress=False, plot=False)
-# verl's three axes; gspo's policy term is always seq-mean-token-mean (its KL and entropy stay token-mean here)
-CASES = {
-    "vanilla-token-mean": dict(loss_mode="vanilla", loss_agg_mode="token-mean"),
+# verl's three axes, every aggregation mode of the spec's own list; gspo's policy term is always
+# seq-mean-token-mean (its KL and entropy stay token-mean here); verl 0.9's newer modes when the spec has them
+CASES = {f"vanilla-{agg}": dict(loss_mode="vanilla", loss_agg_mode=agg) for agg in LOSS_AGG_MODES}
+CASES.update({
     "gspo": dict(loss_mode="gspo", loss_agg_mode="token-mean"),
-    "vanilla-seq-mean-token-sum": dict(loss_mode="vanilla", loss_agg_mode="seq-mean-token-sum"),
     "cispo-seq-mean-token-mean-k1": dict(loss_mode="cispo", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k1"),
-}
+})
+CASES.update({f"{mode}-seq-mean-token-sum": dict(loss_mode=mode, loss_agg_mode="seq-mean-token-sum", **extra)
+              for mode, extra in (("dppo_tv", {}), ("dro", dict(dro_beta=0.1))) if mode in LOSS_MODES})
 # micro-batchings of one update: padded rows per micro-batch, or packed tokens per micro-batch
 SPLITS = {
     "one": dict(padding_free=False),
@@ -93,9 +96,9 @@ def verl_reference(batch, case: dict):
     logp, entropy = logprobs64(logits, torch.where(m != 0, batch.completion_ids, -100))
     adv = batch.advantages.double()[:, None].expand_as(m)
     agg_mode, kl_type = case["loss_agg_mode"], case.get("kl_loss_type", "low_var_kl")
-    loss = verl64(logp, entropy, adv, m, old=batch.old_logps, ref=batch.ref_logps, loss_mode=case["loss_mode"],
-                  loss_agg_mode=agg_mode, kl_loss_type=kl_type, beta=COMMON["beta"], entropy_coef=COMMON["entropy_coef"],
-                  eps_low=COMMON["eps_low"], eps_high=COMMON["eps_high"], loss_scale_factor=COMMON["max_new_tokens"])
+    loss = verl64(logp, entropy, adv, m, old=batch.old_logps, ref=batch.ref_logps, **{**case, "kl_loss_type": kl_type},
+                  beta=COMMON["beta"], entropy_coef=COMMON["entropy_coef"], eps_low=COMMON["eps_low"],
+                  eps_high=COMMON["eps_high"], loss_scale_factor=COMMON["max_new_tokens"])
     loss.backward()
     with torch.no_grad():
         shares = {"actor/entropy": verl_agg64(entropy, m, agg_mode, loss_scale_factor=COMMON["max_new_tokens"]),
@@ -168,6 +171,8 @@ def test_loss_mode_splits_differ_without_the_global_keywords(references):
 
 # ---------------------------------------------------------------------------- 2 DDP ranks
 DDP_CASES = ("vanilla-token-mean", "gspo", "vanilla-seq-mean-token-sum")
+if "token-sum" in LOSS_AGG_MODES:  # verl 0.9's token-sum, and its seq-mean-token-sum-norm (with dp_size), which came with it
+    DDP_CASES += ("vanilla-token-sum", "vanilla-seq-mean-token-sum-norm")
 DDP_SPLITS = ("padded-5", "packed-12")
 
 
