@@ -99,7 +99,9 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
         elif meta.get("choices") is not None:  # (an Optional field's choices include None)
             choices = (*meta["choices"], None) if optional else meta["choices"]
-            group.add_argument(flag, type=_converter(kind, optional), choices=choices, default=field.default, help=text)
+            metavar = "{" + ",".join(meta["choices"]) + "}" + ("|None" if optional else "")
+            group.add_argument(flag, type=_converter(kind, optional), choices=choices, default=field.default, metavar=metavar,
+                               help=text)
         else:
             group.add_argument(flag, type=_converter(kind, optional), nargs=nargs, default=field.default, metavar=metavar,
                                help=text)

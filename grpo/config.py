@@ -98,13 +98,10 @@ def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
     return Bounds(low, high, *open_)
 
 
-# Loss options whose trainer default is not the loss's: (default, why), the reason added to the help.
-# The loss corrects only when given rollout_logps; the trainer gives them when its engine reports its
-# log-probs (use_vllm), and TRL's trainer corrects by default (vllm_importance_sampling_mode).
-TRAINER_LOSS_DEFAULTS = {
-    "rollout_correction": ("sequence_mask", "applied when the rollout engine reports its log-probs (use_vllm); "
-                                            "TRL's default; None: no correction"),
-}
+# Loss options whose trainer default is not the loss's. The loss corrects only when given
+# rollout_logps, which the trainer gives when its engine reports its log-probs (use_vllm); TRL's
+# trainer corrects by default (vllm_importance_sampling_mode="sequence_mask"), and so does this one.
+TRAINER_LOSS_DEFAULTS = {"rollout_correction": "sequence_mask"}
 
 
 def with_loss_fields(after: str):
@@ -122,12 +119,9 @@ def with_loss_fields(after: str):
             for f in dataclasses.fields(GRPOOptions):
                 if f.name in TRAINER_OWNED_LOSS_OPTIONS:
                     continue
-                kind, default, help = hints[f.name], f.default, f.metadata["help"]
-                if f.name in TRAINER_LOSS_DEFAULTS:
-                    default, why = TRAINER_LOSS_DEFAULTS[f.name]
-                    help = f"{help}; {why}"
+                kind, default = hints[f.name], TRAINER_LOSS_DEFAULTS.get(f.name, f.default)
                 annotations[f.name] = kind
-                setattr(cls, f.name, option(default, help, choices=f.metadata.get("choices"),
+                setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
                                             bounds=_bounds(f.metadata.get("bounds"))))
         cls.__annotations__ = annotations
         return cls
