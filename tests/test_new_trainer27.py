@@ -1,5 +1,5 @@
 """The trainer under verl's ``loss_mode`` (issue 27): one update equals verl's ``ppo_loss`` of the whole
-batch, under any micro-batching (padded or packed) and on 2 DDP ranks; and the CLI's ``None``.
+batch, under any micro-batching (padded or packed) and on 2 ranks (DDP, and FSDP2 once); and the CLI's ``None``.
 
 The reference is ``tests/spec64.py``'s float64 restatement of verl 0.9's ``ppo_loss`` / ``agg_loss``
 (``verl64``) over the whole batch in one call, with no global keywords (a single process, a single
@@ -115,9 +115,13 @@ def trainer_update(batch, case: dict, split: dict, **overrides):
     cfg = GRPOConfig(**COMMON, **case, **split, **overrides)
     policy = prepare_model(tiny_model(), cfg, torch.device("cpu"))
     logs = update(policy, make_optimizer(policy, cfg), batch, cfg, torch.device("cpu"))
-    grads = {name.removeprefix("module.").removeprefix("model."): p.grad.detach().clone()
+    grads = {name.removeprefix("module.").removeprefix("model."): full(p.grad).detach().clone()
              for name, p in policy.named_parameters() if p.grad is not None}
     return logs, grads
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # (a sharded DTensor under FSDP2)
 
 
 def check_against_reference(logs, grads, reference, what: str) -> None:
@@ -169,11 +173,12 @@ def test_loss_mode_splits_differ_without_the_global_keywords(references):
     assert abs(total - loss) > 1e-3
 
 
-# ---------------------------------------------------------------------------- 2 DDP ranks
+# ---------------------------------------------------------------------------- 2 ranks
 DDP_CASES = ("vanilla-token-mean", "gspo", "vanilla-seq-mean-token-sum")
 if "token-sum" in LOSS_AGG_MODES:  # verl 0.9's token-sum, and its seq-mean-token-sum-norm (with dp_size), which came with it
     DDP_CASES += ("vanilla-token-sum", "vanilla-seq-mean-token-sum-norm")
 DDP_SPLITS = ("padded-5", "packed-12")
+DDP_RUNS = [("ddp", case, split) for case in DDP_CASES for split in DDP_SPLITS] + [("fsdp", "vanilla-seq-mean-token-sum", "packed-12")]
 
 
 def worker_ddp(out_path: str) -> None:
@@ -182,8 +187,8 @@ def worker_ddp(out_path: str) -> None:
     distributed.setup("ddp")
     batch = fixed_batch()
     rows = torch.arange(0, RANK0_ROWS) if distributed.rank() == 0 else torch.arange(RANK0_ROWS, len(batch))
-    results = {(case, split): trainer_update(batch.rows(rows), CASES[case], SPLITS[split], distributed="ddp")
-               for case in DDP_CASES for split in DDP_SPLITS}
+    results = {(kind, case, split): trainer_update(batch.rows(rows), CASES[case], SPLITS[split], distributed=kind)
+               for kind, case, split in DDP_RUNS}
     if distributed.is_main_process():
         torch.save(results, out_path)
     distributed.teardown()
@@ -195,7 +200,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ddp_ranks_give_the_single_process_update(tmp_path, references):
+def test_two_ranks_give_the_single_process_update(tmp_path, references):
     out = tmp_path / "ddp.pt"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
@@ -205,9 +210,9 @@ def test_two_ddp_ranks_give_the_single_process_update(tmp_path, references):
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     results = torch.load(out, weights_only=False)
     batch, refs = references
-    assert set(results) == {(c, s) for c in DDP_CASES for s in DDP_SPLITS}
-    for (case, split), (logs, grads) in results.items():
-        check_against_reference(logs, grads, refs[case], f"ddp {case} {split}")
+    assert set(results) == set(DDP_RUNS)
+    for (kind, case, split), (logs, grads) in results.items():
+        check_against_reference(logs, grads, refs[case], f"{kind} {case} {split}")
         single_logs, single_grads = trainer_update(batch, CASES[case], SPLITS["one"])
         for name, g in single_grads.items():  # and the single-process trainer, to fp32 rounding
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {split} {name}: {m}")
