@@ -254,7 +254,8 @@ class GRPOConfig:
                              "use distributed='ddp' or model_dtype='float32'")
         if self.use_vllm and self.distributed != "none":
             raise ValueError(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}")
-        if self.use_vllm and self.loss_mode is None and self.loss_type == "vespo" and (self.rollout_correction or "").startswith("sequence"):
+        per_sequence_correction = (self.rollout_correction or "").startswith("sequence")
+        if self.use_vllm and self.loss_mode is None and self.loss_type == "vespo" and per_sequence_correction:
             raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token rollout_correction ('token_truncate' or "
                              f"'token_mask', as in TRL) or None, got {self.rollout_correction!r}")
         if self.reward_weights is not None and not self.reward_weights:

@@ -528,7 +528,8 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     n, m = len(keys), len(share_keys)
     losses = (reduced[2 * n + m :] / distributed.world_size()).tolist()
     logs = {k: float(v) / max(float(w), 1.0) for k, v, w in zip(keys, reduced[:n], reduced[n : 2 * n])}
-    logs.update({k: float(v) / (distributed.world_size() * cfg.num_iterations) for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
+    calls = distributed.world_size() * cfg.num_iterations  # (each share was multiplied by the ranks)
+    logs.update({k: float(v) / calls for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
     logs.update(global_extremes(extremes))
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs

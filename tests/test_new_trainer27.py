@@ -178,7 +178,8 @@ DDP_CASES = ("vanilla-token-mean", "gspo", "vanilla-seq-mean-token-sum")
 if "token-sum" in LOSS_AGG_MODES:  # verl 0.9's token-sum, and its seq-mean-token-sum-norm (with dp_size), which came with it
     DDP_CASES += ("vanilla-token-sum", "vanilla-seq-mean-token-sum-norm")
 DDP_SPLITS = ("padded-5", "packed-12")
-DDP_RUNS = [("ddp", case, split) for case in DDP_CASES for split in DDP_SPLITS] + [("fsdp", "vanilla-seq-mean-token-sum", "packed-12")]
+DDP_RUNS = [("ddp", case, split) for case in DDP_CASES for split in DDP_SPLITS]
+DDP_RUNS += [("fsdp", "vanilla-seq-mean-token-sum", "packed-12")]
 
 
 def worker_ddp(out_path: str) -> None:

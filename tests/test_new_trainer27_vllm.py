@@ -82,8 +82,10 @@ def trl_metrics64(old, sampling, mask, ratio, mode):
     m = mask.bool()
     delta = (old.double() - sampling.double()).abs()[m]
     flat = ratio.flatten() if mode.startswith("sequence") else ratio[m]
-    return {"sampling/sampling_logp_difference/mean": float(delta.mean()), "sampling/sampling_logp_difference/max": float(delta.max()),
-            "sampling/importance_sampling_ratio/min": float(flat.min()), "sampling/importance_sampling_ratio/mean": float(flat.mean()),
+    return {"sampling/sampling_logp_difference/mean": float(delta.mean()),
+            "sampling/sampling_logp_difference/max": float(delta.max()),
+            "sampling/importance_sampling_ratio/min": float(flat.min()),
+            "sampling/importance_sampling_ratio/mean": float(flat.mean()),
             "sampling/importance_sampling_ratio/max": float(flat.max())}
 
 
