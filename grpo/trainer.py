@@ -634,15 +634,17 @@ def train_step(
     if cfg.drop_zero_signal_groups:
         kept = torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1)
         batch = batch.rows(kept)
-    # the engine's and the trainer's log-probs of the sampled tokens differ: the loss corrects for it
-    # (rollout_correction, TRL's vllm_importance_sampling_mode) given the engine's (rollout_logps)
-    if cfg.rollout_correction is not None and rollout.sampling_logps is not None:
+    # the engine's and the trainer's log-probs of the sampled tokens differ: given the engine's
+    # (rollout_logps) the loss corrects for it (rollout_correction, TRL's vllm_importance_sampling_mode),
+    # and TRL's off-policy mask takes them as the sampling policy's
+    if rollout.sampling_logps is not None:
         batch.rollout_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
+    correct = batch.rollout_logps is not None and cfg.rollout_correction is not None
     update_logs: dict[str, float] = {}
     if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
         # the ratios' denominators, before any update and without dropout (the correction's too: the
         # engine sampled with these weights)
-        if cfg.num_iterations > 1 or batch.rollout_logps is not None:
+        if cfg.num_iterations > 1 or correct:
             batch.old_logps = completion_logps(model, batch, cfg, device)
         if ref_model is not None:
             batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
