@@ -152,6 +152,15 @@ def test_loss_mode_update_is_verls_loss_of_the_whole_batch_under_any_micro_batch
         check_against_reference(logs, grads, refs[case], f"{case} {split_name}")
 
 
+def test_geo_mean_in_one_micro_batch_is_verls(references):
+    """geo_mean's policy term is a mean over the call's sequences (verl's torch.mean), which no global
+    keyword reaches: one micro-batch in one process is verl's loss of the batch (docs/trainer.md)."""
+    batch, _ = references
+    case = dict(loss_mode="geo_mean", loss_agg_mode="seq-mean-token-mean")
+    logs, grads = trainer_update(batch, case, SPLITS["one"])
+    check_against_reference(logs, grads, verl_reference(batch, case), "geo_mean one")
+
+
 def test_loss_mode_splits_differ_without_the_global_keywords(references):
     """The comparison above can fail: summing micro-batch losses each reduced over its own tokens
     (verl's agg_loss without batch_num_tokens) is not the batch's loss."""
