@@ -10,7 +10,9 @@
     torchrun --nproc-per-node 2 -m grpo demo --distributed ddp    # the demo on 2 CPU processes (gloo)
 
 Every field of ``GRPOConfig`` is a flag (``--max-new-tokens``, ``--beta``, ``--loss-type`` ...); the
-loss's flags are generated from ``grpo_kernels.GRPOOptions``, help text included.
+loss's flags are generated from ``grpo_kernels.GRPOOptions``, help text included. An Optional field
+takes ``None`` (any case: ``--rollout-correction-max None``, ``--loss-mode none``); a bool field is
+``--flag`` / ``--no-flag``.
 ``--prompts-per-step`` is the global batch, split evenly among the ranks.
 The data is JSONL with a prompt column and any others (e.g. ``answer``), which reach the reward
 functions as keyword lists. A reward is a name of ``grpo.rewards.REWARD_FUNCTIONS`` (``accuracy``: math answers against the
@@ -95,18 +97,32 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
         metavar = kind.__name__.upper() + ("|None" if optional else "")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
-        elif meta.get("choices") is not None:
-            group.add_argument(flag, type=_converter(kind, optional), choices=meta["choices"], default=field.default, help=text)
+        elif meta.get("choices") is not None:  # (an Optional field's choices include None)
+            choices = (*meta["choices"], None) if optional else meta["choices"]
+            metavar = "{" + ",".join(meta["choices"]) + "}" + ("|None" if optional else "")
+            group.add_argument(flag, type=_converter(kind, optional), choices=choices, default=field.default, metavar=metavar,
+                               help=text)
         else:
             group.add_argument(flag, type=_converter(kind, optional), nargs=nargs, default=field.default, metavar=metavar,
                                help=text)
 
 
+def _list_value(flag: str, values, parser: argparse.ArgumentParser):
+    """A list flag's value: ``--flag None`` (alone) is None; None among numbers is a usage error."""
+    if not isinstance(values, list) or None not in values:
+        return values
+    if len(values) > 1:
+        parser.error(f"argument {flag}: None stands alone (None: the field's None), got {values}")
+    return None
+
+
 def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
     """The config the flags describe; a value the config refuses is reported as a usage error."""
     words = lambda f, v: ",".join(v) if f.metadata.get("words") and isinstance(v, list) else v  # noqa: E731
+    flag = lambda f: "--" + f.name.replace("_", "-")  # noqa: E731
     try:
-        return config_cls(**{f.name: words(f, getattr(args, f.name)) for f in dataclasses.fields(config_cls)})
+        return config_cls(**{f.name: words(f, _list_value(flag(f), getattr(args, f.name), parser))
+                             for f in dataclasses.fields(config_cls)})
     except (TypeError, ValueError) as e:
         parser.error(str(e))
 

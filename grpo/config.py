@@ -26,7 +26,6 @@ from grpo_kernels.options import BACKENDS, OPTION_NAMES, GRPOOptions
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
-from .rollout import IMPORTANCE_SAMPLING_MODES
 
 
 @dataclass(frozen=True)
@@ -99,9 +98,16 @@ def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
     return Bounds(low, high, *open_)
 
 
+# Loss options whose trainer default is not the loss's. The loss corrects only when given
+# rollout_logps, which the trainer gives when its engine reports its log-probs (use_vllm); TRL's
+# trainer corrects by default (vllm_importance_sampling_mode="sequence_mask"), and so does this one.
+TRAINER_LOSS_DEFAULTS = {"rollout_correction": "sequence_mask"}
+
+
 def with_loss_fields(after: str):
     """Insert one field per ``GRPOOptions`` field (but :data:`TRAINER_OWNED_LOSS_OPTIONS`) after the
-    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds)."""
+    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds); the
+    defaults of :data:`TRAINER_LOSS_DEFAULTS` replace the loss's."""
 
     def decorate(cls):
         hints = typing.get_type_hints(GRPOOptions)
@@ -113,7 +119,7 @@ def with_loss_fields(after: str):
             for f in dataclasses.fields(GRPOOptions):
                 if f.name in TRAINER_OWNED_LOSS_OPTIONS:
                     continue
-                kind, default = hints[f.name], f.default
+                kind, default = hints[f.name], TRAINER_LOSS_DEFAULTS.get(f.name, f.default)
                 annotations[f.name] = kind
                 setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
                                             bounds=_bounds(f.metadata.get("bounds"))))
@@ -144,19 +150,12 @@ class GRPOConfig:
     max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
     temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
-    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM with TRL's importance-sampling correction
+    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for
+    # (rollout_correction, rollout_correction_max / _min: the loss's options, below)
     use_vllm: bool = option(False, "sample with a vLLM engine in this process (grpo.rollout.VLLMRollout; pip install "
                             "'grpo-kernels[vllm]'), the policy's weights copied into it every step")
     vllm_gpu_memory_utilization: float = option(0.3, "use_vllm on CUDA: the fraction of the GPU's memory the engine takes "
                                                 "(weights and KV cache)", bounds=Bounds(0, 1, low_open=True))
-    vllm_importance_sampling_correction: bool = option(
-        True, "use_vllm: weigh the policy loss by exp(trainer log-prob - engine log-prob) of the sampled tokens, "
-        "which corrects for the two disagreeing (TRL's correction; vllm_importance_sampling_mode)")
-    vllm_importance_sampling_mode: str = option(
-        "sequence_mask", "the ratio per token or per sequence (summed log-ratios); one above the cap is clipped to it "
-        "(truncate) or gets weight 0 (mask)", choices=IMPORTANCE_SAMPLING_MODES)
-    vllm_importance_sampling_cap: float = option(3.0, "C: the largest importance-sampling ratio kept (TRL's "
-                                                 "vllm_importance_sampling_clip_max)", bounds=above(0))
     # rewards and advantages
     reward_weights: Optional[list[float]] = option(None, "one weight per reward function (None: all 1)", bounds=FINITE)
     advantage_std: str = option("population", "the group std: 'population' divides by G (the GRPO papers), 'unbiased' by G-1 (TRL)", choices=STD_KINDS)
@@ -241,11 +240,8 @@ class GRPOConfig:
                         why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
                         raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
         # the rules that tie fields together: the loss's own (GRPOOptions), then the trainer's
-        if self.loss_mode is not None:
-            raise ValueError(f"GRPOConfig.loss_mode={self.loss_mode!r}: the trainer's micro-batch scaling follows TRL's "
-                             f"loss_type; verl's loss_mode is for grpo_kernels' functions (docs/api.md, Use with verl)")
         try:
-            GRPOOptions(**self._loss_fields())
+            self.grpo_options()
         except (TypeError, ValueError) as e:
             raise type(e)(f"GRPOConfig: {e}") from None
         if self.overlong_buffer > self.max_new_tokens:
@@ -258,10 +254,10 @@ class GRPOConfig:
                              "use distributed='ddp' or model_dtype='float32'")
         if self.use_vllm and self.distributed != "none":
             raise ValueError(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}")
-        if (self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type == "vespo"
-                and not self.vllm_importance_sampling_mode.startswith("token_")):
-            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token vllm_importance_sampling_mode "
-                             f"('token_truncate' or 'token_mask', as in TRL), got {self.vllm_importance_sampling_mode!r}")
+        per_sequence_correction = (self.rollout_correction or "").startswith("sequence")
+        if self.use_vllm and self.loss_mode is None and self.loss_type == "vespo" and per_sequence_correction:
+            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token rollout_correction ('token_truncate' or "
+                             f"'token_mask', as in TRL) or None, got {self.rollout_correction!r}")
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
 
@@ -270,9 +266,17 @@ class GRPOConfig:
         fields = {name: getattr(self, name) for name in OPTION_NAMES if name in self.__dataclass_fields__}
         return {**fields, "max_completion_length": self.max_new_tokens}
 
+    def grpo_options(self) -> GRPOOptions:
+        """The loss spec the config names (``GRPOOptions``: TRL's ``loss_type`` or verl's ``loss_mode``)."""
+        return GRPOOptions(**self._loss_fields())
+
     def loss_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``grpo_kernels.fused_linear_grpo_loss`` that come from the config."""
-        return {**self._loss_fields(), "chunk_size": self.chunk_size, "backend": self.backend}
+        """The keyword arguments of ``grpo_kernels.fused_linear_grpo_loss`` that come from the config
+        (under ``loss_mode`` without ``loss_type``, whose default the field holds: the loss is named once)."""
+        fields = self._loss_fields()
+        if self.loss_mode is not None:
+            del fields["loss_type"]
+        return {**fields, "chunk_size": self.chunk_size, "backend": self.backend}
 
 
 # ------------------------------------------------------------------------------------------ type checks

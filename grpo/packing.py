@@ -41,10 +41,12 @@ overhead spent on padding. The measurements: benchmarks/results/cpu-20261130-pac
 
 The loss normalisers equal the padded run's because they are computed once per step over all
 sequences, never per micro-batch: dapo divides by ``num_items_in_batch``, the loss tokens of the whole
-step (the trainer's ``count_loss_tokens``); grpo and dr_grpo reduce per sequence with ``segment_ids``
-and the trainer scales a micro-batch's loss by ``len(mb) / batch_size`` (sequences in this micro-batch
-over sequences in the step, counting those with a loss token as the loss does), as it does for
-padded micro-batches. See :func:`sequence_scale`.
+step (the trainer's ``batch_totals``); grpo and dr_grpo reduce per sequence with ``segment_ids``
+and the trainer scales a micro-batch's loss by ``mb.sequences_in_loss / batch_size`` (the sequences
+with a loss token in this micro-batch, as the loss counts them, over the step's sequences; a
+sequence without loss tokens adds 0, as a padded empty row does, and is counted in ``batch_size``
+as the padded ``B`` counts it), as it does for padded micro-batches (``grpo.trainer.loss_normalisation``).
+verl's ``loss_mode`` gets the step's counts as keywords instead (``global_batch_size``).
 
 Shapes: ``B`` sequences in the step, ``P`` prompt positions (left padded), ``T`` completion positions
 (right padded), ``L`` tokens in a packed row, ``n`` sequences in it.
@@ -58,7 +60,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES
+from grpo_kernels.options import IGNORE_INDEX
 
 PACKED_SDPA = "packed_sdpa"  # attn_implementation name of :func:`packed_sdpa_attention`
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
@@ -242,10 +244,16 @@ class PackedMicroBatch:
     advantages: torch.Tensor  # [1, L] float32, per token
     old_logps: Optional[torch.Tensor] = None  # [1, L] float32
     ref_logps: Optional[torch.Tensor] = None  # [1, L] float32
-    is_ratio: Optional[torch.Tensor] = None  # [1, L] float32
+    rollout_logps: Optional[torch.Tensor] = None  # [1, L] float32
 
     def __len__(self) -> int:
         return len(self.layout)
+
+    @property
+    def sequences_in_loss(self) -> int:
+        """The sequences a call's per-sequence reduction divides by: those with a loss token (as
+        ``grpo_kernels`` counts them among the mask-1 positions of ``segment_ids``)."""
+        return int(torch.unique(self.segment_ids[self.loss_mask != 0]).numel())
 
     @property
     def segment_ids(self) -> torch.Tensor:
@@ -261,7 +269,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
 
     ``batch`` has the fields of the trainer's ``UpdateBatch``: ``input_ids`` / ``attention_mask``
     [B, P + T], ``prompt_len`` P, ``completion_ids`` / ``loss_mask`` [B, T], ``advantages`` [B] or
-    [B, T], and optional ``old_logps`` / ``ref_logps`` / ``is_ratio`` [B, T] (packed when present, so they can be
+    [B, T], and optional ``old_logps`` / ``ref_logps`` / ``rollout_logps`` [B, T] (packed when present, so they can be
     computed before or after packing: see :func:`unpack_values`).
     """
     prompt_lens, completion_lens = sequence_spans(batch.attention_mask, batch.prompt_len)
@@ -282,7 +290,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
             advantages=layout.pack(batch.advantages.float()),
             old_logps=optional(getattr(batch, "old_logps", None)),
             ref_logps=optional(getattr(batch, "ref_logps", None)),
-            is_ratio=optional(getattr(batch, "is_ratio", None)),
+            rollout_logps=optional(getattr(batch, "rollout_logps", None)),
         ))
     return out
 
@@ -305,7 +313,7 @@ def filler_micro_batch(batch: Any) -> PackedMicroBatch:
     optional = lambda t: None if t is None else one(0, torch.float32)  # noqa: E731
     return PackedMicroBatch(layout, one(IGNORE_INDEX, torch.long), one(0, batch.loss_mask.dtype), one(0, torch.float32),
                             optional(getattr(batch, "old_logps", None)), optional(getattr(batch, "ref_logps", None)),
-                            optional(getattr(batch, "is_ratio", None)))
+                            optional(getattr(batch, "rollout_logps", None)))
 
 
 def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -320,21 +328,6 @@ def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[to
     for mb, v in zip(micro_batches, values):
         mb.layout.unpack(v, out)
     return out
-
-
-def sequence_scale(mb: PackedMicroBatch, batch_size: int, loss_type: str) -> float:
-    """What a packed micro-batch's loss is multiplied by so that the micro-batch losses of a step sum to its loss.
-
-    Token-normalised losses (dapo, bnpo as dapo, cispo, vespo: the step's ``num_items_in_batch``): 1.
-    The others reduce over the sequences of the call: ``grpo_kernels`` counts, with ``segment_ids``,
-    the sequences that have a loss token, so the micro-batch's share is that count over the step's
-    ``batch_size`` sequences (a sequence without loss tokens adds 0 to the step's sum, as a padded
-    empty row does, and is counted in ``batch_size`` as the padded ``B`` counts it).
-    """
-    if loss_type in TOKEN_NORMALISED_LOSS_TYPES:
-        return 1.0
-    with_loss_tokens = mb.segment_ids[mb.loss_mask != 0]
-    return int(torch.unique(with_loss_tokens).numel()) / batch_size
 
 
 # --------------------------------------------------------------------------------------------------

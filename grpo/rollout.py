@@ -9,7 +9,8 @@ keeps its own copy of the weights syncs them from ``policy`` at the start of ``g
 calls it once per step, after the previous step's update). :class:`VLLMRollout` is such an engine: a vLLM
 ``LLM`` in this process, whose weights are replaced by the policy's (LoRA adapters merged) every call,
 and which also returns the log-probs it sampled each token with (``Completions.sampling_logps``), from
-which the trainer corrects for the engine/trainer mismatch (:func:`importance_sampling_ratio`, TRL's).
+which the trainer's loss corrects for the engine/trainer mismatch (``grpo_kernels``' ``rollout_correction``
+given ``rollout_logps``: TRL's vLLM importance-sampling correction).
 
 Layout (``B = len(prompts) * G`` rows, prompt-major: rows ``g*G .. g*G+G-1`` answer prompt ``g``):
 prompts left-padded to ``P`` positions, completions right-padded to ``T <= max_new_tokens``, the
@@ -28,10 +29,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
-
-# TRL's vllm_importance_sampling_mode values: per token or per sequence, ratios outside the cap clipped or masked
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
 
 @dataclass
 class Completions:
@@ -167,65 +164,6 @@ def generation_eos(model: torch.nn.Module, tokenizer) -> Union[int, list[int], N
     """The ids that end a completion: the model's generation config's (chat models list several), else the tokenizer's."""
     config: Optional[object] = getattr(model, "generation_config", None)
     return getattr(config, "eos_token_id", None) or tokenizer.eos_token_id
-
-
-# --------------------------------------------------------------------------------------------------
-# the engine/trainer mismatch: TRL's importance-sampling correction
-# --------------------------------------------------------------------------------------------------
-def importance_sampling_ratio(
-    old_logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    cap: Optional[float],
-    cap_min: Optional[float] = None,
-) -> torch.Tensor:
-    """The rollout engine's importance weight: [B, T] for ``token_*`` modes, [B, 1] for ``sequence_*``.
-
-    As TRL 1.16 computes it (``GRPOTrainer._generate_and_score_completions``, "Compute the importance
-    sampling ratio when using vLLM"): ``d = nan_to_num((old_logps - sampling_logps) * mask)`` (a token
-    the engine could not score, NaN, gets no correction), summed over each sequence for the
-    ``sequence_*`` modes; ``ratio = exp(d)``; ``*_truncate`` clamps it to ``[cap_min, cap]``,
-    ``*_mask`` sets it to 0 outside ``[cap_min, cap]`` (None: no bound on that side).
-
-    old_logps, sampling_logps: [B, T] float (the trainer's log-probs of the sampled tokens under the
-    weights that sampled them, and the engine's); mask: [B, T] (the loss mask). Returns float32, no gradient.
-    """
-    if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
-    if old_logps.shape != sampling_logps.shape or old_logps.shape != mask.shape or old_logps.dim() != 2:
-        raise ValueError(f"old_logps, sampling_logps and mask must share one [B, T] shape, got "
-                         f"{list(old_logps.shape)}, {list(sampling_logps.shape)}, {list(mask.shape)}")
-    diff = torch.nan_to_num((old_logps.detach().float() - sampling_logps.float()) * mask.float(), nan=0.0)
-    if mode.startswith("sequence_"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("_truncate"):
-        if cap is None and cap_min is None:
-            raise ValueError(f"mode {mode!r} needs a cap or a cap_min")
-        return torch.clamp(ratio, min=cap_min, max=cap)
-    low = -math.inf if cap_min is None else cap_min
-    high = math.inf if cap is None else cap
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-def importance_sampling_metrics(
-    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor
-) -> dict[str, float]:
-    """TRL 1.16's ``sampling/...`` log entries: |old - sampling| over the masked tokens (NaN ones left out),
-    and the ratio's min / mean / max over the masked tokens (per token) or the sequences (per sequence)."""
-    mask = mask.bool()
-    delta = (old_logps.float() - sampling_logps.float()).abs()
-    delta = delta[mask & ~torch.isnan(delta)]
-    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask]
-    value = lambda fn, t: float(fn(t)) if t.numel() else 0.0  # noqa: E731  (TRL logs 0 for an empty batch)
-    return {
-        "sampling/sampling_logp_difference/mean": value(torch.mean, delta),
-        "sampling/sampling_logp_difference/max": value(torch.max, delta),
-        "sampling/importance_sampling_ratio/min": value(torch.min, flat),
-        "sampling/importance_sampling_ratio/mean": value(torch.mean, flat),
-        "sampling/importance_sampling_ratio/max": value(torch.max, flat),
-    }
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ One training step:
   1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with a
      rollout engine (``grpo.rollout``: Hugging Face ``generate`` unless ``train`` is given another, or
      ``use_vllm``'s vLLM engine; an engine that reports its own log-probs gets TRL's importance-sampling
-     correction of the policy loss, ``grpo.rollout.importance_sampling_ratio``);
+     correction of the policy loss: the loss's ``rollout_correction``, fed ``rollout_logps``);
   2. score every completion with weighted reward functions ``fn(prompts, completions, **columns)``
      (``None`` = unscorable), and turn the rewards into group-relative advantages;
   3. update the policy: its last hidden states and ``lm_head`` weight go to
      ``grpo_kernels.fused_linear_grpo_loss``, so the [tokens, vocab] logits never exist. The batch is
-     cut into micro-batches whose gradients accumulate; the DAPO normaliser counts the tokens of the
-     whole batch. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
+     cut into micro-batches whose gradients accumulate; the normalisers count the tokens and the
+     sequences of the whole batch (``policy_loss``), under TRL's ``loss_type`` and verl's
+     ``loss_mode``. With ``num_iterations > 1`` the batch is reused, against the ``old_logps``
      recorded before its first update; with ``beta > 0`` a frozen reference model adds a KL term
      (with LoRA, ``use_peft``: the policy with its adapters disabled, ``grpo.lora``).
   4. log one JSON line, and now and then write a checkpoint (``grpo.checkpoint``) from which a run
@@ -30,7 +31,7 @@ Shapes: ``B`` completions in a step (``prompts_per_step * G``), ``P`` prompt pos
 Under torchrun with ``distributed="ddp"`` or ``"fsdp"`` (FSDP2), every rank runs this same loop on its
 own share of a step's prompts (whole prompts: a group never straddles ranks); the few places that
 differ call ``grpo.distributed``, whose helpers do nothing in a single process: rewards are gathered so
-that advantages and logs see the whole batch, ``count_loss_tokens`` all-reduces the normaliser,
+that advantages and logs see the whole batch, ``batch_totals`` all-reduces the normalisers,
 ``policy_loss`` scales each rank's loss so that the averaged gradients are the single-process ones,
 and checkpoints gather full state for rank 0 to write.
 """
@@ -53,17 +54,14 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES
+from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
 
 from . import checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
 from .logs import RunLog, ZeroSignalWatch, plot_curves
-from .rollout import (
-    Completions, HFGenerate, Rollout, VLLMRollout, autocast, generation_eos, importance_sampling_metrics,
-    importance_sampling_ratio, require_vllm,
-)
+from .rollout import Completions, HFGenerate, Rollout, VLLMRollout, autocast, generation_eos, require_vllm
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -134,9 +132,11 @@ class Policy(torch.nn.Module):
         options = {**cfg.loss_options(), **head_transform(self.model), **loss_kwargs}  # (the caller's keywords win)
         if isinstance(mb, packing.PackedMicroBatch):
             options["segment_ids"] = mb.segment_ids  # one row, several sequences
+        if mb.rollout_logps is None:  # (an engine that reports no log-probs: nothing to correct)
+            options["rollout_correction"] = None
         return fused_linear_grpo_loss(
             hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
-            old_logps=mb.old_logps, ref_logps=mb.ref_logps, is_ratio=mb.is_ratio, **options,
+            old_logps=mb.old_logps, ref_logps=mb.ref_logps, rollout_logps=mb.rollout_logps, **options,
         )
 
 
@@ -332,16 +332,22 @@ class UpdateBatch:
     advantages: torch.Tensor  # [B]
     old_logps: Optional[torch.Tensor] = None  # [B, T]
     ref_logps: Optional[torch.Tensor] = None  # [B, T]
-    is_ratio: Optional[torch.Tensor] = None  # [B, T] the rollout engine's importance weight (use_vllm)
+    rollout_logps: Optional[torch.Tensor] = None  # [B, T] the rollout engine's log-probs (rollout_correction)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def sequences_in_loss(self) -> int:
+        """The sequences a call's per-sequence reduction divides by: every row (as ``grpo_kernels`` counts
+        unpacked rows, those without a loss token included)."""
+        return len(self)
 
     def rows(self, idx: torch.Tensor) -> "UpdateBatch":
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return UpdateBatch(
             pick(self.input_ids), pick(self.attention_mask), self.prompt_len, pick(self.completion_ids),
-            pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps), pick(self.is_ratio),
+            pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps), pick(self.rollout_logps),
         )
 
     def micro_batches(self, size: Optional[int]) -> list["UpdateBatch"]:
@@ -353,7 +359,7 @@ class UpdateBatch:
         zeros = lambda t: None if t is None else t.new_zeros((1, *t.shape[1:]))  # noqa: E731
         return UpdateBatch(
             zeros(self.input_ids), zeros(self.attention_mask) + 1, self.prompt_len, zeros(self.completion_ids),
-            zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps), zeros(self.is_ratio),
+            zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps), zeros(self.rollout_logps),
         )
 
 
@@ -369,14 +375,6 @@ def micro_batches(batch: UpdateBatch, cfg: GRPOConfig) -> list[MicroBatch]:
     else:
         chunks, filler = batch.micro_batches(cfg.micro_batch_size), batch.filler()
     return chunks + [filler] * (distributed.all_reduce(len(chunks), "max") - len(chunks))
-
-
-def sequences_in_loss(mb: MicroBatch) -> int:
-    """The sequence count a micro-batch's loss divides by (grpo, sapo, dr_grpo, luspo): its rows
-    (padded), or its sequences with a loss token (packed: ``segment_ids``, as grpo_kernels counts)."""
-    if isinstance(mb, packing.PackedMicroBatch):
-        return int(torch.unique(mb.segment_ids[mb.loss_mask != 0]).numel())
-    return len(mb)
 
 
 def completion_hidden(model, batch: MicroBatch) -> torch.Tensor:
@@ -423,34 +421,58 @@ def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.d
     return torch.cat(chunks)[: len(batch)]  # (less any fillers)
 
 
-def count_loss_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
-    """The DAPO normaliser: loss tokens in the whole batch, over every micro-batch and every rank."""
-    return distributed.all_reduce(loss_mask.sum().float()).clamp(min=1.0)
+@dataclass(frozen=True)
+class BatchTotals:
+    """The whole batch's counts, over every micro-batch and every rank: what a micro-batch's loss is
+    normalised by, so that the micro-batch losses of all ranks sum to the batch's loss."""
+
+    tokens: torch.Tensor  # loss tokens, at least 1 (TRL's num_items_in_batch, verl's batch_num_tokens)
+    rows: int  # sequences, those without a loss token included (TRL's per-sequence denominators)
+    sequences: int  # sequences with a loss token (verl's global_batch_size)
+    ranks: int  # data-parallel ranks, whose gradients DDP and FSDP2 average (verl's dp_size)
 
 
-def policy_loss(model, mb: MicroBatch, num_items: torch.Tensor, batch_size: int, cfg: GRPOConfig, device: torch.device):
-    """The GRPO loss of one micro-batch, scaled so that the micro-batch losses of all ranks sum to the batch's loss.
-
-    ``num_items``: loss tokens and ``batch_size``: sequences, both over the whole batch (every rank).
-    DDP and FSDP2 average gradients over the ranks, so each rank's share is multiplied by their number.
-    "dapo", "bnpo", "cispo" and "vespo" divide by the whole batch's token count; "grpo", "sapo",
-    "dr_grpo" and "luspo" divide by the micro-batch's sequence count, which ``len(mb) / batch_size``
-    turns into the whole batch's. The entropy bonus is ``entropy_coef`` times the batch's mean token
-    entropy, whatever the loss type and the micro-batching.
-    """
-    # Token-normalised losses divide by the whole batch's token count (bnpo's token mean of the whole
-    # batch is dapo's loss); the others by sequence counts, rescaled below.
-    per_token = cfg.loss_type in TOKEN_NORMALISED_LOSS_TYPES
-    scale = 1.0 if per_token else sequences_in_loss(mb) / batch_size
-    # The entropy bonus is TRL's token mean over the call's tokens; the step's bonus is the mean over the
-    # whole batch's: coef * H_mb * n_mb / num_items, then divided by the scale this loss is multiplied by.
-    tokens = float(mb.loss_mask.sum())
-    entropy_coef = cfg.entropy_coef * tokens / (float(num_items) * scale) if tokens and cfg.entropy_coef else 0.0
-    out = as_policy(model)(
-        "loss", mb, cfg, device, loss_type="dapo" if cfg.loss_type == "bnpo" else cfg.loss_type, num_items_in_batch=num_items,
-        entropy_coef=entropy_coef,
+def batch_totals(batch: UpdateBatch) -> BatchTotals:
+    """This rank's share of the batch -> the whole batch's :class:`BatchTotals` (all-reduced)."""
+    return BatchTotals(
+        tokens=distributed.all_reduce(batch.loss_mask.sum().float()).clamp(min=1.0),
+        rows=int(distributed.all_reduce(len(batch))),
+        sequences=int(distributed.all_reduce(int((batch.loss_mask.sum(-1) > 0).sum()))),
+        ranks=distributed.world_size(),
     )
-    return out.loss * (scale * distributed.world_size()), out.metrics
+
+
+def loss_normalisation(mb: MicroBatch, totals: BatchTotals, options: GRPOOptions) -> tuple[dict[str, Any], float]:
+    """(keywords of the loss, factor its result is multiplied by) for one micro-batch, one rule per vocabulary.
+
+    verl (``loss_mode``), as verl's ``ppo_loss`` passes its ``global_batch_info``: the batch's token
+    count (``batch_num_tokens``), its sequences with a loss token (``global_batch_size``) and the ranks
+    (``dp_size``) go to the loss, which reduces the policy term, the KL and the entropy bonus by
+    ``loss_agg_mode`` against them and multiplies by ``dp_size``; the factor is 1.
+
+    TRL (``loss_type``): the token-normalised types (dapo, cispo, vespo; bnpo as dapo) divide by the
+    batch's token count; the others divide by the call's sequences, which the factor
+    ``mb.sequences_in_loss / totals.rows`` turns into the batch's. The entropy bonus is the batch's
+    mean token entropy (TRL's bonus is a per-call token mean: ``coef * H_mb * n_mb / tokens``, divided
+    by the factor). Then times the ranks, whose gradients are averaged.
+    """
+    if options.is_verl:
+        return {"num_items_in_batch": totals.tokens, "global_batch_size": totals.sequences, "dp_size": totals.ranks}, 1.0
+    per_token = options.loss_type in TOKEN_NORMALISED_LOSS_TYPES
+    share = 1.0 if per_token else mb.sequences_in_loss / totals.rows
+    tokens = float(mb.loss_mask.sum())
+    entropy_coef = options.entropy_coef * tokens / (float(totals.tokens) * share) if tokens and options.entropy_coef else 0.0
+    keywords = {"loss_type": "dapo" if options.loss_type == "bnpo" else options.loss_type,
+                "num_items_in_batch": totals.tokens, "entropy_coef": entropy_coef}
+    return keywords, share * totals.ranks
+
+
+def policy_loss(model, mb: MicroBatch, totals: BatchTotals, cfg: GRPOConfig, device: torch.device):
+    """The GRPO loss of one micro-batch, scaled so that the micro-batch losses of all ranks sum to the
+    batch's loss (:func:`loss_normalisation`), and the loss's metrics of the micro-batch."""
+    keywords, factor = loss_normalisation(mb, totals, cfg.grpo_options())
+    out = as_policy(model)("loss", mb, cfg, device, **keywords)
+    return out.loss * factor, out.metrics
 
 
 def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> dict[str, float]:
@@ -461,30 +483,36 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     AdamW would carry a NaN into every weight and its moments. It is counted in ``skipped_updates``
     and reported in a ``RuntimeWarning``; its loss / grad_norm are logged as they were (null in JSON).
     """
-    num_items = count_loss_tokens(batch.loss_mask)
-    num_sequences = distributed.all_reduce(len(batch))
+    totals = batch_totals(batch)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
+    weights: dict[str, float] = {}  # what each mean in sums is weighted by: tokens, or sequences
+    per_sequence = sequence_mean_metrics(cfg)
+    summed: dict[str, float] = {}
     extremes: dict[str, float] = {}
-    weight_total, losses, grad_norms, skipped = 0.0, [], [], 0
+    losses, grad_norms, skipped = [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         chunks = micro_batches(batch, cfg)
         for i, mb in enumerate(chunks):
             with distributed.no_grad_sync(model, skip=i < len(chunks) - 1):  # DDP: all-reduce once, at the end
-                loss, metrics = policy_loss(model, mb, num_items, num_sequences, cfg, device)
+                loss, metrics = policy_loss(model, mb, totals, cfg, device)
                 loss.backward()
             loss_sum += loss.item()
-            tokens = float(mb.loss_mask.sum())  # metrics are token means: weigh them by tokens
+            tokens = float(mb.loss_mask.sum())  # most metrics are token means: weigh them by tokens
             for k, v in metrics.items():  # (every rank has every key, fillers included)
-                if k.endswith(("_min", "_max")):  # per-sequence extremes: the extreme over micro-batches
+                if k in _EXTREME_KEYS:  # extremes: the extreme over micro-batches
                     if tokens and math.isfinite(v.item()):
-                        pick = min if k.endswith("_min") else max
+                        pick = min if k.endswith("min") else max
                         extremes[k] = pick(extremes.get(k, v.item()), v.item())
                     continue
-                sums[k] = sums.get(k, 0.0) + (v.item() * tokens if tokens else 0.0)
-            weight_total += tokens
+                if k in _SHARE_KEYS:  # already this call's share of the batch's value: summed
+                    summed[k] = summed.get(k, 0.0) + v.item()
+                    continue
+                weight = mb.sequences_in_loss if k in per_sequence else tokens
+                sums[k] = sums.get(k, 0.0) + (v.item() * weight if tokens else 0.0)
+                weights[k] = weights.get(k, 0.0) + (weight if tokens else 0.0)
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(loss_sum)
         if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
@@ -493,20 +521,36 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
             warnings.warn(f"optimizer step skipped: the loss ({loss_sum}) or gradient norm ({grad_norms[-1]}) is not finite", RuntimeWarning, stacklevel=2)
             continue
         optimizer.step()
-    # every rank's sums, in one all-reduce; each rank's loss was scaled by the world size
-    keys = list(sums)
-    totals = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weight_total] + losses, dtype=torch.float64))
-    weight_total, losses = float(totals[len(keys)]), (totals[len(keys) + 1 :] / distributed.world_size()).tolist()
-    logs = {k: float(v) / max(weight_total, 1.0) for k, v in zip(keys, totals)}
+    # every rank's sums, in one all-reduce; each rank's loss (and each share) was scaled by the world size
+    keys, share_keys = list(sums), list(summed)
+    reduced = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weights[k] for k in keys]
+                                                  + [summed[k] for k in share_keys] + losses, dtype=torch.float64))
+    n, m = len(keys), len(share_keys)
+    losses = (reduced[2 * n + m :] / distributed.world_size()).tolist()
+    logs = {k: float(v) / max(float(w), 1.0) for k, v, w in zip(keys, reduced[:n], reduced[n : 2 * n])}
+    calls = distributed.world_size() * cfg.num_iterations  # (each share was multiplied by the ranks)
+    logs.update({k: float(v) / calls for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
     logs.update(global_extremes(extremes))
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
 
 
+def sequence_mean_metrics(cfg: GRPOConfig) -> frozenset:
+    """The loss's metrics that are means over sequences, not tokens, under ``cfg`` (so the micro-batches'
+    values are weighted by their sequences): TRL's clip fractions with a per-sequence ratio, and the
+    rollout correction's ratio per sequence."""
+    keys = set()
+    if cfg.importance_sampling_level == "sequence":
+        keys |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    if (cfg.rollout_correction or "").startswith("sequence"):
+        keys.add("sampling/importance_sampling_ratio/mean")
+    return frozenset(keys)
+
+
 def global_extremes(extremes: dict[str, float]) -> dict[str, float]:
     """``*_min`` / ``*_max`` metrics over every rank (each rank holds the same keys when any has
     tokens; a rank without sends +-inf, which the reduction ignores)."""
-    keys = sorted(k for k in _EXTREME_KEYS)
+    keys = sorted(_EXTREME_KEYS)
     signed = torch.tensor([(-1.0 if k.endswith("_min") else 1.0) * extremes.get(k, -math.inf if k.endswith("_max") else math.inf)
                            for k in keys], dtype=torch.float64)
     reduced = distributed.all_reduce(signed, "max")  # max of -x is -(min of x)
@@ -518,7 +562,12 @@ def global_extremes(extremes: dict[str, float]) -> dict[str, float]:
     return out
 
 
-_EXTREME_KEYS = ("clip_ratio/low_min", "clip_ratio/high_max")
+# metrics that are extremes over sequences or tokens (TRL's clip extremes, the rollout correction's)
+_EXTREME_KEYS = ("clip_ratio/low_min", "clip_ratio/high_max", "sampling/sampling_logp_difference/max",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+# verl's metrics reduced by loss_agg_mode against the batch's counts (BatchTotals): a call's value is
+# its share of the batch's, times dp_size
+_SHARE_KEYS = ("actor/entropy", "actor/kl_loss")
 
 
 def total_norm(norm: torch.Tensor) -> float:
@@ -585,18 +634,18 @@ def train_step(
     if cfg.drop_zero_signal_groups:
         kept = torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1)
         batch = batch.rows(kept)
-    # the engine's and the trainer's log-probs of the sampled tokens differ: TRL's correction needs the latter
-    correct = cfg.vllm_importance_sampling_correction and rollout.sampling_logps is not None
+    # the engine's and the trainer's log-probs of the sampled tokens differ: given the engine's
+    # (rollout_logps) the loss corrects for it (rollout_correction, TRL's vllm_importance_sampling_mode),
+    # and TRL's off-policy mask takes them as the sampling policy's
+    if rollout.sampling_logps is not None:
+        batch.rollout_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
+    correct = batch.rollout_logps is not None and cfg.rollout_correction is not None
     update_logs: dict[str, float] = {}
     if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
+        # the ratios' denominators, before any update and without dropout (the correction's too: the
+        # engine sampled with these weights)
         if cfg.num_iterations > 1 or correct:
             batch.old_logps = completion_logps(model, batch, cfg, device)
-        if correct:
-            sampling_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
-            ratio = importance_sampling_ratio(batch.old_logps, sampling_logps, batch.loss_mask, cfg.vllm_importance_sampling_mode,
-                                              cfg.vllm_importance_sampling_cap)
-            update_logs.update(importance_sampling_metrics(batch.old_logps, sampling_logps, batch.loss_mask, ratio))
-            batch.is_ratio = ratio.expand_as(batch.old_logps).contiguous()  # (a sequence's weight on each of its tokens)
         if ref_model is not None:
             batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
         clock.lap("logps")

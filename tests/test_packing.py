@@ -171,8 +171,7 @@ def test_filler_adds_nothing():
     batch = padded_batch([2, 3], [3, 1])
     batch.old_logps = torch.randn(batch.completion_ids.shape)
     filler = packing.filler_micro_batch(batch)
-    assert len(filler) == 0 and filler.num_tokens == 1 and packing.sequence_scale(filler, 2, "grpo") == 0
-    assert packing.sequence_scale(filler, 2, "dapo") == 1
+    assert len(filler) == 0 and filler.num_tokens == 1 and filler.sequences_in_loss == 0
     assert float(filler.loss_mask.sum()) == 0 and int(filler.completion_ids) == -100 and filler.old_logps.shape == (1, 1)
     out = torch.full(batch.completion_ids.shape, 7.0)
     assert torch.equal(filler.layout.unpack(torch.randn(1, 1), out), torch.full_like(out, 7.0))
@@ -353,7 +352,7 @@ def test_packed_step_gradients_equal_padded(loss_type, gradient_checkpointing):
             segment_ids=mb.segment_ids, loss_type=loss_type, max_completion_length=options.max_completion_length,
             eps_high=0.28, num_items_in_batch=num_items,
         ).loss
-        loss = loss * packing.sequence_scale(mb, B, loss_type)
+        loss = loss * (1.0 if loss_type == "dapo" else mb.sequences_in_loss / B)  # (the trainer's loss_normalisation)
         loss.backward()
         packed_loss += float(loss.detach())
 

@@ -1,4 +1,4 @@
-"""grpo.rollout without an engine to start: TRL's importance-sampling correction, the weights a vLLM
+"""grpo.rollout without an engine to start: the trainer's rollout correction (the loss's), the weights a vLLM
 engine is sent (LoRA merged, with real peft), the Completions contract, and --use-vllm without vLLM.
 
 The engine itself is tests/test_rollout_vllm.py (a real vLLM, in the vLLM venv). Tiny models built in code,
@@ -20,90 +20,13 @@ import torch
 from helpers import assert_close64
 from grpo.config import GRPOConfig
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
-from grpo.rollout import (
-    IMPORTANCE_SAMPLING_MODES, Completions, HFGenerate, engine_weights, importance_sampling_metrics,
-    importance_sampling_ratio,
-)
+from grpo.rollout import Completions, HFGenerate, engine_weights
 from grpo.trainer import as_policy, train
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# ---------------------------------------------------------------------------- TRL's correction
-def trl_ratio64(old, sampling, mask, mode, cap_max, cap_min):
-    """TRL 1.16 GRPOTrainer._generate_and_score_completions, "Compute the importance sampling ratio when
-    using vLLM", restated line by line in float64."""
-    diff = torch.nan_to_num((old.double() - sampling.double()) * mask.double(), nan=0.0)
-    if mode in ("sequence_mask", "sequence_truncate"):
-        diff = diff.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode in ("sequence_truncate", "token_truncate"):
-        return torch.clamp(ratio, min=cap_min, max=cap_max)
-    low = cap_min if cap_min is not None else -math.inf
-    high = cap_max if cap_max is not None else math.inf
-    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
-
-
-def mismatched_logps(B=6, T=7, seed=0):
-    """(old, sampling, mask): log-probs that differ by up to ~0.6 per token, some sequences far more."""
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g) * 4
-    sampling = old + 0.3 * torch.randn(B, T, generator=g)
-    sampling[0] -= 1.0  # a sequence the engine found much less likely: a large ratio
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = (torch.arange(T) < lengths[:, None]).long()
-    sampling = torch.where(mask.bool(), sampling, torch.zeros(()))
-    old = torch.where(mask.bool(), old, torch.zeros(()))
-    sampling[1, 0] = math.nan  # a token the engine could not score (TRL: no correction there)
-    return old, sampling, mask
-
-
-@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES)
-@pytest.mark.parametrize("cap_max,cap_min", [(3.0, None), (1.2, 0.8), (None, 0.9)])
-def test_importance_sampling_ratio_is_trls_formula(mode, cap_max, cap_min):
-    old, sampling, mask = mismatched_logps()
-    ratio = importance_sampling_ratio(old, sampling, mask, mode, cap_max, cap_min)
-    expected = trl_ratio64(old, sampling, mask, mode, cap_max, cap_min)
-    assert ratio.dtype == torch.float32 and ratio.shape == ((6, 1) if mode.startswith("sequence") else (6, 7))
-    assert_close64(ratio, expected, what=mode)
-    # the bounds did something on these inputs (else the test could not tell the modes apart)
-    unbounded = trl_ratio64(old, sampling, mask, mode, None, None) if mode.endswith("_mask") else None
-    if unbounded is not None:
-        assert bool((expected == 0).any()) and not bool((unbounded == 0).any())
-    else:
-        assert bool((trl_ratio64(old, sampling, mask, mode, 1e9, 1e-9) != expected).any())
-
-
-def test_importance_sampling_ratio_refuses_bad_input():
-    old, sampling, mask = mismatched_logps()
-    with pytest.raises(ValueError, match="mode must be one of"):
-        importance_sampling_ratio(old, sampling, mask, "token", 3.0)
-    with pytest.raises(ValueError, match="share one"):
-        importance_sampling_ratio(old, sampling[:, :-1], mask, "token_mask", 3.0)
-    with pytest.raises(ValueError, match="needs a cap"):
-        importance_sampling_ratio(old, sampling, mask, "token_truncate", None)
-
-
-@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_importance_sampling_metrics_are_trls(mode):
-    old, sampling, mask = mismatched_logps(seed=1)
-    ratio = importance_sampling_ratio(old, sampling, mask, mode, 3.0)
-    logs = importance_sampling_metrics(old, sampling, mask, ratio)
-    delta = (old.double() - sampling.double()).abs()[mask.bool()]
-    delta = delta[~torch.isnan(delta)]
-    flat = ratio.double().flatten() if mode.startswith("sequence") else ratio.double()[mask.bool()]
-    expected = {
-        "sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max": delta.max(),
-        "sampling/importance_sampling_ratio/min": flat.min(), "sampling/importance_sampling_ratio/mean": flat.mean(),
-        "sampling/importance_sampling_ratio/max": flat.max(),
-    }
-    assert set(logs) == set(expected)
-    for k, v in expected.items():
-        assert logs[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
-        assert math.isfinite(logs[k])
 
 
 # ---------------------------------------------------------------------------- the trainer applies it
@@ -139,9 +62,9 @@ def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
                     rollout=engine)[0]
         return rec, before
 
-    off, _ = run(vllm_importance_sampling_correction=False)
-    truncated, _ = run(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=1.5)
-    masked, _ = run(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_cap=1.5)
+    off, _ = run(rollout_correction=None)
+    truncated, _ = run(rollout_correction="token_truncate", rollout_correction_max=1.5)
+    masked, _ = run(rollout_correction="token_mask", rollout_correction_max=1.5)
     assert "sampling/importance_sampling_ratio/mean" not in off
     assert truncated["sampling/sampling_logp_difference/mean"] == pytest.approx(0.5, abs=1e-5)
     assert truncated["sampling/importance_sampling_ratio/max"] == pytest.approx(1.5)
@@ -222,12 +145,12 @@ def test_hf_generate_reports_no_sampling_logps():
 
 def test_config_vllm_fields():
     cfg = GRPOConfig()
-    assert (cfg.use_vllm, cfg.vllm_importance_sampling_correction, cfg.vllm_importance_sampling_mode,
-            cfg.vllm_importance_sampling_cap, cfg.vllm_gpu_memory_utilization) == (False, True, "sequence_mask", 3.0, 0.3)  # TRL's
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
-        GRPOConfig(vllm_importance_sampling_mode="token")
-    with pytest.raises(ValueError, match="vllm_importance_sampling_cap"):
-        GRPOConfig(vllm_importance_sampling_cap=0.0)
+    assert (cfg.use_vllm, cfg.rollout_correction, cfg.rollout_correction_max, cfg.rollout_correction_min,
+            cfg.vllm_gpu_memory_utilization) == (False, "sequence_mask", 3.0, None, 0.3)  # TRL's
+    with pytest.raises(ValueError, match="rollout_correction must be one of"):
+        GRPOConfig(rollout_correction="token")
+    with pytest.raises(ValueError, match="rollout_correction_max"):
+        GRPOConfig(rollout_correction_max=-1.0)
     with pytest.raises(ValueError, match="vllm_gpu_memory_utilization"):
         GRPOConfig(vllm_gpu_memory_utilization=1.5)
     with pytest.raises(TypeError, match="use_vllm"):
@@ -236,7 +159,7 @@ def test_config_vllm_fields():
         GRPOConfig(use_vllm=True, distributed="ddp")
     with pytest.raises(ValueError, match="vespo"):
         GRPOConfig(use_vllm=True, loss_type="vespo")  # (TRL: a per-token mode with vespo)
-    GRPOConfig(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask")
+    GRPOConfig(use_vllm=True, loss_type="vespo", rollout_correction="token_mask")
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: tests/test_rollout_vllm.py runs the engine")

@@ -243,7 +243,7 @@ def test_cli_use_vllm_trains_three_steps(tmp_path, saved_model):
     out = run_cli("--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
                   "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "10",
                   "--learning-rate", "3e-3", "--backend", "torch", "--save-every", "1", "--no-progress", "--no-plot",
-                  "--vllm-importance-sampling-mode", "token_truncate", "--num-steps", "3", path=str(tmp_path))
+                  "--rollout-correction", "token_truncate", "--num-steps", "3", path=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoint.pt").exists()
     records = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl")]
