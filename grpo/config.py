@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from grpo_kernels.options import BACKENDS, OPTION_NAMES, GRPOOptions
+from grpo_kernels.options import BACKENDS, OPTION_NAMES, ROLLOUT_CORRECTIONS, GRPOOptions
 
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
@@ -85,9 +85,11 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: 
 
 
 # Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
-# it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, and the trainer
-# scales micro-batch losses by the number of ranks (verl's dp_size).
-TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size")
+# it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, the trainer
+# scales micro-batch losses by the number of ranks (verl's dp_size), and the rollout correction is
+# set under TRL's names (vllm_importance_sampling_*, mapped in GRPOConfig._loss_fields).
+TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size",
+                              "rollout_correction", "rollout_correction_max", "rollout_correction_min")
 
 
 def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
@@ -98,16 +100,9 @@ def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
     return Bounds(low, high, *open_)
 
 
-# Loss options whose trainer default is not the loss's. The loss corrects only when given
-# rollout_logps, which the trainer gives when its engine reports its log-probs (use_vllm); TRL's
-# trainer corrects by default (vllm_importance_sampling_mode="sequence_mask"), and so does this one.
-TRAINER_LOSS_DEFAULTS = {"rollout_correction": "sequence_mask"}
-
-
 def with_loss_fields(after: str):
     """Insert one field per ``GRPOOptions`` field (but :data:`TRAINER_OWNED_LOSS_OPTIONS`) after the
-    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds); the
-    defaults of :data:`TRAINER_LOSS_DEFAULTS` replace the loss's."""
+    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds)."""
 
     def decorate(cls):
         hints = typing.get_type_hints(GRPOOptions)
@@ -119,7 +114,7 @@ def with_loss_fields(after: str):
             for f in dataclasses.fields(GRPOOptions):
                 if f.name in TRAINER_OWNED_LOSS_OPTIONS:
                     continue
-                kind, default = hints[f.name], TRAINER_LOSS_DEFAULTS.get(f.name, f.default)
+                kind, default = hints[f.name], f.default
                 annotations[f.name] = kind
                 setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
                                             bounds=_bounds(f.metadata.get("bounds"))))
@@ -150,12 +145,25 @@ class GRPOConfig:
     max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
     temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
-    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for
-    # (rollout_correction, rollout_correction_max / _min: the loss's options, below)
+    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
+    # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
+    # rollout_correction_max and rollout_correction_min (_loss_fields).
     use_vllm: bool = option(False, "sample with a vLLM engine in this process (grpo.rollout.VLLMRollout; pip install "
                             "'grpo-kernels[vllm]'), the policy's weights copied into it every step")
     vllm_gpu_memory_utilization: float = option(0.3, "use_vllm on CUDA: the fraction of the GPU's memory the engine takes "
                                                 "(weights and KV cache)", bounds=Bounds(0, 1, low_open=True))
+    vllm_importance_sampling_correction: bool = option(
+        True, "weigh the policy loss by the ratio of the trainer's to the engine's probability of the sampled tokens "
+        "(when the engine reports its log-probs: use_vllm); the loss's rollout_correction")
+    vllm_importance_sampling_mode: str = option(
+        "sequence_mask", "the ratio per token or per sequence (summed log-ratios); one outside [clip_min, clip_max] is "
+        "clamped to it (truncate) or gets weight 0 (mask)", choices=ROLLOUT_CORRECTIONS)
+    vllm_importance_sampling_clip_max: Optional[float] = option(
+        3.0, "the largest ratio kept (None: unbounded; the loss's rollout_correction_max)", bounds=above(0))
+    vllm_importance_sampling_clip_min: Optional[float] = option(
+        None, "the smallest ratio kept (None: no floor; the loss's rollout_correction_min)", bounds=at_least(0))
+    vllm_importance_sampling_cap: Optional[float] = option(
+        None, "TRL's older name of vllm_importance_sampling_clip_max: when given, it replaces it", bounds=above(0))
     # rewards and advantages
     reward_weights: Optional[list[float]] = option(None, "one weight per reward function (None: all 1)", bounds=FINITE)
     advantage_std: str = option("population", "the group std: 'population' divides by G (the GRPO papers), 'unbiased' by G-1 (TRL)", choices=STD_KINDS)
@@ -254,17 +262,20 @@ class GRPOConfig:
                              "use distributed='ddp' or model_dtype='float32'")
         if self.use_vllm and self.distributed != "none":
             raise ValueError(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}")
-        per_sequence_correction = (self.rollout_correction or "").startswith("sequence")
+        per_sequence_correction = self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")
         if self.use_vllm and self.loss_mode is None and self.loss_type == "vespo" and per_sequence_correction:
-            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token rollout_correction ('token_truncate' or "
-                             f"'token_mask', as in TRL) or None, got {self.rollout_correction!r}")
+            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token vllm_importance_sampling_mode ('token_truncate' "
+                             f"or 'token_mask', as in TRL), got {self.vllm_importance_sampling_mode!r}")
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
 
     def _loss_fields(self) -> dict[str, Any]:
         """The config's fields that are ``grpo_kernels.GRPOOptions`` fields (same names), and dr_grpo's length."""
         fields = {name: getattr(self, name) for name in OPTION_NAMES if name in self.__dataclass_fields__}
-        return {**fields, "max_completion_length": self.max_new_tokens}
+        cap = self.vllm_importance_sampling_clip_max if self.vllm_importance_sampling_cap is None else self.vllm_importance_sampling_cap
+        correction = dict(rollout_correction=self.vllm_importance_sampling_mode if self.vllm_importance_sampling_correction else None,
+                          rollout_correction_max=cap, rollout_correction_min=self.vllm_importance_sampling_clip_min)
+        return {**fields, **correction, "max_completion_length": self.max_new_tokens}
 
     def grpo_options(self) -> GRPOOptions:
         """The loss spec the config names (``GRPOOptions``: TRL's ``loss_type`` or verl's ``loss_mode``)."""

@@ -542,7 +542,7 @@ def sequence_mean_metrics(cfg: GRPOConfig) -> frozenset:
     keys = set()
     if cfg.importance_sampling_level == "sequence":
         keys |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
-    if (cfg.rollout_correction or "").startswith("sequence"):
+    if (cfg.grpo_options().rollout_correction or "").startswith("sequence"):
         keys.add("sampling/importance_sampling_ratio/mean")
     return frozenset(keys)
 
@@ -639,7 +639,7 @@ def train_step(
     # and TRL's off-policy mask takes them as the sampling policy's
     if rollout.sampling_logps is not None:
         batch.rollout_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
-    correct = batch.rollout_logps is not None and cfg.rollout_correction is not None
+    correct = batch.rollout_logps is not None and cfg.grpo_options().rollout_correction is not None
     update_logs: dict[str, float] = {}
     if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
         # the ratios' denominators, before any update and without dropout (the correction's too: the

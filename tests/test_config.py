@@ -139,7 +139,7 @@ def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):
         assert f.name in config_fields, f.name
         assert config_fields[f.name].metadata["help"] == f.metadata["help"]
         assert config_fields[f.name].metadata["choices"] is f.metadata.get("choices")
-    for name in ("sapo_temperature_pos", "vespo_lambda_neg", "top_entropy_quantile", "rollout_correction", "loss_mode"):
+    for name in ("sapo_temperature_pos", "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold", "loss_mode"):
         assert name in config_fields
     assert GRPOConfig(loss_type="sapo", sapo_temperature_neg=1.3).loss_options()["sapo_temperature_neg"] == 1.3
     with pytest.raises(ValueError, match="top_entropy_quantile"):
@@ -148,7 +148,7 @@ def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    assert "--rollout-correction {token_truncate,token_mask,sequence_truncate,sequence_mask}" in text
+    assert "--loss-agg-mode {" in text and "--vllm-importance-sampling-mode {token_truncate,token_mask,sequence_truncate,sequence_mask}" in text
     assert "--top-entropy-quantile" in text and "--vespo-k-pos" in text
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import assert_close64, tolerance
+from helpers import assert_close64, tolerance
 from spec64 import grpo64, logprobs64, verl64
 
 import grpo_kernels as gk

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_close64
+from helpers import assert_close64
 from grpo_kernels.options import LOSS_AGG_MODES, LOSS_MODES
 from spec64 import logprobs64, verl64, verl_agg64, verl_kl64
 
@@ -269,19 +269,20 @@ def optional_fields():
 def test_every_optional_field_takes_none_on_the_command_line():
     fields = optional_fields()
     names = {f.name for f in fields}
-    assert {"rollout_correction_max", "rollout_correction", "loss_mode", "eps_high", "reward_weights", "chunk_size"} <= names
+    assert {"vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "loss_mode", "eps_high", "reward_weights", "chunk_size"} <= names
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         for text in ("None", "none"):
             assert getattr(parse(flag, text), f.name) is None, (flag, text)
-    assert parse("--rollout-correction-max", "None", "--rollout-correction-min", "0.5").rollout_correction_max is None
+    cfg = parse("--vllm-importance-sampling-clip-max", "None", "--vllm-importance-sampling-clip-min", "0.5")
+    assert cfg.vllm_importance_sampling_clip_max is None and cfg.grpo_options().rollout_correction_max is None
     assert parse("--reward-weights", "1", "0.5").reward_weights == [1.0, 0.5]
 
 
 @pytest.mark.parametrize("flags,named", [
     (("--max-new-tokens", "None"), "--max-new-tokens"), (("--reward-weights", "1", "None"), "--reward-weights"),
     (("--use-vllm", "true"), "unrecognized arguments: true"),  # (a bool is --use-vllm / --no-use-vllm)
-    (("--loss-mode", "nope"), "--loss-mode"), (("--rollout-correction-max", "-1"), "rollout_correction_max"),
+    (("--loss-mode", "nope"), "--loss-mode"), (("--vllm-importance-sampling-clip-max", "-1"), "vllm_importance_sampling_clip_max"),
 ])
 def test_bad_values_are_usage_errors_before_any_model_loads(flags, named, tmp_path, capsys):
     """Exit 2, the error line naming the flag, with a model path that does not exist (loading it would

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import assert_close64  # noqa: E402
+from helpers import assert_close64  # noqa: E402
 from grpo.rollout import VLLMRollout  # noqa: E402
 from grpo.tokenizer import char_tokenizer  # noqa: E402
 from grpo.trainer import GRPOConfig, UpdateBatch, as_policy, completion_logps, make_optimizer, update  # noqa: E402
@@ -110,7 +110,8 @@ def test_the_trainers_correction_is_trls_is_ratio_route_on_vllm_log_probs(sample
     # the trainer's route: the engine's log-probs and the options go to the loss
     cfg = GRPOConfig(temperature=TEMPERATURE, backend="torch", loss_type="dapo", beta=0.0, learning_rate=1e-3,
                      max_grad_norm=float("inf"), padding_free=False, micro_batch_size=5, progress=False, plot=False,
-                     rollout_correction=mode, rollout_correction_max=cap, rollout_correction_min=floor)
+                     vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=cap,
+                     vllm_importance_sampling_clip_min=floor)
     batch.old_logps = old
     logs = update(policy, make_optimizer(policy, cfg), batch, cfg, torch.device("cpu"))
     grads = {n.removeprefix("model."): p.grad for n, p in policy.named_parameters() if p.grad is not None}

@@ -62,9 +62,9 @@ def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
                     rollout=engine)[0]
         return rec, before
 
-    off, _ = run(rollout_correction=None)
-    truncated, _ = run(rollout_correction="token_truncate", rollout_correction_max=1.5)
-    masked, _ = run(rollout_correction="token_mask", rollout_correction_max=1.5)
+    off, _ = run(vllm_importance_sampling_correction=False)
+    truncated, _ = run(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.5)
+    masked, _ = run(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_cap=1.5)
     assert "sampling/importance_sampling_ratio/mean" not in off
     assert truncated["sampling/sampling_logp_difference/mean"] == pytest.approx(0.5, abs=1e-5)
     assert truncated["sampling/importance_sampling_ratio/max"] == pytest.approx(1.5)
@@ -145,12 +145,26 @@ def test_hf_generate_reports_no_sampling_logps():
 
 def test_config_vllm_fields():
     cfg = GRPOConfig()
-    assert (cfg.use_vllm, cfg.rollout_correction, cfg.rollout_correction_max, cfg.rollout_correction_min,
-            cfg.vllm_gpu_memory_utilization) == (False, "sequence_mask", 3.0, None, 0.3)  # TRL's
-    with pytest.raises(ValueError, match="rollout_correction must be one of"):
-        GRPOConfig(rollout_correction="token")
-    with pytest.raises(ValueError, match="rollout_correction_max"):
-        GRPOConfig(rollout_correction_max=-1.0)
+    assert (cfg.use_vllm, cfg.vllm_importance_sampling_correction, cfg.vllm_importance_sampling_mode,
+            cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_cap,
+            cfg.vllm_gpu_memory_utilization) == (False, True, "sequence_mask", 3.0, None, None, 0.3)  # TRL's
+    loss = cfg.grpo_options()  # TRL's names set the loss's rollout correction
+    assert (loss.rollout_correction, loss.rollout_correction_max, loss.rollout_correction_min) == ("sequence_mask", 3.0, None)
+    loss = GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=2.0,
+                      vllm_importance_sampling_clip_min=0.5).grpo_options()
+    assert (loss.rollout_correction, loss.rollout_correction_max, loss.rollout_correction_min) == ("token_truncate", 2.0, 0.5)
+    assert GRPOConfig(vllm_importance_sampling_correction=False).grpo_options().rollout_correction is None
+    assert GRPOConfig(vllm_importance_sampling_clip_max=None).grpo_options().rollout_correction_max is None
+    for name in ("rollout_correction", "rollout_correction_max", "rollout_correction_min"):
+        assert name not in GRPOConfig.__dataclass_fields__  # (one spelling in the trainer: TRL's)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
+        GRPOConfig(vllm_importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max"):
+        GRPOConfig(vllm_importance_sampling_clip_max=-1.0)
+    with pytest.raises(ValueError, match="rollout_correction_min"):  # (the loss's own rule: min < max)
+        GRPOConfig(vllm_importance_sampling_clip_min=4.0)
+    with pytest.raises(TypeError, match="vllm_importance_sampling_correction"):
+        GRPOConfig(vllm_importance_sampling_correction="False")
     with pytest.raises(ValueError, match="vllm_gpu_memory_utilization"):
         GRPOConfig(vllm_gpu_memory_utilization=1.5)
     with pytest.raises(TypeError, match="use_vllm"):
@@ -159,7 +173,8 @@ def test_config_vllm_fields():
         GRPOConfig(use_vllm=True, distributed="ddp")
     with pytest.raises(ValueError, match="vespo"):
         GRPOConfig(use_vllm=True, loss_type="vespo")  # (TRL: a per-token mode with vespo)
-    GRPOConfig(use_vllm=True, loss_type="vespo", rollout_correction="token_mask")
+    GRPOConfig(use_vllm=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask")
+    GRPOConfig(use_vllm=True, loss_type="vespo", vllm_importance_sampling_correction=False)
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: tests/test_rollout_vllm.py runs the engine")
