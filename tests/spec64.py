@@ -355,7 +355,8 @@ def dppo_trusted64(logp, old, a, loss_mode, eps_low, eps_high):
             if loss_mode == "dppo_tv":
                 ok = (p - q <= eps_high) if adv > 0 else (p - q >= -eps_low)
             else:
-                bkl = q * (lo - lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                arg = (1 - q + 1e-8) / (1 - p + 1e-8)  # NaN where a "probability" exceeds 1 (compares False)
+                bkl = q * (lo - lp) + (1 - q) * math.log(arg) if arg > 0 else float("nan")
                 ok = (bkl <= eps_high or p <= q) if adv > 0 else (bkl <= eps_low or p >= q)
             out[i, j] = 1.0 if ok else 0.0
     return out
