@@ -29,6 +29,11 @@ enters ``w`` instead, as in TRL).
 Reductions, with ``S`` sequences: grpo and sapo ``mean_s(sum_{t in s} L m / max(|s|, 1))``; bnpo
 ``sum L m / max(sum m, 1)``; dr_grpo ``sum L m / (S * max_completion_length)``; luspo the same
 with length 1; dapo, cispo and vespo ``sum L m / num_items_in_batch`` (default ``max(sum m, 1)``).
+
+verl's objectives (``loss_mode``: vanilla, gspo, sapo, gpg, cispo, clip_cov, kl_cov, geo_mean, dppo_tv,
+dppo_kl, dro), reductions (``loss_agg_mode``) and KL estimators (``kl_loss_type``) are those of verl
+0.9.0's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered below
+with its formula in its docstring (``docs/api.md`` tabulates them).
 """
 
 from __future__ import annotations
