@@ -227,6 +227,8 @@ def launcher_call(variant: Variant) -> Launch:
                       weights=row(), old_logps=optional("old"), ref_logps=optional("ref"),
                       is_ratio=optional("is_ratio"), temperature=0.7, ignore_index=-100, eps_low=0.2,
                       eps_high=0.28, delta=None, beta=0.04, entropy_coef=0.0)
+        if variant.flags.get("kl_weights"):  # verl's sapo: the KL weighted apart from the policy term
+            kwargs["kl_weights"] = row()
     else:
         fn = triton_rows.backward_rows
         kwargs = dict(logits=logits, targets=targets, temperature=0.7, ignore_index=-100,
@@ -312,6 +314,14 @@ def default_variants() -> List[Variant]:
     out.append(Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0]),
                        options=(("loss_type", "cispo"), ("use_bias_correction_kl", True))))
     out.append(Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0]), options=(("loss_type", "sapo"),) + softcap))
+    # verl's token-local objectives and KL estimators in the epilogue (constexpr branches too)
+    verl = [(("loss_mode", "vanilla"), ("kl_loss_type", "low_var_kl+"), ("delta", 3.0)),
+            (("loss_mode", "dppo_kl"), ("kl_loss_type", "abs"), ("delta", 20.0)),
+            (("loss_mode", "dro"), ("kl_loss_type", "k1"), ("dro_beta", 0.1))]
+    out += [Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0]), options=o) for o in verl]
+    out.append(Variant("grpo", 80, "bf16", 151_936, dict(grpo_flags[0]), options=verl[0]))
+    out.append(Variant("grpo", 90, "bf16", 151_936, dict(grpo_flags[0], kl_weights=True),
+                       options=(("loss_mode", "sapo"), ("kl_loss_type", "k3"))))
     return out
 
 

@@ -81,18 +81,19 @@ class FusedGRPOLossFunction(torch.autograd.Function):
     """Token-level GRPO loss from logits in one pass; the backward is one more pass.
 
     forward(logits [B, T, V], targets [B, T], advantages, weights [B, T], entropy_weights [B, T] or None,
-    backend, inputs, options, ignore_index, inplace_backward) -> (loss 0-d, logp, entropy, k3 kl [B, T],
-    clip region int8 [B, T]); only the loss is differentiable. The kernel evaluates the policy and KL
-    terms weighted by ``weights``; the entropy bonus ``-sum(entropy_weights * H)`` (TRL's token mean,
-    whatever the policy term's reduction) is added here, its ``d / d H`` beside the kernel's.
+    kl_weights [B, T] or None, backend, inputs, options, ignore_index, inplace_backward) -> (loss 0-d,
+    logp, entropy, kl [B, T], clip region int8 [B, T]); only the loss is differentiable. The kernel
+    evaluates the policy and KL terms weighted by ``weights`` (the KL by ``kl_weights`` when given:
+    verl's sapo); the entropy bonus ``-sum(entropy_weights * H)`` (TRL's token mean whatever the policy
+    term's reduction; verl's loss_agg_mode) is added here, its ``d / d H`` beside the kernel's.
     Saved: the logits (a reference), and five fp32 numbers per token.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, advantages, weights, entropy_weights, backend: RowBackend, inputs, options,
-                ignore_index: int, inplace_backward: bool):
+    def forward(ctx, logits, targets, advantages, weights, entropy_weights, kl_weights, backend: RowBackend, inputs,
+                options, ignore_index: int, inplace_backward: bool):
         loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = backend.grpo_forward_rows(
-            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0
+            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0, kl_weights=kl_weights
         )
         loss = loss.sum()
         if entropy_weights is not None:
@@ -114,7 +115,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
         _written_in_place(logits, out)
-        return (out,) + (None,) * 9
+        return (out,) + (None,) * 10
 
 
 # --------------------------------------------------------------------------------------------------

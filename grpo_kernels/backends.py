@@ -61,9 +61,11 @@ class RowBackend:
                       transform, ignore_index, out) -> torch.Tensor:
         raise NotImplementedError
 
-    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None,
+                          kl_weights=None):
         """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows`` (``entropy_coef``
-        overrides the options': the bonus weighted like the policy term, per token, in the kernel)."""
+        overrides the options': the bonus weighted like the policy term, per token, in the kernel;
+        ``kl_weights``: the KL's own weights under ``loss_mode``, where they differ from ``weights``)."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
@@ -154,8 +156,9 @@ class TritonBackend(RowBackend):
     name = "triton"
 
     def fuses(self, options) -> bool:
-        """TRL's token-local objectives (``objective.is_token_local``; the epilogue has TRL's terms)."""
-        return is_token_local(options) and not options.is_verl
+        """The token-local objectives (``objective.is_token_local``) whose term the epilogue has: all of
+        TRL's and verl's token-local ones (sapo, vanilla, gpg, cispo, dppo_tv, dppo_kl, dro)."""
+        return is_token_local(options) and self._module().fuses_objective(options.loss_type, options.loss_mode)
 
     @staticmethod
     def _module() -> ModuleType:
@@ -203,7 +206,10 @@ class TritonBackend(RowBackend):
     def shift_log_sum(self, log_sum, shift) -> torch.Tensor:
         return self._module().shift_log_sum(log_sum, shift)
 
-    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None):
+    def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None,
+                          kl_weights=None):
+        verl = dict(loss_mode=options.loss_mode, kl_loss_type=options.kl_loss_type,
+                    dro_beta=0.0 if options.dro_beta is None else options.dro_beta, kl_weights=kl_weights)
         return self._launchers().grpo_forward_rows(
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
             ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
@@ -211,7 +217,7 @@ class TritonBackend(RowBackend):
             beta=options.beta, entropy_coef=options.entropy_coef if entropy_coef is None else entropy_coef,
             loss_type=options.loss_type,
             use_bias_correction_kl=options.use_bias_correction_kl, sapo_temperature_pos=options.sapo_temperature_pos,
-            sapo_temperature_neg=options.sapo_temperature_neg,
+            sapo_temperature_neg=options.sapo_temperature_neg, **(verl if options.is_verl else {}),
         )
 
 

@@ -183,9 +183,13 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
     sequences = objective.Sequences(mask, inputs.segment_ids)
     # the rollout correction from the old log-probs (needs_logprobs_first is False: nothing reads logp)
     prep = objective.prepare(torch.zeros_like(mask), torch.zeros_like(mask), advantages, mask, inputs, options, sequences)
-    inputs = prep.inputs
-    weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences)
+    call_inputs, inputs = inputs, prep.inputs
+    weights = objective.token_weights(mask, options, inputs.num_items_in_batch, sequences, inputs.global_batch_size)
     bonus = objective.entropy_weights(mask, options, inputs, sequences)
+    kl_weights = None  # verl: the KL reduced by loss_agg_mode, apart where the policy term's reduction differs
+    spec = objective.loss_spec(options)
+    if inputs.ref_logps is not None and spec.regulariser_reduction not in (None, spec.reduction):
+        kl_weights = objective.regulariser_weights(mask, options, inputs, sequences).reshape(rows.shape[:2])
     adv = objective.per_token_advantages(advantages, mask)
     kernel_inputs = GRPOInputs(  # constants of the loss, masked positions already never read
         old_logps=None if inputs.old_logps is None else inputs.old_logps.detach(),
@@ -194,12 +198,15 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
     )
     loss, logp, entropy, kl, clip = FusedGRPOLossFunction.apply(
         rows, ids.reshape(rows.shape[:2]), adv, weights, None if bonus is None else bonus.reshape(rows.shape[:2]),
-        row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward,
+        kl_weights, row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward,
     )
     logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
-    # metrics: reductions of the per-token values the kernel wrote (clip: -1 low, +1 high)
-    metrics = objective.loss_metrics(entropy, kl if inputs.ref_logps is not None else None, clip < 0, clip > 0, mask,
-                                     options, sequences)
+    if options.is_verl:  # verl's metrics (per mode, ppo_kl on its log-ratio): the same formulas, no autograd
+        with torch.no_grad():
+            metrics = objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, call_inputs, options).metrics
+    else:  # reductions of the per-token values the kernel wrote (clip: -1 low, +1 high)
+        metrics = objective.loss_metrics(entropy, kl if inputs.ref_logps is not None else None, clip < 0, clip > 0,
+                                         mask, options, sequences)
     metrics.update(prep.metrics)
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 

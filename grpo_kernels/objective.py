@@ -29,6 +29,11 @@ enters ``w`` instead, as in TRL).
 Reductions, with ``S`` sequences: grpo and sapo ``mean_s(sum_{t in s} L m / max(|s|, 1))``; bnpo
 ``sum L m / max(sum m, 1)``; dr_grpo ``sum L m / (S * max_completion_length)``; luspo the same
 with length 1; dapo, cispo and vespo ``sum L m / num_items_in_batch`` (default ``max(sum m, 1)``).
+
+verl's objectives (``loss_mode``: vanilla, gspo, sapo, gpg, cispo, clip_cov, kl_cov, geo_mean, dppo_tv,
+dppo_kl, dro), reductions (``loss_agg_mode``) and KL estimators (``kl_loss_type``) are those of verl
+0.9.0's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered below
+with its formula in its docstring (``docs/api.md`` tabulates them).
 """
 
 from __future__ import annotations
@@ -177,15 +182,17 @@ class TokenTerms(NamedTuple):
 
 class PolicyTerms(NamedTuple):
     """:class:`TokenTerms` and what some objectives add: clip flags for verl's metrics, and the
-    reduced policy loss of an objective that reduces itself (verl's geo_mean)."""
+    reduced policy loss of an objective that reduces itself (verl's geo_mean), and the values of verl's
+    ``actor/ppo_kl``."""
 
     loss: torch.Tensor
     ratio: torch.Tensor
     kl: Optional[torch.Tensor]
     vespo_phi: Optional[torch.Tensor] = None
-    low: Optional[torch.Tensor] = None
-    high: Optional[torch.Tensor] = None
+    low: Optional[torch.Tensor] = None  # verl's actor/pg_clipfrac_lower flags (None: the metric is 0)
+    high: Optional[torch.Tensor] = None  # verl's actor/pg_clipfrac flags (None: 0)
     reduced: Optional[torch.Tensor] = None
+    ppo_kl: Optional[torch.Tensor] = None  # [B, T] what verl's actor/ppo_kl averages (-log r, as the mode clamps it)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,18 +217,21 @@ class Objective(NamedTuple):
     token_local: bool  # each token's loss depends on that token and constants only
     reduction: Optional[str]  # a reduction the objective always uses for its policy term (verl's gspo, sapo)
     weights_by_is_ratio: bool  # the common code multiplies the policy term by is_ratio (else the objective uses it)
+    logs: Tuple[str, ...]  # the verl metrics its compute_policy_loss_* returns (verl_metrics)
 
 
 OBJECTIVES: Dict[str, Objective] = {}
+VERL_POLICY_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 
 def register_objective(name: str, *, token_local: bool = True, reduction: Optional[str] = None,
-                       weights_by_is_ratio: bool = True):
+                       weights_by_is_ratio: bool = True, logs: Tuple[str, ...] = VERL_POLICY_METRICS):
     """Register a policy objective ``fn(PolicyInputs) -> PolicyTerms`` under ``name``: a new mode is one
-    function (plus, to run in the Triton epilogue, its term there, checked against autograd of this one)."""
+    function (plus, to run in the Triton epilogue, its term there, checked against autograd of this one).
+    ``logs``: which of verl's policy metrics the mode reports (a verl mode; TRL's ignore it)."""
 
     def decorate(fn):
-        OBJECTIVES[name] = Objective(fn, token_local, reduction, weights_by_is_ratio)
+        OBJECTIVES[name] = Objective(fn, token_local, reduction, weights_by_is_ratio, logs)
         return fn
 
     return decorate
@@ -304,37 +314,49 @@ def _global_token_mean(r: ReductionInputs) -> torch.Tensor:
     return r.mask / _as_number(r.num_items_in_batch, r.mask.device)
 
 
-# ---- verl's agg_loss (verl.trainer.ppo.core_algos): fully masked sequences are left out of the
-# sequence count; num_items_in_batch is verl's batch_num_tokens, global_batch_size its own; both are
-# multiplied by dp_size. Where verl divides 0 by 0 (no token at all) the loss here is 0, not NaN.
+# ---- verl's agg_loss (verl 0.9.0, verl.trainer.ppo.core_algos): fully masked sequences are left out
+# of the sequence count; num_items_in_batch is verl's batch_num_tokens, global_batch_size its own;
+# every mode is multiplied by dp_size, and with dp_size > 1 the mode's global normaliser must be given
+# (as verl raises). Where verl divides 0 by 0 (no token at all) the loss here is 0, not NaN.
 def _verl_sequence_count(r: ReductionInputs) -> Any:
     if r.global_batch_size is not None:
         return _as_number(r.global_batch_size, r.mask.device)
+    if r.options.dp_size > 1:
+        raise ValueError(f"loss_agg_mode={r.options.loss_agg_mode!r} with dp_size={r.options.dp_size} needs "
+                         f"global_batch_size (the global batch's sequence count), as verl's agg_loss")
     has_tokens = (r.sequences.per_sequence(r.mask) > 0).sum()
     return has_tokens.clamp(min=1).float()
 
 
-@register_reduction("token-mean")
+@register_reduction("token-mean")  # sum L m / batch_num_tokens * dp_size
 def _verl_token_mean(r: ReductionInputs) -> torch.Tensor:
+    if r.num_items_in_batch is None and r.options.dp_size > 1:
+        raise ValueError(f"loss_agg_mode='token-mean' with dp_size={r.options.dp_size} needs num_items_in_batch "
+                         f"(verl: batch_num_tokens, the global batch's loss-token count), as verl's agg_loss")
     count = r.mask.sum().clamp(min=1.0) if r.num_items_in_batch is None else _as_number(r.num_items_in_batch, r.mask.device)
     return r.mask / count * r.options.dp_size
 
 
-@register_reduction("seq-mean-token-sum")
+@register_reduction("token-sum")  # sum L m * dp_size (ranks averaging gradients then sum the global batch)
+def _verl_token_sum(r: ReductionInputs) -> torch.Tensor:
+    return r.mask * r.options.dp_size
+
+
+@register_reduction("seq-mean-token-sum")  # sum_s (sum_t L m) / G * dp_size
 def _verl_seq_mean_token_sum(r: ReductionInputs) -> torch.Tensor:
     return r.mask / _verl_sequence_count(r) * r.options.dp_size
 
 
-@register_reduction("seq-mean-token-mean")
+@register_reduction("seq-mean-token-mean")  # sum_s (sum_t L m / (len_s + 1e-8)) / G * dp_size
 def _verl_seq_mean_token_mean(r: ReductionInputs) -> torch.Tensor:
     lengths = r.sequences.sum(r.mask) + 1e-8  # verl's epsilon, not a clamp
     return r.mask / lengths / _verl_sequence_count(r) * r.options.dp_size
 
 
-@register_reduction("seq-mean-token-sum-norm")  # no dp_size here, as in verl
+@register_reduction("seq-mean-token-sum-norm")  # seq-mean-token-sum / loss_scale_factor (verl >= 0.9)
 def _verl_seq_mean_token_sum_norm(r: ReductionInputs) -> torch.Tensor:
     scale = r.mask.shape[-1] if r.options.max_completion_length is None else r.options.max_completion_length
-    return r.mask / scale
+    return _verl_seq_mean_token_sum(r) / scale
 
 
 # ---- verl's KL estimators (core_algos.kl_penalty; J. Schulman, "Approximating KL divergence")
@@ -418,7 +440,7 @@ def _trl_vespo(x: PolicyInputs) -> PolicyTerms:
     return PolicyTerms(-phi * x.adv * x.logp, ratio, None, vespo_phi=phi)
 
 
-# ---- verl's objectives (verl.trainer.ppo.core_algos, compute_policy_loss_*)
+# ---- verl's objectives (verl 0.9.0, verl.trainer.ppo.core_algos, compute_policy_loss_*)
 def _verl_log_ratio(x: PolicyInputs, clamp: bool = True) -> torch.Tensor:
     log_ratio = x.logp - x.old
     return torch.clamp(log_ratio, min=-20.0, max=20.0) if clamp else log_ratio
@@ -438,12 +460,57 @@ def _verl_vanilla(x: PolicyInputs) -> PolicyTerms:
     """PPO with verl's dual clip: ``max(-A r, -A clip(r))``, and where ``A < 0`` at most ``-A c``
     (``c = delta``, verl's clip_ratio_c); the log-ratio clamped to [-20, 20]."""
     o, adv = x.options, _verl_adv(x)
-    ratio = torch.exp(_verl_log_ratio(x))
+    log_ratio = _verl_log_ratio(x)
+    ratio = torch.exp(log_ratio)
     loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
     clip1 = torch.maximum(loss1, loss2)
     loss3 = -adv * o.delta
     loss = torch.where(adv < 0, torch.min(loss3, clip1), clip1)
-    return PolicyTerms(loss, ratio, None, low=(clip1 > loss3) & (adv < 0), high=loss2 > loss1)
+    return PolicyTerms(loss, ratio, None, low=(clip1 > loss3) & (adv < 0), high=loss2 > loss1, ppo_kl=-log_ratio.detach())
+
+
+def _dppo(x: PolicyInputs, trusted: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> PolicyTerms:
+    """DPPO (arXiv 2602.04879): ``-A sg(min(r, c)) logp`` on the tokens whose probability moved less than
+    the divergence threshold in the advantage's direction (``trusted(p, p_old, adv)``, detached), a
+    truncated importance weight (``c = delta``, verl's clip_ratio_c, default 20) instead of a dual clip."""
+    o, adv = x.options, _verl_adv(x)
+    log_ratio = _verl_log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    truncated = torch.clamp(ratio, max=o.delta).detach()
+    with torch.no_grad():
+        valid = trusted(torch.exp(x.logp), torch.exp(x.old), adv)
+    loss = -adv * truncated * x.logp * valid.float()
+    # verl's metrics: pg_clipfrac the untrusted tokens, pg_clipfrac_lower the truncated trusted ones
+    return PolicyTerms(loss, ratio, None, low=(ratio > o.delta) & valid, high=~valid, ppo_kl=-log_ratio.detach())
+
+
+@register_objective("dppo_tv")
+def _verl_dppo_tv(x: PolicyInputs) -> PolicyTerms:
+    """DPPO-Binary-TV: trusted where ``p - p_old <= eps_high`` (``A > 0``) or ``>= -eps_low`` (``A <= 0``)."""
+    o = x.options
+    return _dppo(x, lambda p, p_old, adv: torch.where(adv > 0, p - p_old <= o.eps_high, p - p_old >= -o.eps_low))
+
+
+@register_objective("dppo_kl")
+def _verl_dppo_kl(x: PolicyInputs) -> PolicyTerms:
+    """DPPO-Binary-KL: the binary KL ``p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) /
+    (1 - p + 1e-8))`` at most ``eps_high`` (``A > 0``, or ``p <= p_old``) / ``eps_low`` (``A <= 0``, or
+    ``p >= p_old``)."""
+    o = x.options
+
+    def trusted(p: torch.Tensor, p_old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        binary_kl = p_old * (x.old - x.logp.detach()) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        return torch.where(adv > 0, (binary_kl <= o.eps_high) | (p <= p_old), (binary_kl <= o.eps_low) | (p >= p_old))
+
+    return _dppo(x, trusted)
+
+
+@register_objective("dro", logs=("actor/ppo_kl",))
+def _verl_dro(x: PolicyInputs) -> PolicyTerms:
+    """Direct Reward Optimisation: ``-(logp A - dro_beta / 2 (logp - old)^2)`` (no clamp)."""
+    log_ratio = x.logp - x.old
+    loss = -(x.logp * _verl_adv(x) - 0.5 * x.options.dro_beta * log_ratio.square())
+    return PolicyTerms(loss, torch.exp(log_ratio).detach(), None, ppo_kl=-log_ratio.detach())
 
 
 @register_objective("gspo", token_local=False, reduction="seq-mean-token-mean")
@@ -455,20 +522,21 @@ def _verl_gspo(x: PolicyInputs) -> PolicyTerms:
     log_ratio = torch.clamp(x.logp - x.logp.detach() + seq_log_ratio.detach(), max=10.0)
     ratio = torch.exp(log_ratio)
     loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    return PolicyTerms(torch.maximum(loss1, loss2), ratio, None, low=torch.zeros_like(x.mask, dtype=torch.bool),
-                      high=loss2 > loss1)
+    return PolicyTerms(torch.maximum(loss1, loss2), ratio, None, low=None, high=loss2 > loss1,
+                       ppo_kl=(x.old - x.logp).detach())
 
 
 @register_objective("sapo", reduction="seq-mean-token-mean")
 def _verl_sapo(x: PolicyInputs) -> PolicyTerms:
-    """SAPO's gate on the clamped token ratio; always seq-mean-token-mean."""
-    ratio = torch.exp(_verl_log_ratio(x))
-    return PolicyTerms(_sapo_gate(ratio, _verl_adv(x), x.options), ratio, None)
+    """SAPO's gate on the clamped token ratio; always seq-mean-token-mean; clip fractions 0."""
+    log_ratio = _verl_log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    return PolicyTerms(_sapo_gate(ratio, _verl_adv(x), x.options), ratio, None, ppo_kl=-log_ratio.detach())
 
 
-@register_objective("gpg")
+@register_objective("gpg", logs=())
 def _verl_gpg(x: PolicyInputs) -> PolicyTerms:
-    """GPG: ``-logp A``."""
+    """GPG: ``-logp A`` (verl logs no policy metric for it)."""
     return PolicyTerms(-x.logp * _verl_adv(x), torch.exp(x.logp - x.old).detach(), None)
 
 
@@ -476,12 +544,14 @@ def _verl_gpg(x: PolicyInputs) -> PolicyTerms:
 def _verl_cispo(x: PolicyInputs) -> PolicyTerms:
     """``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp`` on the clamped ratio (eps_low = 1: no floor)."""
     o = x.options
-    ratio = torch.exp(_verl_log_ratio(x))
+    log_ratio = _verl_log_ratio(x)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    return PolicyTerms(-clipped.detach() * _verl_adv(x) * x.logp, ratio, None, high=ratio != clipped)
+    return PolicyTerms(-clipped.detach() * _verl_adv(x) * x.logp, ratio, None, high=ratio != clipped,
+                       ppo_kl=-log_ratio.detach())
 
 
-@register_objective("clip_cov", token_local=False)
+@register_objective("clip_cov", token_local=False, logs=("actor/pg_clipfrac", "actor/ppo_kl"))
 def _verl_clip_cov(x: PolicyInputs) -> PolicyTerms:
     """Clip-Cov: the clipped surrogate (no log-ratio clamp, no dual clip), with the gradient of up to
     ``max(int(clip_cov_ratio * tokens), 1)`` tokens whose centred covariance ``(A - mean A)(logp -
@@ -498,13 +568,15 @@ def _verl_clip_cov(x: PolicyInputs) -> PolicyTerms:
             index = index[torch.randperm(len(index))[: min(clip_num, len(index))]]
         corr = torch.ones_like(adv)
         corr[index[:, 0], index[:, 1]] = 0
-    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=corr == 0)
+    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=corr == 0,
+                       ppo_kl=(x.old - x.logp).detach())
 
 
-@register_objective("kl_cov", token_local=False)
+@register_objective("kl_cov", token_local=False, logs=("actor/ppo_kl",))
 def _verl_kl_cov(x: PolicyInputs) -> PolicyTerms:
     """KL-Cov: ``-A r`` (unclipped), plus ``ppo_kl_coef * |logp - old|`` on the
-    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance."""
+    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance; actor/ppo_kl is the
+    mean ``|logp - old|``."""
     o, adv = x.options, _verl_adv(x)
     log_ratio = x.logp - x.old
     ratio = torch.exp(log_ratio)
@@ -520,14 +592,14 @@ def _verl_kl_cov(x: PolicyInputs) -> PolicyTerms:
             picked[flat_index[top.to(flat_index.device)]] = True
         picked = picked.view_as(adv)
     loss = torch.where(picked, loss + o.ppo_kl_coef * log_ratio.abs(), loss)
-    return PolicyTerms(loss, ratio, None)
+    return PolicyTerms(loss, ratio, None, ppo_kl=log_ratio.abs().detach())
 
 
 @register_objective("geo_mean", token_local=False, weights_by_is_ratio=False)
 def _verl_geo_mean(x: PolicyInputs) -> PolicyTerms:
     """GMPO: ``-A_s exp(mean_t clip_sgn(log r))`` per sequence (the log-ratio clipped to [-eps_low,
     eps_high] on the side the advantage's sign picks), mean over all rows; the rollout weights enter
-    as their per-sequence geometric mean."""
+    as their per-sequence geometric mean. Neither loss_agg_mode nor dp_size reaches it (verl's torch.mean)."""
     o, adv, seqs = x.options, _verl_adv(x), x.sequences
     log_ratio = x.logp - x.old
     sign = torch.sign(adv)
@@ -543,7 +615,8 @@ def _verl_geo_mean(x: PolicyInputs) -> PolicyTerms:
     reduced = loss.sum() / max(loss.numel(), 1)
     changed = log_ratio != clamped
     return PolicyTerms(torch.zeros_like(x.mask), torch.exp(log_ratio).detach(), None,
-                      low=changed & (adv < 0), high=changed & (adv > 0), reduced=reduced)
+                       low=changed & (adv < 0), high=changed & (adv > 0), reduced=reduced,
+                       ppo_kl=-log_ratio.detach())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -839,18 +912,18 @@ def _nan_extreme(values: torch.Tensor, extreme) -> torch.Tensor:
     return torch.where(nan.all(), torch.full((), float("nan"), device=values.device), out)
 
 
-def verl_metrics(terms: PolicyTerms, logp: torch.Tensor, old: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
-                 options: GRPOOptions, regulariser: torch.Tensor) -> dict:
-    """What verl's actor logs (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
-    ``actor/entropy`` and ``actor/kl_loss`` reduced by ``loss_agg_mode``), as 0-d detached tensors."""
+def verl_metrics(terms: PolicyTerms, entropy: torch.Tensor, mask: torch.Tensor, options: GRPOOptions,
+                 regulariser: torch.Tensor) -> dict:
+    """What verl's actor logs, as 0-d detached tensors: the policy metrics the mode's
+    ``compute_policy_loss_*`` returns (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``:
+    masked means, 0 where the mode has no such flag), and ``actor/entropy`` and ``actor/kl_loss`` reduced
+    by ``loss_agg_mode``."""
     with torch.no_grad():
-        neg_kl = logp.detach() - old
-        metrics = {"actor/ppo_kl": _masked_mean(neg_kl.abs() if options.loss_mode == "kl_cov" else -neg_kl, mask)}
-        if options.loss_mode not in ("gpg", "kl_cov"):
-            zero = torch.zeros((), device=mask.device)
-            metrics["actor/pg_clipfrac"] = zero if terms.high is None else _masked_mean(terms.high.float(), mask)
-            if options.loss_mode != "clip_cov":
-                metrics["actor/pg_clipfrac_lower"] = zero if terms.low is None else _masked_mean(terms.low.float(), mask)
+        logs = OBJECTIVES[options.loss_mode].logs
+        zero = torch.zeros((), device=mask.device)
+        flags = {"actor/pg_clipfrac": terms.high, "actor/pg_clipfrac_lower": terms.low, "actor/ppo_kl": terms.ppo_kl}
+        metrics = {name: zero if flags[name] is None else _masked_mean(_where_valid(mask, flags[name].float(), 0.0), mask)
+                   for name in logs}
         metrics["actor/entropy"] = (entropy.detach() * regulariser).sum()
         if terms.kl is not None:
             metrics["actor/kl_loss"] = (terms.kl.detach() * regulariser).sum()
@@ -922,8 +995,7 @@ def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantage
     reduced = weighted_loss(terms, entropy, weights, regulariser, bonus, options)
     metrics = metrics_of_terms(terms, entropy, advantages, mask, options, sequences)
     if options.is_verl:
-        old = logp.detach() if inputs.old_logps is None else _where_valid(mask, inputs.old_logps, 0.0)
-        metrics.update(verl_metrics(terms, logp, old, entropy, mask, options, regulariser))
+        metrics.update(verl_metrics(terms, entropy, mask, options, regulariser))
     metrics.update({k: v.detach().float() for k, v in prep.metrics.items()})
     per_token_logps = torch.where(mask != 0, logp.detach(), torch.zeros_like(logp))
     return GRPOLossOutput(reduced, per_token_logps, metrics)

@@ -33,9 +33,16 @@ CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipp
 TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # verl's names (verl.trainer.ppo.core_algos): policy_loss.loss_mode, loss_agg_mode, kl_loss_type
-LOSS_MODES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_MODES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro")
+# verl modes whose clip_ratio_low / _high are divergence thresholds (DPPO), not a ratio range
+DIVERGENCE_CLIP_LOSS_MODES = ("dppo_tv", "dppo_kl")
+# verl's clip_ratio_c default by mode (config.get("clip_ratio_c", ...)): vanilla's dual clip, DPPO's
+# truncated importance weight; the other modes do not read it
+VERL_CLIP_RATIO_C_DEFAULTS = {"vanilla": 3.0, "dppo_tv": 20.0, "dppo_kl": 20.0}
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "k2+", "mse+", "low_var_kl+", "k3+")
+# verl's kl_penalty names that need more than the sampled token's log-probs (here: refused, saying why)
+KL_LOSS_TYPES_NEEDING_DISTRIBUTIONS = ("full", "full+")
 # TRL's vllm_importance_sampling_mode names
 ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -83,9 +90,9 @@ class GRPOOptions:
     """
 
     beta: float = field(default=0.0, metadata={"help": "KL coefficient (verl: kl_loss_coef); > 0 needs ref_logps", "bounds": (0.0, None)})
-    eps_low: float = field(default=0.2, metadata={"help": "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; 1 only for cispo)", "bounds": (0.0, 1.0, False, True)})
-    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 (verl: clip_ratio_high)", "bounds": (0.0, None)})
-    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high; verl: clip_ratio_c, 3 under loss_mode='vanilla')", "bounds": (1.0, None, True)})
+    eps_low: float = field(default=0.2, metadata={"help": "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; 1 only for cispo; dppo_tv / dppo_kl: the divergence threshold where A <= 0)", "bounds": (0.0, 1.0, False, True)})
+    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 (verl: clip_ratio_high; dppo_tv / dppo_kl: the divergence threshold where A > 0)", "bounds": (0.0, None)})
+    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high; verl: clip_ratio_c, > 1, default 3 under loss_mode='vanilla'; dppo_tv / dppo_kl: the cap of the detached ratio, default 20)", "bounds": (1.0, None, True)})
     temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
     softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
     logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
@@ -109,7 +116,8 @@ class GRPOOptions:
     clip_cov_ub: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: covariance upper bound (None: 5)"})
     kl_cov_ratio: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: fraction of tokens given the KL penalty (None: 0.0002)", "bounds": (0.0, None, True)})
     ppo_kl_coef: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: coefficient of |log ratio| (None: 1)"})
-    dp_size: int = field(default=1, metadata={"help": "verl's agg_loss dp_size: the loss is multiplied by it (data-parallel ranks averaging gradients)", "bounds": (1, None)})
+    dro_beta: Optional[float] = field(default=None, metadata={"help": "verl dro (policy_loss.dro_beta): coefficient of the penalty dro_beta / 2 * (logp - old)^2; > 0, needed by loss_mode='dro'", "bounds": (0.0, None, True)})
+    dp_size: int = field(default=1, metadata={"help": "verl's agg_loss dp_size: the loss is multiplied by it (data-parallel ranks averaging gradients); > 1 needs the global normaliser of loss_agg_mode (num_items_in_batch or global_batch_size)", "bounds": (1, None)})
     sapo_temperature_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature where A > 0 (verl: tau_pos)"})
     sapo_temperature_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature where A <= 0 (verl: tau_neg)"})
     vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo: power k of the gamma weight where A >= 0"})
@@ -121,16 +129,21 @@ class GRPOOptions:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         self._resolve_vocabulary(set_)
         set_("beta", V.check_number("beta", self.beta))
-        # verl's cispo takes eps_low = 1 for "no lower clamp" (its ratio is then clamped at 0)
+        # verl's cispo takes eps_low = 1 for "no lower clamp" (its ratio is then clamped at 0); DPPO's
+        # eps_low / eps_high are divergence thresholds, any >= 0
         cispo = self.loss_mode == "cispo"
-        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_open=not cispo))
-        if self.loss_mode == "vanilla" and self.delta is None:
-            set_("delta", 3.0)  # verl's clip_ratio_c default: the dual clip is always on
+        divergence = self.loss_mode in DIVERGENCE_CLIP_LOSS_MODES
+        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=None if divergence else 1.0,
+                                       high_open=not cispo))
+        if self.delta is None and self.loss_mode in VERL_CLIP_RATIO_C_DEFAULTS:
+            set_("delta", VERL_CLIP_RATIO_C_DEFAULTS[self.loss_mode])  # verl's clip_ratio_c default for the mode
         eps_high = self.eps_low if self.eps_high is None else self.eps_high
         set_("eps_high", V.check_number("eps_high", eps_high, low=0.0))
         if self.delta is not None:
             set_("delta", V.check_number("delta", self.delta))
-            if not self.delta > 1 + self.eps_high:
+            if self.is_verl and not self.delta > 1:  # verl's assert clip_ratio_c > 1 (a cap, not a range bound)
+                raise ValueError(f"delta (verl: clip_ratio_c) must be > 1, got {self.delta}")
+            if not self.is_verl and not self.delta > 1 + self.eps_high:
                 raise ValueError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}")
         transform = LogitTransform(self.temperature, self.softcap, self.logit_scale)
         set_("temperature", transform.temperature)
@@ -165,6 +178,11 @@ class GRPOOptions:
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.dro_beta is not None:
+            set_("dro_beta", V.check_number("dro_beta", self.dro_beta))
+        if self.loss_mode == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
+            raise ValueError(f"loss_mode='dro' needs dro_beta > 0 (verl: policy_loss.dro_beta, the coefficient of "
+                             f"dro_beta / 2 * (logp - old)^2), got {self.dro_beta!r}")
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size must be a positive int, got {self.dp_size!r}")
 
@@ -185,6 +203,10 @@ class GRPOOptions:
         set_("loss_agg_mode", "token-mean" if self.loss_agg_mode is None else self.loss_agg_mode)
         V.check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         set_("kl_loss_type", "low_var_kl" if self.kl_loss_type is None else self.kl_loss_type)
+        if self.kl_loss_type in KL_LOSS_TYPES_NEEDING_DISTRIBUTIONS:
+            raise ValueError(f"kl_loss_type={self.kl_loss_type!r} is the exact KL, which needs both models' whole "
+                             f"distributions over the vocabulary, not the sampled tokens' log-probs (verl raises "
+                             f"NotImplementedError for it too); pick one of {KL_LOSS_TYPES}")
         V.check_choice("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         for name, allowed in TRL_ONLY_OPTIONS.items():
             if getattr(self, name) != allowed:
@@ -224,7 +246,7 @@ class GRPOInputs:
 # verl's mode-specific settings: None means verl's default, filled in by GRPOOptions
 VERL_MODE_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
                       "ppo_kl_coef": 1.0}
-VERL_ONLY_OPTIONS = ("loss_agg_mode", "kl_loss_type", "dp_size") + tuple(VERL_MODE_DEFAULTS)
+VERL_ONLY_OPTIONS = ("loss_agg_mode", "kl_loss_type", "dp_size", "dro_beta") + tuple(VERL_MODE_DEFAULTS)
 # TRL's options that verl has no counterpart for, and the value that means "off"
 TRL_ONLY_OPTIONS = {"top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "use_bias_correction_kl": False,
                     "importance_sampling_level": "token"}

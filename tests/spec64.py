@@ -227,8 +227,8 @@ def grpo64(
 
 
 # ------------------------------------------------------------------------------------------------------
-# verl (verl.trainer.ppo.core_algos: compute_policy_loss_*, agg_loss, kl_penalty; workers' ppo_loss),
-# restated in float64 over [B, T] tensors, row by row where verl reduces rows
+# verl 0.9.0 (verl.trainer.ppo.core_algos: compute_policy_loss_*, agg_loss, kl_penalty; workers'
+# ppo_loss), restated in float64 over [B, T] tensors, row by row where verl reduces rows
 # ------------------------------------------------------------------------------------------------------
 def verl_agg64(mat, m, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
     rows = [(mat[i] * m[i]).sum() for i in range(m.shape[0])]
@@ -237,13 +237,16 @@ def verl_agg64(mat, m, mode, dp_size=1, batch_num_tokens=None, global_batch_size
     if mode == "token-mean":
         n = m.sum() if batch_num_tokens is None else batch_num_tokens
         return sum(rows) / max(float(n), 1.0) * dp_size
+    if mode == "token-sum":
+        return sum(rows) * dp_size
     g = max(with_tokens, 1) if global_batch_size is None else global_batch_size
     if mode == "seq-mean-token-sum":
         return sum(r for r, n in zip(rows, lengths) if n > 0) / g * dp_size
     if mode == "seq-mean-token-mean":
         return sum(r / (n + 1e-8) for r, n in zip(rows, lengths) if n > 0) / g * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        return sum(rows) / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    if mode == "seq-mean-token-sum-norm":  # 0.9: the seq-mean-token-sum, then / loss_scale_factor
+        seq_mean = sum(r for r, n in zip(rows, lengths) if n > 0) / g * dp_size
+        return seq_mean / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     raise ValueError(mode)
 
 
@@ -267,7 +270,7 @@ def verl_kl64(logp, ref, kind):
 def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_agg_mode="token-mean",
            kl_loss_type="low_var_kl", beta=0.0, entropy_coef=0.0, eps_low=0.2, eps_high=None, clip_ratio_c=3.0,
            tau_pos=1.0, tau_neg=1.05, rollout_is_weights=None, dp_size=1, batch_num_tokens=None,
-           global_batch_size=None, loss_scale_factor=None, ppo_kl_coef=1.0, kl_cov_ratio=0.0002):
+           global_batch_size=None, loss_scale_factor=None, ppo_kl_coef=1.0, kl_cov_ratio=0.0002, dro_beta=None):
     """verl's ppo_loss in float64 from per-token log-probs ``logp`` [B, T] (differentiable), entropies,
     advantages [B, T]: policy loss by loss_mode, minus entropy_coef * agg(entropy), plus beta * agg(kl)."""
     m = m.double()
@@ -276,7 +279,7 @@ def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_a
     agg = lambda x, mode=loss_agg_mode: verl_agg64(x, m, mode, dp_size, batch_num_tokens, global_batch_size,  # noqa: E731
                                                  loss_scale_factor)
     a = adv.double()
-    if loss_mode in ("vanilla", "sapo", "cispo"):
+    if loss_mode in ("vanilla", "sapo", "cispo", "dppo_tv", "dppo_kl"):
         ratio = torch.exp((logp - old).clamp(-20, 20))
     if loss_mode == "vanilla":
         l1 = -a * ratio
@@ -292,6 +295,10 @@ def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_a
         pg = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
     elif loss_mode == "gpg":
         pg = -logp * a
+    elif loss_mode in ("dppo_tv", "dppo_kl"):
+        pg = -a * ratio.clamp(max=clip_ratio_c).detach() * logp * dppo_trusted64(logp, old, a, loss_mode, eps_low, eps_high)
+    elif loss_mode == "dro":
+        pg = -(logp * a - 0.5 * dro_beta * (logp - old) ** 2)
     elif loss_mode == "cispo":
         pg = -ratio.clamp(1 - eps_low, 1 + eps_high).detach() * a * logp
     elif loss_mode == "kl_cov":
@@ -334,6 +341,54 @@ def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_a
     if ref is not None and beta != 0:
         loss = loss + beta * agg(verl_kl64(logp, ref.double(), kl_loss_type))
     return loss
+
+
+def dppo_trusted64(logp, old, a, loss_mode, eps_low, eps_high):
+    """DPPO's trust mask, element by element: 1.0 where the token's probability moved less than the
+    threshold in the advantage's direction (TV: the probability difference; KL: the binary KL)."""
+    logp, old, a = logp.detach(), old.detach(), a.detach()  # a mask: constants of the loss
+    out = torch.zeros_like(logp, dtype=torch.float64)
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            lp, lo, adv = float(logp[i, j]), float(old[i, j]), float(a[i, j])
+            p, q = math.exp(lp), math.exp(lo)
+            if loss_mode == "dppo_tv":
+                ok = (p - q <= eps_high) if adv > 0 else (p - q >= -eps_low)
+            else:
+                arg = (1 - q + 1e-8) / (1 - p + 1e-8)  # NaN where a "probability" exceeds 1 (compares False)
+                bkl = q * (lo - lp) + (1 - q) * math.log(arg) if arg > 0 else float("nan")
+                ok = (bkl <= eps_high or p <= q) if adv > 0 else (bkl <= eps_low or p >= q)
+            out[i, j] = 1.0 if ok else 0.0
+    return out
+
+
+def verl_policy_metrics64(logp, adv, m, old, loss_mode, eps_low=0.2, eps_high=None, clip_ratio_c=3.0):
+    """The policy metrics verl's compute_policy_loss_<loss_mode> returns (masked means, 1e-8 in the
+    denominator), for the token-local modes."""
+    eps_high = eps_low if eps_high is None else eps_high
+    m, a, lp, old = m.double(), adv.double(), logp.detach().double(), old.double()
+    mean = lambda v: (v * m).sum() / (m.sum() + 1e-8)  # noqa: E731
+    lr = (lp - old).clamp(-20, 20)
+    r = torch.exp(lr)
+    if loss_mode == "gpg":
+        return {}
+    if loss_mode == "dro":
+        return {"actor/ppo_kl": mean(old - lp)}
+    out = {"actor/ppo_kl": mean(-lr)}
+    if loss_mode == "vanilla":
+        l1, l2 = -a * r, -a * r.clamp(1 - eps_low, 1 + eps_high)
+        out["actor/pg_clipfrac"] = mean((l2 > l1).double())
+        out["actor/pg_clipfrac_lower"] = mean(((torch.maximum(l1, l2) > -a * clip_ratio_c) & (a < 0)).double())
+    elif loss_mode in ("dppo_tv", "dppo_kl"):
+        trusted = dppo_trusted64(lp, old, a, loss_mode, eps_low, eps_high)
+        out["actor/pg_clipfrac"] = mean(1 - trusted)
+        out["actor/pg_clipfrac_lower"] = mean((r > clip_ratio_c).double() * trusted)
+    elif loss_mode == "cispo":
+        out["actor/pg_clipfrac"] = mean((r != r.clamp(1 - eps_low, 1 + eps_high)).double())
+        out["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=torch.float64)
+    elif loss_mode == "sapo":
+        out["actor/pg_clipfrac"] = out["actor/pg_clipfrac_lower"] = torch.zeros((), dtype=torch.float64)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -60,14 +60,14 @@ def check(out, grad, loss64, grad64):
 def test_verl_loss_modes_and_reductions(loss_mode, loss_agg_mode):
     logits, ids, mask, old, ref, _, adv = batch(LOSS_MODES.index(loss_mode) * 7 + LOSS_AGG_MODES.index(loss_agg_mode))
     kw = dict(loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, beta=0.05, entropy_coef=0.01, eps_high=0.28,
-              kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2)
+              kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2, dro_beta=0.3)
     out, grad = ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, clip_ratio_c=1.5, **kw)
     loss64, grad64 = expected(
         lambda lp, en, m: verl64(lp, en, torch.where(m != 0, adv.double(), 0.0), m, old=old, ref=ref, loss_mode=loss_mode,
                                  loss_agg_mode=loss_agg_mode, beta=0.05, entropy_coef=0.01, eps_high=0.28, clip_ratio_c=1.5,
-                                 kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2), logits, ids, mask)
+                                 kl_cov_ratio=0.2, tau_pos=0.9, tau_neg=1.2, dro_beta=0.3), logits, ids, mask)
     check(out, grad, loss64, grad64)
-    assert "actor/ppo_kl" in out.metrics and "actor/entropy" in out.metrics
+    assert ("actor/ppo_kl" in out.metrics) == (loss_mode != "gpg") and "actor/entropy" in out.metrics  # gpg logs {}
 
 
 @pytest.mark.parametrize("kl_loss_type", KL_LOSS_TYPES)
@@ -201,7 +201,7 @@ def test_verl_spellings_mean_our_options():
     (dict(loss_type="grpo", loss_mode="vanilla"), ValueError, ["loss_type", "loss_mode", "vanilla", "dapo"]),
     (dict(loss_mode="ppo"), ValueError, ["loss_mode", "geo_mean"]),
     (dict(loss_mode="vanilla", kl_loss_type="k4"), ValueError, ["kl_loss_type", "low_var_kl"]),
-    (dict(loss_mode="vanilla", loss_agg_mode="token-sum"), ValueError, ["loss_agg_mode", "seq-mean-token-mean"]),
+    (dict(loss_mode="vanilla", loss_agg_mode="token-max"), ValueError, ["loss_agg_mode", "seq-mean-token-mean"]),
     (dict(loss_agg_mode="token-mean"), ValueError, ["loss_agg_mode", "loss_mode"]),
     (dict(kl_loss_coef=0.1, beta=0.1), TypeError, ["kl_loss_coef", "beta"]),
     (dict(use_kl_loss=True), TypeError, ["use_kl_loss", "beta"]),

@@ -261,24 +261,32 @@ def token_logprobs_fwd_kernel(
 @triton.jit
 def grpo_loss_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
-    targets_ptr, advantages_ptr, weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
+    targets_ptr, advantages_ptr, weights_ptr, kl_weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
     logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr, kl_ptr, clip_ptr,
     part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
     V, c, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
+    dro_beta,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr, SOFTCAP: tl.constexpr,
-    OBJECTIVE: tl.constexpr, BIAS_CORRECTED_KL: tl.constexpr,
+    OBJECTIVE: tl.constexpr, BIAS_CORRECTED_KL: tl.constexpr, CLAMP_LOG_RATIO: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, KL_WEIGHTED_APART: tl.constexpr,
 ):
     """The token-level GRPO loss in the same pass as the log-prob.
 
-    Per row: log-prob and entropy, then ratio, the policy term of ``OBJECTIVE`` (0: PPO's clipped
-    surrogate, 1: cispo, 2: sapo), k3 KL (times the ratio when ``BIAS_CORRECTED_KL``) and entropy
-    bonus, times the token's weight in the reduction (``objective.token_weights``). Writes the
-    weighted loss (summed by the caller) and ``d loss / d logp`` and ``d loss / d entropy``, which
-    the backward kernel scales by the incoming gradient, and what the metrics need: the KL (0
-    without reference log-probs) and the clip region (-1: ratio < 1 - eps_low with A < 0, +1:
-    ratio > 1 + eps_high with A > 0 (cispo: ratio > eps_high), else 0). This is the one hand-
-    differentiated copy of ``objective.per_token_loss`` and ``objective.clip_flags``; each term
+    Per row: log-prob and entropy, then ratio, the policy term of ``OBJECTIVE`` (TRL's: 0 PPO's
+    clipped surrogate, 1 cispo, 2 sapo (also verl's); verl's: 3 vanilla (dual clip), 4 gpg, 5 cispo,
+    6 dppo_tv, 7 dppo_kl, 8 dro), the KL estimate of ``KL_ESTIMATOR`` (0 TRL's k3, times the ratio when
+    ``BIAS_CORRECTED_KL``; verl's 1 k1, 2 abs, 3 k2, 4 low_var_kl with its clamps; k2's gradient
+    when ``KL_STRAIGHT_THROUGH``, verl's "+") and the entropy bonus, times the token's weight in the
+    reduction (``objective.token_weights``; the KL times ``kl_weights`` instead when
+    ``KL_WEIGHTED_APART``: verl's sapo reduces its policy term by seq-mean-token-mean, the KL by
+    loss_agg_mode). ``CLAMP_LOG_RATIO``: verl's clamp of ``logp - old`` to [-20, 20] before the exp.
+    Writes the weighted loss (summed by the caller) and ``d loss / d logp`` and ``d loss / d entropy``,
+    which the backward kernel scales by the incoming gradient, and what the metrics need: the KL (0
+    without reference log-probs) and the clip region (-1 low, +1 high: TRL's ``clip_flags``, ratio <
+    1 - eps_low with A < 0 / ratio > 1 + eps_high with A > 0 (cispo: ratio > eps_high); under verl
+    the objective's ``low`` / ``high`` flags, those of actor/pg_clipfrac_lower / actor/pg_clipfrac).
+    This is the one hand-differentiated copy of ``objective.per_token_loss`` and the flags; each term
     carries its derivative beside it, and ``tests/test_objective.py`` checks them against autograd.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -305,12 +313,20 @@ def grpo_loss_fwd_kernel(
 
         adv = tl.load(advantages_ptr + row)
         weight = tl.load(weights_ptr + row)
-        # ratio = exp(logp - old); d ratio / d logp = ratio.
-        # ratio = exp(logp - old); d ratio / d logp = ratio.
         if HAS_OLD:
-            ratio = tl.exp(logp - tl.load(old_logps_ptr + row))
+            old = tl.load(old_logps_ptr + row)
         else:
-            ratio = tl.exp(logp - logp)  # on-policy: 1, d ratio / d logp = 1; NaN stays NaN
+            old = logp  # on-policy: old = sg(logp), so logp - old is 0 with gradient 1; NaN stays NaN
+        if CLAMP_LOG_RATIO:
+            # ratio = exp(clamp(logp - old, -20, 20)); d ratio / d logp = ratio inside the closed range
+            # (a clamp passes the gradient there, as torch.clamp), 0 outside
+            log_ratio = logp - old
+            ratio = tl.exp(tl.minimum(tl.maximum(log_ratio, -20.0), 20.0))
+            d_ratio = tl.where((log_ratio >= -20.0) & (log_ratio <= 20.0), ratio, 0.0)
+        else:
+            # ratio = exp(logp - old); d ratio / d logp = ratio.
+            ratio = tl.exp(logp - old)
+            d_ratio = ratio
         if OBJECTIVE == 0:  # PPO's clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo)
             unclipped = tl.minimum(ratio, delta)  # delta = +inf when unset
             clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
@@ -324,7 +340,7 @@ def grpo_loss_fwd_kernel(
             d_min = tl.where(t1 < t2, d1, tl.where(t2 < t1, d2, 0.5 * (d1 + d2)))
             loss = -tl.minimum(t1, t2)
             # d surrogate / d logp = -(d min / d ratio) * (d ratio / d logp) = -d_min * ratio
-            d_logp = -d_min * ratio
+            d_logp = -d_min * d_ratio
             low = (ratio < 1.0 - eps_low) & (adv < 0.0)
             high = (ratio > 1.0 + eps_high) & (adv > 0.0)
         elif OBJECTIVE == 1:  # cispo: -sg(min(ratio, eps_high)) * A * logp
@@ -334,39 +350,125 @@ def grpo_loss_fwd_kernel(
             d_logp = -weight_is * adv
             low = ratio != ratio  # False (NaN-safe shape): cispo has no lower clip
             high = (ratio > eps_high) & (adv > 0.0)
-        else:  # sapo: -(4 / tau) * sigmoid(tau (ratio - 1)) * A, tau by the sign of A
+        elif OBJECTIVE == 2:  # sapo: -(4 / tau) * sigmoid(tau (ratio - 1)) * A, tau by the sign of A
             tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
             gate = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
             loss = -(4.0 / tau) * gate * adv
-            # d sigmoid(y) / dy = gate (1 - gate), dy / d logp = tau * ratio:
-            # d / d logp = -(4 / tau) * gate (1 - gate) * tau * ratio * A = -4 gate (1 - gate) ratio A
-            d_logp = -4.0 * gate * (1.0 - gate) * ratio * adv
+            # d sigmoid(y) / dy = gate (1 - gate), dy / d logp = tau * d ratio / d logp:
+            # d / d logp = -(4 / tau) * gate (1 - gate) * tau * d_ratio * A = -4 gate (1 - gate) d_ratio A
+            d_logp = -4.0 * gate * (1.0 - gate) * d_ratio * adv
             low = ratio != ratio
             high = ratio != ratio
+        elif OBJECTIVE == 3:  # verl vanilla: max(-A r, -A clip(r)), and where A < 0 at most -A delta
+            loss1 = -adv * ratio
+            clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+            loss2 = -adv * clipped
+            # d loss1 / d logp = -A d_ratio; d loss2 / d logp = -A d_ratio inside [1 - eps_low, 1 + eps_high]
+            d_loss1 = -adv * d_ratio
+            d_loss2 = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), d_loss1, 0.0)
+            clip1 = tl.maximum(loss1, loss2)
+            # torch.maximum: the larger one's gradient, half each on a tie
+            d_clip1 = tl.where(loss1 > loss2, d_loss1, tl.where(loss2 > loss1, d_loss2, 0.5 * (d_loss1 + d_loss2)))
+            loss3 = -adv * delta  # a constant: d / d logp = 0
+            # min(loss3, clip1) where A < 0: clip1's gradient where it is the smaller, half on a tie
+            d_dual = tl.where(clip1 < loss3, d_clip1, tl.where(loss3 < clip1, 0.0, 0.5 * d_clip1))
+            loss = tl.where(adv < 0.0, tl.minimum(loss3, clip1), clip1)
+            d_logp = tl.where(adv < 0.0, d_dual, d_clip1)
+            low = (clip1 > loss3) & (adv < 0.0)
+            high = loss2 > loss1
+        elif OBJECTIVE == 4:  # verl gpg: -logp A; d / d logp = -A
+            loss = -logp * adv
+            d_logp = -adv
+            low = ratio != ratio
+            high = ratio != ratio
+        elif OBJECTIVE == 5:  # verl cispo: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp
+            clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+            loss = -clipped * adv * logp
+            # the clipped ratio is detached: d / d logp = -clip(r) A
+            d_logp = -clipped * adv
+            low = ratio != ratio
+            high = ratio != clipped
+        elif OBJECTIVE == 8:  # verl dro: -(logp A - dro_beta / 2 (logp - old)^2), no clamp
+            log_ratio = logp - old
+            loss = -(logp * adv - 0.5 * dro_beta * log_ratio * log_ratio)
+            # d / d logp = -A + dro_beta (logp - old)   (old is a constant; on-policy log_ratio = 0)
+            d_logp = -adv + dro_beta * log_ratio
+            low = ratio != ratio
+            high = ratio != ratio
+        else:  # DPPO (6: binary TV, 7: binary KL): -A sg(min(r, delta)) logp v, v the detached trust mask
+            p = tl.exp(logp)
+            p_old = tl.exp(old)
+            if OBJECTIVE == 6:  # the probability moved at most eps_high up (A > 0) / eps_low down (A <= 0)
+                trusted = tl.where(adv > 0.0, p - p_old <= eps_high, p - p_old >= -eps_low)
+            else:  # the binary KL of (p_old, 1 - p_old) to (p, 1 - p) within the threshold, or a move
+                # against the advantage's direction
+                binary_kl = p_old * (old - logp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+                trusted = tl.where(adv > 0.0, (binary_kl <= eps_high) | (p <= p_old),
+                                   (binary_kl <= eps_low) | (p >= p_old))
+            truncated = tl.minimum(ratio, delta)
+            v = tl.where(trusted, 1.0, 0.0)
+            loss = -adv * truncated * logp * v
+            # truncated and v are detached: d / d logp = -A min(r, delta) v
+            d_logp = -adv * truncated * v
+            low = (ratio > delta) & trusted
+            high = v == 0.0
         if HAS_IS_RATIO:
             # loss * is_ratio (a detached weight): d / d logp scales by the same is_ratio
             is_ratio = tl.load(is_ratio_ptr + row)
             loss = loss * is_ratio
             d_logp = d_logp * is_ratio
         kl = 0.0
+        d_kl = 0.0
         if HAS_REF:
-            # k3 = exp(diff) - diff - 1 with diff = ref - logp;
-            # d k3 / d logp = -(exp(diff) - 1) = 1 - exp(diff)
-            diff = tl.load(ref_logps_ptr + row) - logp
-            exp_diff = tl.exp(diff)
-            kl = exp_diff - diff - 1.0
-            if BIAS_CORRECTED_KL:
-                # kl * ratio: d / d logp = (1 - exp(diff)) * ratio + kl * ratio = -diff * ratio
-                d_kl = -diff * ratio
-                kl = kl * ratio
-            else:
-                d_kl = 1.0 - exp_diff
-            loss += beta * kl
-            d_logp += beta * d_kl
-        # entropy bonus -entropy_coef * H: d / d logp = 0, d / d H = -entropy_coef
-        loss -= entropy_coef * entropy
-        tl.store(loss_ptr + row, loss * weight)
-        tl.store(coef_logp_ptr + row, d_logp * weight)
+            ref = tl.load(ref_logps_ptr + row)
+            if KL_ESTIMATOR == 0:  # TRL's k3, unclamped
+                # k3 = exp(diff) - diff - 1 with diff = ref - logp;
+                # d k3 / d logp = -(exp(diff) - 1) = 1 - exp(diff)
+                diff = ref - logp
+                exp_diff = tl.exp(diff)
+                kl = exp_diff - diff - 1.0
+                if BIAS_CORRECTED_KL:
+                    # kl * ratio: d / d logp = (1 - exp(diff)) * ratio + kl * ratio = -diff * ratio
+                    d_kl = -diff * ratio
+                    kl = kl * ratio
+                else:
+                    d_kl = 1.0 - exp_diff
+            elif KL_ESTIMATOR == 1:  # k1 = logp - ref; d / d logp = 1
+                kl = logp - ref
+                d_kl = 1.0
+            elif KL_ESTIMATOR == 2:  # abs = |logp - ref|; d / d logp = sign(logp - ref) (0 at 0, as torch)
+                x = logp - ref
+                kl = tl.abs(x)
+                d_kl = tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
+            elif KL_ESTIMATOR == 3:  # k2 = (logp - ref)^2 / 2; d / d logp = logp - ref
+                x = logp - ref
+                kl = 0.5 * x * x
+                d_kl = x
+            else:  # low_var_kl: clamp(exp(d) - d - 1, -10, 10), d = clamp(ref - logp, -20, 20)
+                diff = ref - logp
+                d_c = tl.minimum(tl.maximum(diff, -20.0), 20.0)
+                exp_diff = tl.exp(d_c)
+                k3 = exp_diff - d_c - 1.0
+                kl = tl.minimum(tl.maximum(k3, -10.0), 10.0)
+                # d / d logp = (1 - exp(d)) inside both clamps' closed ranges, 0 outside
+                inside = (diff >= -20.0) & (diff <= 20.0) & (k3 >= -10.0) & (k3 <= 10.0)
+                d_kl = tl.where(inside, 1.0 - exp_diff, 0.0)
+            if KL_STRAIGHT_THROUGH:  # verl's "+": the value above, the gradient of k2: logp - ref
+                d_kl = logp - ref
+        if KL_WEIGHTED_APART:  # (HAS_REF is on: the launcher passes kl_weights only then)
+            # entropy bonus -entropy_coef * H: d / d logp = 0, d / d H = -entropy_coef
+            loss -= entropy_coef * entropy
+            kl_weight = tl.load(kl_weights_ptr + row)
+            tl.store(loss_ptr + row, loss * weight + beta * kl * kl_weight)
+            tl.store(coef_logp_ptr + row, d_logp * weight + beta * d_kl * kl_weight)
+        else:
+            if HAS_REF:
+                loss += beta * kl
+                d_logp += beta * d_kl
+            # entropy bonus -entropy_coef * H: d / d logp = 0, d / d H = -entropy_coef
+            loss -= entropy_coef * entropy
+            tl.store(loss_ptr + row, loss * weight)
+            tl.store(coef_logp_ptr + row, d_logp * weight)
         tl.store(coef_entropy_ptr + row, -entropy_coef * weight)
         tl.store(kl_ptr + row, kl)
         tl.store(clip_ptr + row, (high.to(tl.int8) - low.to(tl.int8)).to(tl.int8))
@@ -536,8 +638,19 @@ GRPORows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
                  torch.Tensor, torch.Tensor]
 GRPO_ROWS_FLOAT_OUTPUTS = 8  # the first 8 are fp32 [B, T]; clip is int8 [B, T]
 
-# The fused GRPO forward's policy terms (OBJECTIVE constexpr); vespo's weight is sequence-level.
+# The fused GRPO forward's policy terms (OBJECTIVE constexpr): TRL's loss types, and verl's token-local
+# loss modes (vespo's weight, gspo's ratio, clip_cov's / kl_cov's selections and geo_mean are not).
 _OBJECTIVES = {"grpo": 0, "bnpo": 0, "dr_grpo": 0, "dapo": 0, "luspo": 0, "cispo": 1, "sapo": 2}
+_VERL_OBJECTIVES = {"sapo": 2, "vanilla": 3, "gpg": 4, "cispo": 5, "dppo_tv": 6, "dppo_kl": 7, "dro": 8}
+# verl's modes whose log-ratio is clamped to [-20, 20] before the exp (CLAMP_LOG_RATIO)
+_CLAMPED_LOG_RATIO = ("sapo", "vanilla", "cispo", "dppo_tv", "dppo_kl")
+# verl's KL estimators (KL_ESTIMATOR; 0 is TRL's k3); a trailing "+" is KL_STRAIGHT_THROUGH
+_VERL_KL_ESTIMATORS = {"kl": 1, "k1": 1, "abs": 2, "mse": 3, "k2": 3, "low_var_kl": 4, "k3": 4}
+
+
+def fuses_objective(loss_type: Optional[str], loss_mode: Optional[str]) -> bool:
+    """Whether ``grpo_forward_rows`` has this objective's term (verl's ``loss_mode`` when given)."""
+    return loss_mode in _VERL_OBJECTIVES if loss_mode is not None else loss_type in _OBJECTIVES
 
 
 def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps):
@@ -619,17 +732,26 @@ def grpo_forward_rows(
     sapo_temperature_neg: float = 1.05,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    loss_mode: Optional[str] = None,
+    kl_loss_type: Optional[str] = None,
+    dro_beta: float = 0.0,
+    kl_weights: Optional[torch.Tensor] = None,
 ) -> GRPORows:
     """One pass of the token-level GRPO loss; per-token inputs are [B], [B, 1] or [B, T].
 
-    ``loss_type`` picks the policy term (the clipped surrogate, cispo or sapo; the reduction is in
-    ``weights``); vespo, whose weight is sequence-level, is not fused.
+    ``loss_type`` picks TRL's policy term (the clipped surrogate, cispo or sapo; the reduction is in
+    ``weights``) and the KL is TRL's k3; vespo, whose weight is sequence-level, is not fused. With
+    ``loss_mode`` (verl's; ``loss_type`` is then not read) the policy term is verl's (sapo, vanilla,
+    gpg, cispo, dppo_tv, dppo_kl, dro; ``delta`` is clip_ratio_c, ``dro_beta`` dro's coefficient) and
+    the KL is ``kl_loss_type`` (default low_var_kl), weighted by ``kl_weights`` [B, T] where given
+    (the KL's reduction differs from the policy term's: verl's sapo), else by ``weights``.
+    Every argument is a tensor, a str, a float or a bool (torch.library custom-op schemas take them).
 
     Returns ``(weighted_loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip)``,
     [B, T]: fp32 except ``clip`` (int8: -1 low-clipped, +1 high-clipped, 0 neither). The reduced loss
     is ``weighted_loss.sum()`` and its gradient w.r.t. the logits is the row backward with
-    ``grad_logp = coef_logp * g`` and ``grad_entropy = coef_entropy * g``; ``kl`` (k3, 0 without
-    ``ref_logps``) and ``clip`` make the metrics masked means. Masked rows give zeros.
+    ``grad_logp = coef_logp * g`` and ``grad_entropy = coef_entropy * g``; ``kl`` (the estimate, 0
+    without ``ref_logps``) and ``clip`` make the metrics masked means. Masked rows give zeros.
     """
     b, t, v = logits.shape
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(GRPO_ROWS_FLOAT_OUTPUTS)]
@@ -646,23 +768,41 @@ def grpo_forward_rows(
             return weights
         return (x.unsqueeze(-1) if x.dim() == 1 else x).float().expand(b, t).contiguous()
 
-    if loss_type not in _OBJECTIVES:
-        raise ValueError(f"loss_type {loss_type!r} has no fused Triton forward (one of {tuple(_OBJECTIVES)})")
+    if loss_mode is not None:
+        if loss_mode not in _VERL_OBJECTIVES:
+            raise ValueError(f"loss_mode {loss_mode!r} has no fused Triton forward (one of {tuple(_VERL_OBJECTIVES)})")
+        kl_name = "low_var_kl" if kl_loss_type is None else kl_loss_type
+        kl_base = kl_name[:-1] if kl_name.endswith("+") else kl_name
+        if kl_base not in _VERL_KL_ESTIMATORS:
+            raise ValueError(f"kl_loss_type {kl_name!r} has no fused Triton forward "
+                             f"(one of {tuple(_VERL_KL_ESTIMATORS)}, each also with '+')")
+        objective_code, kl_code = _VERL_OBJECTIVES[loss_mode], _VERL_KL_ESTIMATORS[kl_base]
+        straight_through, clamp_log_ratio = kl_name.endswith("+"), loss_mode in _CLAMPED_LOG_RATIO
+    else:
+        if loss_type not in _OBJECTIVES:
+            raise ValueError(f"loss_type {loss_type!r} has no fused Triton forward (one of {tuple(_OBJECTIVES)})")
+        if kl_weights is not None or kl_loss_type is not None:
+            raise ValueError("kl_weights and kl_loss_type are verl's (loss_mode); TRL's k3 is weighted like the policy term")
+        objective_code, kl_code, straight_through, clamp_log_ratio = _OBJECTIVES[loss_type], 0, False, False
+    kl_apart = kl_weights is not None and ref_logps is not None
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
     tf = _transform_args(temperature, softcap, logit_scale)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, True,
                       block, vec, num_warps)
     grpo_loss_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
-        targets, per_token(advantages), weights,
+        targets, per_token(advantages), weights, per_token(kl_weights if kl_apart else None),
         per_token(old_logps), per_token(ref_logps), per_token(is_ratio),
         logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy, kl, clip,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
         v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
         float("inf") if delta is None else delta, beta, entropy_coef, sapo_temperature_pos, sapo_temperature_neg,
+        float(dro_beta),
         BLOCK_V=block, VEC=vec, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
-        HAS_IS_RATIO=is_ratio is not None, SOFTCAP=tf["SOFTCAP"], OBJECTIVE=_OBJECTIVES[loss_type],
-        BIAS_CORRECTED_KL=bool(use_bias_correction_kl), num_warps=1 if split["SPLIT"] else num_warps, **split,
+        HAS_IS_RATIO=is_ratio is not None, SOFTCAP=tf["SOFTCAP"], OBJECTIVE=objective_code,
+        BIAS_CORRECTED_KL=bool(use_bias_correction_kl), CLAMP_LOG_RATIO=clamp_log_ratio, KL_ESTIMATOR=kl_code,
+        KL_STRAIGHT_THROUGH=straight_through, KL_WEIGHTED_APART=kl_apart,
+        num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
     return loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip
 
