@@ -155,3 +155,17 @@ def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):
 def test_one_generation_per_prompt_is_refused():
     with pytest.raises(ValueError, match=r"num_generations must be >= 2.*advantage"):
         GRPOConfig(num_generations=1)
+
+
+def test_config_takes_loss_mode_and_passes_one_loss_name():
+    from grpo.config import GRPOConfig
+
+    cfg = GRPOConfig(loss_mode="gspo", loss_agg_mode="seq-mean-token-sum")
+    options = cfg.loss_options()
+    assert options["loss_mode"] == "gspo" and "loss_type" not in options  # (the field's default is not a second name)
+    assert cfg.grpo_options().is_verl
+    with pytest.raises(ValueError, match="name the loss twice"):
+        GRPOConfig(loss_mode="vanilla", loss_type="grpo")
+    with pytest.raises(ValueError, match="needs loss_mode"):
+        GRPOConfig(loss_agg_mode="seq-mean-token-sum")
+    assert "loss_type" in GRPOConfig().loss_options()

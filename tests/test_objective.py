@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import verl_cases as vc
 from helpers import DEVICE
-from spec64 import grpo64, logprobs64, verl64
+from spec64 import grpo64, logprobs64, verl64, verl_policy_metrics64
 
 import grpo_kernels as gk
 from grpo_kernels import objective
-from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS
+from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOInputs, GRPOOptions
 
 B, T, V = 3, 6, 13
 pytestmark = pytest.mark.timeout(600)
@@ -221,3 +222,193 @@ def test_registries_cover_the_names():
     assert set(LOSS_MODES) <= set(objective.OBJECTIVES)
     assert set(LOSS_AGG_MODES) <= set(objective.REDUCTIONS) and set(KL_LOSS_TYPES) <= set(objective.KL_ESTIMATORS)
     assert all(o in objective.OBJECTIVES and r in objective.REDUCTIONS for o, r in objective.TRL_LOSS_TYPES.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# verl 0.9: dppo_tv, dppo_kl, dro x every loss_agg_mode x KL estimators, the global normalisers,
+# verl's metrics per mode, the fused-linear path and the modules (tests/verl_cases.py)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kl_loss_type", vc.KLS)
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_mode", vc.NEW_MODES)
+def test_new_modes_x_reductions_x_kl_match_verl(loss_mode, loss_agg_mode, kl_loss_type):
+    seed = 1000 + 100 * vc.NEW_MODES.index(loss_mode) + 10 * LOSS_AGG_MODES.index(loss_agg_mode) + vc.KLS.index(kl_loss_type)
+    logits, ids, mask, old, ref, adv = vc.batch(seed, far=kl_loss_type in ("low_var_kl", "k3+"))
+    settings = vc.MODE_SETTINGS[loss_mode]
+    out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, loss_mode=loss_mode,
+                     loss_agg_mode=loss_agg_mode, kl_loss_type=kl_loss_type, kl_loss_coef=0.05, entropy_coeff=0.01,
+                     **settings)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, ref=ref, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode,
+                              kl_loss_type=kl_loss_type, beta=0.05, entropy_coef=0.01,
+                              **vc.spec_settings(loss_mode, settings))
+    vc.check(out.loss, grad, loss64, grad64)
+    assert grad[1].abs().max() == 0  # the fully masked row gets no gradient
+
+
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_mode", vc.NEW_MODES + ("vanilla", "sapo", "geo_mean"))
+def test_global_normalisers_and_rollout_weights(loss_mode, loss_agg_mode):
+    """dp_size = 4 with verl's global counts (batch_num_tokens, global_batch_size), loss_scale_factor,
+    rollout_is_weights, entropy and KL: every agg mode scales as verl 0.9's agg_loss."""
+    logits, ids, mask, old, ref, adv = vc.batch(2000 + LOSS_AGG_MODES.index(loss_agg_mode))
+    w = torch.rand(vc.B, vc.T, generator=torch.Generator().manual_seed(7)) + 0.5
+    settings = vc.MODE_SETTINGS.get(loss_mode, {})
+    glob = dict(dp_size=4, batch_num_tokens=37, global_batch_size=9, loss_scale_factor=11)
+    out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, ref_logps=ref, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode,
+                     rollout_is_weights=w, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.02, **glob, **settings)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, ref=ref, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode,
+                              rollout_is_weights=w, beta=0.1, kl_loss_type="k3", entropy_coef=0.02,
+                              **glob, **vc.spec_settings(loss_mode, settings))
+    vc.check(out.loss, grad, loss64, grad64)
+
+
+def test_seq_mean_token_sum_norm_is_the_09_meaning():
+    """0.9: sum over sequences with a token / their count * dp_size / loss_scale_factor (0.8 had no
+    sequence count): differs from 0.8's sum / T by the factor 1 / (sequences with a token)."""
+    logits, ids, mask, old, _, adv = vc.batch(2100)
+    out_norm, _ = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="gpg", loss_agg_mode="seq-mean-token-sum-norm")
+    out_sum, _ = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="gpg", loss_agg_mode="token-sum")
+    with_tokens = int((mask.sum(-1) > 0).sum())
+    assert with_tokens == vc.B - 1
+    torch.testing.assert_close(out_norm.loss, out_sum.loss / with_tokens / vc.T, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_mode", ["dppo_tv", "dppo_kl", "dro", "vanilla", "cispo", "sapo", "gpg"])
+def test_verl_policy_metrics_per_mode(loss_mode):
+    """The metrics each compute_policy_loss_* returns, no more (gpg: none; dro: ppo_kl), at fp32 rounding,
+    with log-ratios beyond the clamp (ppo_kl averages the clamped log-ratio where the mode clamps it)."""
+    logits, ids, mask, old, _, adv = vc.batch(3000 + list(vc.MODE_SETTINGS).index(loss_mode), far=True)
+    settings = vc.MODE_SETTINGS[loss_mode]
+    if loss_mode.startswith("dppo"):
+        settings = dict(settings, clip_ratio_c=1.05)  # a cap most ratios above 1 pass: truncated trusted tokens
+    out, _ = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode=loss_mode, **settings)
+    logp64, _ = logprobs64(logits.double(), torch.where(mask != 0, ids, -100))
+    spec = vc.spec_settings(loss_mode, settings)
+    expected_metrics = verl_policy_metrics64(logp64, torch.where(mask != 0, adv.double(), 0.0), mask,
+                                             torch.where(mask != 0, old.double(), logp64), loss_mode,
+                                             eps_low=spec.get("eps_low", 0.2), eps_high=spec.get("eps_high"),
+                                             clip_ratio_c=spec.get("clip_ratio_c", 20.0 if "dppo" in loss_mode else 3.0))
+    got = {k: v for k, v in out.metrics.items() if k in objective.VERL_POLICY_METRICS}
+    assert set(got) == set(expected_metrics), (sorted(got), sorted(expected_metrics))
+    for name, value in expected_metrics.items():
+        torch.testing.assert_close(got[name].cpu().double(), value, rtol=1e-5, atol=1e-6, msg=name)
+    if loss_mode.startswith("dppo"):  # the case has both trusted and untrusted tokens, and truncated ones
+        assert 0 < expected_metrics["actor/pg_clipfrac"] < 1 and expected_metrics["actor/pg_clipfrac_lower"] > 0
+
+
+@pytest.mark.parametrize("loss_mode", ["dppo_tv", "dppo_kl"])
+def test_dppo_clip_ratio_c_defaults_to_20(loss_mode):
+    """verl's config.get("clip_ratio_c", 20.0) for DPPO (vanilla's default stays 3)."""
+    assert GRPOOptions(loss_mode=loss_mode).delta == 20.0 and GRPOOptions(loss_mode="vanilla").delta == 3.0
+    assert GRPOOptions(loss_mode="gpg").delta is None
+    logits, ids, mask, old, _, adv = vc.batch(3100, far=True)
+    out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode=loss_mode, clip_ratio=0.05)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, loss_mode=loss_mode, eps_low=0.05, clip_ratio_c=20.0)
+    vc.check(out.loss, grad, loss64, grad64)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("loss_mode", vc.NEW_MODES)
+def test_new_modes_on_every_backend(loss_mode, backend):
+    logits, ids, mask, old, ref, adv = vc.batch(3200 + vc.NEW_MODES.index(loss_mode))
+    settings = vc.MODE_SETTINGS[loss_mode]
+    kw = dict(old_logps=old, ref_logps=ref, loss_mode=loss_mode, loss_agg_mode="seq-mean-token-sum-norm",
+              kl_loss_type="k3+", kl_loss_coef=0.05, entropy_coeff=0.01, **settings)
+    out, grad = vc.ours(logits, ids, adv, mask, backend=backend, **kw)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, ref=ref, loss_mode=loss_mode,
+                              loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="k3+", beta=0.05, entropy_coef=0.01,
+                              **vc.spec_settings(loss_mode, settings))
+    vc.check(out.loss, grad, loss64, grad64)
+
+
+@pytest.mark.parametrize("loss_mode, loss_agg_mode, kl", [
+    ("dppo_tv", "token-sum", "k1"), ("dppo_kl", "seq-mean-token-sum-norm", "low_var_kl+"),
+    ("dro", "seq-mean-token-mean", "abs"), ("vanilla", "token-sum", "k2"),
+])
+def test_fused_linear_new_modes_gradient_in_forward(loss_mode, loss_agg_mode, kl):
+    """fused_linear_grpo_loss (the gradient formed in the forward: these modes are token-local) against
+    verl64 through float64 logits ``hidden @ weight.T``: loss, d hidden, d weight."""
+    g = torch.Generator().manual_seed(4000 + vc.NEW_MODES.index(loss_mode) if loss_mode in vc.NEW_MODES else 4009)
+    h_dim = 8
+    hidden = torch.randn(vc.B, vc.T, h_dim, generator=g)
+    weight = torch.randn(vc.V, h_dim, generator=g) * 0.6
+    logits = hidden.double() @ weight.double().T
+    _, ids, mask, _, _, adv = vc.batch(4100)
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    old = (logp + 0.4 * torch.randn(vc.B, vc.T, generator=g, dtype=torch.float64)).clamp(max=-1e-3).float()
+    ref = (logp + 0.4 * torch.randn(vc.B, vc.T, generator=g, dtype=torch.float64)).clamp(max=-1e-3).float()
+    settings = vc.MODE_SETTINGS[loss_mode]
+    glob = dict(dp_size=2, batch_num_tokens=29, global_batch_size=7, loss_scale_factor=10)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(h, w, ids, adv, mask, backend="torch", chunk_size=5, old_logps=old, ref_logps=ref,
+                                    loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, kl_loss_type=kl, kl_loss_coef=0.1,
+                                    entropy_coeff=0.02, **glob, **settings)
+    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward"
+    d_h, d_w = torch.autograd.grad(out.loss, (h, w))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp64, ent64 = logprobs64(h64 @ w64.T, torch.where(mask != 0, ids, -100))
+    loss64 = verl64(lp64, ent64, torch.where(mask != 0, adv.double(), 0.0), mask, old=old, ref=ref, loss_mode=loss_mode,
+                    loss_agg_mode=loss_agg_mode, kl_loss_type=kl, beta=0.1, entropy_coef=0.02, **glob,
+                    **vc.spec_settings(loss_mode, settings))
+    d_h64, d_w64 = torch.autograd.grad(loss64, (h64, w64))
+    torch.testing.assert_close(out.loss.detach().double(), loss64.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in ((d_h, d_h64), (d_w, d_w64)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def test_modules_take_the_new_settings():
+    logits, ids, mask, old, _, adv = vc.batch(4200)
+    module = gk.GRPOLoss(backend="torch", loss_mode="dro", dro_beta=0.7, loss_agg_mode="token-sum")
+    x = logits.clone().requires_grad_()
+    out = module(x, ids, adv, mask, old_logps=old)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, loss_mode="dro", loss_agg_mode="token-sum", dro_beta=0.7)
+    vc.check(out.loss, grad, loss64, grad64)
+    with pytest.raises(ValueError, match="dro_beta"):
+        gk.GRPOLoss(loss_mode="dro")
+    with pytest.raises(ValueError, match="global_batch_size"):
+        gk.FusedLinearGRPOLoss(loss_mode="dppo_tv", loss_agg_mode="seq-mean-token-sum", dp_size=2)(
+            torch.randn(vc.B, vc.T, 8), torch.randn(vc.V, 8), ids, adv, mask, old_logps=old)
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(loss_mode="dro"), ValueError, ["dro_beta", "> 0"]),
+    (dict(loss_mode="dro", dro_beta=0.0), ValueError, ["dro_beta"]),
+    (dict(loss_mode="dro", dro_beta=-1.0), ValueError, ["dro_beta"]),
+    (dict(loss_mode="dro", dro_beta="0.1"), TypeError, ["dro_beta"]),
+    (dict(loss_type="grpo", dro_beta=0.1), ValueError, ["dro_beta", "loss_mode"]),
+    (dict(dro_beta=0.1), ValueError, ["dro_beta", "loss_mode"]),
+    (dict(loss_mode="vanilla", kl_loss_type="full"), ValueError, ["kl_loss_type", "full", "distribution"]),
+    (dict(loss_mode="vanilla", kl_loss_type="full+"), ValueError, ["kl_loss_type", "distribution"]),
+    (dict(loss_mode="vanilla", dp_size=2), ValueError, ["dp_size", "num_items_in_batch", "batch_num_tokens"]),
+    (dict(loss_mode="dppo_kl", dp_size=2, loss_agg_mode="seq-mean-token-sum"), ValueError, ["dp_size", "global_batch_size"]),
+    (dict(loss_mode="gpg", dp_size=2, loss_agg_mode="seq-mean-token-mean", batch_num_tokens=10), ValueError,
+     ["global_batch_size"]),
+    (dict(loss_mode="dro", dro_beta=0.1, dp_size=3, loss_agg_mode="seq-mean-token-sum-norm"), ValueError,
+     ["global_batch_size"]),
+    (dict(loss_mode="dppo_tv", clip_ratio_c=1.0), ValueError, ["clip_ratio_c", "> 1"]),
+    (dict(loss_mode="vanilla", clip_ratio_c=0.9), ValueError, ["clip_ratio_c"]),
+    (dict(loss_mode="dppo_tv", clip_ratio_low=-0.1), ValueError, ["eps_low"]),
+])
+def test_refused_settings_name_the_keyword(kw, error, words):
+    logits, ids, mask, old, _, adv = vc.batch(0)
+    with pytest.raises(error) as e:
+        gk.grpo_loss(logits, ids, adv, mask, backend="torch", old_logps=old, **kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_accepted_verl_settings():
+    """What verl accepts: token-sum with dp_size and no global count; a dppo_kl threshold above 1; dro_beta
+    under another verl mode (verl's policy_loss holds it, only dro reads it); clip_ratio_c in (1, 1 + eps_high]
+    (verl's only check is > 1)."""
+    logits, ids, mask, old, _, adv = vc.batch(4300)
+    for kw in (dict(loss_mode="gpg", loss_agg_mode="token-sum", dp_size=3), dict(loss_mode="dppo_kl", clip_ratio_high=1.5),
+               dict(loss_mode="vanilla", dro_beta=0.3), dict(loss_mode="vanilla", clip_ratio=0.2, clip_ratio_c=1.1)):
+        out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, **kw)
+        assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    a, ga = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="vanilla", dro_beta=0.3)
+    b, gb = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="vanilla")
+    assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
+    out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="vanilla", clip_ratio=0.2, clip_ratio_c=1.1)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, loss_mode="vanilla", clip_ratio_c=1.1)
+    vc.check(out.loss, grad, loss64, grad64)

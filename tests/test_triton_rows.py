@@ -28,7 +28,9 @@ import os
 
 import pytest
 import torch
+import verl_cases as vc
 from helpers import DEVICE
+from spec64 import verl64
 
 from benchmarks import aot
 from grpo_kernels import objective
@@ -192,3 +194,161 @@ def test_triton_epilogue_equals_autograd_of_the_objective(case):
     assert torch.equal(clip_k, expected_clip.to(torch.int8))
     if options.loss_type in ("dapo", "cispo"):
         assert (clip_k != 0).any(), "the case must exercise a clip region"
+
+
+# --------------------------------------------------------------------------------------------------
+# the Triton epilogue's verl terms (grpo_loss_fwd_kernel): loss, d loss / d logp, KL and clip flags
+# against autograd of the registered objective (as tests/test_objective.py for TRL's)
+# --------------------------------------------------------------------------------------------------
+EPILOGUE_CASES = {
+    "vanilla_low_var_kl": dict(loss_mode="vanilla", kl_loss_type="low_var_kl", beta=0.1, delta=1.6),
+    # a clip range wider than e^20, A > 0 at log r = 25: the clamp's zero derivative shows
+    "vanilla_wide_clamp": dict(loss_mode="vanilla", kl_loss_type="k2", beta=0.0, eps_high=1e9, far_positive=True),
+    "vanilla_k3+_is": dict(loss_mode="vanilla", kl_loss_type="k3+", beta=0.1, eps_high=0.28, use_is=True),
+    "gpg_k1_on_policy": dict(loss_mode="gpg", kl_loss_type="k1", beta=0.05, on_policy=True),
+    "cispo_abs": dict(loss_mode="cispo", kl_loss_type="abs", beta=0.05, eps_low=1.0, eps_high=0.3),
+    "cispo_abs+": dict(loss_mode="cispo", kl_loss_type="abs+", beta=0.05, eps_low=0.1, eps_high=0.2),
+    "sapo_k2_kl_apart": dict(loss_mode="sapo", kl_loss_type="k2", beta=0.2, sapo_temperature_pos=0.8,
+                             sapo_temperature_neg=1.3, loss_agg_mode="token-sum", use_is=True),
+    "sapo_on_policy_mse+": dict(loss_mode="sapo", kl_loss_type="mse+", beta=0.2, on_policy=True),
+    "dppo_tv_k1+": dict(loss_mode="dppo_tv", kl_loss_type="k1+", beta=0.1, eps_low=0.02, eps_high=0.03, delta=1.2),
+    "dppo_kl_low_var_kl+_is": dict(loss_mode="dppo_kl", kl_loss_type="low_var_kl+", beta=0.1, eps_low=0.002,
+                                   eps_high=0.003, delta=1.2, use_is=True),
+    "dppo_kl_default_cap": dict(loss_mode="dppo_kl", kl_loss_type="kl", beta=0.1, eps_low=0.002, eps_high=0.003),
+    "dro_k3": dict(loss_mode="dro", kl_loss_type="k3", beta=0.1, dro_beta=0.7, entropy_coef=0.03),
+    "dro_on_policy": dict(loss_mode="dro", kl_loss_type="kl+", beta=0.1, dro_beta=0.7, on_policy=True),
+}
+
+
+@pytest.mark.parametrize("case", list(EPILOGUE_CASES))
+def test_triton_epilogue_verl_terms_equal_autograd_of_the_objective(case):
+    from grpo_kernels.kernels import triton_rows
+
+    kw = dict(EPILOGUE_CASES[case])
+    use_is, on_policy = kw.pop("use_is", False), kw.pop("on_policy", False)
+    far_positive = kw.pop("far_positive", False)
+    options = GRPOOptions(temperature=0.9, **kw)
+    g = torch.Generator().manual_seed(5000 + list(EPILOGUE_CASES).index(case))
+    b, t, v = 3, 11, 29
+    logits = torch.randn(b, t, v, generator=g) * 2
+    ids = torch.randint(0, v, (b, t), generator=g)
+    logits[2, 5, ids[2, 5]] = -80.0  # a token of log-prob about -90: an old log-prob 25 above it is one
+    mask = torch.ones(b, t)
+    logp_now = torch.log_softmax(logits / options.temperature, -1).gather(-1, ids[..., None])[..., 0]
+    # ratios over every region (below, inside, above the clip range; above the cap; beyond the +-20
+    # clamp), old log-probs <= 0
+    old = (logp_now - torch.linspace(-0.7, 0.7, b * t).reshape(b, t)).clamp(max=-1e-3)
+    old[2, 4] = logp_now[2, 4] - 25.0
+    old[2, 5] = logp_now[2, 5] + 25.0
+    ref = logp_now + 0.3 * torch.randn(b, t, generator=g)
+    ref[1, 3] = logp_now[1, 3] + 30.0  # beyond low_var_kl's clamps on both sides
+    ref[1, 4] = logp_now[1, 4] - 25.0
+    adv = torch.randn(b, t, generator=g)
+    adv[2, 4], adv[2, 5] = (1.0, -1.0) if far_positive else (-1.0, 1.0)
+    is_ratio = torch.rand(b, t, generator=g) + 0.5 if use_is else None
+    old_in = None if on_policy else old
+    inputs = GRPOInputs(old_logps=old_in, ref_logps=ref, is_ratio=is_ratio)
+    sequences = objective.Sequences(mask, None)
+    weights = objective.token_weights(mask, options, None, sequences)
+    kl_weights = objective.regulariser_weights(mask, options, inputs, sequences)
+    apart = not torch.equal(kl_weights, weights)
+    assert apart == (case == "sapo_k2_kl_apart")
+
+    out = triton_rows.grpo_forward_rows(
+        logits=logits.to(DEVICE), targets=ids.to(DEVICE), advantages=adv.to(DEVICE), weights=weights.to(DEVICE),
+        old_logps=None if old_in is None else old_in.to(DEVICE), ref_logps=ref.to(DEVICE),
+        is_ratio=None if is_ratio is None else is_ratio.to(DEVICE), temperature=options.temperature, ignore_index=-100,
+        eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta, beta=options.beta,
+        entropy_coef=options.entropy_coef, loss_type=options.loss_type, sapo_temperature_pos=options.sapo_temperature_pos,
+        sapo_temperature_neg=options.sapo_temperature_neg, loss_mode=options.loss_mode,
+        kl_loss_type=options.kl_loss_type, dro_beta=0.0 if options.dro_beta is None else options.dro_beta,
+        kl_weights=kl_weights.to(DEVICE) if apart else None,
+    )
+    loss_k, logp_k, ent_k, _, _, coef_logp_k, coef_ent_k, kl_k, clip_k = (x.cpu() for x in out)
+
+    logp = logp_k.clone().requires_grad_()
+    ent = ent_k.clone().requires_grad_()
+    terms = objective.policy_terms(logp, ent, adv, mask, inputs, options)
+    # verl: the policy term by its weights, beta * KL by loss_agg_mode's; the kernel's own entropy term
+    # is weighted like the policy term (the library passes entropy_coef=0 and adds verl's bonus beside it)
+    weighted = terms.loss * weights + options.beta * terms.kl * kl_weights - options.entropy_coef * ent * weights
+    d_logp, d_ent = torch.autograd.grad(weighted.sum(), (logp, ent), allow_unused=True)
+    d_ent = torch.zeros_like(ent) if d_ent is None else d_ent
+
+    assert torch.isfinite(loss_k).all() and torch.isfinite(coef_logp_k).all()
+    torch.testing.assert_close(loss_k, weighted.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(coef_logp_k, d_logp, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(coef_ent_k, d_ent, rtol=0, atol=0)
+    torch.testing.assert_close(kl_k, terms.kl.detach(), rtol=2e-6, atol=3e-7)
+    zero = torch.zeros_like(clip_k)
+    expected_clip = ((terms.high.to(torch.int8) if terms.high is not None else zero)
+                     - (terms.low.to(torch.int8) if terms.low is not None else zero))
+    assert torch.equal(clip_k, expected_clip.to(torch.int8))
+    if far_positive:  # the clamped token: value e^20, no gradient through the clamp
+        assert loss_k[2, 4] != 0 and coef_logp_k[2, 4] == 0
+    elif options.loss_mode in ("vanilla", "dppo_tv", "dppo_kl"):  # the case exercises both flags
+        assert (clip_k > 0).any() and (clip_k < 0).any()
+
+
+def test_triton_launcher_refuses_what_it_has_no_term_for():
+    from grpo_kernels.kernels import triton_rows
+
+    x, ids, w = torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+    common = dict(logits=x, targets=ids, advantages=w, weights=w, old_logps=None, ref_logps=w, is_ratio=None,
+                  temperature=1.0, ignore_index=-100, eps_low=0.2, eps_high=0.2, delta=None, beta=0.1, entropy_coef=0.0)
+    for kw, word in ((dict(loss_mode="gspo"), "loss_mode"), (dict(loss_mode="vanilla", kl_loss_type="full"), "kl_loss_type"),
+                     (dict(loss_type="vespo"), "loss_type"), (dict(kl_weights=w), "kl_weights")):
+        with pytest.raises(ValueError, match=word):
+            triton_rows.grpo_forward_rows(**common, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# grpo_loss on the Triton backend: verl's token-local specs fuse (one pass), and equal verl64
+# --------------------------------------------------------------------------------------------------
+FUSED_CASES = {
+    "vanilla_low_var_kl+_far": dict(loss_mode="vanilla", kl_loss_type="low_var_kl+", loss_agg_mode="seq-mean-token-mean"),
+    "sapo_k3_entropy": dict(loss_mode="sapo", kl_loss_type="k3", loss_agg_mode="token-mean", tau_pos=0.9, tau_neg=1.2),
+    "cispo_abs": dict(loss_mode="cispo", kl_loss_type="abs", clip_ratio_low=1.0, clip_ratio_high=0.3,
+                      loss_agg_mode="token-sum"),
+    "gpg_k1_global": dict(loss_mode="gpg", kl_loss_type="k1", loss_agg_mode="seq-mean-token-sum-norm", dp_size=2,
+                          global_batch_size=5, loss_scale_factor=9),
+    "dppo_tv_k2": dict(loss_mode="dppo_tv", kl_loss_type="k2", **vc.MODE_SETTINGS["dppo_tv"]),
+    "dppo_kl_k3+_global": dict(loss_mode="dppo_kl", kl_loss_type="k3+", loss_agg_mode="token-mean", dp_size=3,
+                               batch_num_tokens=31, **vc.MODE_SETTINGS["dppo_kl"]),
+    "dro_mse+_is": dict(loss_mode="dro", kl_loss_type="mse+", loss_agg_mode="seq-mean-token-sum", dro_beta=0.7,
+                        is_weights=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_triton_backend_fuses_verl_token_local_specs(case):
+    kw = dict(FUSED_CASES[case])
+    if kw.pop("is_weights", False):
+        kw["rollout_is_weights"] = torch.rand(vc.B, vc.T, generator=torch.Generator().manual_seed(3)) + 0.5
+    logits, ids, mask, old, ref, adv = vc.batch(6000 + list(FUSED_CASES).index(case), far=True)
+    poisoned = torch.where(mask[..., None] != 0, logits, torch.full((), float("nan")))  # masked: never read
+    out, grad = vc.ours(poisoned, ids, adv, mask, backend="triton", old_logps=old, ref_logps=ref, kl_loss_coef=0.1,
+                     entropy_coeff=0.02, **kw)
+    assert type(out.loss.grad_fn).__name__ == "FusedGRPOLossFunctionBackward"  # the one-pass epilogue
+    spec = {"batch_num_tokens": "batch_num_tokens", "rollout_is_weights": "rollout_is_weights"}
+    spec_kw = {spec.get(k, k): v for k, v in kw.items() if k != "kl_loss_type"}
+    spec_kw = vc.spec_settings(kw["loss_mode"], spec_kw)
+    loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, ref=ref, beta=0.1, entropy_coef=0.02,
+                              kl_loss_type=kw["kl_loss_type"], **spec_kw)
+    vc.check(out.loss, grad, loss64, grad64)
+    assert torch.equal(grad[mask == 0], torch.zeros_like(grad[mask == 0]))
+    torch_out, _ = vc.ours(logits, ids, adv, mask, backend="torch", old_logps=old, ref_logps=ref, kl_loss_coef=0.1,
+                        entropy_coeff=0.02, **kw)
+    assert set(out.metrics) == set(torch_out.metrics)
+    for name in out.metrics:
+        torch.testing.assert_close(out.metrics[name], torch_out.metrics[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_triton_backend_does_not_fuse_verl_batch_level_modes():
+    from grpo_kernels import backends
+
+    triton_backend = backends.REGISTRY["triton"]
+    assert all(triton_backend.fuses(GRPOOptions(loss_mode=m, dro_beta=0.1))
+               for m in ("vanilla", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro"))
+    assert not any(triton_backend.fuses(GRPOOptions(loss_mode=m)) for m in ("gspo", "clip_cov", "kl_cov", "geo_mean"))
+    assert triton_backend.fuses(GRPOOptions(loss_type="dapo")) and not triton_backend.fuses(GRPOOptions(loss_type="vespo"))

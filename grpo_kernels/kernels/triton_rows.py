@@ -726,7 +726,7 @@ def grpo_forward_rows(
     delta: Optional[float],
     beta: float,
     entropy_coef: float,
-    loss_type: str = "dapo",
+    loss_type: Optional[str] = "dapo",
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,

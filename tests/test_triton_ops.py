@@ -97,14 +97,17 @@ def expected_grpo(logits64, ids, adv, mask, kw):
                   entropy_coef=kw.get("entropy_coef", 0.0))
 
 
-# (backend, keywords): the fused Triton epilogue (dapo, cispo), the Triton row kernel then the shared
-# maths (verl), the torch rows (sapo), and the in-place backward
+# (backend, keywords): the fused Triton epilogue (dapo, cispo; verl's vanilla with its KL estimator),
+# the Triton row kernel then the shared maths (verl's sequence-level gspo), the torch rows (sapo), and
+# the in-place backward
 GRPO_CASES = {
     "triton_dapo_old_ref_entropy": ("triton", dict(old=True, ref=True, beta=0.04, entropy_coef=0.01)),
     "auto_cispo_is_ratio": ("auto", dict(old=True, is_ratio=True, loss_type="cispo", eps_high=2.0)),
     "triton_verl_vanilla_low_var_kl": ("triton", dict(old=True, ref=True, loss_mode="vanilla", beta=0.1,
                                                       loss_agg_mode="seq-mean-token-mean", kl_loss_type="low_var_kl",
                                                       entropy_coef=0.01)),
+    "triton_verl_gspo_k2": ("triton", dict(old=True, ref=True, loss_mode="gspo", beta=0.1, kl_loss_type="k2",
+                                           loss_agg_mode="seq-mean-token-sum")),
     "torch_sapo_ref": ("torch", dict(old=True, ref=True, beta=0.02, loss_type="sapo")),
     "triton_inplace_backward": ("triton", dict(old=True, inplace_backward=True)),
 }
@@ -130,7 +133,7 @@ def test_grpo_loss_compiles_whole(case):
 
     args = (logits.clone().requires_grad_(), scale)
     loss_c, grads_c, launches = compile_and_run(fn, args)
-    fused = backend != "torch" and "loss_mode" not in kw
+    fused = backend != "torch" and kw.get("loss_mode") != "gspo"  # (gspo: the row kernel, then the shared maths)
     check_launches(backend, launches, "grpo_loss_fwd_kernel" if fused else "token_logprobs_fwd_kernel")
     loss_e = fn(*args)
     grads_e = torch.autograd.grad(loss_e, args)
