@@ -5,13 +5,17 @@
 - ``assert_close64``: compare a result with a float64 reference at a tolerance that fits the dtype.
 - ``poison_``: fill an output buffer with NaN before a kernel writes it.
 - ``tiny_config``: a ``GRPOConfig`` for the trainer tests' tiny model (CPU, "torch" backend).
+- ``timed``, ``SLACK``: a call that must return within a wall-clock budget (the rewards tests).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable, TypeVar
 
 import torch
+
+R = TypeVar("R")
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -98,3 +102,15 @@ def batch(seed: int = 0):
     ref = torch.randn(B, T, generator=g) * 0.1 - 2.5
     is_ratio = torch.rand(B, T, generator=g) + 0.5
     return logits, ids, mask, adv, old, ref, is_ratio
+
+
+SLACK = 2.0  # seconds over its timeout that any reward call may take
+
+
+def timed(fn: Callable[[], R], budget: float) -> R:
+    """``fn()``, asserting that it returned within ``budget`` seconds of wall time."""
+    start = time.monotonic()
+    out = fn()
+    elapsed = time.monotonic() - start
+    assert elapsed < budget, f"took {elapsed:.1f}s, budget {budget:.1f}s"
+    return out

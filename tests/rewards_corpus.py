@@ -1,8 +1,13 @@
 """Honest solutions that use the standard library broadly, and attacks on the code reward.
 
-Data for tests/test_rewards_adversarial.py and benchmarks/rewards_hostile.py: every honest
-solution must pass all its tests; every attack (wrong code) must pass none.
+Data for tests/test_rewards_sandbox.py and benchmarks/rewards_hostile.py: every honest
+solution must pass all its tests; every attack (wrong code) must pass none. ``DOUBLE`` and
+``ECHO_SUM`` are two right completions (an assert-tested ``f`` and a stdio program) shared by the
+code-reward tests.
 """
+
+DOUBLE = "Here:\n```python\ndef f(x):\n    return 2 * x\n```\n"
+ECHO_SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 HONEST = [
     ("import heapq\ndef f(xs, k):\n    return heapq.nsmallest(k, xs)", ["assert f([5, 1, 4, 2], 2) == [1, 2]", "assert f([3], 1) in [[3]]"]),

@@ -1,0 +1,90 @@
+"""Tests for grpo.rewards.code: the code reward's scoring, over honest programs.
+
+Which block is run, assert and stdio tests, the fraction passed, batches in parallel and in order,
+argument checks, and failing closed (``None``, logged once) where the sandbox cannot be built.
+Attacks on the verdict and containment are tested where the mechanism that stops them lives, the
+sandbox and its judge: test_rewards_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from grpo import rewards
+from grpo.rewards import sandbox as _sandbox
+from grpo.rewards import code_reward, code_rewards
+from rewards_corpus import DOUBLE, ECHO_SUM
+
+
+
+def test_code_reward_asserts():
+    tests = ["assert f(2) == 4", "assert f(3) == 6", "assert f(3) == 7", "assert f(0) == 0"]
+    assert code_reward(DOUBLE, tests, timeout=5) == 0.75
+
+
+
+def test_code_reward_uses_last_block_and_answer_fallback():
+    text = "```python\ndef f(x): return 0\n```\nfixed:\n```python\ndef f(x): return 2*x\n```"
+    assert code_reward(text, ["assert f(2) == 4"]) == 1.0
+    assert code_reward("<answer>def f(x): return 2*x</answer>", ["assert f(2) == 4"]) == 1.0
+    assert code_reward("no code", ["assert True"]) == 0.0
+
+
+
+def test_code_reward_stdio():
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10   \n\n"},
+             {"input": "1 1", "output": "3"}]
+    assert code_reward(ECHO_SUM, tests) == pytest.approx(2 / 3)
+
+
+
+def test_code_reward_stdio_whole_output_required():
+    prefix = "```python\nprint(1)\nprint(2)\n```"
+    assert code_reward(prefix, [{"input": "", "output": "1\n2\n"}]) == 1.0
+    assert code_reward(prefix, [{"input": "", "output": "1\n"}]) == 0.0  # extra line
+    assert code_reward(prefix, [{"input": "", "output": "1\n2\n3\n"}]) == 0.0  # missing line
+    crash = "```python\nprint(1)\nraise SystemExit(3)\n```"
+    assert code_reward(crash, [{"input": "", "output": "1"}]) == 0.0  # non-zero exit
+
+
+
+def test_code_rewards_batch_is_parallel_and_ordered():
+    loop = "```python\nwhile True: pass\n```"
+    completions = [DOUBLE, loop, DOUBLE, loop, "nothing", DOUBLE]
+    tests = [["assert f(1) == 2"]] * 5 + [None]
+    start = time.monotonic()
+    out = code_rewards(completions, tests, timeout=1.5, max_workers=6)
+    assert out == [1.0, 0.0, 1.0, 0.0, 0.0, None]
+    assert time.monotonic() - start < 1.5 * 2 + 2.0  # loops ran side by side
+
+
+
+def test_code_rewards_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="tests"):
+        code_rewards(["a", "b", "c"], [["assert True"]] * 2)
+    with pytest.raises(ValueError, match="tests"):
+        code_rewards(["a"], [["assert True"]] * 2)
+
+
+
+def test_sandbox_fails_closed(monkeypatch, caplog):
+    # A jail that cannot be built scores None (unscorable), logs once, and runs nothing.
+    monkeypatch.setattr(_sandbox, "_SYS_PIVOT_ROOT", {})
+    monkeypatch.setattr(_sandbox.platform, "machine", lambda: "none")
+    monkeypatch.setattr(rewards.code, "_sandbox_failure_logged", False)
+    real_run = _sandbox.run
+
+    def broken(code, **kw):
+        r = real_run("import os\nos._exit(97)", **{**kw, "mode": "stdio"})
+        r.error = r.error or "simulated failure"
+        return r
+
+    monkeypatch.setattr(_sandbox, "run", broken)
+    text = "```python\ndef f(x):\n    return 2 * x\n```"
+    with caplog.at_level(logging.ERROR, logger="grpo.rewards"):
+        out = code_rewards([text, text], [["assert f(1) == 2"], [{"input": "", "output": ""}]])
+    assert out == [None, None]
+    assert sum("sandbox cannot be built" in r.getMessage() for r in caplog.records) == 1

@@ -1,0 +1,741 @@
+"""Tests for grpo.rewards.sandbox and its bootstrap (the jail and the judge): a policy that wants
+reward without solving the task.
+
+Every attack is checked from the outside (the score, the files, the test process's children, stray
+sandbox processes, the clock), and every call must return within its timeout + 2 s. Sandbox attacks
+run with the audit hook on (the shipped configuration) and, where the claim is about the OS layers,
+with it off too. tests/rewards_corpus.py holds the honest solutions and the corpus of attacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+from grpo import rewards
+from grpo.rewards import sandbox as _sandbox
+from grpo.rewards import worker as math_worker
+from grpo.rewards import code_reward, code_rewards
+from helpers import SLACK, timed
+from rewards_corpus import ATTACK_TESTS, DOUBLE, HONEST
+from rewards_corpus import ATTACKS as CORPUS_ATTACKS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+
+@functools.lru_cache(maxsize=1)
+def _jail_ok() -> bool:
+    return _sandbox.capabilities()["jail"]
+
+
+
+needs_jail = pytest.mark.skipif("not _jail_ok()", reason="the sandbox cannot be built here")
+
+
+
+# --------------------------------------------------------------------------------------------
+# Forged verdicts: wrong code plus an attack must score 0
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cheat", [
+    "import os\nos._exit(0)",  # leave before the tests run
+    "import sys\nsys.exit(0)",
+    "import os\nfor fd in range(3, 64):\n    try: os.write(fd, b'T 0 1\\n')\n    except OSError: pass",
+    "print('T 0 1')",
+])
+def test_code_reward_cannot_be_faked(cheat):
+    text = f"```python\ndef f(x): return -1\n{cheat}\n```"
+    assert code_reward(text, ["assert f(1) == 2"]) == 0.0
+
+
+
+WRONG = "def f(x):\n    return -1\n"
+
+VALUE_TEST = ["assert f(1) == 2"]  # compared outside the sandbox
+
+STATEMENT_TEST = ["r = f(1)\nassert r == 2"]  # the test binds a name: runs in-process, own process
+
+
+
+ATTACKS = {
+    "exit_zero_early": "import os\nos._exit(0)",
+    "sys_exit": "raise SystemExit(0)",
+    "print_result_lines": "print('{\"i\": 0, \"v\": {\"i\": \"2\"}}')\nprint('T 0 1')",
+    "spray_fds": textwrap.dedent("""
+        import os
+        for fd in range(64):
+            for line in (b'{"i": 0, "v": {"i": "2"}}\\n', b'T 0 1\\n', b'0' * 32 + b'\\n'):
+                try:
+                    os.write(fd, line)
+                except OSError:
+                    pass
+        """),
+    "getframe_locals": textwrap.dedent("""
+        import sys, os
+        try:
+            fr = sys._getframe(1)
+            while fr is not None:
+                for k, v in fr.f_locals.items():
+                    if isinstance(v, str) and len(v) == 32:
+                        os.write(1, v.encode())
+                fr = fr.f_back
+        except Exception:
+            pass
+        """),
+    "traceback_frames": textwrap.dedent("""
+        import os
+        try:
+            raise ValueError
+        except ValueError as e:
+            try:
+                fr = e.__traceback__.tb_frame
+                while fr is not None:
+                    fr.f_locals
+                    fr = fr.f_back
+                os._exit(0)
+            except AttributeError:
+                pass
+        """),
+    "generator_frames": textwrap.dedent("""
+        def g():
+            yield
+        it = g()
+        try:
+            fr = it.gi_frame
+        except AttributeError:
+            fr = None
+        """),
+    "gc_scan": textwrap.dedent("""
+        try:
+            import gc
+            for o in gc.get_objects():
+                pass
+        except Exception:
+            pass
+        """),
+    "disable_audit_hook": textwrap.dedent("""
+        import os, sys
+        try:
+            os.system('true')
+        except PermissionError as e:
+            tb = e.__traceback__
+            while tb is not None:
+                try:
+                    tb.tb_frame.f_locals.clear()
+                except AttributeError:
+                    pass
+                tb = tb.tb_next
+        try:
+            sys.settrace(lambda *a: None)
+        except Exception:
+            pass
+        """),
+    "always_equal": textwrap.dedent("""
+        class Anything:
+            def __eq__(self, other): return True
+            def __ne__(self, other): return False
+            def __bool__(self): return True
+        def f(x):
+            return Anything()
+        """),
+    "int_subclass": textwrap.dedent("""
+        class Sneaky(int):
+            def __eq__(self, other): return True
+            __hash__ = int.__hash__
+        def f(x):
+            return Sneaky(-1)
+        """),
+    "patch_builtins": textwrap.dedent("""
+        import builtins, json
+        builtins.abs = lambda x: 0
+        json.dumps = lambda *a, **k: '{"i": 0, "v": {"i": "2"}}'
+        """),
+    "code_object_surgery": textwrap.dedent("""
+        try:
+            code = (lambda: 0).__code__.replace(co_code=b'\\x00' * 8)
+        except Exception:
+            pass
+        """),
+    "marshal_code": "import marshal\ntry:\n    marshal.loads(b'\\xe3')\nexcept Exception:\n    pass",
+    "ctypes_memory": "try:\n    import ctypes\n    ctypes.string_at(id(0), 64)\nexcept Exception:\n    pass",
+    "proc_self_mem": textwrap.dedent("""
+        for p in ('/proc/self/mem', '/proc/1/mem', '/dev/fd/3'):
+            try:
+                open(p, 'rb').read(1)
+            except Exception:
+                pass
+        """),
+    "dir_fd_open": textwrap.dedent("""
+        import os
+        try:
+            d = os.open('/', os.O_RDONLY | os.O_DIRECTORY)
+            os.open('tmp/x', os.O_WRONLY | os.O_CREAT, dir_fd=d)
+        except Exception:
+            pass
+        """),
+    "setsid_and_sleep": "import os, time\ntry:\n    os.setsid()\nexcept Exception:\n    pass\ntime.sleep(30)",
+    "stop_self": "import os, signal\ntry:\n    os.kill(os.getpid(), signal.SIGSTOP)\nexcept Exception:\n    pass",
+    "huge_stdout": "import sys\nwhile True:\n    sys.stdout.write('2\\n' * 65536)",
+    "thread_bomb": textwrap.dedent("""
+        import threading
+        try:
+            for _ in range(10000):
+                threading.Thread(target=lambda: None).start()
+        except Exception:
+            pass
+        """),
+}
+
+
+
+@needs_jail
+@pytest.mark.parametrize("tests", [VALUE_TEST, STATEMENT_TEST], ids=["value", "statement"])
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_attack_cannot_forge_a_pass(attack, tests):
+    code = ATTACKS[attack]
+    if "def f(" not in code:
+        code = WRONG + code
+    text = f"```python\n{code}\n```"
+    score = timed(lambda: code_reward(text, tests, timeout=2.0), 2.0 + SLACK)
+    assert score == 0.0
+
+
+
+@needs_jail
+def test_right_code_still_passes_both_kinds():
+    right = "```python\ndef f(x):\n    return 2 * x\n```"
+    tests = VALUE_TEST + STATEMENT_TEST + ["assert f(3) == 7", "r = f(3)\nassert r == 7"]
+    assert code_reward(right, tests, timeout=5.0) == 0.5
+
+
+
+@needs_jail
+def test_expected_value_never_enters_the_sandbox():
+    # The program searches every string it can reach for the expected value; it is not there.
+    probe = textwrap.dedent("""
+        import sys
+        def f(x):
+            return 0
+        seen = repr(sys.argv) + repr(globals())
+        if "31337" in seen:
+            raise SystemExit(0)
+        """)
+    r = _sandbox.run(probe, mode="probes", run_job={"tests": [[["probe", 0, "f(1)"]]]}, timeout=3)
+    assert r.error is None and "31337" not in r.stdout
+    assert code_reward(f"```python\n{probe}\n```", ["assert f(1) == 31337"]) == 0.0
+
+
+
+def test_humaneval_checkers_are_inlined_or_refused():
+    inline = "def check(candidate):\n    assert candidate(1) == 2\ncheck(f)"
+    plan = _sandbox.plan_assert_tests("", [inline])
+    assert not plan.refused and plan.inside[0] == [["probe", 0, "f(1)"]]
+    for kept in ["def check(c):\n    return c(1) == 2\nassert check(f)",
+                 "def check(c):\n    assert c(1) == 2\ncheck(lambda x: f(x))",
+                 "def check(c):\n    if c(1):\n        assert c(1) == 2\ncheck(f)"]:
+        assert _sandbox.plan_assert_tests("", [kept]).judge == [None], kept
+
+
+
+def test_test_logic_runs_in_the_judge():
+    # Logic the test defines for itself is refused; logic it writes inline runs in the judge,
+    # and only the program's parts (probes) run inside.
+    plan = _sandbox.plan_assert_tests("", ["def ok(v):\n    return v > 3\nassert ok(f(1)) == True"])
+    assert plan.judge == [None] and "FunctionDef" in plan.refused[0]
+    for test in ["assert (lambda v: v > 3)(f(1)) == True", "assert all(v > 3 for v in f(1)) == True",
+                 "assert isinstance(f(1), int) is True", "assert f(1) == g(1)", "assert 2 == len(f(1))"]:
+        plan = _sandbox.plan_assert_tests("", [test])
+        assert not plan.refused, test
+        probes = [step[2] for step in plan.inside[0] if step[0] == "probe"]
+        assert all(p in ("f(1)", "g(1)") for p in probes), (test, probes)
+
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_honest_stdlib_solutions_all_pass():
+    # One completion per solution, scored in parallel (one sandbox + one judge run each).
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST], [t for _, t in HONEST],
+                       timeout=20.0)
+    assert len(HONEST) >= 50
+    assert [i for i, o in enumerate(out) if o != 1.0] == []
+
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_attacks_forge_no_test():
+    out = code_rewards([f"```python\n{c}\n```" for c in CORPUS_ATTACKS.values()],
+                       [ATTACK_TESTS] * len(CORPUS_ATTACKS), timeout=5.0)
+    assert dict(zip(CORPUS_ATTACKS, out)) == dict.fromkeys(CORPUS_ATTACKS, 0.0)
+    # The same tests against the right code all pass: the attack set is not trivially failing.
+    assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS) == 1.0
+
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_comparisons_are_planned_into_the_judge(seed):
+    # Generated forms: every comparison, membership and literal-method test keeps the program
+    # to probes (calls of f), never inside a comparison.
+    import random
+    rng = random.Random(seed)
+    ops = ["==", "!=", "<", "<=", ">", ">=", "in", "not in", "is", "is not"]
+    for _ in range(50):
+        a, b = rng.randint(-9, 9), rng.randint(-9, 9)
+        form = rng.choice([f"f({a}) {rng.choice(ops)} [{b}]", f"{b} == f({a}) == {b}",
+                           f"[{b}].count(f({a})) == 1", f"({b},).index(f({a})) == 0",
+                           f"f({a}) in {{{b}}}", f"not f({a}) != {b}", f"sorted([f({a})]) == [{b}]"])
+        stmt = rng.choice([f"assert {form}", f"assert {form}\nassert f({b}) == {a}",
+                           f"r = f({a})\nassert {form.replace(f'f({a})', 'r')}"])
+        plan = _sandbox.plan_assert_tests("", [stmt])
+        assert not plan.refused, stmt
+        probes = [s[2] for s in plan.inside[0] if s[0] == "probe"]
+        assert probes and all(p.startswith("f(") for p in probes), (stmt, probes)
+
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_colliding_hash_results_do_not_stall_the_parent():
+    # Integers sharing one hash value (multiples of 2**61 - 1) as a set and as many lines.
+    code = textwrap.dedent("""
+        M = (1 << 61) - 1
+        def f(x):
+            return {i * M for i in range(1, 200000)}
+        import sys
+        for i in range(1, 300000):
+            sys.stdout.write('%d\\n' % (i * M))
+        """)
+    text = f"```python\n{code}\n```"
+    start = time.monotonic()
+    out = code_rewards([text, text], [["assert len(f(1)) == 5"], [{"input": "", "output": "1"}]],
+                       timeout=2.0)
+    assert time.monotonic() - start < 2.0 + _sandbox.JUDGE_SECONDS + 2 * SLACK
+    assert out == [0.0, 0.0]
+
+
+
+# --------------------------------------------------------------------------------------------
+# Containment: what the program can see and touch (checked outside)
+# --------------------------------------------------------------------------------------------
+
+
+def _children() -> set[int]:
+    kids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                kids.update(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return kids
+
+
+
+def _sandbox_processes() -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"grpo.rewards.sandbox`` runs" in f.read():
+                        pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+
+@pytest.fixture
+def contained():
+    """Yields a runner; afterwards, no child or sandbox process may remain."""
+    before = _children()
+
+    def run(code: str, timeout: float = 2.0, **kw) -> _sandbox.RunResult:
+        start = time.monotonic()
+        result = _sandbox.run(code, mode="stdio", stdin="", timeout=timeout, **kw)
+        assert result.error is None
+        assert time.monotonic() - start < timeout + 1.5
+        return result
+
+    yield run
+    deadline = time.monotonic() + 2
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (_children() - before)
+    assert not _sandbox_processes()
+
+
+
+LAYERS = [True, False]  # audit hook on; and off, to check what the OS enforces alone
+
+
+
+@functools.lru_cache(maxsize=1)
+def _caps() -> dict:
+    return _sandbox.capabilities()
+
+
+
+def _need_os_layers(audit: bool) -> None:
+    caps = _caps()
+    if not caps["jail"]:
+        pytest.skip(f"the sandbox cannot be built on this machine: {caps['error']}")
+
+
+
+def test_capabilities_reported():
+    caps = _sandbox.capabilities()
+    assert set(caps) == {"jail", "error", "root"}
+    assert caps["jail"] is (caps["error"] is None)
+
+
+
+def test_infinite_loop_is_killed(contained):
+    r = contained("while True:\n    pass", timeout=1.0)
+    assert r.timed_out and r.returncode is None
+
+
+
+def test_sleeping_child_group_is_killed(contained):
+    r = contained("import time\ntime.sleep(30)", timeout=1.0)
+    assert r.timed_out
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_fork_bomb_is_contained(contained, audit):
+    _need_os_layers(audit)
+    r = contained("import os\nwhile True:\n    os.fork()", audit=audit)
+    assert r.returncode not in (0, None) or r.timed_out
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_memory_bomb_is_contained(contained, audit):
+    _need_os_layers(audit)
+    r = contained("x = bytearray(8 << 30)\nprint('allocated')", audit=audit)
+    assert "allocated" not in r.stdout and r.returncode != 0
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_cannot_write_outside_workdir(contained, audit, tmp_path):
+    _need_os_layers(audit)
+    target = tmp_path / "pwned.txt"
+    shared_tmp = f"/tmp/grpo-escape-{uuid.uuid4().hex}"
+    code = (f"for p in [{str(target)!r}, {shared_tmp!r}]:\n"
+            "    try:\n        open(p, 'w').write('x')\n    except OSError:\n        pass\n"
+            "open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())")
+    r = contained(code, audit=audit)
+    assert r.stdout.strip() == "ok"  # the working directory itself is writable
+    assert not target.exists()
+    assert not os.path.exists(shared_tmp)
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_cannot_delete_outside_file(contained, audit, tmp_path):
+    _need_os_layers(audit)
+    victim = tmp_path / "keep.txt"
+    victim.write_text("precious")
+    code = (f"import os, shutil\nfor f in (lambda: os.remove({str(victim)!r}),"
+            f" lambda: shutil.rmtree({str(tmp_path)!r})):\n"
+            "    try:\n        f()\n    except OSError:\n        pass")
+    contained(code, audit=audit)
+    assert victim.read_text() == "precious"
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_os_system_is_contained(contained, audit, tmp_path):
+    _need_os_layers(audit)
+    marker = f"/tmp/grpo-escape-{uuid.uuid4().hex}"
+    code = f"import os\ntry:\n    os.system('touch {marker}')\nexcept OSError:\n    pass"
+    contained(code, audit=audit)
+    time.sleep(0.2)
+    assert not os.path.exists(marker)
+
+
+
+@pytest.mark.parametrize("audit", LAYERS)
+def test_socket_cannot_connect(contained, audit):
+    _need_os_layers(audit)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted = []
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+                accepted.append(conn)
+                return
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept)
+    t.start()
+    code = ("import socket\ntry:\n"
+            f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "    s.sendall(b'hello')\n    print('connected')\nexcept OSError as e:\n"
+            "    print('blocked')")
+    r = contained(code, audit=audit)
+    time.sleep(0.3)  # a connection attempt would have reached accept() by now
+    done.set()
+    t.join()
+    server.close()
+    assert not accepted
+    assert "connected" not in r.stdout
+
+
+
+READ_PROBE = textwrap.dedent("""
+    import os
+    targets = {targets!r}
+    for path in targets:
+        try:
+            with open(path, 'rb') as fh:
+                print('READ', path, fh.read(64))
+        except Exception as e:
+            print('DENIED', path, type(e).__name__)
+    for d in ('/', '/etc', '/proc', '/work', '/root', '/home'):
+        try:
+            print('LIST', d, sorted(os.listdir(d)))
+        except Exception as e:
+            print('NOLIST', d, type(e).__name__)
+    """)
+
+
+
+@needs_jail
+@pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
+def test_filesystem_view_is_private(audit, tmp_path):
+    data = tmp_path / "answers.jsonl"
+    data.write_text('{"answer": "secret-7431"}\n')
+    targets = [str(data), os.path.abspath(__file__), os.path.join(ROOT, "pyproject.toml"),
+               "/etc/hostname", "/etc/passwd", "/etc/shadow", f"/proc/{os.getpid()}/cmdline",
+               "/proc/self/environ", "/proc/self/mem", "/root/.bash_history"]
+    r = _sandbox.run(READ_PROBE.format(targets=targets), mode="stdio", timeout=5, audit=audit)
+    assert r.error is None and r.returncode == 0, r.stderr
+    assert "READ" not in r.stdout, r.stdout
+    listed = {ln.split(" ", 2)[1]: ln for ln in r.stdout.splitlines() if ln.startswith("LIST")}
+    assert "'etc'" in listed["/"] and "'work'" not in listed["/"] and "'proc'" not in listed["/"]
+    assert "hostname" not in listed.get("/etc", "") and "passwd" not in listed.get("/etc", "")
+    assert "/work" not in listed and "/proc" not in listed
+
+
+
+@needs_jail
+@pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
+def test_cannot_write_anywhere_but_private_tmp(audit, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    os.chmod(tmp_path, 0o777)
+    targets = [str(shared / "pwned"), "/tmp/pwned-" + uuid.uuid4().hex, "/usr/pwned",
+               os.path.join(ROOT, "pwned"), "/dev/shm/pwned", "/pwned"]
+    code = textwrap.dedent(f"""
+        import os
+        for p in {targets!r}:
+            for attempt in (lambda: open(p, 'w').write('x'), lambda: os.mkdir(p + '.d')):
+                try:
+                    attempt()
+                except Exception:
+                    pass
+        open('/tmp/mine.txt', 'w').write('ok')
+        print(open('/tmp/mine.txt').read())
+        """)
+    r = _sandbox.run(code, mode="stdio", timeout=5, audit=audit)
+    assert r.stdout.strip() == "ok", r.stderr
+    for p in targets:
+        assert not os.path.exists(p) and not os.path.exists(p + ".d"), p
+
+
+
+@needs_jail
+@pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
+def test_cannot_signal_the_trainer_or_its_processes(audit):
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        code = textwrap.dedent(f"""
+            import os, signal
+            for pid in (os.getppid(), {os.getpid()}, {victim.pid}, -1, 0):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except Exception:
+                    pass
+            """)
+        timed(lambda: _sandbox.run(code, mode="stdio", timeout=3, audit=audit), 3 + SLACK)
+        assert victim.poll() is None  # still running
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+
+@needs_jail
+@pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
+def test_no_network_and_no_new_processes(audit):
+    code = textwrap.dedent("""
+        import os, socket
+        try:
+            socket.create_connection(('1.1.1.1', 53), timeout=1)
+            print('CONNECTED')
+        except Exception:
+            pass
+        try:
+            if os.fork() == 0:
+                os._exit(0)
+            print('FORKED')
+        except Exception:
+            pass
+        """)
+    r = _sandbox.run(code, mode="stdio", timeout=3, audit=audit)
+    assert "CONNECTED" not in r.stdout and "FORKED" not in r.stdout
+
+
+
+@needs_jail
+def test_runaway_programs_end_on_time_and_leave_nothing():
+    for code in (ATTACKS["setsid_and_sleep"], ATTACKS["stop_self"], ATTACKS["huge_stdout"],
+                 "while True:\n    pass"):
+        r = timed(lambda c=code: _sandbox.run(c, mode="stdio", timeout=1.5), 1.5 + SLACK)
+        assert len(r.stdout) <= _sandbox.MAX_OUTPUT_BYTES
+    time.sleep(0.3)
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"grpo.rewards.sandbox`` runs" in f.read():
+                    leftovers.append(pid)
+        except OSError:
+            pass
+    assert not leftovers
+
+
+
+# The same checks as an ordinary user: when the tests run as root, drop to an unused uid with
+# setpriv (no account needed) and run a script there.
+UNPRIVILEGED_SCRIPT = textwrap.dedent("""
+    import importlib.machinery, importlib.util, json, os, sys
+    root, secret_dir = sys.argv[1], sys.argv[2]
+    spec = importlib.machinery.PathFinder.find_spec("grpo", [root])
+    sys.modules["grpo"] = importlib.util.module_from_spec(spec)  # grpo/__init__ imports torch
+    from grpo import rewards
+    from grpo.rewards import sandbox as _sandbox
+    out = {"uid": os.getuid(), "caps": _sandbox.capabilities()}
+    probe = ("import os\\n"
+             "for p in [%r, %r, '/etc/hostname']:\\n"
+             "    try:\\n        print('READ', open(p).read(20))\\n    except Exception:\\n        pass\\n"
+             "try:\\n    open(%r, 'w').write('x')\\nexcept Exception:\\n    pass\\n"
+             "print(os.getuid())\\n") % (os.path.join(secret_dir, "secret.txt"),
+                                         os.path.join(root, "pyproject.toml"),
+                                         os.path.join(secret_dir, "pwned"))
+    for audit in (True, False):
+        r = _sandbox.run(probe, mode="stdio", timeout=5, audit=audit)
+        out["audit=%s" % audit] = [r.stdout, r.error]
+    wrong = "```python\\ndef f(x):\\n    return -1\\nimport os\\nos._exit(0)\\n```"
+    out["forged"] = rewards.code_rewards([wrong, wrong], [["assert f(1) == 2"],
+                                                          ["r = f(1)\\nassert r == 2"]])
+    right = "```python\\ndef f(x):\\n    return 2 * x\\n```"
+    out["right"] = rewards.code_rewards([right], [["assert f(1) == 2", "r = f(1)\\nassert r == 2"]])
+    print(json.dumps(out))
+""")
+
+
+
+def _unprivileged_python(uid: int) -> list[str] | None:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    drop = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    # The sandbox execs the real interpreter behind a venv: that one must be runnable too.
+    probe = ("import os, sys; exe = os.path.realpath(getattr(sys, '_base_executable', None) "
+             "or sys.executable); sys.exit(0 if os.access(exe, os.X_OK) else 1)")
+    for exe in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(exe) and subprocess.run(drop + [exe, "-I", "-c", probe],
+                                                  capture_output=True).returncode == 0:
+            return drop + [exe, "-I"]
+    return None
+
+
+
+def test_enforcement_as_an_ordinary_user():
+    if os.geteuid() != 0:
+        pytest.skip("already an ordinary user: every other sandbox test covers this case")
+    uid = 54321 + os.getpid() % 1000
+    cmd = _unprivileged_python(uid)
+    if cmd is None:
+        pytest.skip("no setpriv, or no Python this uid may run (e.g. the venv under /root)")
+    base = tempfile.mkdtemp(prefix="grpo-unpriv-")  # pytest's tmp_path is 0700 for root
+    try:
+        os.chmod(base, 0o755)
+        secret_dir = os.path.join(base, "user-data")
+        os.mkdir(secret_dir)
+        with open(os.path.join(secret_dir, "secret.txt"), "w") as f:
+            f.write("secret-9911")
+        for p in (secret_dir, os.path.join(secret_dir, "secret.txt")):
+            os.chown(p, uid, uid)  # the ordinary user's own files: readable, writable by it
+        script = os.path.join(base, "check.py")
+        with open(script, "w") as f:
+            f.write(UNPRIVILEGED_SCRIPT)
+        os.chmod(script, 0o644)
+        proc = subprocess.run(cmd + [script, ROOT, secret_dir], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["uid"] == uid
+        if not out["caps"]["jail"]:
+            # No unprivileged user namespaces here: the sandbox must fail closed, never run bare.
+            assert out["forged"] == [None, None] and out["right"] == [None]
+            pytest.skip(f"user namespaces unavailable: failed closed ({out['caps']['error']})")
+        for audit in (True, False):
+            stdout, error = out[f"audit={audit}"]
+            assert error is None and "READ" not in stdout and "secret-9911" not in stdout
+            assert stdout.split()[-1] == "65534"  # not the trainer's uid inside
+        assert not os.path.exists(os.path.join(secret_dir, "pwned"))
+        assert out["forged"] == [0.0, 0.0]
+        assert out["right"] == [1.0]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+
+# --------------------------------------------------------------------------------------------
+# The bootstrap, and the test process after all of the above
+# --------------------------------------------------------------------------------------------
+
+
+def test_bootstrap_is_a_packaged_file():
+    from importlib import resources
+
+    text = resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text()
+    assert text == _sandbox._bootstrap_source()
+    compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
+    assert math_worker.main.__module__ == "grpo.rewards.worker"
+
+
+
+def test_test_process_unharmed_after_escapes():
+    # The previous tests ran in this process; it still works and has its cwd and files.
+    assert os.getcwd() and os.path.exists(rewards.__file__)
+    assert code_reward(DOUBLE, ["assert f(4) == 8"]) == 1.0
