@@ -16,7 +16,6 @@ from helpers import SLACK, timed
 from rewards_corpus import DOUBLE, ECHO_SUM
 
 
-
 # --------------------------------------------------------------------------------------------
 # TRL-style wrappers
 # --------------------------------------------------------------------------------------------
@@ -24,7 +23,6 @@ from rewards_corpus import DOUBLE, ECHO_SUM
 
 def test_reward_function_registry():
     assert set(REWARD_FUNCTIONS) == {"accuracy", "format", "code"}
-
 
 
 def test_math_accuracy_reward_wrapper():
@@ -36,13 +34,11 @@ def test_math_accuracy_reward_wrapper():
     assert out == [1.0, 0.0, None, None]
 
 
-
 def test_format_reward_wrapper():
     out = REWARD_FUNCTIONS["format"](["p", "p"], ["<think>a</think><answer>b</answer>", "b"])
     assert out == [1.0, 0.0]
     out = REWARD_FUNCTIONS["format"](["p"], ["a</think><answer>b</answer>"], think_prefilled=True)
     assert out == [1.0]
-
 
 
 def test_code_reward_wrapper():
@@ -52,14 +48,12 @@ def test_code_reward_wrapper():
     assert out == [1.0, 1.0, None]
 
 
-
 # --------------------------------------------------------------------------------------------
 # Bounded parsing: every reward on long adversarial strings
 # --------------------------------------------------------------------------------------------
 
 
 N = 64 * 1024
-
 LONG_INPUTS = {
     "answer_tags": "<answer>" * (N // 8),
     "answer_close_tags": "</answer>" * (N // 9),
@@ -84,7 +78,6 @@ LONG_INPUTS = {
 }
 
 
-
 @pytest.mark.parametrize("name", sorted(LONG_INPUTS))
 def test_every_reward_is_bounded_on_long_input(name):
     s = LONG_INPUTS[name]
@@ -105,14 +98,12 @@ def test_every_reward_is_bounded_on_long_input(name):
     timed(lambda: code_reward(s, ["assert f(1) == 2"], timeout=1.0), 1.0 + SLACK)
 
 
-
 # --------------------------------------------------------------------------------------------
 # Arguments: timeouts
 # --------------------------------------------------------------------------------------------
 
 
 BAD_TIMEOUTS = [float("inf"), float("nan"), -1.0, 0.0, 1e10, 10**12]
-
 
 
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
@@ -128,12 +119,10 @@ def test_bad_timeout_is_a_value_error(timeout):
             call()
 
 
-
 @pytest.mark.parametrize("timeout", [True, "5", None])
 def test_timeout_of_wrong_type_is_a_type_error(timeout):
     with pytest.raises(TypeError, match="timeout"):
         math_equal("1", "1", timeout=timeout)
-
 
 
 def test_large_valid_timeout_still_scores_correct_answers():

@@ -19,11 +19,9 @@ from grpo.rewards import code_reward, code_rewards
 from rewards_corpus import DOUBLE, ECHO_SUM
 
 
-
 def test_code_reward_asserts():
     tests = ["assert f(2) == 4", "assert f(3) == 6", "assert f(3) == 7", "assert f(0) == 0"]
     assert code_reward(DOUBLE, tests, timeout=5) == 0.75
-
 
 
 def test_code_reward_uses_last_block_and_answer_fallback():
@@ -33,12 +31,10 @@ def test_code_reward_uses_last_block_and_answer_fallback():
     assert code_reward("no code", ["assert True"]) == 0.0
 
 
-
 def test_code_reward_stdio():
     tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10   \n\n"},
              {"input": "1 1", "output": "3"}]
     assert code_reward(ECHO_SUM, tests) == pytest.approx(2 / 3)
-
 
 
 def test_code_reward_stdio_whole_output_required():
@@ -48,7 +44,6 @@ def test_code_reward_stdio_whole_output_required():
     assert code_reward(prefix, [{"input": "", "output": "1\n2\n3\n"}]) == 0.0  # missing line
     crash = "```python\nprint(1)\nraise SystemExit(3)\n```"
     assert code_reward(crash, [{"input": "", "output": "1"}]) == 0.0  # non-zero exit
-
 
 
 def test_code_rewards_batch_is_parallel_and_ordered():
@@ -61,13 +56,11 @@ def test_code_rewards_batch_is_parallel_and_ordered():
     assert time.monotonic() - start < 1.5 * 2 + 2.0  # loops ran side by side
 
 
-
 def test_code_rewards_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="tests"):
         code_rewards(["a", "b", "c"], [["assert True"]] * 2)
     with pytest.raises(ValueError, match="tests"):
         code_rewards(["a"], [["assert True"]] * 2)
-
 
 
 def test_sandbox_fails_closed(monkeypatch, caplog):

@@ -11,7 +11,6 @@ import pytest
 from grpo.rewards import format_reward
 
 
-
 @pytest.mark.parametrize("text,expected", [
     ("<think>reasoning</think><answer>4</answer>", 1.0),
     ("<think>\nreasoning\n</think>\n<answer>\n4\n</answer>\n", 1.0),
@@ -35,7 +34,6 @@ def test_format_reward(text, expected):
     assert format_reward(text) == expected
 
 
-
 def test_format_reward_think_prefilled():
     assert format_reward("reasoning</think><answer>4</answer>", think_prefilled=True) == 1.0
     assert format_reward("reasoning</think><answer>4</answer>") == 0.0
@@ -43,7 +41,6 @@ def test_format_reward_think_prefilled():
     assert format_reward("</think><answer>4</answer>", think_prefilled=True) == 0.0
     chat = [{"role": "assistant", "content": "<think>r</think><answer>4</answer>"}]
     assert format_reward(chat) == 1.0
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,14 +53,12 @@ INVISIBLE = ["\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad", "\u2061
              "\ue000", "\u202e", "\u034f", "\U000e0020", "\u200b\u2060\ufeff \n\t"]
 
 
-
 @pytest.mark.parametrize("blank", INVISIBLE, ids=[f"U+{ord(c[0]):04X}" for c in INVISIBLE])
 def test_invisible_characters_are_not_content(blank):
     assert format_reward(f"<think>{blank}</think><answer>4</answer>") == 0.0
     assert format_reward(f"<think>r</think><answer>{blank}</answer>") == 0.0
     assert format_reward(f"{blank}<think>r</think>{blank}<answer>4</answer>{blank}") == 1.0
     assert format_reward(f"{blank}</think><answer>4</answer>", think_prefilled=True) == 0.0
-
 
 
 @pytest.mark.parametrize("cp", [0x1D159, 0x2800, 0x3164, 0x115F, 0xFFA0, 0x034F, 0x180B, 0xE0100,
@@ -73,7 +68,6 @@ def test_blank_rendering_blocks_are_empty(cp):
     assert format_reward(f"<think>{c}</think><answer>5</answer>") == 0.0
     assert format_reward(f"<think>ok</think><answer>{c * 3}</answer>") == 0.0
     assert format_reward(f"<think>ok{c}</think><answer>5</answer>") == 1.0
-
 
 
 def test_default_ignorable_matches_its_definition_over_all_code_points():

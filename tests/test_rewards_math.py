@@ -15,7 +15,6 @@ from grpo.rewards import extract_answer, math_accuracy, math_equal
 from helpers import SLACK, timed
 
 
-
 # --------------------------------------------------------------------------------------------
 # math_equal on adversarial inputs: bounded time, never raises
 # --------------------------------------------------------------------------------------------
@@ -29,14 +28,12 @@ ADVERSARIAL = [
 ]
 
 
-
 @pytest.mark.parametrize("bad", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_adversarial_inputs_are_bounded(bad):
     start = time.monotonic()
     assert math_equal(bad, "2", timeout=2.0) is False
     assert math_equal("2", bad, timeout=2.0) is False
     assert time.monotonic() - start < 2 * 2.0 + 3.0  # two calls, plus a worker restart
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,7 +61,6 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-
 def test_math_accuracy():
     assert math_accuracy(r"so the answer is \boxed{\frac{1}{2}}.", "0.5") == 1.0
     assert math_accuracy("<think>x</think><answer>42</answer>", "42") == 1.0
@@ -74,7 +70,6 @@ def test_math_accuracy():
     assert math_accuracy(None, "42") == 0.0
 
 
-
 def test_nested_and_unbalanced_boxes():
     assert extract_answer(r"\boxed{\boxed{5}}") == "5"  # the innermost, last box
     assert math_accuracy(r"\boxed{\boxed{5}}", "5") == 1.0
@@ -82,7 +77,6 @@ def test_nested_and_unbalanced_boxes():
     assert math_accuracy(r"\boxed{5", "5") == 0.0
     assert math_accuracy(r"\boxed{4} wait \boxed{5", "4") == 0.0  # truncated last answer
     assert math_accuracy(r"\boxed{1} \boxed{2} \boxed{3}", "2") == 0.0  # the last one counts
-
 
 
 def test_issue_hangs_are_gone():

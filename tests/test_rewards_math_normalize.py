@@ -16,7 +16,6 @@ from grpo.rewards import math_equal
 from helpers import SLACK, timed
 
 
-
 # --------------------------------------------------------------------------------------------
 # Math table: (prediction, gold, expected)
 # --------------------------------------------------------------------------------------------
@@ -97,18 +96,15 @@ MATH_CASES = [
 ]
 
 
-
 def test_math_table_is_large_and_balanced():
     assert len(MATH_CASES) >= 80
     assert sum(e for _, _, e in MATH_CASES) >= 30
     assert sum(not e for _, _, e in MATH_CASES) >= 30
 
 
-
 @pytest.mark.parametrize("pred,gold,expected", MATH_CASES)
 def test_math_equal_table(pred, gold, expected):
     assert math_equal(pred, gold) is expected
-
 
 
 @pytest.mark.parametrize("pred,gold,expected", MATH_CASES[::4])
@@ -117,7 +113,6 @@ def test_math_equal_is_symmetric_on_numbers_and_sets(pred, gold, expected):
     if any(tok in pred + gold for tok in ("=", "\\in", "<", ">", "\\le", "\\ge", "text", "$")):
         pytest.skip("assignment / text forms are intentionally one-sided")
     assert math_equal(gold, pred) is expected
-
 
 
 def test_math_verify_side_by_side():
@@ -135,12 +130,10 @@ def test_math_verify_side_by_side():
     assert ours >= theirs
 
 
-
 def test_huge_power_is_refused_not_computed():
     start = time.monotonic()
     assert math_equal("10^{10^{10}}", "10^{10^{10}}+1", timeout=5.0) is False
     assert time.monotonic() - start < 3.0
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +159,6 @@ FALSE_POSITIVES = [
 ]
 
 
-
 FALSE_NEGATIVES_FIXED = [
     (r"\mathbb{R}", r"(-\infty, \infty)"), (r"(-\infty,\infty)", r"\mathbb{R}"),
     ("\u211d", r"\mathbb{R}"), (r"x \in \mathbb{R}", r"(-\infty, \infty)"),
@@ -179,18 +171,15 @@ FALSE_NEGATIVES_FIXED = [
 ]
 
 
-
 @pytest.mark.parametrize("pred,gold", FALSE_POSITIVES)
 def test_no_false_positive(pred, gold):
     assert timed(lambda: math_equal(pred, gold, timeout=3.0), 3 + SLACK) is False
     assert math_equal(gold, pred, timeout=3.0) is False
 
 
-
 @pytest.mark.parametrize("pred,gold", FALSE_NEGATIVES_FIXED)
 def test_false_negatives_fixed(pred, gold):
     assert math_equal(pred, gold, timeout=5.0) is True
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +222,6 @@ def _math_variants(seed: int) -> list[tuple[str, str, bool]]:
         out.append((f"({a}, {b}), ({a}, {b}), ({c}, {d + 10})", f"({c}, {d + 10}), ({a}, {b})", True))
         out.append((f"({a}, {b}), ({c}, {d + 10})", f"({a}, {b + 10})", False))
     return out
-
 
 
 @pytest.mark.timeout(600)

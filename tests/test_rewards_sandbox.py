@@ -35,15 +35,12 @@ from rewards_corpus import ATTACKS as CORPUS_ATTACKS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 @functools.lru_cache(maxsize=1)
 def _jail_ok() -> bool:
     return _sandbox.capabilities()["jail"]
 
 
-
 needs_jail = pytest.mark.skipif("not _jail_ok()", reason="the sandbox cannot be built here")
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,13 +59,9 @@ def test_code_reward_cannot_be_faked(cheat):
     assert code_reward(text, ["assert f(1) == 2"]) == 0.0
 
 
-
 WRONG = "def f(x):\n    return -1\n"
-
 VALUE_TEST = ["assert f(1) == 2"]  # compared outside the sandbox
-
 STATEMENT_TEST = ["r = f(1)\nassert r == 2"]  # the test binds a name: runs in-process, own process
-
 
 
 ATTACKS = {
@@ -201,7 +194,6 @@ ATTACKS = {
 }
 
 
-
 @needs_jail
 @pytest.mark.parametrize("tests", [VALUE_TEST, STATEMENT_TEST], ids=["value", "statement"])
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -214,13 +206,11 @@ def test_attack_cannot_forge_a_pass(attack, tests):
     assert score == 0.0
 
 
-
 @needs_jail
 def test_right_code_still_passes_both_kinds():
     right = "```python\ndef f(x):\n    return 2 * x\n```"
     tests = VALUE_TEST + STATEMENT_TEST + ["assert f(3) == 7", "r = f(3)\nassert r == 7"]
     assert code_reward(right, tests, timeout=5.0) == 0.5
-
 
 
 @needs_jail
@@ -239,7 +229,6 @@ def test_expected_value_never_enters_the_sandbox():
     assert code_reward(f"```python\n{probe}\n```", ["assert f(1) == 31337"]) == 0.0
 
 
-
 def test_humaneval_checkers_are_inlined_or_refused():
     inline = "def check(candidate):\n    assert candidate(1) == 2\ncheck(f)"
     plan = _sandbox.plan_assert_tests("", [inline])
@@ -248,7 +237,6 @@ def test_humaneval_checkers_are_inlined_or_refused():
                  "def check(c):\n    assert c(1) == 2\ncheck(lambda x: f(x))",
                  "def check(c):\n    if c(1):\n        assert c(1) == 2\ncheck(f)"]:
         assert _sandbox.plan_assert_tests("", [kept]).judge == [None], kept
-
 
 
 def test_test_logic_runs_in_the_judge():
@@ -264,7 +252,6 @@ def test_test_logic_runs_in_the_judge():
         assert all(p in ("f(1)", "g(1)") for p in probes), (test, probes)
 
 
-
 @needs_jail
 @pytest.mark.timeout(300)
 def test_honest_stdlib_solutions_all_pass():
@@ -275,7 +262,6 @@ def test_honest_stdlib_solutions_all_pass():
     assert [i for i, o in enumerate(out) if o != 1.0] == []
 
 
-
 @needs_jail
 @pytest.mark.timeout(300)
 def test_attacks_forge_no_test():
@@ -284,7 +270,6 @@ def test_attacks_forge_no_test():
     assert dict(zip(CORPUS_ATTACKS, out)) == dict.fromkeys(CORPUS_ATTACKS, 0.0)
     # The same tests against the right code all pass: the attack set is not trivially failing.
     assert code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS) == 1.0
-
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -307,7 +292,6 @@ def test_comparisons_are_planned_into_the_judge(seed):
         assert probes and all(p.startswith("f(") for p in probes), (stmt, probes)
 
 
-
 @needs_jail
 @pytest.mark.timeout(120)
 def test_colliding_hash_results_do_not_stall_the_parent():
@@ -328,7 +312,6 @@ def test_colliding_hash_results_do_not_stall_the_parent():
     assert out == [0.0, 0.0]
 
 
-
 # --------------------------------------------------------------------------------------------
 # Containment: what the program can see and touch (checked outside)
 # --------------------------------------------------------------------------------------------
@@ -345,7 +328,6 @@ def _children() -> set[int]:
     return kids
 
 
-
 def _sandbox_processes() -> list[int]:
     pids = []
     for pid in os.listdir("/proc"):
@@ -357,7 +339,6 @@ def _sandbox_processes() -> list[int]:
             except OSError:
                 pass
     return pids
-
 
 
 @pytest.fixture
@@ -380,15 +361,12 @@ def contained():
     assert not _sandbox_processes()
 
 
-
 LAYERS = [True, False]  # audit hook on; and off, to check what the OS enforces alone
-
 
 
 @functools.lru_cache(maxsize=1)
 def _caps() -> dict:
     return _sandbox.capabilities()
-
 
 
 def _need_os_layers(audit: bool) -> None:
@@ -397,12 +375,10 @@ def _need_os_layers(audit: bool) -> None:
         pytest.skip(f"the sandbox cannot be built on this machine: {caps['error']}")
 
 
-
 def test_capabilities_reported():
     caps = _sandbox.capabilities()
     assert set(caps) == {"jail", "error", "root"}
     assert caps["jail"] is (caps["error"] is None)
-
 
 
 def test_infinite_loop_is_killed(contained):
@@ -410,11 +386,9 @@ def test_infinite_loop_is_killed(contained):
     assert r.timed_out and r.returncode is None
 
 
-
 def test_sleeping_child_group_is_killed(contained):
     r = contained("import time\ntime.sleep(30)", timeout=1.0)
     assert r.timed_out
-
 
 
 @pytest.mark.parametrize("audit", LAYERS)
@@ -424,13 +398,11 @@ def test_fork_bomb_is_contained(contained, audit):
     assert r.returncode not in (0, None) or r.timed_out
 
 
-
 @pytest.mark.parametrize("audit", LAYERS)
 def test_memory_bomb_is_contained(contained, audit):
     _need_os_layers(audit)
     r = contained("x = bytearray(8 << 30)\nprint('allocated')", audit=audit)
     assert "allocated" not in r.stdout and r.returncode != 0
-
 
 
 @pytest.mark.parametrize("audit", LAYERS)
@@ -447,7 +419,6 @@ def test_cannot_write_outside_workdir(contained, audit, tmp_path):
     assert not os.path.exists(shared_tmp)
 
 
-
 @pytest.mark.parametrize("audit", LAYERS)
 def test_cannot_delete_outside_file(contained, audit, tmp_path):
     _need_os_layers(audit)
@@ -460,7 +431,6 @@ def test_cannot_delete_outside_file(contained, audit, tmp_path):
     assert victim.read_text() == "precious"
 
 
-
 @pytest.mark.parametrize("audit", LAYERS)
 def test_os_system_is_contained(contained, audit, tmp_path):
     _need_os_layers(audit)
@@ -469,7 +439,6 @@ def test_os_system_is_contained(contained, audit, tmp_path):
     contained(code, audit=audit)
     time.sleep(0.2)
     assert not os.path.exists(marker)
-
 
 
 @pytest.mark.parametrize("audit", LAYERS)
@@ -507,7 +476,6 @@ def test_socket_cannot_connect(contained, audit):
     assert "connected" not in r.stdout
 
 
-
 READ_PROBE = textwrap.dedent("""
     import os
     targets = {targets!r}
@@ -525,7 +493,6 @@ READ_PROBE = textwrap.dedent("""
     """)
 
 
-
 @needs_jail
 @pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
 def test_filesystem_view_is_private(audit, tmp_path):
@@ -541,7 +508,6 @@ def test_filesystem_view_is_private(audit, tmp_path):
     assert "'etc'" in listed["/"] and "'work'" not in listed["/"] and "'proc'" not in listed["/"]
     assert "hostname" not in listed.get("/etc", "") and "passwd" not in listed.get("/etc", "")
     assert "/work" not in listed and "/proc" not in listed
-
 
 
 @needs_jail
@@ -570,7 +536,6 @@ def test_cannot_write_anywhere_but_private_tmp(audit, tmp_path):
         assert not os.path.exists(p) and not os.path.exists(p + ".d"), p
 
 
-
 @needs_jail
 @pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
 def test_cannot_signal_the_trainer_or_its_processes(audit):
@@ -589,7 +554,6 @@ def test_cannot_signal_the_trainer_or_its_processes(audit):
     finally:
         victim.kill()
         victim.wait()
-
 
 
 @needs_jail
@@ -613,7 +577,6 @@ def test_no_network_and_no_new_processes(audit):
     assert "CONNECTED" not in r.stdout and "FORKED" not in r.stdout
 
 
-
 @needs_jail
 def test_runaway_programs_end_on_time_and_leave_nothing():
     for code in (ATTACKS["setsid_and_sleep"], ATTACKS["stop_self"], ATTACKS["huge_stdout"],
@@ -630,7 +593,6 @@ def test_runaway_programs_end_on_time_and_leave_nothing():
         except OSError:
             pass
     assert not leftovers
-
 
 
 # The same checks as an ordinary user: when the tests run as root, drop to an unused uid with
@@ -662,7 +624,6 @@ UNPRIVILEGED_SCRIPT = textwrap.dedent("""
 """)
 
 
-
 def _unprivileged_python(uid: int) -> list[str] | None:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
@@ -676,7 +637,6 @@ def _unprivileged_python(uid: int) -> list[str] | None:
                                                   capture_output=True).returncode == 0:
             return drop + [exe, "-I"]
     return None
-
 
 
 def test_enforcement_as_an_ordinary_user():
@@ -719,7 +679,6 @@ def test_enforcement_as_an_ordinary_user():
         shutil.rmtree(base, ignore_errors=True)
 
 
-
 # --------------------------------------------------------------------------------------------
 # The bootstrap, and the test process after all of the above
 # --------------------------------------------------------------------------------------------
@@ -732,7 +691,6 @@ def test_bootstrap_is_a_packaged_file():
     assert text == _sandbox._bootstrap_source()
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
     assert math_worker.main.__module__ == "grpo.rewards.worker"
-
 
 
 def test_test_process_unharmed_after_escapes():

@@ -18,7 +18,6 @@ from grpo.rewards import math_equal
 from grpo.rewards import worker as math_worker
 
 
-
 def test_timeout_kills_worker_and_recovers():
     # A distinct symbolic comparison (not cached) with an absurdly small budget must give up,
     # and the next call must work on a fresh worker.
@@ -28,14 +27,12 @@ def test_timeout_kills_worker_and_recovers():
     assert math_equal("(a+b)^2", "a^2+2ab+b^2", timeout=10.0) is True
 
 
-
 def test_math_equal_from_many_threads():
     pairs = [(r"\frac{\sqrt{8}}{2}", r"\sqrt2", True), ("(x-1)^2", "x^2-2x+1", True),
              ("2^{10}", "1024", True), (r"\frac13", "0.3", False)] * 4
     with ThreadPoolExecutor(max_workers=8) as ex:
         results = list(ex.map(lambda c: math_equal(c[0], c[1], timeout=10.0), pairs))
     assert results == [e for _, _, e in pairs]
-
 
 
 def test_worker_start_failure_is_logged_once_and_unscorable(monkeypatch, caplog):
