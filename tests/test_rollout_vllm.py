@@ -280,16 +280,11 @@ G = 4
 
 
 @pytest.fixture(scope="module")
-def sampled(tmp_path_factory):
-    """(model the trainer updates, its completions sampled by a vLLM engine with the weights before they moved)."""
-    model, tokenizer = tiny_model()
-    path = tmp_path_factory.mktemp("tiny-qwen2-t27")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    torch.set_num_threads(2)
-    engine = VLLMRollout(str(path), max_new_tokens=8, temperature=TEMPERATURE, kv_cache_memory_bytes=32 << 20, max_num_seqs=16)
+def sampled(engine, saved_model):
+    """(model the trainer updates, its completions sampled by the module's engine with the weights before they moved)."""
+    model = copy.deepcopy(saved_model[1])
     torch.manual_seed(0)
-    out = engine.generate(as_policy(model), PROMPTS, G)
+    out = engine[0].generate(as_policy(model), PROMPTS, G)
     assert out.sampling_logps is not None and bool(out.completion_mask.sum(-1).gt(1).all())
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # the trainer's weights move after sampling: engine and trainer now disagree

@@ -12,21 +12,21 @@ Functions through them without a graph break; at run time the node calls the lau
 - ``torch.ops.grpo_kernels.backward_rows``: writes ``d loss / d logits`` into ``out``
   (``mutates_args=("out",)``) and returns nothing, since an op's output may not alias its input.
 
-The two forward ops take their schema from the launchers' own signatures and type hints
-(``torch.library.infer_schema``), and their fake implementations read only the logits' shape: a new
-scalar parameter of a launcher (an int, float, bool, str or Optional of one, with a type hint) is part
-of the op with no change here. Every output is a fresh tensor; nothing aliases an input.
+The ops take their schemas from the launchers' own signatures and type hints
+(``torch.library.infer_schema``; the backward's returns nothing), and their fake implementations read
+only the logits' shape: a new scalar parameter of a launcher (an int, float, bool, str or Optional of
+one, with a type hint) is part of the op with no change here. Every output is a fresh tensor; nothing
+aliases an input.
 
 ``log_normalizer`` and ``shift_log_sum`` are plain tensor arithmetic (no kernel), traced as they are.
-An op call costs a Python dispatch on top of the launch (measured on a CPU: ~0.1-0.2 ms, in
-benchmarks/results/custom_op_overhead.md), so ``backends.TritonBackend`` calls the ops only while
-compiling and the launchers directly otherwise. Importing this module registers the ops (the backend
+An op call costs a Python dispatch on top of the launch (benchmarks/results/custom_op_overhead.md),
+so ``backends.TritonBackend`` calls the ops only while compiling and the launchers directly otherwise. Importing this module registers the ops (the backend
 imports it on its first traced launch; a saved graph that names them needs it imported to load).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
 
 import torch
 
@@ -58,24 +58,21 @@ def _grpo_forward_rows_fake(logits, *args, **kwargs):
     return _row_outputs(logits, (torch.float32,) * triton_rows.GRPO_ROWS_FLOAT_OUTPUTS + (torch.int8,))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::backward_rows", mutates_args=("out",))
-def backward_rows(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    row_max: torch.Tensor,
-    log_sum: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
-    temperature: float,
-    ignore_index: int,
-    out: torch.Tensor,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-) -> None:
-    """``triton_rows.backward_rows`` into ``out`` [B, T, V] (``out`` may be ``logits`` itself)."""
-    triton_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, temperature,
-                              ignore_index, out, softcap=softcap, logit_scale=logit_scale)
+def _into_out(launcher):
+    """``launcher`` (which writes into its ``out`` argument and returns it) as a function of the same
+    signature that returns nothing: an op's output may not alias one of its inputs."""
+
+    def op(*args, **kwargs) -> None:
+        launcher(*args, **kwargs)
+
+    op.__signature__ = inspect.signature(launcher, eval_str=True).replace(return_annotation=None)
+    op.__name__, op.__qualname__ = launcher.__name__, launcher.__qualname__
+    op.__doc__ = f"``triton_rows.{launcher.__name__}`` into ``out`` (which may be ``logits`` itself)."
+    return op
+
+
+backward_rows = torch.library.custom_op(f"{NAMESPACE}::backward_rows", _into_out(triton_rows.backward_rows),
+                                        mutates_args=("out",))
 
 
 @backward_rows.register_fake
