@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from types import ModuleType
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, Tuple
 
 import torch
 

@@ -114,3 +114,15 @@ def timed(fn: Callable[[], R], budget: float) -> R:
     elapsed = time.monotonic() - start
     assert elapsed < budget, f"took {elapsed:.1f}s, budget {budget:.1f}s"
     return out
+
+
+def loss_and_logits_grad(logits, ids, adv, mask, backend: str = "torch", **kw):
+    """``grpo_kernels.grpo_loss`` on a fresh leaf copy of ``logits`` (on DEVICE): (its output, d loss /
+    d logits on the CPU)."""
+    import grpo_kernels as gk
+
+    x = logits.clone().to(DEVICE).requires_grad_()
+    kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend, **kw)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    return out, grad.cpu()

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import verl_cases as vc
-from helpers import DEVICE
+from helpers import loss_and_logits_grad as ours
 from spec64 import grpo64, logprobs64, verl64, verl_policy_metrics64
 
 import grpo_kernels as gk
 from grpo_kernels import objective
-from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOInputs, GRPOOptions
+from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOOptions
 
 B, T, V = 3, 6, 13
 pytestmark = pytest.mark.timeout(600)
@@ -31,14 +31,6 @@ def batch(seed: int):
     rollout = (logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
     adv = torch.randn(B, T, generator=g)
     return logits, ids, mask, old, ref, rollout, adv
-
-
-def ours(logits, ids, adv, mask, backend="torch", **kw):
-    x = logits.clone().to(DEVICE).requires_grad_()
-    kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    out = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend, **kw)
-    (grad,) = torch.autograd.grad(out.loss, x)
-    return out, grad.cpu()
 
 
 def expected(fn, logits, ids, mask, **kw):

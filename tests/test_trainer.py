@@ -841,8 +841,8 @@ def test_two_ranks_give_the_single_process_update(tmp_path, references):
     results = torch.load(out, weights_only=False)
     batch, refs = references
     assert set(results) == set(DDP_RUNS)
-    for (kind, case, split), (logs, grads) in results.items():
-        check_against_reference(logs, grads, refs[case], f"{kind} {case} {split}")
+    for (kind, case, split), (rank_logs, grads) in results.items():
+        check_against_reference(rank_logs, grads, refs[case], f"{kind} {case} {split}")
         single_logs, single_grads = trainer_update(batch, CASES[case], SPLITS["one"])
         for name, g in single_grads.items():  # and the single-process trainer, to fp32 rounding
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {split} {name}: {m}")

@@ -30,7 +30,6 @@ import pytest
 import torch
 import verl_cases as vc
 from helpers import DEVICE
-from spec64 import verl64
 
 from benchmarks import aot
 from grpo_kernels import objective
