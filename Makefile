@@ -42,8 +42,14 @@ install-vllm: $(VLLM_VENV)/.installed
 demo: install
 	$(PY) -m grpo demo
 
-test: install install-vllm
-	$(PY) -m pytest -q tests
+# The vLLM venv installs (a few minutes of mostly I/O) while the main suite runs; its tests run once both
+# are done; a failed install prints its log.
+test: install
+	$(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).log 2>&1 & installing=$$!; \
+	$(PY) -m pytest -q tests; tests=$$?; \
+	wait $$installing; installed=$$?; \
+	if [ $$installed -ne 0 ]; then cat $(VLLM_VENV).log; echo "make install-vllm failed (its log above)"; fi; \
+	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py
 	$(MAKE) --no-print-directory bench-ci
 
