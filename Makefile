@@ -55,13 +55,13 @@ BENCH_CI_DIR ?= /tmp/grpo-bench-ci
 bench-ci: install
 	rm -rf $(BENCH_CI_DIR)
 	GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 OMP_NUM_THREADS=1 PYTHON=$(abspath $(PY)) \
-		GPU_CHECK_BENCH_ARGS=--ignore=benchmarks/bench_long_context.py bash benchmarks/gpu_check.sh $(BENCH_CI_DIR)
+		bash benchmarks/gpu_check.sh $(BENCH_CI_DIR)
 	test -s $(BENCH_CI_DIR)/gpu.md && test -s $(BENCH_CI_DIR)/gpu.json && ls $(BENCH_CI_DIR)/trainer_step-*.md
 	! grep -q '"time budget spent"' $(BENCH_CI_DIR)/gpu.json
 
 bench-smoke: install
-	GRPO_BENCH_SET=smoke OMP_NUM_THREADS=1 $(PY) -m pytest benchmarks/ --benchmark-disable -q -p no:cacheprovider \
-		--ignore=benchmarks/bench_long_context.py
+	GRPO_BENCH_SET=smoke GRPO_LC_SET=smoke OMP_NUM_THREADS=1 $(PY) -m pytest benchmarks/ --benchmark-disable -q \
+		-p no:cacheprovider
 
 bench: install
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results/cpu.json -q

@@ -1,0 +1,88 @@
+"""Every benchmark script under ``benchmarks/`` runs once, tiny, and writes its output.
+
+Benchmarks are not tests: nothing here reads a timing. Each case runs one script as a user would
+(``python -m benchmarks.<name> ...``, a fresh process, one torch thread) at its smallest meaningful
+size (the script's own size flags, or ``--smoke`` where they cannot make it small enough), with its
+results written under ``tmp_path`` (never into ``benchmarks/results/``), and asserts only that it
+exited 0 and that every file it was asked to write exists and is not empty: a script that has
+rotted (an API it calls moved, an argument it passes was removed) fails here.
+
+Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py``'s smoke
+set runs ``long_context``'s fresh-process step, what its ``sweep``, ``group`` and ``bisect`` spawn),
+``trainer_step --quick``, ``machine --no-ceilings`` and ``report`` run in ``make bench-ci``;
+``benchmarks/aot.py`` in ``tests/test_triton_rows.py``; ``benchmarks/profiling.py`` is a library (``side_by_side_fused_linear`` and ``trl_head_memory``
+below measure through it). A script that needs a package this interpreter lacks is skipped with
+its name; ``rollout_speed`` runs its Hugging Face side everywhere and its vLLM side where vLLM
+imports (the vLLM venv).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Script(NamedTuple):
+    module: str  # benchmarks.<module>
+    args: Tuple[str, ...]  # "{out}" is the test's temporary directory
+    writes: Tuple[str, ...]  # files under {out} that must exist and be non-empty
+    needs: Tuple[str, ...] = ()  # importable packages, else skipped
+
+
+SCRIPTS = {
+    "chunk_size_cpu": Script("chunk_size_cpu", ("64x32x512", "16,32", "--repeats", "1", "--out", "{out}/chunks.md"),
+                             ("chunks.md",)),
+    "side_by_side_fused_linear": Script(
+        "side_by_side_fused_linear", ("--cases", "64x32x512", "--repeats", "1", "--out", "{out}/side_by_side.md"),
+        ("side_by_side.md",)),
+    "custom_op_overhead": Script(
+        "custom_op_overhead", ("--rounds", "1", "--reps", "1", "--shape", "1", "4", "32", "--dispatch-calls", "10",
+                               "--out", "{out}/custom_ops.md"), ("custom_ops.md",), ("triton",)),
+    "vocab_parallel": Script(
+        "vocab_parallel", ("--world", "2", "--tokens", "32", "--vocab", "64", "--hidden", "16", "--rounds", "1",
+                           "--out", "{out}/vocab_parallel.md"), ("vocab_parallel.md", "vocab_parallel.json")),
+    "trl_head_memory": Script(
+        "trl_head_memory", ("--tokens", "64", "--hidden", "32", "--vocab", "512", "--out", "{out}/trl_head.md"),
+        ("trl_head.md",), ("trl",)),
+    "long_context-frozen-head": Script(
+        "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
+                         "--out", "{out}/frozen_head.jsonl"), ("frozen_head.jsonl",), ("transformers",)),
+    "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
+                              ("rewards_hostile.md",)),
+    "rollout_speed": Script(
+        "rollout_speed", ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
+                          "--rounds", "1", "--steps", "2", "--out", "{out}/rollout_speed.md"),
+        ("rollout_speed.md",), ("transformers",)),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_benchmark_script_runs_and_writes(name: str, tmp_path: Path) -> None:
+    script = SCRIPTS[name]
+    missing = [p for p in script.needs if importlib.util.find_spec(p) is None]
+    if missing:
+        pytest.skip(f"benchmarks.{script.module} needs {', '.join(missing)}, not installed here")
+    for path in script.writes:
+        assert not (tmp_path / path).exists()
+    cmd = [sys.executable, "-m", f"benchmarks.{script.module}", *(a.format(out=tmp_path) for a in script.args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+                                  f"\n--- stderr\n{proc.stderr[-3000:]}")
+    for path in script.writes:
+        out = tmp_path / path
+        assert out.is_file() and out.stat().st_size > 0, f"{' '.join(cmd)} did not write {out}"
+        if out.suffix == ".jsonl":  # long_context records a crashed fresh-process step as {"error": ...}, exit 0
+            records = [json.loads(line) for line in out.read_text().splitlines()]
+            assert records and not [r for r in records if "error" in r], f"{' '.join(cmd)}: {records}"
