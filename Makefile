@@ -44,7 +44,8 @@ demo: install
 
 test: install install-vllm
 	$(PY) -m pytest -q tests
-	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py
+	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py \
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[rollout_speed-vllm]"
 	$(MAKE) --no-print-directory bench-ci
 
 # After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with

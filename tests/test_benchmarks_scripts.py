@@ -10,10 +10,11 @@ rotted (an API it calls moved, an argument it passes was removed) fails here.
 Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py``'s smoke
 set runs ``long_context``'s fresh-process step, what its ``sweep``, ``group`` and ``bisect`` spawn),
 ``trainer_step --quick``, ``machine --no-ceilings`` and ``report`` run in ``make bench-ci``;
-``benchmarks/aot.py`` in ``tests/test_triton_rows.py``; ``benchmarks/profiling.py`` is a library (``side_by_side_fused_linear`` and ``trl_head_memory``
-below measure through it). A script that needs a package this interpreter lacks is skipped with
-its name; ``rollout_speed`` runs its Hugging Face side everywhere and its vLLM side where vLLM
-imports (the vLLM venv).
+``benchmarks/aot.py`` in ``tests/test_triton_rows.py``; ``benchmarks/profiling.py`` is a library
+(``side_by_side_fused_linear`` and ``trl_head_memory`` below measure through it). A script that needs
+a package this interpreter lacks is skipped with its name; ``rollout_speed`` runs its Hugging Face
+side everywhere (``rollout_speed-hf``) and both engines in ``rollout_speed-vllm``, which needs vLLM
+(``make test`` runs it with the vLLM venv).
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ SCRIPTS = {
                          "--out", "{out}/frozen_head.jsonl"), ("frozen_head.jsonl",), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md",)),
-    "rollout_speed": Script(
-        "rollout_speed", ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
-                          "--rounds", "1", "--steps", "2", "--out", "{out}/rollout_speed.md"),
-        ("rollout_speed.md",), ("transformers",)),
 }
+ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
+                      "--rounds", "1", "--steps", "2", "--out", "{out}/rollout_speed.md")
+# the main venv: Hugging Face generate only (the script skips vLLM, saying why); the vLLM venv
+# (`make test` runs this case there): both engines
+SCRIPTS["rollout_speed-hf"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md",), ("transformers",))
+SCRIPTS["rollout_speed-vllm"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md",), ("transformers", "vllm"))
 
 
 @pytest.mark.timeout(600)
