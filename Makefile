@@ -50,7 +50,8 @@ test: install install-vllm
 
 # After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with
 # the smoke set, where every kernel case runs once (one timed round) and is checked against the
-# reference, then `trainer_step --quick`; it must exit 0 and write its report. (bench-smoke: the same
+# reference (bench_long_context.py too: its smoke set, a 4,096-id vocabulary), then `trainer_step --quick`;
+# it must exit 0 and write its report. (bench-smoke: the same
 # cases under --benchmark-disable.) One thread: tiny shapes, and two spin-wait on a loaded machine.
 BENCH_CI_DIR ?= /tmp/grpo-bench-ci
 bench-ci: install
