@@ -359,8 +359,9 @@ def _rss_gib(pid: int) -> float:
 def measure(mode: str, lengths: list[int], prompt_tokens: int = PROMPT_TOKENS, max_tokens: Optional[int] = None,
             micro_batch_size: Optional[int] = None, steps: int = 1, budget_gib: Optional[float] = None,
             timeout_s: Optional[float] = None, vocab_size: Optional[int] = None) -> dict:
-    """``run_one`` in a fresh process (``vocab_size``: the model's, default the real vocabulary). With ``budget_gib`` the process is killed once its RSS passes it
-    (then ``{"fits": False}``): a probe that does not fit fails early instead of exhausting the machine."""
+    """``run_one`` in a fresh process (``vocab_size``: the model's, default the real vocabulary). With
+    ``budget_gib`` the process is killed once its RSS passes it (then ``{"fits": False}``): a probe that
+    does not fit fails early instead of exhausting the machine."""
     cmd = [sys.executable, "-m", "benchmarks.long_context", "run", "--mode", mode, "--lengths", *map(str, lengths),
            "--prompt-tokens", str(prompt_tokens), "--steps", str(steps)]
     if max_tokens:
