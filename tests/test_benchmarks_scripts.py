@@ -1,7 +1,7 @@
 """Every benchmark script under ``benchmarks/`` runs once, tiny, and writes its output.
 
 Benchmarks are not tests: nothing here reads a timing. Each case runs one script as a user would
-(``python -m benchmarks.<name> ...``, a fresh process, one torch thread) at its smallest meaningful
+(``python -m benchmarks.<name> ...``, a fresh process, one torch thread; all started at once) at its smallest meaningful
 size (the script's own size flags, or ``--smoke`` where they cannot make it small enough), with its
 results written under ``tmp_path`` (never into ``benchmarks/results/``), and asserts only that it
 exited 0 and that every file it was asked to write exists and is not empty: a script that has
@@ -68,24 +68,54 @@ SCRIPTS["rollout_speed-hf"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("roll
 SCRIPTS["rollout_speed-vllm"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md",), ("transformers", "vllm"))
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(SCRIPTS))
-def test_benchmark_script_runs_and_writes(name: str, tmp_path: Path) -> None:
-    script = SCRIPTS[name]
-    missing = [p for p in script.needs if importlib.util.find_spec(p) is None]
-    if missing:
-        pytest.skip(f"benchmarks.{script.module} needs {', '.join(missing)}, not installed here")
-    for path in script.writes:
-        assert not (tmp_path / path).exists()
-    cmd = [sys.executable, "-m", f"benchmarks.{script.module}", *(a.format(out=tmp_path) for a in script.args)]
+def _missing(script: Script) -> list:
+    return [p for p in script.needs if importlib.util.find_spec(p) is None]
+
+
+def _command(script: Script, out: Path) -> list:
+    return [sys.executable, "-m", f"benchmarks.{script.module}", *(a.format(out=out) for a in script.args)]
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Every runnable script started at once, each in its own directory: one thread each and mostly
+    imports, so on 2 cores the set takes about half its sequential time. Each test waits for its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
-                                  f"\n--- stderr\n{proc.stderr[-3000:]}")
+    procs = {}
+    for name, script in SCRIPTS.items():
+        if not _missing(script):
+            out = tmp_path_factory.mktemp(name)
+            log = open(out / "stdout+stderr.log", "w")
+            proc = subprocess.Popen(_command(script, out), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs[name] = (proc, out, log)
+    yield procs
+    for proc, _, log in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_benchmark_script_runs_and_writes(name: str, started) -> None:
+    script = SCRIPTS[name]
+    missing = _missing(script)
+    if missing:
+        pytest.skip(f"benchmarks.{script.module} needs {', '.join(missing)}, not installed here")
+    proc, out_dir, _ = started[name]
+    cmd = " ".join(_command(script, out_dir))
+    try:
+        returncode = proc.wait(timeout=540)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    output = (out_dir / "stdout+stderr.log").read_text()
+    assert returncode == 0, f"{cmd} exited {returncode}\n--- output\n{output[-6000:]}"
     for path in script.writes:
-        out = tmp_path / path
-        assert out.is_file() and out.stat().st_size > 0, f"{' '.join(cmd)} did not write {out}"
+        out = out_dir / path
+        assert out.is_file() and out.stat().st_size > 0, f"{cmd} did not write {out}"
         if out.suffix == ".jsonl":  # long_context records a crashed fresh-process step as {"error": ...}, exit 0
             records = [json.loads(line) for line in out.read_text().splitlines()]
-            assert records and not [r for r in records if "error" in r], f"{' '.join(cmd)}: {records}"
+            assert records and not [r for r in records if "error" in r], f"{cmd}: {records}"
