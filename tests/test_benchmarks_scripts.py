@@ -1,15 +1,15 @@
 """Every benchmark script under ``benchmarks/`` runs once, tiny, and writes its output.
 
 Benchmarks are not tests: nothing here reads a timing. Each case runs one script as a user would
-(``python -m benchmarks.<name> ...``, a fresh process, one torch thread; all started at once) at its smallest meaningful
-size (the script's own size flags, or ``--smoke`` where they cannot make it small enough), with its
-results written under ``tmp_path`` (never into ``benchmarks/results/``), and asserts only that it
-exited 0 and that every file it was asked to write exists and is not empty: a script that has
+(``python -m benchmarks.<name> ...``, a fresh process, one torch thread; all started at once) at its
+smallest meaningful size (the script's own size flags, or ``--smoke`` where they cannot make it small
+enough), with its results written under a temporary directory (never into ``benchmarks/results/``),
+and asserts only that it exited 0 and that every file it was asked to write exists and is not empty: a script that has
 rotted (an API it calls moved, an argument it passes was removed) fails here.
 
-Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py``'s smoke
-set runs ``long_context``'s fresh-process step, what its ``sweep``, ``group`` and ``bisect`` spawn),
-``trainer_step --quick``, ``machine --no-ceilings`` and ``report`` run in ``make bench-ci``;
+Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py`` only in
+``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick``,
+``machine --no-ceilings`` and ``report`` run in ``make bench-ci``;
 ``benchmarks/aot.py`` in ``tests/test_triton_rows.py``; ``benchmarks/profiling.py`` is a library
 (``side_by_side_fused_linear`` and ``trl_head_memory`` below measure through it). A script that needs
 a package this interpreter lacks is skipped with its name; ``rollout_speed`` runs its Hugging Face
