@@ -28,6 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("shape", help="NxHxV")
     parser.add_argument("chunks", help="comma-separated chunk sizes")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the printed lines to this file too")
     args = parser.parse_args(argv)
     n, h, v = (int(s) for s in args.shape.split("x"))
     x = make_inputs(n, h, v, torch.device("cpu"))
@@ -50,11 +51,15 @@ def main(argv=None) -> None:
             fn()
             times[k].append(time.perf_counter() - start)
     default = gk.autograd.default_chunk_size(v, h, torch.float32, torch.device("cpu"), n)
-    print(f"N={n} H={h} V={v} fp32, default_chunk_size -> {default}; reference {statistics.median(times['reference']):.2f} s")
+    lines = [f"N={n} H={h} V={v} fp32, default_chunk_size -> {default}; reference {statistics.median(times['reference']):.2f} s"]
     for k in fns:
         if k != "reference":
             ratio = statistics.median(a / b for a, b in zip(times[k], times["reference"]))
-            print(f"chunk {k:5d}: {statistics.median(times[k]):.2f} s, {ratio:.2f} of the reference")
+            lines.append(f"chunk {k:5d}: {statistics.median(times[k]):.2f} s, {ratio:.2f} of the reference")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shape", type=int, nargs=3, default=(2, 8, 64), metavar=("B", "T", "V"))
     parser.add_argument("--dispatch-calls", type=int, default=2000)
+    parser.add_argument("--out", default=None, help="write the printed report to this file too")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b, t, v = args.shape
@@ -102,20 +103,29 @@ def main() -> None:
         for mode in modes[r % 3:] + modes[: r % 3]:  # rotate the order between rounds
             times[mode].append(timed(mode))
     ratios = [c / l for c, l in zip(times["custom_ops"], times["launchers"])]
-    print(f"device {device}, logits [{b}, {t}, {v}] fp32, grpo_loss fwd+bwd (dapo, old_logps), "
+    lines = []
+
+    def write(line: str) -> None:
+        print(line)
+        lines.append(line)
+
+    write(f"device {device}, logits [{b}, {t}, {v}] fp32, grpo_loss fwd+bwd (dapo, old_logps), "
           f"{args.rounds} rounds x {args.reps} calls, torch {torch.__version__}")
-    print("| mode | median per call (ms) |")
-    print("|---|---|")
+    write("| mode | median per call (ms) |")
+    write("|---|---|")
     for mode in modes:
-        print(f"| {mode} | {1e3 * statistics.median(times[mode]):.3f} |")
-    print(f"\nmedian of per-round ratios custom_ops / launchers: {statistics.median(ratios):.4f} "
+        write(f"| {mode} | {1e3 * statistics.median(times[mode]):.3f} |")
+    write(f"\nmedian of per-round ratios custom_ops / launchers: {statistics.median(ratios):.4f} "
           f"(min {min(ratios):.4f}, max {max(ratios):.4f})")
-    print(f"median per-call difference custom_ops - launchers: "
+    write(f"median per-call difference custom_ops - launchers: "
           f"{1e6 * statistics.median([c - l for c, l in zip(times['custom_ops'], times['launchers'])]):.1f} us")
     op, plain = dispatch_cost(args.rounds, args.dispatch_calls)
-    print(f"\ndispatch alone (forward_rows' schema, outputs only): custom op {1e6 * op:.1f} us, plain function "
+    write(f"\ndispatch alone (forward_rows' schema, outputs only): custom op {1e6 * op:.1f} us, plain function "
           f"{1e6 * plain:.1f} us per call: +{1e6 * (op - plain):.1f} us a launch, "
           f"x2 launches = {2 * (op - plain) / statistics.median(times['torch']):.2%} of the torch path's call")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -192,15 +192,16 @@ def train_step(model, optimizer, batch: SimpleNamespace, mode: str, max_tokens: 
 
 
 def run_one(mode: str, lengths: list[int], prompt_tokens: int, max_tokens: Optional[int],
-            micro_batch_size: Optional[int], steps: int) -> dict:
-    """Build the model, run ``steps`` steps; the result with this process's peak RSS."""
+            micro_batch_size: Optional[int], steps: int, vocab_size: int = MODEL_SHAPE["vocab_size"]) -> dict:
+    """Build the model (``vocab_size`` ids: the real 151,936 unless a smoke run asks fewer), run ``steps``
+    steps; the result with this process's peak RSS."""
     from grpo import packing
 
     base, _, gc = mode.partition("+")
     if base not in MODES or gc not in ("", "gc"):
         raise ValueError(f"mode must be one of {MODES}, optionally with '+gc', got {mode!r}")
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
-    model = build_model(max(lengths), gc == "gc", "sdpa")
+    model = build_model(max(lengths), gc == "gc", "sdpa", vocab_size)
     if base == "packed":
         packing.use_packed_attention(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
@@ -216,7 +217,7 @@ def run_one(mode: str, lengths: list[int], prompt_tokens: int, max_tokens: Optio
         "forward_s": round(last.forward, 3), "loss_s": round(last.loss, 3), "backward_s": round(last.backward, 3),
         "optimizer_s": round(last.optimizer, 3),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-        "rss_before_step_gib": rss_before / 2**20, "threads": torch.get_num_threads(),
+        "rss_before_step_gib": rss_before / 2**20, "threads": torch.get_num_threads(), "vocab_size": vocab_size,
     }
 
 
@@ -357,15 +358,18 @@ def _rss_gib(pid: int) -> float:
 
 def measure(mode: str, lengths: list[int], prompt_tokens: int = PROMPT_TOKENS, max_tokens: Optional[int] = None,
             micro_batch_size: Optional[int] = None, steps: int = 1, budget_gib: Optional[float] = None,
-            timeout_s: Optional[float] = None) -> dict:
-    """``run_one`` in a fresh process. With ``budget_gib`` the process is killed once its RSS passes it
-    (then ``{"fits": False}``): a probe that does not fit fails early instead of exhausting the machine."""
+            timeout_s: Optional[float] = None, vocab_size: Optional[int] = None) -> dict:
+    """``run_one`` in a fresh process (``vocab_size``: the model's, default the real vocabulary). With
+    ``budget_gib`` the process is killed once its RSS passes it (then ``{"fits": False}``): a probe that
+    does not fit fails early instead of exhausting the machine."""
     cmd = [sys.executable, "-m", "benchmarks.long_context", "run", "--mode", mode, "--lengths", *map(str, lengths),
            "--prompt-tokens", str(prompt_tokens), "--steps", str(steps)]
     if max_tokens:
         cmd += ["--max-tokens", str(max_tokens)]
     if micro_batch_size:
         cmd += ["--micro-batch-size", str(micro_batch_size)]
+    if vocab_size:
+        cmd += ["--vocab-size", str(vocab_size)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     start, peak_seen = time.monotonic(), 0.0
     while proc.poll() is None:
@@ -438,6 +442,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     run.add_argument("--max-tokens", type=int, default=None)
     run.add_argument("--micro-batch-size", type=int, default=None)
     run.add_argument("--steps", type=int, default=1)
+    run.add_argument("--vocab-size", type=int, default=MODEL_SHAPE["vocab_size"],
+                     help="the model's vocabulary (default the real 151,936; fewer only for a smoke run)")
     sweep = sub.add_parser("sweep", help="one sequence of each length, each mode, fresh processes")
     sweep.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     sweep.add_argument("--modes", nargs="+", default=["packed", "packed+gc", "naive"])
@@ -475,7 +481,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
 
     if args.cmd == "run":
-        print(json.dumps(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps)))
+        print(json.dumps(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps,
+                                 args.vocab_size)))
         return
     if args.cmd == "memory-run":
         print(json.dumps(memory_run(args.size, args.variant, args.length, args.gradient_checkpointing)))

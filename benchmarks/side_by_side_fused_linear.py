@@ -188,13 +188,20 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default="reference,ours,liger,trl", help="a subset, comma-separated")
     parser.add_argument("--liger-compiled", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="write the table to this file too")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print(f"# fused_linear_grpo_loss fwd+bwd, fp32, dapo beta={BETA} old+ref log-probs, {device.type}, "
+    lines = []
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    write(f"# fused_linear_grpo_loss fwd+bwd, fp32, dapo beta={BETA} old+ref log-probs, {device.type}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds")
-    print("| N x H x V | ours / reference time | ours / Liger time | ours / TRL time | ours s | reference s | "
+    write("| N x H x V | ours / reference time | ours / Liger time | ours / TRL time | ours s | reference s | "
           "Liger s | TRL s | ours peak / reference peak | ours peak MiB | reference peak MiB | ours vs ref max rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    write("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.cases:
         row = run_case(spec, args, device)
         med = {k: statistics.median(v) for k, v in row["times"].items() if v}
@@ -202,10 +209,13 @@ def main(argv=None) -> None:
         mib = lambda b: None if b is None else b / 2**20  # noqa: E731
         mem_ratio = pk["ours"] / pk["reference"] if pk.get("reference") and pk.get("ours") is not None else None
         n, h, v = row["N"], row["H"], row["V"]
-        print(f"| {n:,} x {h:,} x {v:,} | {fmt(ratio(row, 'ours', 'reference'))} | {fmt(ratio(row, 'ours', 'liger'))} | "
+        write(f"| {n:,} x {h:,} x {v:,} | {fmt(ratio(row, 'ours', 'reference'))} | {fmt(ratio(row, 'ours', 'liger'))} | "
               f"{fmt(ratio(row, 'ours', 'trl'))} | {fmt(med.get('ours'))} | {fmt(med.get('reference'))} | "
               f"{fmt(med.get('liger'))} | {fmt(med.get('trl'))} | {fmt(mem_ratio)} | {fmt(mib(pk.get('ours')), '{:.0f}')} | "
-              f"{fmt(mib(pk.get('reference')), '{:.0f}')} | {fmt(row['errors'].get('ours'), '{:.1e}')} |", flush=True)
+              f"{fmt(mib(pk.get('reference')), '{:.0f}')} | {fmt(row['errors'].get('ours'), '{:.1e}')} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -89,21 +89,31 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the children")
+    parser.add_argument("--out", default=None, help="write the table to this file too")
     args = parser.parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
     import trl
 
-    print(f"H {args.hidden}, V {args.vocab}, fp32, CPU, forward (log-probs + entropy) + backward of log_probs.sum(); "
+    lines = []
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    write(f"H {args.hidden}, V {args.vocab}, fp32, CPU, forward (log-probs + entropy) + backward of log_probs.sum(); "
           f"torch {torch.__version__}, trl {trl.__version__}")
-    print("| N tokens | TRL: profiler peak | TRL: RSS growth | TRL: time | ours: profiler peak | ours: RSS growth | ours: time |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    write("| N tokens | TRL: profiler peak | TRL: RSS growth | TRL: time | ours: profiler peak | ours: RSS growth | ours: time |")
+    write("|---:|---:|---:|---:|---:|---:|---:|")
     for n in args.tokens:
         r = {head: measure(head, n, args.hidden, args.vocab) for head in ("trl", "ours")}
-        print(f"| {n:,} | " + " | ".join(
+        write(f"| {n:,} | " + " | ".join(
             f"{mib(r[h]['profiler_bytes'])} | {mib(r[h]['rss_bytes'])} | {r[h]['seconds']:.2f} s" for h in ("trl", "ours")
-        ) + " |", flush=True)
+        ) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,0 +1,123 @@
+"""Every benchmark script under ``benchmarks/`` runs once, tiny, and writes its output.
+
+Benchmarks are not tests: nothing here reads a timing. Each case runs one script as a user would
+(``python -m benchmarks.<name> ...``, a fresh process, one torch thread; all started at once) at its
+smallest meaningful size (the script's own size flags, or ``--smoke`` where they cannot make it small
+enough), with its results written under a temporary directory (never into ``benchmarks/results/``),
+and asserts only that it exited 0 and that every file it was asked to write exists and is not empty: a script that has
+rotted (an API it calls moved, an argument it passes was removed) fails here.
+
+Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py`` only in
+``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick``,
+``machine --no-ceilings`` and ``report`` run in ``make bench-ci``;
+``benchmarks/aot.py`` in ``tests/test_triton_rows.py``; ``benchmarks/profiling.py`` is a library
+(``side_by_side_fused_linear`` and ``trl_head_memory`` below measure through it). A script that needs
+a package this interpreter lacks is skipped with its name; ``rollout_speed`` runs its Hugging Face
+side everywhere (``rollout_speed-hf``) and both engines in ``rollout_speed-vllm``, which needs vLLM
+(``make test`` runs it with the vLLM venv).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Script(NamedTuple):
+    module: str  # benchmarks.<module>
+    args: Tuple[str, ...]  # "{out}" is the test's temporary directory
+    writes: Tuple[str, ...]  # files under {out} that must exist and be non-empty
+    needs: Tuple[str, ...] = ()  # importable packages, else skipped
+
+
+SCRIPTS = {
+    "chunk_size_cpu": Script("chunk_size_cpu", ("64x32x512", "16,32", "--repeats", "1", "--out", "{out}/chunks.md"),
+                             ("chunks.md",)),
+    "side_by_side_fused_linear": Script(
+        "side_by_side_fused_linear", ("--cases", "64x32x512", "--repeats", "1", "--out", "{out}/side_by_side.md"),
+        ("side_by_side.md",)),
+    "custom_op_overhead": Script(
+        "custom_op_overhead", ("--rounds", "1", "--reps", "1", "--shape", "1", "4", "32", "--dispatch-calls", "10",
+                               "--out", "{out}/custom_ops.md"), ("custom_ops.md",), ("triton",)),
+    "vocab_parallel": Script(
+        "vocab_parallel", ("--world", "2", "--tokens", "32", "--vocab", "64", "--hidden", "16", "--rounds", "1",
+                           "--out", "{out}/vocab_parallel.md"), ("vocab_parallel.md", "vocab_parallel.json")),
+    "trl_head_memory": Script(
+        "trl_head_memory", ("--tokens", "64", "--hidden", "32", "--vocab", "512", "--out", "{out}/trl_head.md"),
+        ("trl_head.md",), ("trl",)),
+    "long_context-frozen-head": Script(
+        "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
+                         "--out", "{out}/frozen_head.jsonl"), ("frozen_head.jsonl",), ("transformers",)),
+    "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
+                              ("rewards_hostile.md",)),
+}
+ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
+                      "--rounds", "1", "--steps", "2", "--out", "{out}/rollout_speed.md")
+# the main venv: Hugging Face generate only (the script skips vLLM, saying why); the vLLM venv
+# (`make test` runs this case there): both engines
+SCRIPTS["rollout_speed-hf"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md",), ("transformers",))
+SCRIPTS["rollout_speed-vllm"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md",), ("transformers", "vllm"))
+
+
+def _missing(script: Script) -> list:
+    return [p for p in script.needs if importlib.util.find_spec(p) is None]
+
+
+def _command(script: Script, out: Path) -> list:
+    return [sys.executable, "-m", f"benchmarks.{script.module}", *(a.format(out=out) for a in script.args)]
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """Every selected, runnable script started at once, each in its own directory: one thread each and
+    mostly imports, so on 2 cores the set takes about half its sequential time. Each test waits for its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    procs = {}
+    for name, script in SCRIPTS.items():
+        if name in selected and not _missing(script):
+            out = tmp_path_factory.mktemp(name)
+            log = open(out / "stdout+stderr.log", "w")
+            proc = subprocess.Popen(_command(script, out), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs[name] = (proc, out, log)
+    yield procs
+    for proc, _, log in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_benchmark_script_runs_and_writes(name: str, started) -> None:
+    script = SCRIPTS[name]
+    missing = _missing(script)
+    if missing:
+        pytest.skip(f"benchmarks.{script.module} needs {', '.join(missing)}, not installed here")
+    proc, out_dir, _ = started[name]
+    cmd = " ".join(_command(script, out_dir))
+    try:
+        returncode = proc.wait(timeout=540)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    output = (out_dir / "stdout+stderr.log").read_text()
+    assert returncode == 0, f"{cmd} exited {returncode}\n--- output\n{output[-6000:]}"
+    for path in script.writes:
+        out = out_dir / path
+        assert out.is_file() and out.stat().st_size > 0, f"{cmd} did not write {out}"
+        if out.suffix == ".jsonl":  # long_context records a crashed fresh-process step as {"error": ...}, exit 0
+            records = [json.loads(line) for line in out.read_text().splitlines()]
+            assert records and not [r for r in records if "error" in r], f"{cmd}: {records}"
