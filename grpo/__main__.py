@@ -135,7 +135,8 @@ def train_command(argv: list[str]) -> None:
     from .lora import check_flags
     from .precision import check_device_supports, torch_dtype
     from .rollout import require_vllm
-    from .trainer import default_device, load_model, train
+    from .models import default_device, load_model
+    from .trainer import train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")

@@ -35,7 +35,9 @@ from grpo_kernels.options import IGNORE_INDEX
 from . import checkpoint, distributed
 from .tokenizer import char_tokenizer
 from .rollout import HFGenerate
-from .trainer import GRPOConfig, UpdateBatch, as_policy, completion_hidden, lm_head, set_seed, train
+from .config import GRPOConfig
+from .models import as_policy, completion_hidden, lm_head
+from .trainer import UpdateBatch, set_seed, train
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)

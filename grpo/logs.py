@@ -10,6 +10,9 @@ import math
 import os
 from typing import Iterable, Optional
 
+import torch
+
+from . import distributed
 from .atomic import write_atomically
 
 # The curves drawn by plot_curves, in order; missing keys are skipped.
@@ -24,6 +27,77 @@ PLOTTED = (
     ("clip_ratio/region_mean", "clip ratio"),
     ("grad_norm", "grad norm"),
 )
+
+
+# metrics of the loss that are extremes over sequences or tokens (TRL's clip extremes, the rollout correction's)
+EXTREME_KEYS = ("clip_ratio/low_min", "clip_ratio/high_max", "sampling/sampling_logp_difference/max",
+                "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+# verl's metrics reduced by loss_agg_mode against the batch's counts (the trainer's BatchTotals): a call's
+# value is its share of the batch's, times dp_size
+SHARE_KEYS = ("actor/entropy", "actor/kl_loss")
+
+
+class LossMetrics:
+    """The loss's metrics over an update's micro-batches and ranks, each reduced as its kind needs.
+
+    Most metrics are token means (weighted by each micro-batch's loss tokens); those named in
+    ``per_sequence`` are sequence means (weighted by its sequences); :data:`EXTREME_KEYS` take the
+    extreme; :data:`SHARE_KEYS` are already a call's share of the batch's value and are summed (then
+    divided by the calls, each share having been multiplied by the ranks). A micro-batch without loss
+    tokens (a filler) weighs nothing.
+    """
+
+    def __init__(self, per_sequence: frozenset) -> None:
+        self.per_sequence = per_sequence
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.summed: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+
+    def add(self, metrics: dict, tokens: float, sequences: int) -> None:
+        """One micro-batch's metrics (0-d tensors), its loss tokens and its sequences."""
+        for k, v in metrics.items():  # (every rank has every key, fillers included)
+            if k in EXTREME_KEYS:
+                if tokens and math.isfinite(v.item()):
+                    pick = min if k.endswith("min") else max
+                    self.extremes[k] = pick(self.extremes.get(k, v.item()), v.item())
+                continue
+            if k in SHARE_KEYS:
+                self.summed[k] = self.summed.get(k, 0.0) + v.item()
+                continue
+            weight = sequences if k in self.per_sequence else tokens
+            self.sums[k] = self.sums.get(k, 0.0) + (v.item() * weight if tokens else 0.0)
+            self.weights[k] = self.weights.get(k, 0.0) + (weight if tokens else 0.0)
+
+    def reduce(self, losses: list, iterations: int) -> tuple[dict[str, float], list]:
+        """(the metrics over every rank, the per-iteration losses summed over the ranks / the ranks), in one
+        all-reduce (each rank's loss, and each share, was scaled by the world size)."""
+        keys, share_keys = list(self.sums), list(self.summed)
+        reduced = distributed.all_reduce(torch.tensor(
+            [self.sums[k] for k in keys] + [self.weights[k] for k in keys] + [self.summed[k] for k in share_keys]
+            + list(losses), dtype=torch.float64))
+        n, m = len(keys), len(share_keys)
+        losses = (reduced[2 * n + m :] / distributed.world_size()).tolist()
+        logs = {k: float(v) / max(float(w), 1.0) for k, v, w in zip(keys, reduced[:n], reduced[n : 2 * n])}
+        calls = distributed.world_size() * iterations
+        logs.update({k: float(v) / calls for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
+        logs.update(self.global_extremes())
+        return logs, losses
+
+    def global_extremes(self) -> dict[str, float]:
+        """``*_min`` / ``*_max`` metrics over every rank (each rank holds the same keys when any has
+        tokens; a rank without sends +-inf, which the reduction ignores)."""
+        keys = sorted(EXTREME_KEYS)
+        signed = torch.tensor([(-1.0 if k.endswith("_min") else 1.0)
+                               * self.extremes.get(k, -math.inf if k.endswith("_max") else math.inf)
+                               for k in keys], dtype=torch.float64)
+        reduced = distributed.all_reduce(signed, "max")  # max of -x is -(min of x)
+        out = {}
+        for k, v in zip(keys, reduced.tolist()):
+            value = -v if k.endswith("_min") else v
+            if math.isfinite(value):
+                out[k] = value
+        return out
 
 
 # Steps in a row in which every group's rewards were all equal (every advantage 0: nothing is learned)

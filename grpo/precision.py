@@ -16,12 +16,21 @@ optimizer steps:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Iterable, Optional
 
 import torch
 
 MODEL_DTYPES = ("float32", "bfloat16")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on CUDA when asked for (``GRPOConfig.bf16``); fp32 otherwise. The trainer's forward
+    passes and Hugging Face generation use it."""
+    if device.type == "cuda" and bf16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def torch_dtype(name: str) -> torch.dtype:

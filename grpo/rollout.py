@@ -24,11 +24,14 @@ import importlib.util
 import math
 import os
 import random
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
+
+from .models import unwrap
+from .precision import autocast
 
 @dataclass
 class Completions:
@@ -79,7 +82,7 @@ class Rollout(Protocol):
     ) -> Completions:
         """``num_generations`` completions for each prompt (``greedy``: deterministic decoding, for evaluation).
 
-        ``policy`` is the trainer's ``grpo.trainer.Policy`` (possibly DDP- or FSDP2-wrapped): its
+        ``policy`` is the trainer's ``grpo.models.Policy`` (possibly DDP- or FSDP2-wrapped): its
         weights are the ones to sample from. ``policy("generate", **kwargs)`` runs the language
         model's ``generate`` inside the wrapper's forward, where FSDP2 has gathered the weights.
         """
@@ -97,13 +100,6 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: Union[int, list[
     first_eos = torch.where(is_eos, positions, torch.full_like(positions, T)).min(-1).values  # [B]
     mask = (positions <= first_eos.unsqueeze(-1)).long()
     return mask, ~is_eos.any(-1)
-
-
-def autocast(device: torch.device, bf16: bool):
-    """bf16 autocast on CUDA when asked for; fp32 otherwise (the trainer's forward passes use it too)."""
-    if device.type == "cuda" and bf16:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 class HFGenerate:
@@ -183,9 +179,7 @@ def require_vllm() -> None:
 
 
 def language_model(policy: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model a (DDP-wrapped) ``grpo.trainer.Policy`` holds, or ``policy`` itself."""
-    from .trainer import unwrap  # (the trainer imports this module)
-
+    """The transformers model a (DDP-wrapped) ``grpo.models.Policy`` holds, or ``policy`` itself."""
     return unwrap(policy)
 
 

@@ -38,9 +38,7 @@ and checkpoints gather full state for rank 0 to write.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import importlib.util
 import math
 import os
 import random
@@ -53,147 +51,23 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.options import IGNORE_INDEX, TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
+from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
 
 from . import checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
-from .logs import RunLog, ZeroSignalWatch, plot_curves
-from .rollout import Completions, HFGenerate, Rollout, VLLMRollout, autocast, generation_eos, require_vllm
+from .logs import LossMetrics, RunLog, ZeroSignalWatch, plot_curves
+from .models import (Policy, ReferenceWithoutAdapters, as_policy, completion_hidden, default_device, head_transform,  # noqa: F401
+                     lm_head, load_model, make_reference_model, prepare_model, unwrap)
+from .rollout import Completions, HFGenerate, Rollout, VLLMRollout, generation_eos, require_vllm
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
 
 # --------------------------------------------------------------------------------------------------
-# processes, devices, models
+# the optimizer and the rollout engine (the model itself: grpo.models)
 # --------------------------------------------------------------------------------------------------
-def default_device() -> torch.device:
-    if distributed.world_size() > 1:
-        return distributed.device()  # this rank's GPU
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def attention_implementation(device: torch.device) -> str:
-    """``flash_attention_2`` on CUDA when flash-attn is installed, ``sdpa`` otherwise."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def load_model(name_or_path: str, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
-    """A causal LM (weights in ``dtype``) and its (left-padding) tokenizer from a local path or a hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = device or default_device()
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, attn_implementation=attention_implementation(device), dtype=dtype
-    )
-    return model, tokenizer
-
-
-class Policy(torch.nn.Module):
-    """The language model, with every use the trainer makes of its weights behind one ``forward``.
-
-    ``policy("generate", **kwargs)`` samples, ``policy("logps", mb, cfg, device)`` returns per-token
-    log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss. DDP syncs
-    gradients, and FSDP2 gathers sharded weights (``lm_head.weight`` included, which the fused loss
-    reads directly), only around a wrapped module's forward: so this module is the one they wrap.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, task: str, *args, **kwargs):
-        return getattr(self, f"_{task}")(*args, **kwargs)
-
-    def _generate(self, **kwargs) -> torch.Tensor:
-        return self.model.generate(**kwargs)
-
-    def _logps(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
-        weight, bias = lm_head(self.model)
-        with autocast(device, cfg.bf16):
-            hidden = completion_hidden(self.model, mb)
-        targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, IGNORE_INDEX))
-        return fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
-            **head_transform(self.model),
-        )
-
-    def _loss(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
-        weight, bias = lm_head(self.model)
-        with autocast(device, cfg.bf16):
-            hidden = completion_hidden(self.model, mb)
-        options = {**cfg.loss_options(), **head_transform(self.model), **loss_kwargs}  # (the caller's keywords win)
-        if isinstance(mb, packing.PackedMicroBatch):
-            options["segment_ids"] = mb.segment_ids  # one row, several sequences
-        if mb.rollout_logps is None:  # (an engine that reports no log-probs: nothing to correct)
-            options["rollout_correction"] = None
-        return fused_linear_grpo_loss(
-            hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
-            old_logps=mb.old_logps, ref_logps=mb.ref_logps, rollout_logps=mb.rollout_logps, **options,
-        )
-
-
-def as_policy(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` if it is a (wrapped) ``Policy``, else a ``Policy`` around it (sharing its weights)."""
-    return model if isinstance(distributed.unwrap_ddp(model), Policy) else Policy(model)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers language model inside a (DDP-wrapped) ``Policy`` (and inside a peft model, whose
-    adapter layers it then holds)."""
-    model = distributed.unwrap_ddp(model)
-    return lora.base_of(model.model if isinstance(model, Policy) else model)
-
-
-def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
-    """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``.
-
-    Under DDP the returned module trains ``model`` itself; under FSDP2 it trains a sharded copy, and
-    ``train`` copies the result back into ``model`` at the end.
-    """
-    if cfg.distributed != "fsdp" or distributed.world_size() == 1:
-        model.to(device)  # (FSDP2 moves each rank's shards there itself)
-    if cfg.gradient_checkpointing and not frozen:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if cfg.padding_free:  # attention that keeps packed sequences apart (flash-attn varlen, or packed SDPA)
-        packing.use_packed_attention(model)
-    model.config.use_cache = True  # for generate; the training forward passes use_cache=False
-    return distributed.wrap(Policy(model), cfg.distributed, device, frozen=frozen)
-
-
-def make_reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the policy as it is now (used when ``beta > 0``)."""
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
-class ReferenceWithoutAdapters(Policy):
-    """The reference policy of a LoRA run: the policy itself, called with its adapters disabled (peft's
-    ``disable_adapter``), so the reference costs no memory. The policy is not a submodule: its weights
-    are held (and checkpointed) once."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        torch.nn.Module.__init__(self)
-        object.__setattr__(self, "policy", policy)  # (the DDP / FSDP2-wrapped policy: FSDP2 gathers its shards)
-
-    def forward(self, task: str, *args, **kwargs):
-        with lora.adapters_disabled(distributed.unwrap_ddp(self.policy).model):
-            return self.policy(task, *args, **kwargs)
-
-
 def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optimizer:
     """AdamW on the trainable parameters; 16-bit ones get fp32 master copies (``grpo.precision``)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -377,38 +251,6 @@ def micro_batches(batch: UpdateBatch, cfg: GRPOConfig) -> list[MicroBatch]:
     return chunks + [filler] * (distributed.all_reduce(len(chunks), "max") - len(chunks))
 
 
-def completion_hidden(model, batch: MicroBatch) -> torch.Tensor:
-    """The last hidden states that predict the completion tokens (final norm applied): [B, T, H], or
-    [1, L, H] for a packed micro-batch (each position predicts the token its layout says)."""
-    model = unwrap(model)
-    if isinstance(batch, packing.PackedMicroBatch):
-        return packing.packed_forward(model, batch.layout)
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
-    out = model.base_model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids, use_cache=False
-    )
-    return out.last_hidden_state[:, batch.prompt_len - 1 : -1]
-
-
-def head_transform(model) -> dict[str, Any]:
-    """What the model's own head does to its logits before the softmax, for the fused loss to do the
-    same: final-logit soft-capping (Gemma-2/3 ``final_logit_softcapping``) and a logit scale (Cohere
-    ``logit_scale``). Without them the loss's log-probs would not be the sampling policy's."""
-    config = unwrap(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    out: dict[str, Any] = {}
-    if getattr(text, "final_logit_softcapping", None):
-        out["softcap"] = float(text.final_logit_softcapping)
-    if getattr(text, "logit_scale", None) not in (None, 1, 1.0):
-        out["logit_scale"] = float(text.logit_scale)
-    return out
-
-
-def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    head = unwrap(model).get_output_embeddings()
-    return head.weight, getattr(head, "bias", None)
-
-
 @torch.no_grad()
 def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
     """Per-token log-probs [B, T] float32 of the completions under ``model`` (old policy or reference)."""
@@ -485,11 +327,7 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
     """
     totals = batch_totals(batch)
     params = [p for p in model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}  # what each mean in sums is weighted by: tokens, or sequences
-    per_sequence = sequence_mean_metrics(cfg)
-    summed: dict[str, float] = {}
-    extremes: dict[str, float] = {}
+    metrics = LossMetrics(sequence_mean_metrics(cfg))
     losses, grad_norms, skipped = [], [], 0
     for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -497,22 +335,10 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
         chunks = micro_batches(batch, cfg)
         for i, mb in enumerate(chunks):
             with distributed.no_grad_sync(model, skip=i < len(chunks) - 1):  # DDP: all-reduce once, at the end
-                loss, metrics = policy_loss(model, mb, totals, cfg, device)
+                loss, mb_metrics = policy_loss(model, mb, totals, cfg, device)
                 loss.backward()
             loss_sum += loss.item()
-            tokens = float(mb.loss_mask.sum())  # most metrics are token means: weigh them by tokens
-            for k, v in metrics.items():  # (every rank has every key, fillers included)
-                if k in _EXTREME_KEYS:  # extremes: the extreme over micro-batches
-                    if tokens and math.isfinite(v.item()):
-                        pick = min if k.endswith("min") else max
-                        extremes[k] = pick(extremes.get(k, v.item()), v.item())
-                    continue
-                if k in _SHARE_KEYS:  # already this call's share of the batch's value: summed
-                    summed[k] = summed.get(k, 0.0) + v.item()
-                    continue
-                weight = mb.sequences_in_loss if k in per_sequence else tokens
-                sums[k] = sums.get(k, 0.0) + (v.item() * weight if tokens else 0.0)
-                weights[k] = weights.get(k, 0.0) + (weight if tokens else 0.0)
+            metrics.add(mb_metrics, tokens=float(mb.loss_mask.sum()), sequences=mb.sequences_in_loss)
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(loss_sum)
         if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
@@ -521,16 +347,7 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
             warnings.warn(f"optimizer step skipped: the loss ({loss_sum}) or gradient norm ({grad_norms[-1]}) is not finite", RuntimeWarning, stacklevel=2)
             continue
         optimizer.step()
-    # every rank's sums, in one all-reduce; each rank's loss (and each share) was scaled by the world size
-    keys, share_keys = list(sums), list(summed)
-    reduced = distributed.all_reduce(torch.tensor([sums[k] for k in keys] + [weights[k] for k in keys]
-                                                  + [summed[k] for k in share_keys] + losses, dtype=torch.float64))
-    n, m = len(keys), len(share_keys)
-    losses = (reduced[2 * n + m :] / distributed.world_size()).tolist()
-    logs = {k: float(v) / max(float(w), 1.0) for k, v, w in zip(keys, reduced[:n], reduced[n : 2 * n])}
-    calls = distributed.world_size() * cfg.num_iterations  # (each share was multiplied by the ranks)
-    logs.update({k: float(v) / calls for k, v in zip(share_keys, reduced[2 * n : 2 * n + m])})
-    logs.update(global_extremes(extremes))
+    logs, losses = metrics.reduce(losses, iterations=cfg.num_iterations)  # (over every rank)
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
 
@@ -547,36 +364,13 @@ def sequence_mean_metrics(cfg: GRPOConfig) -> frozenset:
     return frozenset(keys)
 
 
-def global_extremes(extremes: dict[str, float]) -> dict[str, float]:
-    """``*_min`` / ``*_max`` metrics over every rank (each rank holds the same keys when any has
-    tokens; a rank without sends +-inf, which the reduction ignores)."""
-    keys = sorted(_EXTREME_KEYS)
-    signed = torch.tensor([(-1.0 if k.endswith("_min") else 1.0) * extremes.get(k, -math.inf if k.endswith("_max") else math.inf)
-                           for k in keys], dtype=torch.float64)
-    reduced = distributed.all_reduce(signed, "max")  # max of -x is -(min of x)
-    out = {}
-    for k, v in zip(keys, reduced.tolist()):
-        value = -v if k.endswith("_min") else v
-        if math.isfinite(value):
-            out[k] = value
-    return out
-
-
-# metrics that are extremes over sequences or tokens (TRL's clip extremes, the rollout correction's)
-_EXTREME_KEYS = ("clip_ratio/low_min", "clip_ratio/high_max", "sampling/sampling_logp_difference/max",
-                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
-# verl's metrics reduced by loss_agg_mode against the batch's counts (BatchTotals): a call's value is
-# its share of the batch's, times dp_size
-_SHARE_KEYS = ("actor/entropy", "actor/kl_loss")
-
-
 def total_norm(norm: torch.Tensor) -> float:
     """``clip_grad_norm_``'s result as a float (a replicated DTensor under FSDP2)."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 # --------------------------------------------------------------------------------------------------
-# one step
+# one step: sample, score, update, log
 # --------------------------------------------------------------------------------------------------
 def train_step(
     step: int,
@@ -590,7 +384,6 @@ def train_step(
     device: torch.device,
 ) -> dict[str, Any]:
     """Rollouts, rewards, advantages and the update for one batch of prompts; returns the step's log."""
-    G = cfg.num_generations
     start = time.perf_counter()
     clock = PhaseClock(device)
     if device.type == "cuda":
@@ -599,26 +392,72 @@ def train_step(
         group["lr"] = learning_rate(step, cfg)
 
     # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
+    batch_rows, rollout = sample(step, model, rollout_engine, rows, cfg)
+    clock.lap("generate")
+
+    # 2. rewards -> group-relative advantages
+    scores = score_rollout(reward_fns, rollout, batch_rows, cfg)
+    clock.lap("score")
+
+    # 3. the update: the loss's batch, the ratios' denominators, then the optimizer steps
+    batch = update_batch(rollout, scores, cfg, device)
+    update_logs: dict[str, float] = {}
+    if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
+        add_denominators(batch, model, ref_model, cfg, device)
+        clock.lap("logps")
+        model.train()
+        update_logs = update(model, optimizer, batch, cfg, device)
+    clock.lap("update")
+
+    # 4. the step's log, over every rank's completions
+    return step_log(step, rollout, scores, batch, update_logs, list(reward_fns), clock, time.perf_counter() - start,
+                    cfg, device)
+
+
+def sample(step: int, model, rollout_engine: Rollout, rows: list[dict[str, Any]],
+           cfg: GRPOConfig) -> tuple[list[dict[str, Any]], Completions]:
+    """(this rank's rows of the step's prompts, their ``num_generations`` completions each). The policy is
+    put in eval mode: sampling, and the log-probs scored before the update, run without dropout (LoRA's)."""
+    G = cfg.num_generations
     indices = prompts_for_step(len(rows), step, cfg.prompts_per_step, cfg.seed)
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
-    model.eval()  # sampling and scoring without dropout (LoRA's); the update trains
-    rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G).check(len(batch_rows) * G, type(rollout_engine).__name__)
-    generate_time = clock.lap("generate")
+    model.eval()
+    rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G)
+    return batch_rows, rollout.check(len(batch_rows) * G, type(rollout_engine).__name__)
 
-    # 2. rewards -> advantages
-    per_fn, nonfinite = score(reward_fns, rollout, columns_of(batch_rows, G))  # [B, F] float64, [F]
+
+@dataclass(frozen=True)
+class Scores:
+    """A step's rewards; ``B`` is this rank's completions."""
+
+    per_fn: torch.Tensor  # [B, F] float64, one column per reward function, NaN = unscorable
+    nonfinite: torch.Tensor  # [F] int64: values each function returned that were not finite
+    penalty: torch.Tensor  # [B] DAPO's overlong penalty
+    rewards: torch.Tensor  # [every rank's B] float64 weighted totals, in rank order; NaN = unscorable
+    advantages: torch.Tensor  # [B] this rank's group-relative advantages
+    zero_signal: torch.Tensor  # [B / G] bool: groups whose rewards are all equal
+
+
+def score_rollout(reward_fns: Mapping[str, RewardFn], rollout: Completions, batch_rows: list[dict[str, Any]],
+                  cfg: GRPOConfig) -> Scores:
+    """Every completion scored by every reward function, weighted into one reward, then advantages within
+    each group. The advantages see every rank's rewards, in rank order (the single-process batch), so
+    that "batch" scaling sees them all; each group lies within one rank, which keeps its own rows."""
+    G = cfg.num_generations
+    per_fn, nonfinite = score(reward_fns, rollout, columns_of(batch_rows, G))
     weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_fns), dtype=torch.float64)
     penalty = overlong_penalty(rollout.lengths, cfg)
     rewards = total_reward(per_fn, weights, penalty)  # [B]
-    # over every rank's rewards, in rank order (the single-process batch), so that "batch" scaling sees
-    # them all; each group lies within one rank, and this rank keeps its own completions' advantages
     all_rewards = distributed.all_gather(rewards)
     mine = slice(distributed.rank() * len(rewards), (distributed.rank() + 1) * len(rewards))
     advantages = group_advantages(all_rewards, G, std=cfg.advantage_std, scale=cfg.scale_rewards)[mine]
-    zero_signal = zero_signal_groups(rewards, G)  # [B/G]
-    clock.lap("score")
+    return Scores(per_fn, nonfinite, penalty, all_rewards, advantages, zero_signal_groups(rewards, G))
 
-    # 3. the update, on the groups that carry a signal if so asked
+
+def update_batch(rollout: Completions, scores: Scores, cfg: GRPOConfig, device: torch.device) -> UpdateBatch:
+    """What the loss reads: prompt and completion ids, the loss mask (less truncated completions with
+    ``mask_truncated_completions``), the advantages and the engine's log-probs; only the groups that carry
+    a signal with ``drop_zero_signal_groups``."""
     loss_mask = rollout.completion_mask.clone()
     if cfg.mask_truncated_completions:
         loss_mask[rollout.truncated] = 0
@@ -628,45 +467,47 @@ def train_step(
         prompt_len=rollout.prompt_ids.shape[1],
         completion_ids=rollout.completion_ids,
         loss_mask=loss_mask,
-        advantages=advantages.to(device),
+        advantages=scores.advantages.to(device),
     )
     kept = torch.arange(len(batch))
     if cfg.drop_zero_signal_groups:
-        kept = torch.nonzero(~zero_signal.repeat_interleave(G)).squeeze(-1)
+        kept = torch.nonzero(~scores.zero_signal.repeat_interleave(cfg.num_generations)).squeeze(-1)
         batch = batch.rows(kept)
     # the engine's and the trainer's log-probs of the sampled tokens differ: given the engine's
     # (rollout_logps) the loss corrects for it (rollout_correction, TRL's vllm_importance_sampling_mode),
     # and TRL's off-policy mask takes them as the sampling policy's
     if rollout.sampling_logps is not None:
         batch.rollout_logps = rollout.sampling_logps[kept.to(rollout.sampling_logps.device)].to(device)
-    correct = batch.rollout_logps is not None and cfg.grpo_options().rollout_correction is not None
-    update_logs: dict[str, float] = {}
-    if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
-        # the ratios' denominators, before any update and without dropout (the correction's too: the
-        # engine sampled with these weights)
-        if cfg.num_iterations > 1 or correct:
-            batch.old_logps = completion_logps(model, batch, cfg, device)
-        if ref_model is not None:
-            batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
-        clock.lap("logps")
-        model.train()
-        update_logs.update(update(model, optimizer, batch, cfg, device))
-    clock.lap("update")
+    return batch
 
-    # 4. the step's log, over every rank's completions
-    step_time = time.perf_counter() - start
-    rewards = all_rewards
+
+def add_denominators(batch: UpdateBatch, model, ref_model, cfg: GRPOConfig, device: torch.device) -> None:
+    """The ratios' denominators, before any update and without dropout: the old policy's log-probs (with
+    ``num_iterations > 1``, or when correcting for the engine, which sampled with these weights) and the
+    reference model's (``beta > 0``)."""
+    correct = batch.rollout_logps is not None and cfg.grpo_options().rollout_correction is not None
+    if cfg.num_iterations > 1 or correct:
+        batch.old_logps = completion_logps(model, batch, cfg, device)
+    if ref_model is not None:
+        batch.ref_logps = completion_logps(ref_model, batch, cfg, device)
+
+
+def step_log(step: int, rollout: Completions, scores: Scores, batch: UpdateBatch, update_logs: dict[str, float],
+             reward_names: list[str], clock: "PhaseClock", step_time: float, cfg: GRPOConfig,
+             device: torch.device) -> dict[str, Any]:
+    """The step's log line, over every rank's completions."""
+    rewards = scores.rewards
     per_fn, penalty, zero_signal, lengths, truncated = (
         distributed.all_gather(t)
-        for t in (per_fn, penalty, zero_signal.float(), rollout.lengths.float(), rollout.truncated.float())
+        for t in (scores.per_fn, scores.penalty, scores.zero_signal.float(), rollout.lengths.float(), rollout.truncated.float())
     )
-    nonfinite = distributed.all_reduce(nonfinite)
+    nonfinite = distributed.all_reduce(scores.nonfinite)
     scored = rewards[~torch.isnan(rewards)]
     return {
         "step": step + 1,
         "reward": float(scored.mean()) if scored.numel() else math.nan,
         "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
-        **reward_logs(per_fn, nonfinite, list(reward_fns), penalty, cfg),
+        **reward_logs(per_fn, nonfinite, reward_names, penalty, cfg),
         "unscorable_frac": float(torch.isnan(rewards).float().mean()),
         "zero_signal_groups": int(zero_signal.sum()),
         "zero_signal_frac": float(zero_signal.float().mean()),
@@ -677,7 +518,7 @@ def train_step(
         **update_logs,  # loss, grad_norm, skipped_updates, kl, entropy, clip ratios (absent when nothing was updated)
         "lr": learning_rate(step, cfg),
         "step_time": step_time,
-        "generate_time": generate_time,
+        "generate_time": clock.times["time/generate"],
         **clock.times,  # time/generate, time/score, time/logps (old and reference), time/update (loss, backward, optimizer)
         "tokens_per_s": float(lengths.sum()) / step_time,  # completion tokens sampled and trained on
         "peak_memory_mb": distributed.all_reduce(peak_memory_mb(device), "max"),

@@ -10,17 +10,18 @@ spec in ``reference`` instead.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from . import _validation as V
 from . import backends, objective, reference, vocab_parallel
-from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, compute_dtype,
-                       default_chunk_size)
+from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction,
+                       TokenLogprobsFunction)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
-from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords, split_grpo_keywords
+from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
+from .prepare import linear_rows, prepare_grpo, scatter_rows, take_rows
 
 
 
@@ -40,6 +41,23 @@ def _no_hidden_to_reduce(reduce_hidden_grad: object) -> None:
     if reduce_hidden_grad:
         raise ValueError("reduce_hidden_grad=True all-reduces d hidden, which only the fused-linear functions "
                          "compute; a call from logits has none (all-reduce the logits' producer's input gradient instead)")
+
+
+def _several_ranks(group: Optional[Any]) -> bool:
+    """A vocabulary-parallel call (``vocab_parallel``): a process group of more than one rank. A group of
+    one holds the whole vocabulary, and its call is the single-device one."""
+    return group is not None and vocab_parallel.world_size(group) > 1
+
+
+def _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend):
+    """(group or None, weight, bias) of a fused-linear call: a DTensor head sharded over the vocabulary
+    gives its group and local shards (``vocab_parallel.resolve_sharded_head``); ``reduce_hidden_grad``
+    must be a bool, and True only with a group."""
+    group = None
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        group, weight, bias = vocab_parallel.resolve_sharded_head(process_group, weight, bias, backend)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, group)
+    return group, weight, bias
 
 
 def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> Callable:
@@ -103,9 +121,9 @@ def token_logprobs(
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     _no_hidden_to_reduce(reduce_hidden_grad)
-    if process_group is not None:
+    if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
         return vocab_parallel.token_logprobs(
-            logits, targets, process_group=process_group, temperature=temperature, ignore_index=ignore_index,
+            logits, targets, group=group, temperature=temperature, ignore_index=ignore_index,
             return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend)
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
@@ -114,17 +132,6 @@ def token_logprobs(
     row_backend = backends.resolve(backend, logits.device)
     logp, entropy = _logprobs_rows(logits, targets, transform, ignore_index, return_entropy, row_backend)
     return (logp, entropy) if return_entropy else logp
-
-
-def _prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, advantages, completion_mask, grpo_kwargs):
-    """Validate a GRPO call; -> (inputs, options, mask [B, T] fp32, ids with masked positions ignored)."""
-    inputs, options = split_grpo_keywords(grpo_kwargs, "grpo_loss" if name == "logits" else "fused_linear_grpo_loss")
-    V.check_grpo_inputs(leading_shape, completion_ids, advantages, completion_mask, inputs, options, name)
-    mask = objective.effective_mask(completion_ids, completion_mask)
-    ids = objective.masked_ids(completion_ids, mask)
-    if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
-        V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
-    return inputs, options, mask, ids
 
 
 @grpo_keywords
@@ -155,11 +162,11 @@ def grpo_loss(
     """
     inplace_backward = V.check_flag("inplace_backward", inplace_backward)
     _no_hidden_to_reduce(reduce_hidden_grad)
-    if process_group is not None:
-        return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, process_group=process_group,
+    if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
+        return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, group=group,
                                         backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
     logits = V.check_logits(logits)
-    inputs, options, mask, ids = _prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
+    inputs, options, mask, ids = prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     if inplace_backward:
         V.check_writable("logits", logits, [("completion_ids", completion_ids), ("advantages", advantages),
@@ -214,65 +221,17 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
 # --------------------------------------------------------------------------------------------------
 # fused linear: hidden states and lm_head weight in, the [N, V] logits never exist at once
 # --------------------------------------------------------------------------------------------------
-class _LinearRows(NamedTuple):
-    """The rows a fused-linear call projects, and the call's compute dtype (``autograd.compute_dtype``)."""
-
-    hidden: torch.Tensor  # [n, H]: only the rows whose target is not ignore_index
-    targets: torch.Tensor  # [n]
-    keep: Optional[torch.Tensor]  # [n] int64 indices into the flattened [N] rows; None = all rows kept
-    num_rows: int  # N
-    chunk_size: int
-    dtype: torch.dtype  # of the matmuls; the Functions cast to it inside, so gradients keep each input's dtype
-
-
-def _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype) -> _LinearRows:
-    """Keep the rows whose target is not ``ignore_index`` (the others are never read, so a NaN hidden
-    state at a padded position changes nothing, and cost nothing); fix the compute dtype and chunk."""
-    dtype = compute_dtype(hidden)
-    flat_targets = targets.reshape(-1)
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    if torch.compiler.is_compiling():  # a row count set by the data would break the graph: every row stays,
-        # those without a target zeroed (so a NaN there still reaches nothing); the kernels skip them
-        valid = (flat_targets != ignore_index).unsqueeze(-1)
-        flat_hidden, keep = torch.where(valid, flat_hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device)), None
-    else:
-        keep = (flat_targets != ignore_index).nonzero().squeeze(-1)
-        if keep.numel() == flat_targets.numel():  # nothing to leave out: no copy, no scatter back
-            keep = None
-        else:
-            flat_hidden, flat_targets = flat_hidden.index_select(0, keep), flat_targets.index_select(0, keep)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0], weight.shape[1], dtype, hidden.device, flat_targets.numel())
-    return _LinearRows(flat_hidden, flat_targets, keep, targets.numel(), chunk_size, dtype)
-
-
-def _scatter_rows(rows: _LinearRows, kept: torch.Tensor, shape) -> torch.Tensor:
-    """Per-row fp32 values of the kept rows -> ``shape``, 0 at the rows left out."""
-    if rows.keep is None:
-        return kept.view(shape)
-    zeros = torch.zeros(rows.num_rows, dtype=kept.dtype, device=kept.device)
-    return zeros.index_put((rows.keep,), kept).view(shape)
-
-
-def _take_rows(rows: _LinearRows, x: Optional[torch.Tensor], shape) -> Optional[torch.Tensor]:
-    """A per-token constant broadcast to ``shape`` [B, T], detached, fp32, at the kept rows: [n]."""
-    if x is None:
-        return None
-    flat = x.detach().float().expand(shape).reshape(-1)
-    return flat if rows.keep is None else flat.index_select(0, rows.keep)
-
-
 def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform, ignore_index, with_entropy, chunk_size,
                        backend, accumulate_in_weight_dtype=False):
     """(logp, entropy) of ``hidden @ weight.T + bias`` with the shape of ``targets``; the backward
     recomputes each chunk's logits (4 matmuls). Only rows whose target is not ``ignore_index`` are read."""
     row_backend = backends.resolve(backend, hidden.device)
-    rows = _linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
     logp, entropy = FusedLinearTokenLogprobsFunction.apply(
         rows.hidden, weight, bias, rows.targets, row_backend, transform, ignore_index, with_entropy,
         rows.chunk_size, rows.dtype, accumulate_in_weight_dtype,
     )
-    return _scatter_rows(rows, logp, targets.shape), _scatter_rows(rows, entropy, targets.shape)
+    return scatter_rows(rows, logp, targets.shape), scatter_rows(rows, entropy, targets.shape)
 
 
 def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs: GRPOInputs,
@@ -283,16 +242,16 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     tensors of one chunk's log-probs and entropies (O(chunk) work): the objective is written once.
     """
     row_backend = backends.resolve(backend, hidden.device)
-    rows = _linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype)
     shape = ids.shape
     sequences = objective.Sequences(mask, inputs.segment_ids)
     objective.check_spec_inputs(inputs, options, *shape)
-    weights = _take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences,
+    weights = take_rows(rows, objective.token_weights(mask, options, inputs.num_items_in_batch, sequences,
                                                        inputs.global_batch_size), shape)
-    regulariser = _take_rows(rows, objective.regulariser_weights(mask, options, inputs, sequences), shape)
-    bonus = _take_rows(rows, objective.entropy_weights(mask, options, inputs, sequences), shape)
-    adv = _take_rows(rows, objective.per_token_advantages(advantages, mask), shape)
-    old, ref, is_ratio, rollout = (_take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
+    regulariser = take_rows(rows, objective.regulariser_weights(mask, options, inputs, sequences), shape)
+    bonus = take_rows(rows, objective.entropy_weights(mask, options, inputs, sequences), shape)
+    adv = take_rows(rows, objective.per_token_advantages(advantages, mask), shape)
+    old, ref, is_ratio, rollout = (take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
                                                                          inputs.is_ratio, inputs.rollout_logps))
 
     def chunk_loss_of(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice) -> torch.Tensor:
@@ -328,7 +287,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
         rows.hidden, weight, bias, rows.targets, coefficients, row_backend, options.transform,
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
     )
-    logp, entropy = _scatter_rows(rows, logp, shape), _scatter_rows(rows, entropy, shape)
+    logp, entropy = scatter_rows(rows, logp, shape), scatter_rows(rows, entropy, shape)
     with torch.no_grad():  # metrics only: the same formulas, no autograd
         metrics = objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options).metrics
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
@@ -371,13 +330,13 @@ def fused_linear_token_logprobs(
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
-    if process_group is not None or vocab_parallel.is_dtensor(weight):
+    group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
+    if _several_ranks(group):
         return vocab_parallel.fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+            hidden, weight, targets, bias=bias, group=group, reduce_hidden_grad=reduce_hidden_grad,
             temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
             logit_scale=logit_scale, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
             backend=backend)
-    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     transform = LogitTransform(temperature, softcap, logit_scale)
@@ -419,14 +378,14 @@ def fused_linear_grpo_loss(
     """
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
-    if process_group is not None or vocab_parallel.is_dtensor(weight):
+    group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
+    if _several_ranks(group):
         return vocab_parallel.fused_linear_grpo_loss(
-            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, process_group=process_group,
+            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, group=group,
             reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
             accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
-    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None)
     V.check_linear(hidden, weight, bias)
-    inputs, options, mask, ids = _prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
+    inputs, options, mask, ids = prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
                                                completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):

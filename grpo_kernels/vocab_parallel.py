@@ -51,6 +51,7 @@ from .autograd import FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
+from .prepare import linear_rows, prepare_grpo, scatter_rows
 
 # Local target codes handed to the row kernels: a row's target in another rank's shard, and an
 # ignored row. Both negative, so no local id (>= 0) collides with them, whatever ignore_index is.
@@ -92,7 +93,9 @@ def is_dtensor(x: object) -> bool:
     return isinstance(x, DTensor)
 
 
-def _check_group(process_group: Any, backend: str = "auto") -> Any:
+def check_group(process_group: Any, backend: str = "auto") -> Any:
+    """``process_group`` once it is a ProcessGroup of an initialised ``torch.distributed`` holding this rank
+    (and the backend is not the reference, which computes on the whole vocabulary)."""
     if backend == "reference":
         raise ValueError("backend='reference' computes on the whole vocabulary; it takes no process_group")
     dist = _dist()
@@ -112,7 +115,7 @@ def resolve_sharded_head(process_group: Any, weight: torch.Tensor, bias: Optiona
     if not is_dtensor(weight):
         if is_dtensor(bias):
             raise TypeError("bias is a DTensor but weight is not: shard both over the vocabulary, or neither")
-        return (None if process_group is None else _check_group(process_group, backend)), weight, bias
+        return (None if process_group is None else check_group(process_group, backend)), weight, bias
     from torch.distributed.tensor import Shard
 
     mesh = weight.device_mesh
@@ -121,9 +124,9 @@ def resolve_sharded_head(process_group: Any, weight: torch.Tensor, bias: Optiona
             f"weight is a DTensor with placements {tuple(weight.placements)} on a {mesh.ndim}-D mesh; only a weight "
             "sharded over the vocabulary, Shard(0) on a 1-D mesh, is vocabulary-parallel (gather it otherwise)"
         )
-    group = _check_group(mesh.get_group(), backend)
+    group = check_group(mesh.get_group(), backend)
     dist = _dist()
-    if process_group is not None and (dist.get_process_group_ranks(_check_group(process_group, backend))
+    if process_group is not None and (dist.get_process_group_ranks(check_group(process_group, backend))
                                       != dist.get_process_group_ranks(group)):
         raise ValueError("process_group differs from the group of weight's device mesh; pass one of them")
     if bias is not None:
@@ -364,7 +367,7 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------------
-# the public functions' vocabulary-parallel paths (functional.py dispatches here)
+# the public functions' vocabulary-parallel paths (functional.py dispatches here for a group of several ranks)
 # --------------------------------------------------------------------------------------------------
 _LOGPROB_FINGERPRINT = ("the logits' leading shape", "targets", "temperature/softcap/logit_scale", "ignore_index",
                         "return_entropy")
@@ -388,16 +391,9 @@ def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_e
     return logp.view(ids.shape), entropy.view(ids.shape)
 
 
-def token_logprobs(logits, targets, *, process_group, temperature, ignore_index, return_entropy, softcap, logit_scale,
-                   backend):
-    """``functional.token_logprobs`` over a vocabulary shard (see the module docstring)."""
-    from . import functional
-
-    group = _check_group(process_group, backend)
-    if world_size(group) == 1:
-        return functional.token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index,
-                                         return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
-                                         backend=backend)
+def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_entropy, softcap, logit_scale, backend):
+    """``functional.token_logprobs`` over a vocabulary shard (see the module docstring); ``group``: a checked
+    process group of more than one rank (``check_group``)."""
     with agreement(group) as agree:
         logits = V.check_logits(logits)
         targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
@@ -415,19 +411,14 @@ def token_logprobs(logits, targets, *, process_group, temperature, ignore_index,
     return (logp, entropy) if return_entropy else logp
 
 
-def grpo_loss(logits, completion_ids, advantages, completion_mask, *, process_group, backend, inplace_backward,
+def grpo_loss(logits, completion_ids, advantages, completion_mask, *, group, backend, inplace_backward,
               grpo_kwargs) -> GRPOLossOutput:
     """``functional.grpo_loss`` over a vocabulary shard: the shards' merged log-probs and entropies,
-    then the single-device objective (``objective.grpo_loss_from_logprobs``)."""
-    from . import functional
-
-    group = _check_group(process_group, backend)
-    if world_size(group) == 1:
-        return functional.grpo_loss(logits, completion_ids, advantages, completion_mask, backend=backend,
-                                    inplace_backward=inplace_backward, **grpo_kwargs)
+    then the single-device objective (``objective.grpo_loss_from_logprobs``); ``group`` as in
+    :func:`token_logprobs`."""
     with agreement(group) as agree:
         logits = V.check_logits(logits)
-        inputs, options, mask, ids = functional._prepare_grpo("logits", logits.shape, None, completion_ids,
+        inputs, options, mask, ids = prepare_grpo("logits", logits.shape, None, completion_ids,
                                                               advantages, completion_mask, grpo_kwargs)
         row_backend = backends.resolve(backend, logits.device)
         agree.local_size = logits.shape[-1]
@@ -455,31 +446,21 @@ def _check_bool(name: str, value: object) -> bool:
 
 def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
                        chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad):
-    from . import functional
-
     row_backend = backends.resolve(backend, hidden.device)
-    rows = functional._linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype)
     codes = local_targets(rows.targets, shard, ignore_index)
     logp, entropy = VocabParallelFusedLinearFunction.apply(
         rows.hidden, weight, bias, codes, row_backend, transform, with_entropy, rows.chunk_size, rows.dtype,
         accumulate_in_weight_dtype, shard.group, reduce_hidden_grad,
     )
-    return functional._scatter_rows(rows, logp, ids.shape), functional._scatter_rows(rows, entropy, ids.shape)
+    return scatter_rows(rows, logp, ids.shape), scatter_rows(rows, entropy, ids.shape)
 
 
-def fused_linear_token_logprobs(hidden, weight, targets, *, bias, process_group, reduce_hidden_grad, temperature,
+def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_hidden_grad, temperature,
                                 ignore_index, return_entropy, softcap, logit_scale, chunk_size,
                                 accumulate_in_weight_dtype, backend):
-    """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard."""
-    from . import functional
-
-    group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
-    check_reduce_hidden_grad(reduce_hidden_grad, group)
-    if group is None or world_size(group) == 1:
-        return functional.fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
-            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend)
+    """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard (local
+    tensors: ``resolve_sharded_head``); ``group`` as in :func:`token_logprobs`."""
     fingerprint = ("the hidden states' shape",) + _LOGPROB_FINGERPRINT[1:] + ("reduce_hidden_grad",)
     with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
@@ -497,24 +478,17 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, process_group,
     return (logp, entropy) if return_entropy else logp
 
 
-def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, bias, process_group,
+def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, bias, group,
                            reduce_hidden_grad, chunk_size, accumulate_in_weight_dtype, backend,
                            grpo_kwargs) -> GRPOLossOutput:
     """``functional.fused_linear_grpo_loss`` with this rank's ``weight [V_r, H]`` shard: the merged
     log-probs and entropies, then the single-device objective. Every objective takes the backward
     that recomputes each chunk's logits (4 matmuls a chunk): the per-token coefficients need the
-    whole vocabulary's statistics, known only after the forward's merge."""
-    from . import functional
-
-    group, weight, bias = resolve_sharded_head(process_group, weight, bias, backend)
-    check_reduce_hidden_grad(reduce_hidden_grad, group)
-    if group is None or world_size(group) == 1:
-        return functional.fused_linear_grpo_loss(
-            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, chunk_size=chunk_size,
-            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, **grpo_kwargs)
+    whole vocabulary's statistics, known only after the forward's merge. ``weight``, ``bias`` and ``group``
+    as in :func:`fused_linear_token_logprobs`."""
     with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
-        inputs, options, mask, ids = functional._prepare_grpo("hidden", hidden.shape, None, completion_ids,
+        inputs, options, mask, ids = prepare_grpo("hidden", hidden.shape, None, completion_ids,
                                                               advantages, completion_mask, grpo_kwargs)
         agree.local_size = weight.shape[0]
         _declare_grpo(agree, hidden.shape[:-1], ids, advantages, completion_mask, inputs, options)

@@ -183,10 +183,17 @@ def test_one_update_on_two_ranks_matches_one_process(tmp_path):
         assert max(float(g.abs().max()) for g in ref_grads.values()) > 1e-3  # a gradient worth comparing
         for name in ref_grads:
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {loss_type} {split} grad {name}: {m}")
-        # Adam's first step is lr * g / (|g| + 1e-8): where |g| ~ 1e-8 it magnifies the fp32 rounding of g
-        # by ~lr / 4e-8, so the parameters get a tolerance of 1% of a step (the gradients were exact above)
+        # Adam's first step is lr * g / (|g| + eps), eps = 1e-8: d step / d g = lr * eps / (|g| + eps)^2, which
+        # at |g| ~ eps magnifies the rounding of g (two ranks' partial sums against one process's sum: ~1e-10
+        # here, and CPU-dependent) by lr / (4 eps) = 2.5e4. Where |g| >= 1e-6 the magnification is at most
+        # lr * eps / 1e-12 = 10: there the parameters agree to 1% of a step; elsewhere each still moved by at
+        # most one step, lr * (1 + weight_decay * |p|)
         for name in ref_state:
-            torch.testing.assert_close(state[name], ref_state[name], rtol=0, atol=1e-5, msg=lambda m: f"{kind} {loss_type} {split} param {name}: {m}")
+            grad = ref_grads.get(name)
+            conditioned = torch.ones_like(ref_state[name], dtype=torch.bool) if grad is None else grad.abs() >= 1e-6
+            torch.testing.assert_close(state[name][conditioned], ref_state[name][conditioned], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{kind} {loss_type} {split} param {name}: {m}")
+            assert float((state[name] - ref_state[name]).abs().max()) <= 2 * 1e-3 * (1 + 0.01 * float(ref_state[name].abs().max())) + 1e-6
         for key in ref_logs:
             assert logs[key] == pytest_approx(ref_logs[key]), (kind, loss_type, split, key, logs[key], ref_logs[key])
         report.append(f"{kind:4} {loss_type:7} {split:6} tied={tied!s:5} max|dgrad|={max_diff(grads, ref_grads):.1e} "

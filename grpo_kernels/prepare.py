@@ -1,0 +1,79 @@
+"""A call's arguments made ready for the row kernels, shared by the single-device functions
+(``functional``) and the vocabulary-parallel ones (``vocab_parallel``), which both import it.
+
+:func:`prepare_grpo` validates a GRPO call (its flat keywords split into ``GRPOInputs`` and
+``GRPOOptions``, the tensors checked against the batch) and gives the effective mask and the ids that
+masked positions leave unread. :func:`linear_rows` picks the rows a fused-linear call projects (those
+whose target is not ``ignore_index``), its compute dtype and chunk; :func:`scatter_rows` and
+:func:`take_rows` move per-token values between the kept rows and the call's ``[B, T]`` layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _validation as V
+from . import objective
+from .autograd import compute_dtype, default_chunk_size
+from .options import IGNORE_INDEX, split_grpo_keywords
+
+
+def prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, advantages, completion_mask, grpo_kwargs):
+    """Validate a GRPO call; -> (inputs, options, mask [B, T] fp32, ids with masked positions ignored)."""
+    inputs, options = split_grpo_keywords(grpo_kwargs, "grpo_loss" if name == "logits" else "fused_linear_grpo_loss")
+    V.check_grpo_inputs(leading_shape, completion_ids, advantages, completion_mask, inputs, options, name)
+    mask = objective.effective_mask(completion_ids, completion_mask)
+    ids = objective.masked_ids(completion_ids, mask)
+    if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
+        V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
+    return inputs, options, mask, ids
+
+
+class LinearRows(NamedTuple):
+    """The rows a fused-linear call projects, and the call's compute dtype (``autograd.compute_dtype``)."""
+
+    hidden: torch.Tensor  # [n, H]: only the rows whose target is not ignore_index
+    targets: torch.Tensor  # [n]
+    keep: Optional[torch.Tensor]  # [n] int64 indices into the flattened [N] rows; None = all rows kept
+    num_rows: int  # N
+    chunk_size: int
+    dtype: torch.dtype  # of the matmuls; the Functions cast to it inside, so gradients keep each input's dtype
+
+
+def linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype) -> LinearRows:
+    """Keep the rows whose target is not ``ignore_index`` (the others are never read, so a NaN hidden
+    state at a padded position changes nothing, and cost nothing); fix the compute dtype and chunk."""
+    dtype = compute_dtype(hidden)
+    flat_targets = targets.reshape(-1)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if torch.compiler.is_compiling():  # a row count set by the data would break the graph: every row stays,
+        # those without a target zeroed (so a NaN there still reaches nothing); the kernels skip them
+        valid = (flat_targets != ignore_index).unsqueeze(-1)
+        flat_hidden, keep = torch.where(valid, flat_hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device)), None
+    else:
+        keep = (flat_targets != ignore_index).nonzero().squeeze(-1)
+        if keep.numel() == flat_targets.numel():  # nothing to leave out: no copy, no scatter back
+            keep = None
+        else:
+            flat_hidden, flat_targets = flat_hidden.index_select(0, keep), flat_targets.index_select(0, keep)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0], weight.shape[1], dtype, hidden.device, flat_targets.numel())
+    return LinearRows(flat_hidden, flat_targets, keep, targets.numel(), chunk_size, dtype)
+
+
+def scatter_rows(rows: LinearRows, kept: torch.Tensor, shape) -> torch.Tensor:
+    """Per-row fp32 values of the kept rows -> ``shape``, 0 at the rows left out."""
+    if rows.keep is None:
+        return kept.view(shape)
+    zeros = torch.zeros(rows.num_rows, dtype=kept.dtype, device=kept.device)
+    return zeros.index_put((rows.keep,), kept).view(shape)
+
+
+def take_rows(rows: LinearRows, x: Optional[torch.Tensor], shape) -> Optional[torch.Tensor]:
+    """A per-token constant broadcast to ``shape`` [B, T], detached, fp32, at the kept rows: [n]."""
+    if x is None:
+        return None
+    flat = x.detach().float().expand(shape).reshape(-1)
+    return flat if rows.keep is None else flat.index_select(0, rows.keep)
