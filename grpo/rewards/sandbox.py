@@ -695,6 +695,9 @@ class _Planner:
             self.at = k
             judge.extend(self.statement(st))
         self.at = None
+        if not self.probes and _names_loaded(tree) & self.trusted:
+            raise Refused("the test reads nothing of the program: trusted_code defines "
+                          "every function it calls")
         if not self.traced:
             judge = _strip_steps(judge)
             module = ast.fix_missing_locations(ast.Module(body=judge or [ast.Pass()], type_ignores=[]))
@@ -1123,6 +1126,10 @@ def _check_trusted(trusted_code: str) -> tuple[str, tuple[str, ...]]:
             defined.update((a.asname or a.name).partition(".")[0] for a in n.names)
     allowed = JUDGE_BUILTINS | TRUSTED_EXTRA_BUILTINS
     for n in ast.walk(tree):
+        if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in defined
+                and n.id not in _BUILTIN_NAMES):
+            raise ValueError(f"trusted_code reads {n.id}, which it does not define (the "
+                             "function under test is the program's, never trusted code's)")
         name = (n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
                 else n.name if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else None)
         if name is not None and name.startswith("_"):

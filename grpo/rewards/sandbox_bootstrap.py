@@ -528,7 +528,7 @@ def _judge(argv):
     """Run the judge side of assert tests, never with the program's code. Two stages:
 
     ``inputs`` (before the program runs, only for *traced* tests: those with steps inside the
-    test's own loops or ``if``\ s, or steps that take values only the judge computes): runs each
+    test's own loops or ifs, or steps that take values only the judge computes): runs each
     test's first-stage source, which keeps the test's judge-side statements and replaces every
     step of the program by ``__grpo_at__(step, is_statement, inputs)``; prints one line per step
     run, ``<test> <step> <encoded inputs>`` (``n``: none, ``-``: they raised or cannot be sent),
