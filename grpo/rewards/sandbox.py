@@ -17,15 +17,59 @@
   :data:`JUDGE_SECONDS` wall clock that never holds an object of the program) on the decoded
   values. The expected values never enter the sandbox. A test whose logic would have to run
   inside (a helper the test defines, a comparison whose result is passed to the program, a
-  ``def check(candidate)``) is refused: it scores 0 and the reason is logged at INFO.
-  The trainer's process only ever reads the judge's ``PASS <i>`` lines (bounded).
+  ``def check(candidate)`` that cannot be inlined) is refused. A refusal that is the test's
+  own (it is refused when planned without any program) scores None, unscorable, not 0: the
+  plain asserts before the refused statement are still judged (one that fails fails the test;
+  if they hold the test stays unscorable), so a correct program never scores 0 for it. A
+  refusal the program causes (it redefines a builtin the test uses) fails, logged at INFO.
+  The trainer's process only ever reads the judge's ``PASS <i>`` / ``MISS <i>`` lines (bounded).
+* *trusted helpers* (``trusted_code``, :func:`check_trusted_code`): the problem's own helper
+  definitions (HumanEval's ``poly``, ``encode_cyclic``) run in the judge only. A test's
+  calls of those names resolve there, even when the program defines the same names (its
+  copies serve only its own code), and their values may be passed into probes
+  (``candidate(encode_cyclic(s))``: ``encode_cyclic(s)`` is computed in the judge and sent in).
+  The program never sees their source. Trusted code is held to the judge's modules and
+  builtins (plus classes and errors), no name or attribute starting with ``_``, modules reduced
+  to their public, non-module attributes; bad trusted code makes its row unscorable (logged
+  once). A stub (a function with only a docstring) is left out, so a whole prompt may be
+  given; a test whose checked function trusted code defines, or that calls nothing of the
+  program, is refused (unscorable).
+* *traced tests*: a test's own ``for`` loops whose bodies assign, call or nest loops and ifs,
+  ifs on judge-side values, and values only the judge computes (trusted helpers,
+  ``random`` -- seeded per job, never by the machine -- and names bound to them or in such
+  loops) are judged in three runs: the judge's *first stage* runs the test's judge side
+  (asserts and whatever depends on the program's values left out) and records every step of
+  the program it meets with the values the step reads (:func:`judge_inputs`); the sandbox runs
+  those steps in that order in **one** run, each with its values bound (decoded before the
+  program runs, fresh objects each time); the judge's second stage reruns the test on the
+  probe records, recomputes each step's inputs and requires them to equal what was sent (same
+  seeds, same ``PYTHONHASHSEED``), else the test is unscorable (``MISS``), never failed.
+  Parent-side caps: :data:`MAX_PROBE_CALLS` step runs and :data:`MAX_INPUT_BYTES` of encoded
+  inputs per completion (beyond them the test is unscorable), the probe records stay under
+  :data:`MAX_RESULT_BYTES`, each judge stage under :data:`JUDGE_SECONDS` (a test under
+  :data:`JUDGE_TEST_SECONDS`) and the sandbox under the caller's ``timeout``. Refused
+  (unscorable): inputs, a loop's iterable or an if's test that depend on the program's output
+  (a test that feeds the program's values back to it), a value computed per element of a
+  comprehension and passed to the program, and a judge-side value handed to a statement of the
+  program (``g(xs)``) and read again (the program gets copies: changes in place are not seen).
 
 **What remains possible** (said plainly): a probe's value is whatever the program returns,
 so a forged record is no better than returning that value (a stateful program may return
 different values on each call); a method of an object the program returned
 (``s.pop()``) is the program's, and so is a helper the test calls without defining or importing
-it itself (a test's ``isclose(...)`` where the program defines ``isclose``) -- as in Python; but
-a test using a builtin or judge module the program redefines is refused. Not judged (refused):
+it itself when ``trusted_code`` does not define it (a test's ``poly(...)`` where only the
+program defines ``poly``: a program whose ``poly`` returns 0 passes, as in HumanEval's own
+harness -- give the prompt as ``trusted_code``); a name a test binds inside the program's
+process (one the program reads) may be rebound by the program's ``global`` statement, as in
+Python; but a test using a builtin or judge module the program redefines is refused. The
+attacker model for trusted helpers: the program may define, patch or shadow any name or module
+(its own copies of the helpers, ``builtins``, ``math``, ``random``), return objects whose
+``__eq__`` lies, search every file, variable and descriptor it can reach for the helpers'
+source or the expected values, and count its calls; none of it reaches the judge, which holds
+the helpers, computes their values on plain data and compares (tests/rewards_corpus.py's
+``TRUSTED_PROBLEMS``). What the trusted code computes from a probe's value is the data's
+own code: the judge runs it unjailed (limits, no I/O builtins, no imports outside its
+modules, no ``_`` names), so it is the dataset author's, not the policy's. Not judged (refused):
 ``try``/``with``/``if``/``while`` statements in a test, helper functions it defines (other than
 HumanEval's ``check(candidate)``), and values of the test's own lambdas passed to the program. Forging a record needs the nonce, which lives only in a local
 of the bootstrap's frame: a CPython memory-safety bug that lets pure Python read its own
