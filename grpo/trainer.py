@@ -646,7 +646,7 @@ def train(
     reward_fns = as_named(reward_fns)
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
         raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
-    check_reward_columns(reward_fns, columns)
+    check_reward_columns(reward_fns, columns, rows)  # and plans every row's tests: prints what cannot be judged
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # a fresh run never replaces an earlier one's checkpoint
     distributed.setup(cfg.distributed)
     if cfg.prompts_per_step % distributed.world_size():
