@@ -5,7 +5,8 @@
   reduction, HF / packed / Megatron layouts, -100 labels, fp32 and bf16), and verl's signature.
 - Bad input: a ValueError/TypeError naming verl's argument, before our kernel is called.
 - ``patch`` / ``unpatch`` / ``is_patched``, the ``verl.plugins`` entry point (verl imported here with
-  plugins on, so ``import verl`` patched it), verl's Megatron forwards' module-level copies.
+  plugins on, so ``import verl`` patched it), verl's Megatron forwards' module-level copies, and verl's
+  Megatron loss head (``fused_output_processor``) with megatron-core's parallel state on one gloo rank.
 - verl's own HF forwards (tiny Qwen2 and Llama built in code): ``patch_forward_with_backends(model,
   use_fused_kernels=True, fused_kernels_backend="triton")`` after our patch gives verl's "torch"
   backend's log-probs, entropies and parameter gradients, and runs our code (counted).
@@ -248,6 +249,43 @@ def test_patch_unpatch_is_patched(caplog):
         assert not gk_verl.is_patched()
     finally:
         (gk_verl.patch if was else gk_verl.unpatch)()
+
+
+def test_megatron_output_processor_runs_ours(patched, calls, tmp_path):
+    """verl's Megatron loss head (``model_forward_fused.fused_output_processor``, Megatron Core's
+    output-processor hook) with megatron's own parallel state (one gloo rank): Megatron's ``[S, 1, H]``
+    and labels ``[1, S]`` reach our kernel through the group megatron hands it."""
+    pytest.importorskip("megatron.core")
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    fused = importlib.import_module("verl.models.mcore.model_forward_fused")
+    assert fused.linear_cross_entropy is gk_verl.linear_cross_entropy
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        g = torch.Generator().manual_seed(8)
+        s, h_size, vocab = 9, 16, 23
+        hidden = torch.randn(s, 1, h_size, generator=g, requires_grad=True)
+        weight = torch.randn(vocab, h_size, generator=g, requires_grad=True)
+        labels = torch.randint(0, vocab, (1, s), generator=g)
+        out = fused.fused_output_processor(hidden_states=hidden, output_layer=None, output_weight=weight,
+                                           labels=labels, context=fused.FusedOutputProcessorContext(temperature=0.7),
+                                           config=types.SimpleNamespace(sequence_parallel=False))
+        assert calls == [(s, 1, h_size)]
+        c_logp, c_ent = torch.randn(s, generator=g), torch.randn(s, generator=g)
+        (out.log_probs * c_logp).sum().add((out.entropy * c_ent).sum()).backward()
+        ref_lp, ref_ent, ref_dh, ref_dw, ref_dz = reference64(hidden, weight, labels, 0.7, "none", c_logp, c_ent)
+        assert_close64(out.log_probs, ref_lp, scale=float(ref_lp.abs().max()), what="log_probs")
+        assert_close64(out.entropy, ref_ent, what="entropy")
+        assert_close64(hidden.grad, ref_dh, scale=abs_scale(ref_dz, weight.detach().double()), what="d hidden")
+        assert_close64(weight.grad, ref_dw, scale=abs_scale(ref_dz.T, hidden.detach().double().reshape(s, h_size)),
+                       what="d weight")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- verl's HF forwards

@@ -17,11 +17,15 @@ rolled_labels, temperature, "none")`` and returns its ``(log_probs, entropy)``. 
 ``_fused_GPTModel_forward``; ``model_forward_1f1b_overlap.py``) hold module-level copies of the same
 function, imported at module load, and pass the tensor-parallel group as a sixth argument.
 
-:func:`patch` points every one of those names at :func:`linear_cross_entropy` below, which has verl's
-signature and semantics and runs ``grpo_kernels.fused_linear_token_logprobs`` (``return_entropy=True``,
-and ``process_group=`` for the tensor-parallel case): the ``[tokens, vocab]`` logits never exist, the
-same as in verl's kernel, and unlike it this runs on any device (Triton on CUDA, the chunked PyTorch
-path on a CPU), with any hidden size and uneven vocabulary shards.
+:func:`patch` points every one of those names at :func:`linear_cross_entropy` below (the kernel module's
+own, which the HF forwards read at call time and Megatron forwards imported later copy, and every copy a
+loaded verl module already holds), which has verl's signature and semantics and runs
+``grpo_kernels.fused_linear_token_logprobs`` (``return_entropy=True``, and ``process_group=`` for the
+tensor-parallel case): the ``[tokens, vocab]`` logits never exist, the same as in verl's kernel, and
+unlike it this runs on any device (Triton on CUDA, the chunked PyTorch path or Triton's interpreter on a
+CPU), with any hidden size and uneven vocabulary shards. ``grpo_kernels.integrations.verl_plugin`` (a
+``verl.plugins`` entry point) calls :func:`patch` whenever verl is imported; importing this module changes
+nothing of verl's.
 
 verl's kernel (``verl/utils/kernel/linear_cross_entropy.py`` ``LinearCrossEntropy``, its Triton code in
 ``verl/utils/kernel/kernels.py`` ``efficient_entropy_forward`` / ``efficient_entropy_backward``), as
