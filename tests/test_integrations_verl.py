@@ -27,7 +27,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -55,19 +54,38 @@ def is_verls(fn) -> bool:
 
 
 # ---------------------------------------------------------------------------- fixtures
+ENGINE_TEST, TP_TEST = "test_verl_fsdp_engine_actor_step", "test_tensor_parallel_uneven_shards"
+TP_WORLDS = (2, 3)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def engine_process():
-    """verl's engine step, started now in a fresh process (tests/verl_helpers.py ``engine_step``)."""
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen([sys.executable, "-W", "ignore", os.path.join(HERE, "verl_helpers.py"), "engine", out],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield process, out
-    if process.poll() is None:
-        process.kill()
-        process.communicate()
-    os.unlink(out)
+def background(request, tmp_path_factory):
+    """The slow, separate-process cases, all started when this module starts so that they overlap the
+    in-process tests (each test then waits for its own): verl's engine step in a fresh process
+    (tests/verl_helpers.py ``engine_step``) and the gloo groups (``tp_worker``), when selected."""
+    selected = {item.originalname for item in request.session.items}
+    tmp = tmp_path_factory.mktemp("verl")
+    started = {}
+    if ENGINE_TEST in selected:
+        out = str(tmp / "engine.json")
+        env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none", PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
+        started["engine"] = (subprocess.Popen(
+            [sys.executable, "-W", "ignore", os.path.join(HERE, "verl_helpers.py"), "engine", out], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+    if TP_TEST in selected:
+        for world in TP_WORLDS:
+            started[world] = mp.start_processes(tp_worker, args=(world, str(tmp / f"store{world}")), nprocs=world,
+                                                join=False, start_method="spawn")
+    yield started
+    for key, value in started.items():
+        processes = [value[0]] if key == "engine" else value.processes
+        for process in processes:
+            alive = process.poll() is None if key == "engine" else process.is_alive()
+            if alive:
+                process.kill()
+    if "engine" in started:
+        started["engine"][0].communicate()
 
 
 @pytest.fixture
@@ -160,6 +178,40 @@ def test_ignored_label_has_no_log_prob_gradient():
     hidden.grad = None
     gk_verl.linear_cross_entropy(hidden, weight, labels)[1][1].backward()
     assert hidden.grad[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("per", ["token", "sequence"])
+def test_tensor_temperature(per, calls):
+    """verl PR #6110's per-token ``temperature_rmpad [N]``, or one per sequence ``[B]`` for ``hidden
+    [B, L, H]``: handed to ``fused_linear_token_logprobs`` as its per-token / per-sequence temperature.
+    Runs once that function takes tensor temperatures (API contract v4, the sampling issue)."""
+    g = torch.Generator().manual_seed(21)
+    b, l, h_size, vocab = 3, 4, 12, 17
+    hidden = torch.randn(b, l, h_size, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, h_size, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (b, l), generator=g)
+    labels[1, 2] = IGNORE
+    per_sequence = torch.rand(b, generator=g) + 0.5
+    temperature = per_sequence if per == "sequence" else torch.rand(b * l, generator=g) + 0.5
+    try:
+        import grpo_kernels
+
+        grpo_kernels.fused_linear_token_logprobs(hidden[:1, :1].detach(), weight.detach(), labels[:1, :1],
+                                                 temperature=per_sequence[:1])
+    except TypeError as error:
+        pytest.skip(f"fused_linear_token_logprobs takes no tensor temperature yet: {error}")
+    calls.clear()
+    log_probs, entropy = gk_verl.linear_cross_entropy(hidden, weight, labels, temperature, "none")
+    assert len(calls) == 1
+    c_logp, c_ent = torch.randn(b * l, generator=g), torch.randn(b * l, generator=g)
+    (log_probs * c_logp).sum().add((entropy * c_ent).sum()).backward()
+    per_row = per_sequence.repeat_interleave(l) if per == "sequence" else temperature
+    ref_lp, ref_ent, ref_dh, ref_dw, ref_dz = reference64(hidden, weight, labels, per_row, "none", c_logp, c_ent)
+    assert_close64(log_probs, ref_lp, scale=float(ref_lp.abs().max()), what="log_probs")
+    assert_close64(entropy, ref_ent, what="entropy")
+    assert_close64(hidden.grad, ref_dh, scale=abs_scale(ref_dz, weight.detach().double()), what="d hidden")
+    assert_close64(weight.grad, ref_dw, scale=abs_scale(ref_dz.T, hidden.detach().double().reshape(b * l, h_size)),
+                   what="d weight")
 
 
 def _bad(**change):
@@ -352,26 +404,19 @@ def test_verl_forward_matches_its_torch_backend(kind, shape, patched, calls, res
 
 # ---------------------------------------------------------------------------- tensor parallel (gloo)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-def test_tensor_parallel_uneven_shards(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(tp_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=False,
-                                     start_method="spawn")
-        deadline = time.monotonic() + 2 * TP_TIMEOUT_S
-        try:
-            while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{world} ranks did not finish in {2 * TP_TIMEOUT_S} s (a hang)")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
+@pytest.mark.parametrize("world", TP_WORLDS)
+def test_tensor_parallel_uneven_shards(world, background):
+    context = background[world]
+    deadline = time.monotonic() + 2 * TP_TIMEOUT_S
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{world} ranks did not finish in {2 * TP_TIMEOUT_S} s (a hang)")
 
 
 # ---------------------------------------------------------------------------- verl's actor update
 @pytest.mark.timeout(ENGINE_TIMEOUT_S + 30)
-def test_verl_fsdp_engine_actor_step(engine_process):
-    process, out = engine_process
+def test_verl_fsdp_engine_actor_step(background):
+    process, out = background["engine"]
     try:
         log, _ = process.communicate(timeout=ENGINE_TIMEOUT_S)
     except subprocess.TimeoutExpired:

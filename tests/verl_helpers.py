@@ -31,16 +31,19 @@ TP_TIMEOUT_S = 90
 
 
 # ---------------------------------------------------------------------------- float64 reference
-def reference64(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+def reference64(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature,
                 reduction: str, coef_logp: torch.Tensor, coef_entropy: torch.Tensor):
     """(log_probs, entropy, d hidden, d weight, d logits) in float64 of ``L = sum(coef_logp * log_probs)
     + sum(coef_entropy * entropy)`` (``coef_logp`` a scalar for "sum"/"mean"), computed directly:
     ``z = h W^T / T``, ``p = softmax(z)``, ``d log p_t / d z = onehot_t - p``,
-    ``d H / d z = -p (z - sum p z)``; chain rule ``d z / d h = W / T``."""
+    ``d H / d z = -p (z - sum p z)``; chain rule ``d z / d h = W / T``. ``temperature``: a number or
+    one per row (``N`` values)."""
     h = hidden.detach().double().reshape(-1, hidden.shape[-1])
     w = weight.detach().double()
     lab = labels.reshape(-1)
     n = h.shape[0]
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.detach().double().reshape(n, 1)
     z = h @ w.T / temperature
     logp_all = torch.log_softmax(z, -1)
     p = logp_all.exp()
