@@ -10,8 +10,8 @@
 - verl's own HF forwards (tiny Qwen2 and Llama built in code): ``patch_forward_with_backends(model,
   use_fused_kernels=True, fused_kernels_backend="triton")`` after our patch gives verl's "torch"
   backend's log-probs, entropies and parameter gradients, and runs our code (counted).
-- Tensor parallelism: 2 and 3 gloo ranks with uneven vocabulary shards through ``dist_process_group``
-  (tests/verl_helpers.py ``tp_worker``).
+- Tensor parallelism: groups of 2 and 3 gloo ranks with uneven vocabulary shards through
+  ``dist_process_group`` (tests/verl_helpers.py ``tp_worker``, one spawn of 3 processes).
 - One step of verl's own actor update: its FSDP2 engine on one gloo rank of this CPU, verl's
   ``ppo_loss`` with an entropy bonus, "torch" backend vs "triton" + our patch (a fresh process,
   started when this module starts, so that it overlaps the tests above).
@@ -37,7 +37,7 @@ verl = pytest.importorskip("verl")  # with plugins on (the default), this import
 
 import grpo_kernels.integrations.verl as gk_verl  # noqa: E402
 from helpers import assert_close64  # noqa: E402
-from verl_helpers import IGNORE, TP_TIMEOUT_S, abs_scale, reference64, tp_worker  # noqa: E402
+from verl_helpers import IGNORE, TP_PROCESSES, TP_TIMEOUT_S, abs_scale, reference64, tp_worker  # noqa: E402
 
 PATCHED_BY_IMPORTING_VERL = gk_verl.is_patched()
 PLUGINS_ON = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower() != "none"
@@ -46,16 +46,14 @@ ENGINE_TIMEOUT_S = 420
 
 from verl.utils.kernel import linear_cross_entropy as verl_kernel_module  # noqa: E402
 
-VERL_KERNEL = verl_kernel_module.LinearCrossEntropy.apply  # a new bound method each time: compare with ==
-
 
 def is_verls(fn) -> bool:
+    """verl's kernel is ``LinearCrossEntropy.apply``, a method bound to verl's autograd Function."""
     return getattr(fn, "__self__", None) is verl_kernel_module.LinearCrossEntropy
 
 
 # ---------------------------------------------------------------------------- fixtures
 ENGINE_TEST, TP_TEST = "test_verl_fsdp_engine_actor_step", "test_tensor_parallel_uneven_shards"
-TP_WORLDS = (2, 3)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,16 +65,16 @@ def background(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verl")
     started = {}
     if ENGINE_TEST in selected:
-        out = str(tmp / "engine.json")
+        out, log = str(tmp / "engine.json"), tmp / "engine.log"
         env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none", PYTHONPATH=os.pathsep.join(
             [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-        started["engine"] = (subprocess.Popen(
-            [sys.executable, "-W", "ignore", os.path.join(HERE, "verl_helpers.py"), "engine", out], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+        with open(log, "w") as sink:  # a file, not a pipe nobody reads until the end
+            started["engine"] = (subprocess.Popen(
+                [sys.executable, "-W", "ignore", os.path.join(HERE, "verl_helpers.py"), "engine", out], env=env,
+                stdout=sink, stderr=subprocess.STDOUT), out, log)
     if TP_TEST in selected:
-        for world in TP_WORLDS:
-            started[world] = mp.start_processes(tp_worker, args=(world, str(tmp / f"store{world}")), nprocs=world,
-                                                join=False, start_method="spawn")
+        started["tp"] = mp.start_processes(tp_worker, args=(str(tmp / "store"),), nprocs=TP_PROCESSES, join=False,
+                                           start_method="spawn")
     yield started
     for key, value in started.items():
         processes = [value[0]] if key == "engine" else value.processes
@@ -85,7 +83,7 @@ def background(request, tmp_path_factory):
             if alive:
                 process.kill()
     if "engine" in started:
-        started["engine"][0].communicate()
+        started["engine"][0].wait()
 
 
 @pytest.fixture
@@ -404,26 +402,26 @@ def test_verl_forward_matches_its_torch_backend(kind, shape, patched, calls, res
 
 # ---------------------------------------------------------------------------- tensor parallel (gloo)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", TP_WORLDS)
-def test_tensor_parallel_uneven_shards(world, background):
-    context = background[world]
+def test_tensor_parallel_uneven_shards(background):
+    """Groups of 2 and of 3 gloo ranks (tests/verl_helpers.py ``TP_SHARDS``: uneven shards)."""
+    context = background["tp"]
     deadline = time.monotonic() + 2 * TP_TIMEOUT_S
     while not context.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
-            raise AssertionError(f"{world} ranks did not finish in {2 * TP_TIMEOUT_S} s (a hang)")
+            raise AssertionError(f"the gloo ranks did not finish in {2 * TP_TIMEOUT_S} s (a hang)")
 
 
 # ---------------------------------------------------------------------------- verl's actor update
 @pytest.mark.timeout(ENGINE_TIMEOUT_S + 30)
 def test_verl_fsdp_engine_actor_step(background):
-    process, out = background["engine"]
+    process, out, log = background["engine"]
     try:
-        log, _ = process.communicate(timeout=ENGINE_TIMEOUT_S)
+        process.wait(timeout=ENGINE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         process.kill()
-        log, _ = process.communicate()
-        raise AssertionError(f"verl's engine step did not finish in {ENGINE_TIMEOUT_S} s:\n{log[-4000:]}")
-    assert process.returncode == 0, log[-6000:]
+        process.wait()
+        raise AssertionError(f"verl's engine step did not finish in {ENGINE_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+    assert process.returncode == 0, log.read_text()[-6000:]
     with open(out) as f:
         result = json.load(f)
     assert result["patched_at_start"] is False  # plugins off: nothing of verl's changed before patch()

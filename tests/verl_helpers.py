@@ -2,9 +2,10 @@
 
 - ``reference64``: verl's kernel's outputs and gradients in float64 on the whole vocabulary (the
   statement in ``grpo_kernels/integrations/verl.py``), with a -100 label's log-prob 0.
-- ``tp_worker``: one rank of a gloo group (2 or 3 ranks, uneven vocabulary shards) that runs
-  ``linear_cross_entropy(..., dist_process_group=group)`` and checks it against ``reference64``. It
-  imports neither verl nor the test module (a spawned rank starts in seconds, not in ten).
+- ``tp_worker``: one process of a 3-process gloo world; its groups of 2 and of 3 ranks (uneven
+  vocabulary shards) run ``linear_cross_entropy(..., dist_process_group=group)`` and check it against
+  ``reference64``. It imports neither verl nor the test module (a spawned rank starts in seconds, not
+  in ten), and one spawn serves both group sizes.
 - ``engine_step``: one step of verl's own actor update (its FSDP2 engine, one gloo rank, this CPU)
   with verl's "torch" fused backend and then its "triton" one after our ``patch()``; run as a script
   in a fresh process (``python tests/verl_helpers.py engine OUT_JSON``) because it selects verl's
@@ -100,78 +101,91 @@ TP_CASES = (  # (layout, hidden's leading shape, labels' shape, reduction, tempe
 )
 
 
-def tp_worker(rank: int, world: int, store_path: str) -> None:
-    """One rank: every TP_CASES case against ``reference64``, bitwise-equal outputs on all ranks,
-    verl's hidden-gradient convention (this rank's partial sum), then bad input on one rank only."""
+TP_PROCESSES = max(TP_SHARDS)  # one gloo world; the smaller group is its first ranks
+
+
+def tp_worker(rank: int, store_path: str) -> None:
+    """One process of a gloo world of ``TP_PROCESSES``: for each group size in ``TP_SHARDS`` (the first
+    ranks of the world, so that one spawn serves both), ``_tp_group_checks`` on the ranks in it."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, TP_PROCESSES), rank=rank,
+                            world_size=TP_PROCESSES, timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+    try:
+        for world in sorted(TP_SHARDS):
+            group = dist.new_group(list(range(world)))  # every process takes part in creating it
+            if rank < world:
+                _tp_group_checks(rank, world, group)
+            dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_group_checks(rank: int, world: int, group) -> None:
+    """Every TP_CASES case against ``reference64``, bitwise-equal outputs on all ranks, verl's
+    hidden-gradient convention (this rank's partial sum), then bad input on one rank only."""
     import torch.distributed as dist
 
     from grpo_kernels.integrations.verl import linear_cross_entropy
 
     from helpers import assert_close64
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
-    group = dist.new_group(list(range(world)))
+    sizes = TP_SHARDS[world]
+    lo = sum(sizes[:rank])
+    shard = slice(lo, lo + sizes[rank])
+    for i, (layout, shape, label_shape, reduction, temperature, dtype) in enumerate(TP_CASES):
+        what = f"rank {rank}/{world} {layout} {reduction} {dtype}"
+        hidden, weight, labels, c_logp, c_ent = _tp_case(100 + i, world, shape, label_shape, reduction,
+                                                         temperature, dtype)
+        h = hidden.clone().requires_grad_(True)
+        w = weight[shard].clone().requires_grad_(True)
+        log_probs, entropy = linear_cross_entropy(h, w, labels, temperature, reduction, group)
+        assert log_probs.dtype == entropy.dtype == torch.float32
+        n = hidden.numel() // TP_H
+        assert entropy.shape == (n,) and log_probs.shape == ((n,) if reduction == "none" else ())
+        (log_probs * c_logp).sum().add((entropy * c_ent).sum()).backward()
+        ref_lp, ref_ent, _, ref_dw, ref_dlogits = reference64(hidden, weight, labels, temperature, reduction,
+                                                              c_logp, c_ent)
+        # tolerances of the inputs' dtype: the logits are rounded to it once (bf16: ~1e-2 relative)
+        assert_close64(log_probs, ref_lp, dtype=dtype, scale=max(1.0, float(ref_lp.abs().max())),
+                       what=f"{what} log_probs")
+        assert_close64(entropy, ref_ent, dtype=dtype, scale=4, what=f"{what} entropy")
+        # d weight: this shard's slice of the unsharded gradient
+        assert w.grad.dtype == dtype and h.grad.dtype == dtype
+        h64, w64 = hidden.double().reshape(-1, TP_H), weight[shard].double()
+        assert_close64(w.grad, ref_dw[shard], dtype=dtype, scale=abs_scale(ref_dlogits[:, shard].T, h64),
+                       what=f"{what} d weight")
+        # d hidden: verl's convention, d logits[:, shard] @ W_shard, not all-reduced
+        partial = (ref_dlogits[:, shard] @ w64).reshape(hidden.shape)
+        assert_close64(h.grad, partial, dtype=dtype, scale=abs_scale(ref_dlogits[:, shard], w64),
+                       what=f"{what} d hidden (this rank's partial sum)")
+        # every rank holds the same outputs, bit for bit; the partial d hidden sum to the full one
+        both = torch.cat([log_probs.detach().reshape(-1), entropy.detach()])
+        gathered = [torch.empty_like(both) for _ in range(world)]
+        dist.all_gather(gathered, both, group=group)
+        assert all(torch.equal(x, gathered[0]) for x in gathered), f"{what}: ranks disagree"
+        total = h.grad.double().clone()
+        dist.all_reduce(total, group=group)
+        full = reference64(hidden, weight, labels, temperature, reduction, c_logp, c_ent)[2]
+        assert_close64(total, full, dtype=dtype, scale=world * abs_scale(ref_dlogits, weight.double()),
+                       what=f"{what} sum of d hidden over ranks")
+    # bad input on one rank only: the same ValueError on every rank, no hang; the group still works
+    hidden, weight, labels, _, _ = _tp_case(7, world, (2, 4), (2, 4), "none", 1.0, torch.float32)
+    bad = labels.clone()
+    if rank == world - 1:
+        bad[0, 0] = sum(sizes)  # one past the last shard
     try:
-        sizes = TP_SHARDS[world]
-        lo = sum(sizes[:rank])
-        shard = slice(lo, lo + sizes[rank])
-        for i, (layout, shape, label_shape, reduction, temperature, dtype) in enumerate(TP_CASES):
-            what = f"rank {rank}/{world} {layout} {reduction} {dtype}"
-            hidden, weight, labels, c_logp, c_ent = _tp_case(100 + i, world, shape, label_shape, reduction,
-                                                             temperature, dtype)
-            h = hidden.clone().requires_grad_(True)
-            w = weight[shard].clone().requires_grad_(True)
-            log_probs, entropy = linear_cross_entropy(h, w, labels, temperature, reduction, group)
-            assert log_probs.dtype == entropy.dtype == torch.float32
-            n = hidden.numel() // TP_H
-            assert entropy.shape == (n,) and log_probs.shape == ((n,) if reduction == "none" else ())
-            (log_probs * c_logp).sum().add((entropy * c_ent).sum()).backward()
-            ref_lp, ref_ent, _, ref_dw, ref_dlogits = reference64(hidden, weight, labels, temperature, reduction,
-                                                                  c_logp, c_ent)
-            # tolerances of the inputs' dtype: the logits are rounded to it once (bf16: ~1e-2 relative)
-            assert_close64(log_probs, ref_lp, dtype=dtype, scale=max(1.0, float(ref_lp.abs().max())),
-                           what=f"{what} log_probs")
-            assert_close64(entropy, ref_ent, dtype=dtype, scale=4, what=f"{what} entropy")
-            # d weight: this shard's slice of the unsharded gradient
-            assert w.grad.dtype == dtype and h.grad.dtype == dtype
-            h64, w64 = hidden.double().reshape(-1, TP_H), weight[shard].double()
-            assert_close64(w.grad, ref_dw[shard], dtype=dtype, scale=abs_scale(ref_dlogits[:, shard].T, h64),
-                           what=f"{what} d weight")
-            # d hidden: verl's convention, d logits[:, shard] @ W_shard, not all-reduced
-            partial = (ref_dlogits[:, shard] @ w64).reshape(hidden.shape)
-            assert_close64(h.grad, partial, dtype=dtype, scale=abs_scale(ref_dlogits[:, shard], w64),
-                           what=f"{what} d hidden (this rank's partial sum)")
-            # every rank holds the same outputs, bit for bit; the partial d hidden sum to the full one
-            both = torch.cat([log_probs.detach().reshape(-1), entropy.detach()])
-            gathered = [torch.empty_like(both) for _ in range(world)]
-            dist.all_gather(gathered, both, group=group)
-            assert all(torch.equal(x, gathered[0]) for x in gathered), f"{what}: ranks disagree"
-            total = h.grad.double().clone()
-            dist.all_reduce(total, group=group)
-            full = reference64(hidden, weight, labels, temperature, reduction, c_logp, c_ent)[2]
-            assert_close64(total, full, dtype=dtype, scale=world * abs_scale(ref_dlogits, weight.double()),
-                           what=f"{what} sum of d hidden over ranks")
-        # bad input on one rank only: the same ValueError on every rank, no hang; the group still works
-        hidden, weight, labels, _, _ = _tp_case(7, world, (2, 4), (2, 4), "none", 1.0, torch.float32)
-        bad = labels.clone()
-        if rank == world - 1:
-            bad[0, 0] = sum(sizes)  # one past the last shard
-        try:
-            linear_cross_entropy(hidden, weight[shard], bad, 1.0, "none", group)
-        except ValueError as error:
-            assert "labels" in str(error) or "refused on rank" in str(error), str(error)
-        else:
-            raise AssertionError(f"rank {rank}: an out-of-vocabulary label was not refused")
-        out, _ = linear_cross_entropy(hidden, weight[shard], labels, 1.0, "none", group)
-        assert torch.isfinite(out).all()
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        dist.destroy_process_group()
+        linear_cross_entropy(hidden, weight[shard], bad, 1.0, "none", group)
+    except ValueError as error:
+        assert "labels" in str(error) or "refused on rank" in str(error), str(error)
+    else:
+        raise AssertionError(f"rank {rank}: an out-of-vocabulary label was not refused")
+    out, _ = linear_cross_entropy(hidden, weight[shard], labels, 1.0, "none", group)
+    assert torch.isfinite(out).all()
 
 
 # ---------------------------------------------------------------------------- verl's engine on this CPU

@@ -45,7 +45,9 @@ read in 0.9.1, and what we keep of it:
   gradient of ``hidden`` follows verl's backward: ``d hidden = d logits[:, shard] @ weight_shard``, this
   rank's partial sum, not all-reduced (verl's ``efficient_entropy_backward`` has no collective; the
   caller's sequence-parallel gather / tensor-parallel region reduces it). ``d weight`` is this shard's
-  slice of the unsharded gradient.
+  slice of the unsharded gradient. (verl passes plain tensors; a DTensor weight sharded over the
+  vocabulary, ``Shard(0)`` on a 1-D mesh, is taken as this rank's shard of its mesh's group, as
+  ``fused_linear_token_logprobs`` takes it; ranks whose labels or shapes differ are refused.)
 
 Where we are exact and verl's kernel is not (run under Triton's interpreter, and read in its code):
 its ``"sum"`` / ``"mean"`` give inf when ``N`` is not a multiple of 16 and read uninitialised memory
