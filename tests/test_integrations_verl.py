@@ -229,6 +229,7 @@ BAD = [
     (dict(labels=[1, 2]), TypeError, "labels"),
     (dict(weight=torch.randn(11, 7)), ValueError, "weight"),
     (dict(weight=torch.randn(11, 8, 1)), ValueError, "weight"),
+    (dict(weight=torch.randn(0, 8)), ValueError, "weight"),
     (dict(hidden=torch.randint(0, 3, (2, 3, 8))), TypeError, "hidden"),
     (dict(reduction="avg"), ValueError, "reduction"),
     (dict(reduction=None), TypeError, "reduction"),

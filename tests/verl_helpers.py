@@ -184,6 +184,17 @@ def _tp_group_checks(rank: int, world: int, group) -> None:
         assert "labels" in str(error) or "refused on rank" in str(error), str(error)
     else:
         raise AssertionError(f"rank {rank}: an out-of-vocabulary label was not refused")
+    # the last rank without a vocabulary shard, or with another hidden size: refused on every rank
+    for what, (h_bad, w_bad) in {"an empty shard": (hidden, weight[shard][:0]),
+                                 "another hidden size": (hidden[..., :-1], weight[shard][:, :-1])}.items():
+        if rank != world - 1:
+            h_bad, w_bad = hidden, weight[shard]
+        try:
+            linear_cross_entropy(h_bad, w_bad, labels, 1.0, "none", group)
+        except ValueError as error:
+            assert any(word in str(error) for word in ("weight", "refused on rank", "differ")), str(error)
+        else:
+            raise AssertionError(f"rank {rank}: {what} on rank {world - 1} was not refused")
     out, _ = linear_cross_entropy(hidden, weight[shard], labels, 1.0, "none", group)
     assert torch.isfinite(out).all()
 

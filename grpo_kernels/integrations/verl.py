@@ -136,6 +136,9 @@ def _check_tensors(hidden: object, weight: object, labels: object) -> torch.Tens
     """hidden [..., H] float, weight [V_r, H] float on hidden's device, labels: ``N = hidden.numel() / H``
     int32/int64 ids on hidden's device, any shape. Returns the labels in hidden's leading shape."""
     V.check_linear(hidden, weight, None)
+    if weight.shape[0] < 1:  # softmax over no id; under tensor parallelism, a rank without a shard
+        raise ValueError(f"weight must hold at least one vocabulary row (this rank's shard with "
+                         f"dist_process_group), got shape {list(weight.shape)}")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}: put them on one device")
     labels = V.check_tensor("labels", labels)
