@@ -380,7 +380,7 @@ def test_modules_take_the_new_settings():
      ["global_batch_size"]),
     (dict(loss_mode="dppo_tv", clip_ratio_c=1.0), ValueError, ["clip_ratio_c", "> 1"]),
     (dict(loss_mode="vanilla", clip_ratio_c=0.9), ValueError, ["clip_ratio_c"]),
-    (dict(loss_mode="dppo_tv", clip_ratio_low=-0.1), ValueError, ["eps_low"]),
+    (dict(loss_mode="dppo_tv", clip_ratio_low=-0.1), ValueError, ["clip_ratio_low", ">= 0"]),  # (as the caller spelled it)
 ])
 def test_refused_settings_name_the_keyword(kw, error, words):
     logits, ids, mask, old, _, adv = vc.batch(0)

@@ -644,14 +644,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_and_the_resumed_run_is_the_uninter
 # --------------------------------------------------------------------------------------------------
 # verl's loss_mode (issue 27): one update equals verl's ppo_loss of the whole batch, under any
 # micro-batching (padded or packed) and on 2 ranks (DDP, and FSDP2 once). The reference is
-# tests/spec64.py's float64 restatement of verl 0.9's ppo_loss / agg_loss (verl64) over the whole
+# tests/spec64.py's float64 restatement of verl 0.9.1's ppo_loss / agg_loss (verl64) over the whole
 # batch in one call, with no global keywords; one row has completion tokens but no loss token, which
 # verl's sequence count leaves out. The 2-rank case runs this file as its worker under torchrun.
 # --------------------------------------------------------------------------------------------------
 COMMON = dict(beta=0.05, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
               max_grad_norm=math.inf, backend="torch", progress=False, plot=False)
-# verl's three axes, every aggregation mode of the spec's own list; gspo's policy term is always
-# seq-mean-token-mean (its KL and entropy stay token-mean here); verl 0.9's newer modes when the spec has them
+# verl's three axes, every aggregation mode of the spec's own list; gspo's policy term reduced by
+# loss_agg_mode, as verl 0.9.1 does (0.9.0 forced seq-mean-token-mean); verl 0.9's newer modes when the spec has them
 CASES = {f"vanilla-{agg}": dict(loss_mode="vanilla", loss_agg_mode=agg) for agg in LOSS_AGG_MODES}
 CASES.update({
     "gspo": dict(loss_mode="gspo", loss_agg_mode="token-mean"),
