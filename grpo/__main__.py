@@ -78,7 +78,7 @@ def train_command(argv: list[str]) -> None:
         parser.error(f"--rewards: {e}")
     try:
         rows = load_jsonl(args.data, args.prompt_key)
-    except OSError as e:
+    except (OSError, ValueError, TypeError) as e:  # (missing, not JSON lines, a row without its prompt ...)
         parser.error(f"--data: {e}")
     skeleton, tokenizer = model_skeleton(args.model, parser)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))

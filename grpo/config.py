@@ -40,6 +40,11 @@ from .precision import MODEL_DTYPES
 # set under TRL's names (vllm_importance_sampling_*, mapped in GRPOConfig._loss_fields).
 TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size",
                               "rollout_correction", "rollout_correction_max", "rollout_correction_min")
+# ... and the config's fields that set them (each declared like the option: grpo_kernels.bounds.like)
+CONFIG_FIELDS_OF = {"temperature": ("temperature",), "max_completion_length": ("max_new_tokens",),
+                    "rollout_correction": ("vllm_importance_sampling_mode",),
+                    "rollout_correction_max": ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"),
+                    "rollout_correction_min": ("vllm_importance_sampling_clip_min",)}
 
 
 def with_loss_fields(after: str):
@@ -83,7 +88,8 @@ class GRPOConfig:
         8, "G: completions sampled per prompt, the group its advantages are relative to", bounds=at_least(2),
         why="a group of one completion is its own baseline, so every advantage would be 0 and GRPO would learn nothing",
     )
-    max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
+    max_new_tokens: int = like(OPTION_FIELDS["max_completion_length"], 256, "the longest completion, in tokens (the "
+                               "loss's max_completion_length)")
     temperature: float = like(OPTION_FIELDS["temperature"], help="sampling temperature; as in TRL the loss divides the logits "
                               "by it too")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
@@ -217,9 +223,10 @@ class GRPOConfig:
 
     def loss_spelling(self) -> dict[str, str]:
         """``GRPOOptions`` names -> this config's fields that set them (the others have the same name)."""
-        cap = "vllm_importance_sampling_clip_max" if self.vllm_importance_sampling_cap is None else "vllm_importance_sampling_cap"
-        return {"rollout_correction": "vllm_importance_sampling_mode", "rollout_correction_max": cap,
-                "rollout_correction_min": "vllm_importance_sampling_clip_min", "max_completion_length": "max_new_tokens"}
+        spelling = {option: fields[0] for option, fields in CONFIG_FIELDS_OF.items()}
+        if self.vllm_importance_sampling_cap is not None:  # (TRL's older name, which then sets the cap)
+            spelling["rollout_correction_max"] = "vllm_importance_sampling_cap"
+        return spelling
 
     def _loss_fields(self) -> dict[str, Any]:
         """The config's fields that are ``grpo_kernels.GRPOOptions`` fields (same names), and dr_grpo's length."""

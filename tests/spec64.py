@@ -400,7 +400,7 @@ def trl_is_ratio64(old, rollout, m, mode, clip_max=3.0, clip_min=None):
     diff = torch.nan_to_num((old.double() - rollout.double()) * m.double(), nan=0.0)
     r = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
     if mode.endswith("truncate"):
-        return r.clamp(min=clip_min, max=clip_max)
+        return r if clip_min is None and clip_max is None else r.clamp(min=clip_min, max=clip_max)
     lo = -math.inf if clip_min is None else clip_min
     hi = math.inf if clip_max is None else clip_max
     return r.masked_fill((r < lo) | (r > hi), 0.0)
