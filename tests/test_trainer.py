@@ -1015,3 +1015,25 @@ def test_an_accepted_run_after_refusals_trains_with_rollout_correction_max_none(
     assert cfg.grpo_options().rollout_correction_max is None and cfg.grpo_options().rollout_correction_min is None
     records = train(model, tokenizer, problems()[:8], {"format": format_reward}, cfg, rollout=ReportingRollout(tokenizer))
     assert math.isfinite(records[0]["loss"]) and records[0]["sampling/importance_sampling_ratio/max"] > 0
+
+
+def test_vespo_s_correction_is_decided_from_the_engine_s_declaration(tmp_path):
+    """vespo takes a per-token correction of the engine's log-probs (TRL). Whether an engine reports them
+    is known before the first step only from its declaration (grpo.rollout.Rollout): Hugging Face generate
+    declares it never does, so the default (sequence-level) mode is fine there; an engine that says
+    False and then reports them is refused at that step, before its log-probs are used."""
+    cfg = tiny_config(tmp_path, num_steps=1, loss_type="vespo")
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    assert HFGenerate.reports_sampling_logps is False and getattr(ReportingRollout, "reports_sampling_logps", None) is None
+    records = train(model, tokenizer, problems()[:8], {"format": format_reward}, cfg)  # (HF generate)
+    assert math.isfinite(records[0]["loss"])
+
+    class Undeclared(ReportingRollout):
+        reports_sampling_logps = False
+
+    with pytest.raises(ValueError, match="Undeclared declares reports_sampling_logps = False but returned sampling_logps"):
+        train(model, tokenizer, problems()[:8], {"format": format_reward}, tiny_config(tmp_path / "b", num_steps=1),
+              rollout=Undeclared(tokenizer))
+    token = dataclasses.replace(cfg, output_dir=str(tmp_path / "c"), vllm_importance_sampling_mode="token_mask")
+    records = train(model, tokenizer, problems()[:8], {"format": format_reward}, token, rollout=ReportingRollout(tokenizer))
+    assert "sampling/importance_sampling_ratio/mean" in records[0]
