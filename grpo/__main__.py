@@ -54,7 +54,9 @@ def train_command(argv: list[str]) -> None:
     from . import checkpoint, distributed
     from .data import load_jsonl
     from .config import GRPOConfig
+    from .lora import check_flags
     from .models import load_model
+    from .rollout import require_vllm
     from .trainer import check_run, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
@@ -80,6 +82,12 @@ def train_command(argv: list[str]) -> None:
         rows = load_jsonl(args.data, args.prompt_key)
     except (OSError, ValueError, TypeError) as e:  # (missing, not JSON lines, a row without its prompt ...)
         parser.error(f"--data: {e}")
+    try:  # what needs nothing of the model: the packages its flags need
+        check_flags(cfg)
+        if cfg.use_vllm:
+            require_vllm()
+    except ImportError as e:
+        parser.error(str(e))
     skeleton, tokenizer = model_skeleton(args.model, parser)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:

@@ -199,7 +199,7 @@ def check_resumable(state: dict[str, Any], path: str, model: Optional[torch.nn.M
         )
     if model is None:
         return
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = _base_names(model.state_dict())  # (a model that already is a peft model: its base's names too)
     for key in ("model", "ref_model"):
         if state[key] is None:
             continue

@@ -116,7 +116,11 @@ class HFGenerate:
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
     """
 
-    reports_sampling_logps = False  # (Rollout's optional declaration: Completions.sampling_logps is always None)
+    @property
+    def reports_sampling_logps(self) -> Optional[bool]:
+        """(Rollout's optional declaration.) False: ``generate`` here reports no log-probs; None (unknown)
+        for a subclass with a ``generate`` of its own, which may add them."""
+        return False if type(self).generate is HFGenerate.generate else None
 
     def __init__(
         self,

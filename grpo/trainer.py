@@ -659,12 +659,13 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
     precision.check_device_supports(cfg.model_dtype, device)
     if model is not None:  # the loss as the run will call it: the config's options and the model's head transform
         cfg.grpo_options(**head_transform(model))
-    engine = rollout if rollout is not None else (VLLMRollout if cfg.use_vllm else HFGenerate)
-    if cfg.sequence_correction_refused() and getattr(engine, "reports_sampling_logps", None) is not False:
+    # the default engines: vLLM reports its log-probs, Hugging Face generate does not
+    reports = getattr(rollout, "reports_sampling_logps", None) if rollout is not None else cfg.use_vllm
+    if cfg.sequence_correction_refused() and reports is not False:
+        engine = type(rollout).__name__ if rollout is not None else "VLLMRollout"
         raise OptionError(f"vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') with "
-                          f"loss_type='vespo' (as in TRL) when the rollout engine may report its log-probs "
-                          f"({type(rollout).__name__ if rollout is not None else engine.__name__}: declare "
-                          f"reports_sampling_logps = False on it if it never does), got "
+                          f"loss_type='vespo' (as in TRL) when the rollout engine may report its log-probs ({engine}: "
+                          f"declare reports_sampling_logps = False on it if it never does), got "
                           f"{cfg.vllm_importance_sampling_mode!r}", "vllm_importance_sampling_mode", "loss_type")
     prompts = [row["prompt"] for row in rows]
     if rollout is not None and callable(getattr(rollout, "check_prompts", None)):  # an engine with a context limit
@@ -677,7 +678,7 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
     state, path = None, checkpoint.path_in(cfg.output_dir)
     if cfg.resume and os.path.exists(path):
         state = checkpoint.read(path)
-        checkpoint.check_resumable(state, path, None if model is None else unwrap(model), dataclasses.asdict(cfg),
+        checkpoint.check_resumable(state, path, model, dataclasses.asdict(cfg),
                                    allow_changes=cfg.resume_with_changes)
     return RunChecks(named, state)
 

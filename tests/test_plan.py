@@ -108,8 +108,6 @@ def plan_cli(*argv: str):
 def declared_bad_values(cls, name):
     """Values the field's declaration refuses, as command-line text (just outside its range, NaN, inf,
     a value of another type, an unknown choice)."""
-    import math
-
     from grpo_kernels.bounds import declarations
 
     d = declarations(cls)[name]

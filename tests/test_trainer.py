@@ -1024,7 +1024,8 @@ def test_vespo_s_correction_is_decided_from_the_engine_s_declaration(tmp_path):
     False and then reports them is refused at that step, before its log-probs are used."""
     cfg = tiny_config(tmp_path, num_steps=1, loss_type="vespo")
     model, tokenizer = build_model_and_tokenizer(seed=0)
-    assert HFGenerate.reports_sampling_logps is False and getattr(ReportingRollout, "reports_sampling_logps", None) is None
+    tokenizer_engine = HFGenerate(tokenizer, max_new_tokens=4)
+    assert tokenizer_engine.reports_sampling_logps is False and ReportingRollout(tokenizer).__dict__.get("reports_sampling_logps") is None
     records = train(model, tokenizer, problems()[:8], {"format": format_reward}, cfg)  # (HF generate)
     assert math.isfinite(records[0]["loss"])
 
