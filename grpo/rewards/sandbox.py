@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import json
 import logging
 import math
@@ -221,20 +222,27 @@ def _memfd(data: bytes, name: str) -> int:
 
 def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None = None,
         timeout: float = 5.0, memory_mb: int = DEFAULT_MEMORY_MB,
-        file_mb: int = DEFAULT_FILE_MB, audit: bool = True) -> RunResult:
-    """Run ``code`` in the jail. ``mode``: ``"stdio"``, ``"values"`` or ``"statement"``
-    (``run_job`` carries ``tests`` / ``statement`` and ``nonce``; see the module docstring).
-    ``audit=False`` leaves the audit hook out, so tests can check what the OS layers hold alone.
+        file_mb: int = DEFAULT_FILE_MB, audit: bool = True, hash_seed: int = 0) -> RunResult:
+    """Run ``code`` in the jail. ``mode``: ``"stdio"`` (``stdin`` in, stdout and the exit
+    status out) or ``"probes"`` (``run_job`` carries ``tests``, ``nonce`` and ``max_items``:
+    the program, then each test's steps; the probe records go to :attr:`RunResult.results`;
+    its stdout is discarded: what it prints is nobody's business). ``audit=False`` leaves
+    the audit hook out, so tests can check what the OS layers hold alone. ``hash_seed``: the
+    run's ``PYTHONHASHSEED`` (the judge's, so that sets iterate alike on both sides).
 
-    ``timeout`` is the wall-clock limit of the whole run, interpreter starts included.
+    ``timeout`` is the wall-clock limit of the whole run, interpreter starts included; the
+    process group is killed at that deadline whatever it does.
     """
+    if mode not in ("stdio", "probes"):
+        raise ValueError(f"mode must be 'stdio' or 'probes', got {mode!r}")
     exe, binds = _runtime()
     source = _bootstrap_source()
     run_job = dict(run_job or {}, mode=mode, code=code, audit=bool(audit))
     job = {"binds": list(binds), "python": exe, "source": source, "run_job": json.dumps(run_job),
            "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_mb) << 20,
            "tmp_bytes": DEFAULT_TMP_MB << 20, "cpu_seconds": int(math.ceil(timeout)) + 1,
-           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155)}
+           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155),
+           "hash_seed": int(hash_seed) % (1 << 32)}
     fds: list[int] = []
     try:
         job_fd = _memfd(json.dumps(job).encode(), "job")
@@ -248,7 +256,8 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
             fds.append(res_w)
             proc = subprocess.Popen(
                 [exe, "-I", "-S", "-B", "-c", source, "jail", str(job_fd), str(res_w)],
-                stdin=stdin_fd, stdout=out, stderr=err, pass_fds=(job_fd, res_w), cwd="/",
+                stdin=stdin_fd, stdout=out if mode == "stdio" else subprocess.DEVNULL, stderr=err,
+                pass_fds=(job_fd, res_w), cwd="/",
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
                 close_fds=True)
             exited = _end_group(proc, fds, timeout)
@@ -320,7 +329,9 @@ JUDGE_BUILTINS = frozenset({
 # Pure modules a test may import and use in its own logic (the judge imports them itself).
 JUDGE_MODULES = frozenset({"math", "cmath", "collections", "fractions", "decimal", "itertools",
                            "functools", "operator", "string", "statistics", "heapq", "bisect",
-                           "re", "copy", "random", "typing"})
+                           "re", "copy", "random", "typing", "json", "hashlib", "base64",
+                           "binascii", "zlib", "struct", "textwrap", "unicodedata", "datetime",
+                           "calendar", "numbers"})
 # Judge modules whose values differ from run to run: what a test computes with them is computed
 # in the judge only (seeded per job, the same in both judge stages) and sent to the program.
 STATEFUL_MODULES = frozenset({"random"})
@@ -332,9 +343,13 @@ TRUSTED_EXTRA_BUILTINS = frozenset({
     "OverflowError", "RuntimeError", "StopIteration", "TypeError", "ValueError",
     "ZeroDivisionError"})
 MAX_PROBE_CALLS = 10_000  # step runs (probes and statements) one completion's traced tests may ask for
+MAX_ITER_ITEMS = 100_000  # values read from an iterator (a generator) the program returns
+ITER_SECONDS = 1.0  # the time spent reading one such iterator; past either cap it is cut
 MAX_INPUT_BYTES = 4 << 20  # the encoded inputs of those runs; more and the test is unscorable
 INPUT = "__grpo_in%d__"  # a value the judge computed, bound inside before a step runs
 AT, VAL, STEP = "__grpo_at__", "__grpo_val__", "__grpo_step__"
+DUAL = "__grpo_dual__"  # (the judge's copy, the sandbox's copy) of a value handed to the program
+_HANDOFF = {"fresh": 0, "probe": 1, "stmt": 2}  # how far the program has had a mirrored name
 # Constructs that are test logic: inside the program's process their outcome would be the
 # program's to decide, so code that runs there (setup, probes) may not hold them.
 _LOGIC = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp,
@@ -365,7 +380,11 @@ class AssertPlan:
     ``unscorable``: the refused tests whose refusal is the test's own (planned without any
     program): they score None, not 0. ``prefix``: the unscorable tests judged on the asserts
     before their refused statement (``judge[i]`` is that prefix): failing it fails the test,
-    passing it leaves the test unscorable.
+    passing it leaves the test unscorable. ``python``: per test, None, or its *Python
+    reading*: the judge source where the values the test bound and handed to the program in
+    an earlier statement are read back from the sandbox (what Python would see after the
+    program changed them in place); a test that fails as written (``judge[i]``, on the
+    test's own copies) but passes this way is unscorable.
     """
 
     inside: list
@@ -374,6 +393,7 @@ class AssertPlan:
     pre: list = field(default_factory=list)
     unscorable: dict = field(default_factory=dict)
     prefix: set = field(default_factory=set)
+    python: list = field(default_factory=list)
 
 
 def _names_loaded(node: ast.AST) -> set[str]:
@@ -448,6 +468,7 @@ class _Planner:
         self.tests = tests
         self.test_names: set[str] = set()  # names test assignments bind
         self.judge_imports: set[str] = set()
+        self.foreign: set[str] = set()  # names the tests' imports of other modules bind
         self.stateful: set[str] = set()  # names bound by the tests' imports of STATEFUL_MODULES
         for tree in tests:
             for st in _statements(tree.body):
@@ -455,11 +476,13 @@ class _Planner:
                     for t in (st.targets if isinstance(st, ast.Assign) else [st.target]):
                         self.test_names |= _target_names(t) or set()
                 elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                    bound = {(a.asname or a.name).partition(".")[0] for a in st.names}
                     if _judge_import(st):
-                        bound = {(a.asname or a.name).partition(".")[0] for a in st.names}
                         self.judge_imports |= bound
                         if _stateful_import(st):
                             self.stateful |= bound
+                    else:
+                        self.foreign |= bound
         # A name the tests bind themselves is theirs, not the trusted helper's.
         self.trusted = frozenset(trusted) - self.test_names
         self.inside_needed: set[str] = set()
@@ -477,11 +500,23 @@ class _Planner:
         self.cur_inputs: list = []
         self.depth = 0  # inside the test's own loops / ifs
         self.traced = False
+        # Test names bound at top level to judge-side values that the program reads: the
+        # judge keeps its copy, the sandbox its own. State: "fresh" (no step of the program
+        # has had it since), "probe" (a probe or value-producing statement of the program
+        # had it: the judge reads its copy, the Python reading the sandbox's), "stmt" (a
+        # statement of the program had it: the test checks what the program did to it, read
+        # back from the sandbox). Handoffs in a top-level statement count from the next one.
+        self.mirror: dict[str, str] = {}
+        self.pending: dict[str, str] = {}
+        self.duals = False
+        self.foreign_t: set[str] = set(self.foreign)  # plus names bound from such modules' values
 
     # ---- classification -----------------------------------------------------------------
     def judge_name(self, name: str, local: frozenset) -> bool:
         if name in local:
             return True
+        if name in self.mirror:
+            return self.mirror[name] != "stmt"
         if name in self.jnames:
             if name in self.handed:
                 raise _Handed(f"the test reads {name} after handing it to a statement of the "
@@ -497,6 +532,69 @@ class _Planner:
         if name in self.test_names:
             return name not in self.inside_needed
         return name in JUDGE_BUILTINS or name in self.judge_imports or name == "math"
+
+    def program_part(self, node: ast.AST, local: frozenset) -> bool:
+        """Whether ``node`` is a value of the program: a name of its, or what is called,
+        indexed or read as an attribute on one."""
+        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        if not isinstance(node, ast.Name):
+            return False
+        try:
+            return not self.judge_name(node.id, local)
+        except Refused:
+            return False
+
+    def compared_inside(self, node: ast.Compare, local: frozenset) -> bool:
+        """An identity test between non-constants where a side is the program's (``f(xs) is
+        xs``, ``s.top() is not s.pop()``) is evaluated inside, as one probe: identity exists
+        only there, and ``is`` cannot be overridden (no object's method takes part). Every
+        other comparison runs in the judge, on the values."""
+        operands = [node.left] + node.comparators
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+            return False
+        if any(isinstance(o, ast.Constant) for o in operands):
+            return False
+        return (any(self.program_part(o, local) for o in operands)
+                and all(self.program_part(o, local) or isinstance(o, ast.Name) and o.id in self.mirror
+                        for o in operands))
+
+    def handoff(self, node: ast.AST, kind: str) -> None:
+        """A step of the program (``kind``: "probe" or "stmt") reads the mirrored names in
+        ``node``: from the next top-level statement on (at once inside the test's loops and
+        ifs), the judge's reads of them follow that (see ``mirror``)."""
+        for name in _names_loaded(node) & set(self.mirror):
+            if _HANDOFF[kind] > _HANDOFF[self.pending.get(name, "fresh")]:
+                self.pending[name] = kind
+        if self.depth:
+            self.settle()
+
+    def settle(self) -> None:
+        for name, kind in self.pending.items():
+            if name in self.mirror and _HANDOFF[kind] > _HANDOFF[self.mirror[name]]:
+                self.mirror[name] = kind
+        self.pending = {}
+
+    def prescan(self, body: list) -> None:
+        """Before a top-level loop or if: the handoffs its body makes, by form, count from its
+        first statement (a later iteration reads what an earlier one handed over)."""
+        live = {n for n, k in self.mirror.items() if k != "stmt"}
+        for st in _statements(body):
+            if isinstance(st, (ast.For, ast.If, ast.While)):
+                continue
+            names = set()
+            for n in ast.walk(st):
+                if isinstance(n, ast.Call) and self.program_part(n.func, frozenset()):
+                    names |= _names_loaded(n) & live
+            if not names:
+                continue
+            effect = isinstance(st, ast.Expr) or isinstance(st, (ast.Assign, ast.AugAssign)) and any(
+                isinstance(t, (ast.Subscript, ast.Attribute))
+                for t in (st.targets if isinstance(st, ast.Assign) else [st.target]))
+            for name in names:
+                self.pending[name] = "stmt" if effect else max(
+                    "probe", self.pending.get(name, "probe"), key=_HANDOFF.__getitem__)
+        self.settle()
 
     def judge_only_names(self) -> set[str]:
         return self.trusted | self.stateful | self.jnames
@@ -519,9 +617,17 @@ class _Planner:
         if isinstance(node, ast.Constant):
             return "H", node
         if isinstance(node, ast.Name):
+            if node.id not in local and self.mirror.get(node.id) == "probe":
+                # The judge's copy as written; the sandbox's, read back now, for the Python
+                # reading (AssertPlan.python).
+                self.duals = True
+                return "H", _marker(DUAL, ast.Name(node.id, ast.Load()),
+                                    self.probe(node, local, handoff=False))
             return ("H" if self.judge_name(node.id, local) else "P"), node
         if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             raise Refused(f"{type(node).__name__} in a test")
+        if isinstance(node, ast.Compare) and self.compared_inside(node, local):
+            return "P", node
         if isinstance(node, ast.Attribute):
             k, v = self.expr(node.value, local)
             if k == "P":
@@ -681,7 +787,15 @@ class _Planner:
         self.cur_inputs = []
         return sid
 
-    def probe(self, node: ast.AST, local: frozenset) -> ast.AST:
+    def probe(self, node: ast.AST, local: frozenset, handoff: bool = True) -> ast.AST:
+        root = node
+        while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if isinstance(root, ast.Name) and root.id in self.foreign_t:
+            raise Refused(f"the test's logic uses {root.id}, from a module the judge does not "
+                          "run (inside, the program could patch it)")
+        if handoff:
+            self.handoff(node, "probe")
         v = self.vector
         pid = len(self.probes)
         self.cur_inputs = []
@@ -693,7 +807,12 @@ class _Planner:
             self.reads(it, v["outer"])
             if _names_loaded(node) & (local - v["vars"] - v["outer"]):
                 raise Refused("a value of the test's own lambda would be passed to the program")
-            source = ast.unparse(ast.ListComp(node, [ast.comprehension(v["target"], it, [], 0)]))
+            # The same form as the judge's loop (``enumerate(<iterable>)``), under the same
+            # PYTHONHASHSEED: a set display iterates alike on both sides (a bare ``for x in
+            # {...}`` would iterate a frozenset constant, in another order).
+            enum = ast.Call(ast.Name("enumerate", ast.Load()), [it], [])
+            target = ast.Tuple([ast.Name(v["index"], ast.Store()), _as_store(v["target"])], ast.Store())
+            source = ast.unparse(ast.ListComp(node, [ast.comprehension(target, enum, [], 0)]))
             v["used"] = True
             self.probes.append(source)
             self.probe_step[pid] = self.add_step(["probe", pid, source])
@@ -738,21 +857,24 @@ class _Planner:
         for k, st in enumerate(tree.body):
             self.at = k
             judge.extend(self.statement(st))
+            self.settle()
         self.at = None
         if not self.probes and _names_loaded(tree) & self.trusted:
             raise Refused("the test reads nothing of the program: trusted_code defines "
                           "every function it calls")
+
+        def source(body: list) -> str:
+            return ast.unparse(ast.fix_missing_locations(ast.Module(body=body or [ast.Pass()],
+                                                                    type_ignores=[])))
+
         if not self.traced:
-            judge = _strip_steps(judge)
-            module = ast.fix_missing_locations(ast.Module(body=judge or [ast.Pass()], type_ignores=[]))
-            return self.steps, ast.unparse(module), None, {}
-        judge = _hoist(judge, self.inputs, self.probe_step)
-        pre = _first_stage(judge, set(), self.stateful)
+            strict, python = _readings(_strip_steps(judge), self.duals)
+            return self.steps, source(strict), None, {}, python and source(python)
+        strict, python = _readings(_hoist(judge, self.inputs, self.probe_step), self.duals)
+        pre = _first_stage(copy.deepcopy(strict), set(), self.stateful)
         steps = [[s[0], s[-1], [name for name, _ in self.inputs.get(sid, [])]]
                  for sid, s in enumerate(self.steps)]
-        sources = [ast.unparse(ast.fix_missing_locations(ast.Module(body=b or [ast.Pass()], type_ignores=[])))
-                   for b in (judge, pre)]
-        return steps, sources[0], sources[1], self.inputs
+        return steps, source(strict), source(pre), self.inputs, python and source(python)
 
     def statement(self, st: ast.stmt) -> list[ast.stmt]:
         """The judge's statements for ``st`` (a step of the program leaves a ``__grpo_step__``
@@ -761,9 +883,15 @@ class _Planner:
             k, test = self.child(st.test, frozenset())
             return [ast.Assert(test, None)]
         if isinstance(st, (ast.Import, ast.ImportFrom)):
+            for top in _imported_modules(st):
+                if top not in _STDLIB:
+                    raise Refused(f"the test imports {top}, which the sandbox does not have "
+                                  "(the standard library only)")
             out = [self.step_marker(["exec", ast.unparse(st)])]
             if _judge_import(st):
                 out.append(st)
+            else:
+                self.foreign_t |= {(a.asname or a.name).partition(".")[0] for a in st.names}
             return out
         if isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             return self.assignment(st)
@@ -775,13 +903,26 @@ class _Planner:
                 # effects), exempt from the rule on builtins.
                 call = self.ship(call, handing=True)
                 self.reads(call, frozenset())
+                if not self.is_h(call):
+                    self.handoff(call, "stmt")
                 return [self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
+            mirrored = _free_names(call) & set(self.mirror)
+            if self.is_h(call) and mirrored:
+                # The test's own call on a value the program also holds (xs.append(4)): run in
+                # the judge on its copy and in the sandbox on the program's, alike.
+                if _free_names(call) & self.judge_only_names():
+                    return [st] + self.resend(mirrored)
+                _, judged = self.child(call, frozenset())
+                return [ast.Expr(judged), self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
             if _free_names(call) & self.judge_only_names() and self.is_h(call):
                 return [st]  # a call on judge-side values (xs.append(x), random.seed(1)): the judge's
             call = self.ship(call, handing=True)
             self.inside(call)
+            self.handoff(call, "stmt")
             return [self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
         if isinstance(st, ast.For) and not st.orelse:
+            if self.depth == 0:
+                self.prescan(st.body)
             if self.depth == 0 and all(isinstance(b, (ast.Assert, ast.Pass)) for b in st.body) \
                     and not _free_names(st) & self.judge_only_names():
                 return [self.loop(st)]
@@ -789,6 +930,8 @@ class _Planner:
         if isinstance(st, ast.If):
             if not self.is_h(st.test):
                 raise Refused("an if on the program's values in a test")
+            if self.depth == 0:
+                self.prescan(st.body + st.orelse)
             self.depth += 1
             body = [s for b in st.body for s in self.statement(b)]
             orelse = [s for b in st.orelse for s in self.statement(b)]
@@ -800,6 +943,17 @@ class _Planner:
             return []
         raise Refused(f"{type(st).__name__} statement in a test (only asserts, "
                       "assignments, imports, calls, loops and ifs are judged)")
+
+    def resend(self, names: set) -> list[ast.stmt]:
+        """After a judge-only statement changed mirrored names (``xs.append(random...)``):
+        the sandbox's copies are replaced by the judge's, sent in (a traced step)."""
+        out = []
+        for name in sorted(names):
+            self.cur_inputs = [(INPUT % 0, ast.Name(name, ast.Load()))]
+            out.append(self.step_marker(["exec", f"{name} = {INPUT % 0}"]))
+            self.mirror[name] = "fresh"
+            self.pending.pop(name, None)
+        return out
 
     def step_marker(self, step: list) -> ast.stmt:
         return ast.Expr(_marker(STEP, ast.Constant(self.add_step(step))))
@@ -850,6 +1004,18 @@ class _Planner:
             return []
         names = [_target_names(t) for t in targets]
         if any(n is None for n in names):  # d[k] = v, o.a = v: a mutation of program state
+            into = [t for t in targets if isinstance(t, (ast.Subscript, ast.Attribute))]
+            mirrored = {n for t in into for n in _names_loaded(t.value) if n in self.mirror
+                        and self.mirror[n] != "stmt"}
+            if mirrored and all(self.is_h(t.value) for t in into) and self.is_h(value):
+                # xs[0] = 5 on a value the test and the program both hold: in both places
+                # (or, with a value only the judge computes, the judge's copy sent in again).
+                if _free_names(st) & self.judge_only_names():
+                    return [st] + self.resend(mirrored)
+                _, judged = self.child(value, frozenset())
+                self.reads(st, frozenset())
+                return [type(st)(**{**{f: getattr(st, f) for f in st._fields}, "value": judged}),
+                        self.step_marker(["exec", _stmt_source(st)])]
             if any(isinstance(t, (ast.Subscript, ast.Attribute)) and _names_loaded(t) & self.jnames
                    and self.is_h(t.value) for t in targets):
                 if self.is_h(value):
@@ -857,6 +1023,7 @@ class _Planner:
                 raise Refused("an assignment into a judge-side value from the program's")
             st = _ship_stmt(self, st)
             self.inside(st)
+            self.handoff(st, "stmt")
             return [self.step_marker(["exec", ast.unparse(st)])]
         bound = set().union(*names)
         if isinstance(st, ast.AugAssign):
@@ -867,17 +1034,75 @@ class _Planner:
             # judge-only name, sent to the program where a step reads it.
             self.jnames |= bound
             self.handed -= bound
+            self.drop_mirror(bound)
             return [ast.Assign([_as_store(t) for t in targets], value, None)]
         if bound & self.inside_needed:
-            # The program reads these names: bind them inside (the judge reads them back).
+            # The program reads these names: bind them inside.
             if not bound <= self.inside_needed:
                 raise Refused("an assignment binds names both the program and the judge need")
+            if self.depth == 0 and self.is_h(value) and _mirrorable(value):
+                # A judge-side value: the judge computes its own copy (what it reads), the
+                # sandbox binds the program's (with the builtins as they were before the
+                # program ran). Whatever the program does to its copy -- in place, or by
+                # rebinding the name with a global statement -- the judge's is untouched.
+                _, judged = self.child(value, frozenset())
+                self.reads(value, frozenset())
+                self.jnames -= bound
+                for name in bound:
+                    self.mirror[name] = "fresh"
+                    self.pending.pop(name, None)
+                return [ast.Assign([_as_store(t) for t in targets], judged, None),
+                        self.step_marker(["exec", _stmt_source(ast.Assign(targets, value, None))])]
             value = self.ship(value, handing=True)
             self.inside(value)
+            self.handoff(value, "probe")
+            self.drop_mirror(bound)
             return [self.step_marker(["exec", _stmt_source(ast.Assign(targets, value, None))])]
         k, v = self.child(value, frozenset())
         self.jnames -= bound
+        self.drop_mirror(bound)
         return [ast.Assign([_as_store(t) for t in targets], v, None)]
+
+    def drop_mirror(self, names: set) -> None:
+        for name in names:
+            self.mirror.pop(name, None)
+            self.pending.pop(name, None)
+
+
+class _Reading(ast.NodeTransformer):
+    """``__grpo_dual__(judge copy, sandbox copy)`` -> the one or the other."""
+
+    def __init__(self, python: bool):
+        self.python = python
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if _is_call_of(node, DUAL):
+            return self.visit(node.args[1] if self.python else node.args[0])
+        return self.generic_visit(node)
+
+
+def _readings(stmts: list, duals: bool) -> tuple[list, list | None]:
+    """(the test as written, on its own copies; its Python reading, or None without duals)."""
+    strict = [_Reading(False).visit(copy.deepcopy(st)) for st in stmts]
+    python = [_Reading(True).visit(copy.deepcopy(st)) for st in stmts] if duals else None
+    return strict, python
+
+
+def _mirrorable(value: ast.AST) -> bool:
+    """A judge-side value the sandbox may compute for itself: no function of the test's own
+    (a lambda would hand the program the test's namespace), nothing that suspends."""
+    return not any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom))
+                   for n in ast.walk(value))
+
+
+def _imported_modules(st: ast.stmt) -> set[str]:
+    if isinstance(st, ast.Import):
+        return {a.name.partition(".")[0] for a in st.names}
+    return {(st.module or "").partition(".")[0]} if st.level == 0 else {""}
+
+
+# What the sandbox can import: the standard library (its interpreter runs without site).
+_STDLIB = frozenset(sys.stdlib_module_names)
 
 
 def _ship_stmt(planner: _Planner, st: ast.stmt) -> ast.stmt:
@@ -1245,11 +1470,14 @@ def _has_assert(body: list) -> bool:
                for st in body)
 
 
-def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset) -> tuple[list, list, list, dict, dict]:
-    """(inside, judge, pre, refused, refused_at) of the parsed tests ``trees`` against ``code``."""
+def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
+                ) -> tuple[list, list, list, dict, dict, list]:
+    """(inside, judge, pre, refused, refused_at, python) of the parsed tests ``trees`` against
+    ``code``."""
     inside: list = [[] for _ in range(n)]
     judge: list = [None] * n
     pre: list = [None] * n
+    python: list = [None] * n
     refused: dict[int, str] = {}
     refused_at: dict[int, int | None] = {}
     shadowed, imports = top_level_names(code), _program_judge_imports(code)
@@ -1265,19 +1493,21 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset) -> tuple[lis
         for i, tree in trees.items():
             planner.at = None
             try:
-                steps, j, p, _ = planner.plan(tree)
+                steps, j, p, _, py = planner.plan(tree)
                 inside[i], judge[i], pre[i] = (steps if p is None else {"steps": steps}), j, p
+                python[i] = py
                 refused.pop(i, None)
                 refused_at.pop(i, None)
             except (Refused, RecursionError, ValueError, TypeError, AttributeError) as e:
-                inside[i], judge[i], pre[i] = [], None, None
+                inside[i], judge[i], pre[i], python[i] = [], None, None, None
                 refused[i] = str(e) if isinstance(e, Refused) else f"unsupported test ({type(e).__name__})"
                 refused_at[i] = planner.at
         if planner.inside_needed == before:
             break
     judge = [None if j is None else prologue + j for j in judge]
     pre = [None if p is None else prologue + p for p in pre]
-    return inside, judge, pre, refused, refused_at
+    python = [None if p is None else prologue + p for p in python]
+    return inside, judge, pre, refused, refused_at, python
 
 
 @lru_cache(maxsize=256)
@@ -1285,7 +1515,7 @@ def _own_refusals(tests: tuple, trusted: frozenset) -> tuple[dict, dict]:
     """What the tests alone (planned without a program) cannot be judged for, and where:
     ``({i: reason}, {i: prefix tree or None})``. Cached: a group's completions share tests."""
     trees, refused = _parse_tests(list(tests), trusted)
-    _, _, _, own, at = _plan_trees("", trees, len(tests), trusted)
+    _, _, _, own, at, _ = _plan_trees("", trees, len(tests), trusted)
     prefixes = {}
     for i, k in at.items():
         body = trees[i].body[:k] if k is not None else []
@@ -1311,7 +1541,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
     except (TypeError, ValueError) as e:
         reasons = dict.fromkeys(range(n), str(e))
         return AssertPlan(inside=[[] for _ in range(n)], judge=[None] * n, refused=dict(reasons),
-                          pre=[None] * n, unscorable=reasons)
+                          pre=[None] * n, unscorable=reasons, python=[None] * n)
     trusted = frozenset(checked[1]) if checked else frozenset()
     own, prefixes = _own_refusals(tuple(tests), trusted)
     trees, refused = _parse_tests(tests, trusted)
@@ -1321,7 +1551,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
         if prefixes.get(i) is not None:
             trees[i] = prefixes[i]
             prefix.add(i)
-    inside, judge, pre, mine, _ = _plan_trees(code, trees, n, trusted)
+    inside, judge, pre, mine, _, python = _plan_trees(code, trees, n, trusted)
     refused.update(mine)
     for i in own:
         if i in mine:
@@ -1330,7 +1560,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
             refused[i] = own[i]
     unscorable = {i: own[i] for i in own if i not in mine}
     return AssertPlan(inside=inside, judge=judge, refused=refused, pre=pre,
-                      unscorable=unscorable, prefix=prefix)
+                      unscorable=unscorable, prefix=prefix, python=python)
 
 
 def unscorable_tests(tests: list[str], trusted_code: str | None = None) -> dict[int, str]:
@@ -1412,11 +1642,14 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
         runs = list(judged)
         if runs:
             seed = _judge_seed([plan.judge[i] for i in runs] + [trusted_code])
+            # Drawn apart from the seed (which the program cannot see): the sandbox's
+            # PYTHONHASHSEED is readable inside, and must say nothing about random's inputs.
+            hash_seed = secrets.randbelow(1 << 32)
             traced = [i for i in runs if plan.pre[i] is not None]
             traces: dict[int, list] = {}
             if traced:
                 traces = judge_inputs([plan.pre[i] for i in traced], trusted=trusted, seed=seed,
-                                      ids=traced)
+                                      ids=traced, hash_seed=hash_seed)
                 for i in traced:
                     if i not in traces:
                         verdicts[i] = None  # the test itself failed or asked for too much
@@ -1424,13 +1657,15 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
             jobs_ = [plan.inside[i] if plan.pre[i] is None
                      else dict(plan.inside[i], trace=traces[i]) for i in runs]
             nonce = secrets.token_hex(16)
-            r = run(code, mode="probes", timeout=timeout, **kw,
-                    run_job={"tests": jobs_, "nonce": nonce, "max_items": MAX_SET_ITEMS})
+            r = run(code, mode="probes", timeout=timeout, **kw, hash_seed=hash_seed,
+                    run_job={"tests": jobs_, "nonce": nonce, "max_items": MAX_SET_ITEMS,
+                             "iter_items": MAX_ITER_ITEMS, "iter_seconds": ITER_SECONDS})
             if r.error is not None:
                 raise SandboxUnavailable(r.error)
             passed = judge([plan.judge[i] for i in runs], r.results_bytes, nonce,
-                           trusted=trusted, seed=seed, ids=runs,
-                           traces={k: traces[i] for k, i in enumerate(runs) if i in traces})
+                           trusted=trusted, seed=seed, ids=runs, hash_seed=hash_seed,
+                           traces={k: traces[i] for k, i in enumerate(runs) if i in traces},
+                           python=[plan.python[i] for i in runs])
             for k, i in enumerate(runs):
                 verdicts[i] = passed[k]
         for i in plan.prefix:
@@ -1441,10 +1676,19 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
     return [job]
 
 
-def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: int
-                   ) -> tuple[bool, bytes]:
+# The judge's interpreter: no user site, no site (no sitecustomize, no .pth), no working
+# directory on sys.path (-P), bytecode neither read from nor written to the tree (-B); the
+# environment is exactly the one given (so not -I, which would drop PYTHONHASHSEED):
+# PYTHONPATH, PYTHONSTARTUP, PYTHONHOME and the rest of the trainer's environment never reach it.
+JUDGE_FLAGS = ("-s", "-S", "-P", "-B")
+
+
+def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: int,
+                   hash_seed: int) -> tuple[bool, bytes]:
     """Run one judge stage of the bootstrap on ``job`` (with ``data`` as its second
-    descriptor); ``(exited cleanly within JUDGE_SECONDS, stdout up to read_limit bytes)``."""
+    descriptor, its output on a third); ``(exited cleanly within JUDGE_SECONDS, output up to
+    read_limit bytes)``. Its stdout and stderr go to /dev/null: no code the judge runs can
+    print a verdict line."""
     exe, _ = _runtime()
     fds: list[int] = []
     try:
@@ -1453,14 +1697,14 @@ def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: in
         res_fd = _memfd(data, "results")
         fds.append(res_fd)
         with tempfile.TemporaryFile() as out:
-            # Not -I: PYTHONHASHSEED must reach it (both stages iterate sets in the same order);
-            # the environment is ours alone, and the stage drops the working directory from
-            # sys.path.
+            out_w = os.open(f"/proc/self/fd/{out.fileno()}", os.O_WRONLY | os.O_APPEND)
+            fds.append(out_w)
             proc = subprocess.Popen(
-                [exe, "-s", "-S", "-B", "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
-                pass_fds=(job_fd, res_fd), cwd="/",
-                env={"LANG": "C.UTF-8", "PYTHONHASHSEED": str(seed % (1 << 32))},
+                [exe, *JUDGE_FLAGS, "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd),
+                 str(out_w)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(job_fd, res_fd, out_w), cwd="/",
+                env={"LANG": "C.UTF-8", "PYTHONHASHSEED": str(int(hash_seed) % (1 << 32))},
                 start_new_session=True, close_fds=True)
             exited = _end_group(proc, fds, JUDGE_SECONDS)
             out.seek(0)
@@ -1480,18 +1724,19 @@ def _judge_job(sources: list[str], trusted: tuple | None, ids: list[int]) -> dic
 
 
 def judge_inputs(sources: list[str], *, trusted: tuple | None = None, seed: int = 0,
-                 ids: list[int] | None = None) -> dict[int, list]:
+                 ids: list[int] | None = None, hash_seed: int | None = None) -> dict[int, list]:
     """The judge's first stage over traced tests (``AssertPlan.pre`` sources, run before the
     program, never with it): ``{id: [[step, encoded inputs], ...]}`` for each test that ran
     to its end within the caps; a test that raised on its own, asked for more than
     :data:`MAX_PROBE_CALLS` step runs or :data:`MAX_INPUT_BYTES` of inputs (all tests
     together), or did not finish within :data:`JUDGE_SECONDS` is left out (unscorable).
-    ``trusted``: :func:`check_trusted_code`'s result."""
+    ``trusted``: :func:`check_trusted_code`'s result; ``hash_seed``: the ``PYTHONHASHSEED``
+    shared with the sandbox and the verdict stage (``seed`` when None)."""
     ids = list(range(len(sources))) if ids is None else list(ids)
     job = dict(_judge_job(sources, trusted, ids), max_calls=MAX_PROBE_CALLS,
                max_bytes=MAX_INPUT_BYTES)
     ok, text = _judge_process(job, b"", "inputs", MAX_INPUT_BYTES + 64 * (MAX_PROBE_CALLS + len(ids)) + 4096,
-                              seed)
+                              seed, seed if hash_seed is None else hash_seed)
     traces: dict[int, list] = {}
     if not ok:
         return traces
@@ -1515,19 +1760,27 @@ def judge_inputs(sources: list[str], *, trusted: tuple | None = None, seed: int 
 
 
 def judge(sources: list[str], results: bytes, nonce: str, *, trusted: tuple | None = None,
-          seed: int = 0, ids: list[int] | None = None, traces: dict | None = None) -> list[bool | None]:
+          seed: int = 0, ids: list[int] | None = None, traces: dict | None = None,
+          python: list | None = None, hash_seed: int | None = None) -> list[bool | None]:
     """Run the judge stage of the bootstrap (a fresh interpreter, never the program) on the
     probe records ``results``; one verdict per judge source: True (passed), False, or None
-    (a traced test whose step runs, recomputed, are not those the program ran: unscorable).
+    (a traced test whose step runs, recomputed, are not those the program ran; or one that
+    fails as written but passes in its ``python`` reading: unscorable).
     Anything short of a clean "passed" from the judge within :data:`JUDGE_SECONDS` fails.
-    ``traces``: the step runs of the traced tests, by position in ``sources``."""
+    ``traces``: the step runs of the traced tests, by position in ``sources``; ``python``:
+    per source, its Python reading (:attr:`AssertPlan.python`) or None. Records past
+    :data:`MAX_RESULT_BYTES` are cut: the tests they belong to never finished (fail)."""
     n = len(sources)
-    if len(results) > MAX_RESULT_BYTES or nonce.encode() not in results:
-        return [False] * n  # too much to read, or not one record of ours: nothing to judge
+    if len(results) > MAX_RESULT_BYTES:
+        results = results[:results.rfind(b"\n", 0, MAX_RESULT_BYTES) + 1]
+    if nonce.encode() not in results:
+        return [False] * n  # not one record of ours: nothing to judge
     ids = list(range(n)) if ids is None else list(ids)
     job = dict(_judge_job(sources, trusted, ids), nonce=nonce,
-               traces={str(k): v for k, v in (traces or {}).items()})
-    ok, raw = _judge_process(job, results, "verdict", 24 * n + 64, seed)
+               traces={str(k): v for k, v in (traces or {}).items()},
+               python=list(python) if python is not None else None)
+    ok, raw = _judge_process(job, results, "verdict", 24 * n + 64, seed,
+                             seed if hash_seed is None else hash_seed)
     verdicts: list[bool | None] = [False] * n
     if not ok:
         return verdicts
