@@ -314,8 +314,8 @@ def run_stdio_test(code: str, stdin: str, expected: str, *, timeout: float = 5.0
 
 MAX_TEST_CHARS = 100_000  # one test string; longer ones are refused
 MAX_RESULT_BYTES = 8 << 20  # the probe records of one run; more and every test of the run fails
-JUDGE_SECONDS = 2.0  # wall clock of the judge process (plain values only: it is fast)
-JUDGE_TEST_SECONDS = 0.5  # one test inside the judge
+JUDGE_SECONDS = 4.0  # wall clock of a judge process (plain values only: it is fast; the margin is for load)
+JUDGE_TEST_SECONDS = 1.0  # CPU time of one test's logic inside the judge (decoding not counted)
 MAX_SET_ITEMS = 20_000  # a reported set / dict; hash collisions make a big one quadratic
 PROBE = "__grpo_probe__"
 
@@ -486,6 +486,9 @@ class _Planner:
         # A name the tests bind themselves is theirs, not the trusted helper's.
         self.trusted = frozenset(trusted) - self.test_names
         self.inside_needed: set[str] = set()
+        # Test names bound to the program's values (r = f(1), s = Stack()): what the test
+        # calls, reads or indexes on them is the program's, evaluated inside.
+        self.pvalued: set[str] = set()
         self.vector: dict | None = None  # the enclosing single-generator comprehension
         self._reset()
 
@@ -533,6 +536,13 @@ class _Planner:
             return name not in self.inside_needed
         return name in JUDGE_BUILTINS or name in self.judge_imports or name == "math"
 
+    def on_program_value(self, node: ast.AST, local: frozenset) -> bool:
+        """``r.upper()``, ``s.pop()``, ``r[0]``, ``r()`` where ``r`` is a test name bound to
+        a value of the program: the program's object does it, inside."""
+        base = node.func if isinstance(node, ast.Call) else node.value
+        return (isinstance(base, ast.Name) and base.id in self.pvalued and base.id not in local
+                and base.id not in self.mirror and base.id not in self.jnames)
+
     def program_part(self, node: ast.AST, local: frozenset) -> bool:
         """Whether ``node`` is a value of the program: a name of its, or what is called,
         indexed or read as an attribute on one."""
@@ -540,6 +550,8 @@ class _Planner:
             node = node.func if isinstance(node, ast.Call) else node.value
         if not isinstance(node, ast.Name):
             return False
+        if node.id in self.pvalued and node.id not in local:
+            return True
         try:
             return not self.judge_name(node.id, local)
         except Refused:
@@ -603,7 +615,8 @@ class _Planner:
         """Whether the judge computes ``node`` (no name of the program in it); never refuses,
         except for a name the test reads after handing it to the program."""
         if any(isinstance(n, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom))
-               for n in ast.walk(node)):
+               or isinstance(n, (ast.Attribute, ast.Subscript, ast.Call))
+               and self.on_program_value(n, frozenset()) for n in ast.walk(node)):
             return False
         try:
             return all(self.judge_name(n, frozenset()) for n in _free_names(node))
@@ -627,6 +640,8 @@ class _Planner:
         if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             raise Refused(f"{type(node).__name__} in a test")
         if isinstance(node, ast.Compare) and self.compared_inside(node, local):
+            return "P", node
+        if isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)) and self.on_program_value(node, local):
             return "P", node
         if isinstance(node, ast.Attribute):
             k, v = self.expr(node.value, local)
@@ -1057,10 +1072,14 @@ class _Planner:
             self.inside(value)
             self.handoff(value, "probe")
             self.drop_mirror(bound)
+            if not self.is_h(value):
+                self.pvalued |= bound
             return [self.step_marker(["exec", _stmt_source(ast.Assign(targets, value, None))])]
         k, v = self.child(value, frozenset())
         self.jnames -= bound
         self.drop_mirror(bound)
+        if k != "H":
+            self.pvalued |= bound
         return [ast.Assign([_as_store(t) for t in targets], v, None)]
 
     def drop_mirror(self, names: set) -> None:
@@ -1488,8 +1507,8 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
                               for st in imports for a in st.names}
     prologue = "".join(ast.unparse(st) + "\n" for st in imports)
     # Names the program reads move from the judge to the inside: plan until that set is stable.
-    for _ in range(len(planner.test_names) + 2):
-        before = set(planner.inside_needed)
+    for _ in range(2 * len(planner.test_names) + 2):
+        before = (set(planner.inside_needed), set(planner.pvalued))
         for i, tree in trees.items():
             planner.at = None
             try:
@@ -1502,7 +1521,7 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
                 inside[i], judge[i], pre[i], python[i] = [], None, None, None
                 refused[i] = str(e) if isinstance(e, Refused) else f"unsupported test ({type(e).__name__})"
                 refused_at[i] = planner.at
-        if planner.inside_needed == before:
+        if (planner.inside_needed, planner.pvalued) == before:
             break
     judge = [None if j is None else prologue + j for j in judge]
     pre = [None if p is None else prologue + p for p in pre]

@@ -432,7 +432,6 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     object of any other type raises TypeError (its probe fails). Whatever the program does, a
     record is one fixed plain value, read once: what the judge compares is data, never an
     object of the program (a value that would change on a second read cannot)."""
-    import json
     import time
 
     type_, len_, list_, set_, map_, issubclass_, hasattr_, getattr_ = (
@@ -449,7 +448,17 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     monotonic = time.monotonic
     keys_t, values_t, items_t = type({}.keys()), type({}.values()), type({}.items())
     none_t = type(None)
-    to_json = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode
+    # JSON by the C encoder itself, built here: nothing the program patches in json reaches it.
+    import _json
+
+    def refuse(o):
+        raise TypeError("not JSON")
+
+    c_encoder = _json.make_encoder({}, refuse, _json.encode_basestring_ascii, None, ":", ",",
+                                   False, False, True)
+
+    def to_json(v):
+        return join(c_encoder(v, 0))
     max_text = 1 << 20  # a Decimal's digits
 
     def scalar(k):
@@ -945,14 +954,15 @@ def _judge(argv):
     def on_alarm(signum, frame):
         raise TestTimeout()
 
-    signal.signal(signal.SIGALRM, on_alarm)
+    # A test's budget is CPU time (SIGPROF), not wall time: a loaded machine does not fail it.
+    signal.signal(signal.SIGPROF, on_alarm)
 
     def timed(fn):
-        signal.setitimer(signal.ITIMER_REAL, budget)
+        signal.setitimer(signal.ITIMER_PROF, budget)
         try:
             return fn()
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
 
     # The problem's own helpers, in their own namespace; modules as public attributes only.
     trusted = {}
@@ -1034,7 +1044,7 @@ def _judge(argv):
     # seen twice is void. Values are parsed only when a test reads them.
     raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
     nonce = job["nonce"].encode()
-    records, done = {}, {}
+    records, done = {}, {}  # records: {test: {probe or step run: record}}
     for line in raw.split(b"\n"):
         parts = line.split(b" ", 3)
         if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
@@ -1043,22 +1053,29 @@ def _judge(argv):
         if parts[2] == b"d" and len(parts) == 3:
             done[t] = done.get(t, 0) + 1
         elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
-            key = (t, int(parts[2]))
-            records[key] = None if key in records else parts[3]
+            mine, k = records.setdefault(t, {}), int(parts[2])
+            mine[k] = None if k in mine else parts[3]
     del raw
     traces = {int(k): v for k, v in (job.get("traces") or {}).items()}
 
     current = [0]
-    cache = {}
+    cache = {}  # {(test, probe): (decoded, value or the reason it failed)}
+
+    def predecode(t):
+        """Decode test ``t``'s records before its budget starts (they count against the
+        process's wall clock only)."""
+        for k, rec in records.get(t, {}).items():
+            if (t, k) not in cache:
+                try:
+                    cache[(t, k)] = (True, decode(rec)) if rec is not None else (False, "twice")
+                except ProbeFailed as e:
+                    cache[(t, k)] = (False, str(e))
 
     def probe(pid):
-        key = (current[0], pid)
-        if key not in cache:
-            rec = records.get(key)
-            if rec is None:
-                raise ProbeFailed("no value")
-            cache[key] = decode(rec)
-        return cache[key]
+        ok, value = cache.get((current[0], pid), (False, "no value"))
+        if not ok:
+            raise ProbeFailed(value)
+        return value
 
     runs = [0]
 
@@ -1096,6 +1113,7 @@ def _judge(argv):
         return verdict
 
     for t, src in enumerate(sources):
+        predecode(t)
         verdict = verdict_of(t, src)
         if verdict is False and python[t] is not None and verdict_of(t, python[t]) is not False:
             # It fails on the values as the test built them, but passes on what the program
