@@ -510,6 +510,12 @@ def test_the_python_reading_is_unscorable_never_zero():
     forged = "```python\ndef f(xs):\n    xs[:] = [1, 2, 3]\n```"
     wrong = "```python\ndef f(xs):\n    return None\n```"
     assert code_rewards([in_place, forged, wrong], [test] * 3) == [None, None, 0.0]
+    # ... but never a way out of the other tests' zeros: with a failed test beside it, it
+    # counts as failed (the row is scored, not None).
+    other = "ys = [2, 1]\nf(ys)\nassert ys == [1, 2]"
+    assert code_rewards([in_place, forged], [test + [other]] * 2) == [None, 0.0]
+    assert _sandbox.row_score([True, _sandbox.PYTHON_ONLY]) is None
+    assert _sandbox.row_score([True, False, _sandbox.PYTHON_ONLY]) == 1
 
 
 @needs_jail

@@ -1635,7 +1635,8 @@ def _judge_seed(sources: list) -> int:
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
                 trusted_code: str | None = None, **kw):
     """Assert tests as units of sandboxed work: callables returning ``[(test index, verdict)]``
-    with verdict True / False / None (unscorable).
+    with verdict True / False / None (unscorable) / :data:`PYTHON_ONLY` (a row's score:
+    :func:`row_score`).
 
     All tests of a completion share one sandboxed run (``timeout``) that reports the probes'
     values, then one judge run (:data:`JUDGE_SECONDS`) that decides every test on those values;
@@ -1655,8 +1656,8 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
         trusted = check_trusted_code(trusted_code)
     judged = [i for i, j in enumerate(plan.judge) if j is not None]
 
-    def job() -> list[tuple[int, bool | None]]:
-        verdicts: dict[int, bool | None] = {
+    def job() -> list[tuple[int, bool | None | str]]:
+        verdicts: dict[int, bool | None | str] = {
             i: None if i in plan.unscorable else False for i in range(len(tests))}
         runs = list(judged)
         if runs:
@@ -1780,11 +1781,12 @@ def judge_inputs(sources: list[str], *, trusted: tuple | None = None, seed: int 
 
 def judge(sources: list[str], results: bytes, nonce: str, *, trusted: tuple | None = None,
           seed: int = 0, ids: list[int] | None = None, traces: dict | None = None,
-          python: list | None = None, hash_seed: int | None = None) -> list[bool | None]:
+          python: list | None = None, hash_seed: int | None = None) -> list[bool | None | str]:
     """Run the judge stage of the bootstrap (a fresh interpreter, never the program) on the
-    probe records ``results``; one verdict per judge source: True (passed), False, or None
-    (a traced test whose step runs, recomputed, are not those the program ran; or one that
-    fails as written but passes in its ``python`` reading: unscorable).
+    probe records ``results``; one verdict per judge source: True (passed), False, None
+    (a traced test whose step runs, recomputed, are not those the program ran: unscorable),
+    or :data:`PYTHON_ONLY` (fails as written, passes in its ``python`` reading; see
+    :func:`row_score`).
     Anything short of a clean "passed" from the judge within :data:`JUDGE_SECONDS` fails.
     ``traces``: the step runs of the traced tests, by position in ``sources``; ``python``:
     per source, its Python reading (:attr:`AssertPlan.python`) or None. Records past
@@ -1803,12 +1805,29 @@ def judge(sources: list[str], results: bytes, nonce: str, *, trusted: tuple | No
     verdicts: list[bool | None] = [False] * n
     if not ok:
         return verdicts
-    # The judge writes exactly "PASS <i>" / "MISS <i>" lines (bounded: n lines).
+    # The judge writes exactly "PASS <i>" / "MISS <i>" / "PYTH <i>" lines (bounded: n lines).
     for line in raw.decode("ascii", errors="replace").split("\n")[:n]:
         head, _, idx = line.partition(" ")
-        if head in ("PASS", "MISS") and idx.isdigit() and len(idx) < 10 and int(idx) < n:
-            verdicts[int(idx)] = True if head == "PASS" else None
+        if head in _VERDICTS and idx.isdigit() and len(idx) < 10 and int(idx) < n:
+            verdicts[int(idx)] = _VERDICTS[head]
     return verdicts
+
+
+PYTHON_ONLY = "python"  # a verdict: fails as written, passes in the test's Python reading
+_VERDICTS = {"PASS": True, "MISS": None, "PYTH": PYTHON_ONLY}
+
+
+def row_score(verdicts: list) -> int | None:
+    """Tests passed in one completion's verdicts, or None (unscorable). A test unscorable on
+    its own (None) makes the row None; a test that passes only in its Python reading
+    (:data:`PYTHON_ONLY`: the program changed what it was handed) counts as failed when
+    another test fails (else a wrong program could escape its zeros that way) and makes the
+    row None otherwise (the right program may be updating in place)."""
+    if None in verdicts:
+        return None
+    if PYTHON_ONLY in verdicts and False not in verdicts:
+        return None
+    return sum(v is True for v in verdicts)
 
 
 def capabilities() -> dict:

@@ -879,9 +879,9 @@ def _judge(argv):
     builtin types only (no object of the program exists here), then each test's judge source
     runs with the judge's builtins over those values. Writes ``PASS <i>`` per passed test and
     ``MISS <i>`` per test that cannot be judged (a traced test whose steps, recomputed, are
-    not the ones the program ran, or whose inputs could not be sent; or a test that fails on
-    the values as it built them but passes in its ``python`` reading, where what it handed to
-    the program is read back from the sandbox). Both stages write to their third descriptor;
+    not the ones the program ran, or whose inputs could not be sent) and ``PYTH <i>`` per test
+    that fails on the values as it built them but passes in its ``python`` reading, where what
+    it handed to the program is read back from the sandbox. Both stages write to their third descriptor;
     their stdout and stderr go nowhere (no test code can print a verdict).
 
     Both stages seed ``random`` alike per test (``seed`` and the test's id) and run under the
@@ -1115,11 +1115,12 @@ def _judge(argv):
     for t, src in enumerate(sources):
         predecode(t)
         verdict = verdict_of(t, src)
-        if verdict is False and python[t] is not None and verdict_of(t, python[t]) is not False:
+        if verdict is False and python[t] is not None and verdict_of(t, python[t]) is True:
             # It fails on the values as the test built them, but passes on what the program
             # left in the objects it was handed (Python's own reading): an in-place update the
-            # test checks, or a forgery that changed the expected values; not judged.
-            verdict = None
+            # test checks, or a forgery that changed the expected values.
+            write(out_fd, ("PYTH %d\n" % t).encode())
+            continue
         if verdict is None:
             write(out_fd, ("MISS %d\n" % t).encode())
         elif verdict:
