@@ -110,6 +110,9 @@ def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: f
     None (unscorable: the trainer gives such a completion no advantage) where its tests are
     missing or malformed, where one of its tests cannot be judged whatever the program (the
     planner refuses it on its own, or its judge side fails: see :func:`unscorable_rows`),
+    where its only shortfall is a test that passes only on what the program left in a value
+    the test handed it (``grpo.rewards.sandbox.row_score``: beside a failed test it counts as
+    failed),
     where its ``trusted_code`` is bad (not a str, does not parse, does I/O or imports outside
     the judge's modules: logged once), or where the sandbox cannot be built on this machine
     (logged once: code is never run unconfined). ``timeout`` bounds each sandboxed process.
