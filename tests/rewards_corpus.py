@@ -247,3 +247,6 @@ JUDGE_FORGERIES = {
 # Python's reading of it (the value it handed over, read back): the judge cannot tell them
 # from an in-place update the test would check.
 FORGED_UNSCORABLE = {"clear_input_later_statement"}
+JUDGE_FORGERIES["changes_what_it_must_not"] = (
+    "def f(d, k):\n    return d.get(k, 0)", "def f(d, k):\n    d.setdefault('x', 0)\n    return d.get(k, 0)",
+    ["d = {'a': 1}\nassert f(d, 'a') == d['a']\nassert len(d) == 1"])

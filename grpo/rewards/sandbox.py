@@ -47,10 +47,13 @@
   sandbox from then on; a value handed to a *probe* (``r = f(xs)``, ``assert f(xs) ...``) is
   read as the test built it (in that statement and after), and in the test's *Python
   reading* (:attr:`AssertPlan.python`) as read back from the sandbox in the statements
-  after. A test that fails as written but passes in its Python reading (a right program that
-  sorts in place, or a forgery that emptied the list) is :data:`PYTHON_ONLY`: it counts as
-  failed when another test of the row fails, and makes the row None otherwise
-  (:func:`row_score`): never 1.0, never a way out of a wrong program's zeros. A name bound
+  after. Such a test passes only when both readings pass (Python's is the dataset's: a test
+  that checks its input was left alone still fails a program that changed it); its Python
+  reading failing fails it; one that fails as written but passes in its Python reading (a
+  right program that sorts in place, or a forgery that emptied the list) is
+  :data:`PYTHON_ONLY`: it counts as failed when another test of the row fails, and makes the
+  row None otherwise (:func:`row_score`): never 1.0, never a way out of a wrong program's
+  zeros. A name bound
   to the program's value (``s = Stack()``) lives inside; what the test calls or reads on it
   (``s.pop()``) is a probe. A test that imports a module outside the standard library is
   unscorable (the sandbox has none); one whose logic calls a module outside the judge's
@@ -1870,7 +1873,7 @@ def judge(sources: list[str], results: bytes, nonce: str, *, trusted: tuple | No
     return verdicts
 
 
-PYTHON_ONLY = "python"  # a verdict: fails as written, passes in the test's Python reading
+PYTHON_ONLY = "python"  # a verdict: the test's two readings disagree (see the module docstring)
 _VERDICTS = {"PASS": True, "MISS": None, "PYTH": PYTHON_ONLY}
 
 

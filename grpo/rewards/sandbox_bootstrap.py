@@ -880,8 +880,10 @@ def _judge(argv):
     runs with the judge's builtins over those values. Writes ``PASS <i>`` per passed test and
     ``MISS <i>`` per test that cannot be judged (a traced test whose steps, recomputed, are
     not the ones the program ran, or whose inputs could not be sent) and ``PYTH <i>`` per test
-    that fails on the values as it built them but passes in its ``python`` reading, where what
-    it handed to the program is read back from the sandbox. Both stages write to their third descriptor;
+    whose two readings disagree: it fails on the values as it built them but passes in its
+    ``python`` reading (where what it handed to the program is read back from the sandbox),
+    or passes as written while its Python reading cannot be judged. A test with a Python
+    reading passes only when both readings pass; its Python reading failing fails it. Both stages write to their third descriptor;
     their stdout and stderr go nowhere (no test code can print a verdict).
 
     Both stages seed ``random`` alike per test (``seed`` and the test's id) and run under the
@@ -1115,12 +1117,18 @@ def _judge(argv):
     for t, src in enumerate(sources):
         predecode(t)
         verdict = verdict_of(t, src)
-        if verdict is False and python[t] is not None and verdict_of(t, python[t]) is True:
-            # It fails on the values as the test built them, but passes on what the program
-            # left in the objects it was handed (Python's own reading): an in-place update the
-            # test checks, or a forgery that changed the expected values.
-            write(out_fd, ("PYTH %d\n" % t).encode())
-            continue
+        if python[t] is not None and verdict is not None:
+            # Python's own reading (what the program left in the values it was handed) is the
+            # dataset's; the test as written (the judge's copies) is what no program can move.
+            # A pass needs both; a fail in Python's reading is a fail; a fail as written that
+            # Python's reading passes (an in-place update the test checks, or a forgery that
+            # changed the expected values) cannot be told apart.
+            reading = verdict_of(t, python[t])
+            if reading is False or (verdict is False and reading is None):
+                continue
+            if not (verdict is True and reading is True):
+                write(out_fd, ("PYTH %d\n" % t).encode())
+                continue
         if verdict is None:
             write(out_fd, ("MISS %d\n" % t).encode())
         elif verdict:
