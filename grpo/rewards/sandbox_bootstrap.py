@@ -412,6 +412,43 @@ class Snapshot:
         return "<iterator>"
 
 
+class Record:
+    """A dataclass instance or a plain Enum member of the program, as data: its class's
+    name and its fields (a member: its name). Equal to a record of the same class name and
+    fields, whatever the program's ``__eq__`` said; fields read as attributes."""
+
+    __slots__ = ("cls", "fields", "member")
+
+    def __init__(self, cls, fields, member):
+        if not isinstance(cls, str) or not all(isinstance(f, tuple) and len(f) == 2
+                                               and isinstance(f[0], str) for f in fields):
+            raise ProbeFailed("malformed record")
+        self.cls, self.fields, self.member = cls, tuple(fields), member
+
+    def _key(self):
+        return (self.cls, self.member, self.fields)
+
+    def __eq__(self, other):
+        return isinstance(other, Record) and self._key() == other._key()
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __getattr__(self, name):
+        for k, v in object.__getattribute__(self, "fields"):
+            if k == name:
+                return v
+        raise AttributeError(name)
+
+    def __repr__(self):
+        if self.member:
+            return "%s.%s" % (self.cls.rpartition(".")[2], self.fields[0][1])
+        return "%s(%s)" % (self.cls.rpartition(".")[2], ", ".join("%s=%r" % f for f in self.fields))
+
+
 def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     """``encode(value) -> str``: a value's record body, ``v`` + prefix-form text:
 
@@ -424,12 +461,15 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     ``Q`` + maxlen + list (deque), ``A<kind><n>;`` + n ints (datetime's date ``d``,
     datetime ``D``, time ``t``, timedelta ``r``, without tzinfo), ``I<end>`` + list (an
     iterator's values, read up to ``iter_items`` / ``iter_seconds``; end ``e`` it ended,
-    ``t`` the caps cut it, ``r`` it raised: reading past a cut fails the test).
+    ``t`` the caps cut it, ``r`` it raised: reading past a cut fails the test), ``Z`` + class
+    name + tuple of (field, value) pairs (a dataclass instance), ``E`` + class name + member
+    name (a plain Enum member): :class:`Record` in the judge.
 
     Subclasses of the builtin types (IntEnum, namedtuple, Counter, OrderedDict, ...) leave as
     their builtin base's value, read by the base type's own C methods (bound here, before the
-    program runs): an overridden ``__eq__``, ``__iter__`` or ``__repr__`` plays no part. An
-    object of any other type raises TypeError (its probe fails). Whatever the program does, a
+    program runs): an overridden ``__eq__``, ``__iter__`` or ``__repr__`` plays no part; a
+    dataclass instance or a plain Enum member is its class name and fields (compared as data,
+    never by its ``__eq__``). An object of any other type raises TypeError (its probe fails). Whatever the program does, a
     record is one fixed plain value, read once: what the judge compares is data, never an
     object of the program (a value that would change on a second read cannot)."""
     import time
@@ -446,6 +486,7 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     dict_items, dict_values = dict.items, dict.values
     append = list.append
     monotonic = time.monotonic
+    enum_base = __import__("enum").Enum  # imported at startup (re needs it), taken before the program
     keys_t, values_t, items_t = type({}.keys()), type({}.values()), type({}.items())
     none_t = type(None)
     # JSON by the C encoder itself, built here: nothing the program patches in json reaches it.
@@ -607,6 +648,17 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
                     raise TypeError("a datetime value with strange fields")
             append(out, "A" + {"date": "d", "datetime": "D", "time": "t", "timedelta": "r"}[name])
             seq("", values, out, depth)
+        elif issubclass_(t, enum_base):  # a plain Enum member (IntEnum, StrEnum: their base)
+            append(out, "E")
+            tagged(name if type_(name) is str else None, out, depth + 1)
+            tagged(v.name, out, depth + 1)
+        elif type_(getattr_(t, "__dataclass_fields__", None)) is dict:
+            fields = [f for f in getattr_(t, "__dataclass_fields__") if type_(f) is str]
+            if len_(fields) > max_items:
+                raise ValueError("too many fields")
+            append(out, "Z")
+            tagged(name if type_(name) is str else None, out, depth + 1)
+            seq("t", [(f, getattr_(v, f)) for f in fields], out, depth + 1)
         elif hasattr_(t, "__next__"):
             values, end = materialise(v, t.__next__)
             append(out, "I" + end)
@@ -848,6 +900,12 @@ def _decoder(max_items):
                 if kind not in dt or int(num(), 10) != arity[kind]:
                     raise ProbeFailed("malformed date")
                 stack.append([[], arity[kind], lambda items, k=kind: dt[k](*items)])
+                continue
+            elif tag == "E":
+                stack.append([[], 2, lambda items: Record(items[0], (("name", items[1]),), True)])
+                continue
+            elif tag == "Z":
+                stack.append([[], 2, lambda items: Record(items[0], items[1], False)])
                 continue
             elif tag == "I":
                 end = text[pos:pos + 1]
