@@ -520,6 +520,13 @@ class _Planner:
     computed in the judge and *sent* in: replaced by an input name the sandbox binds before the
     step runs. A test with such inputs, or with steps inside its own loops or ifs, is *traced*:
     the judge runs its judge side first and records every step run (``AssertPlan.pre``).
+
+    A name the test binds at top level to a judge-side value that a step of the program reads
+    is *mirrored* (``mirror``): the judge's assignment and the same assignment inside (in the
+    test's own namespace there); the judge's reads use its copy, and after a step of the
+    program had the name, ``__grpo_dual__(judge copy, read-back probe)`` (a probe) or the
+    read-back alone (a statement) -- see the module docstring. A name bound to the program's
+    value (``pvalued``) lives inside; calls, attributes and indexing on it are P.
     """
 
     def __init__(self, program_names: set[str], tests: list[ast.Module],
@@ -924,9 +931,10 @@ class _Planner:
                    for n in _names_loaded(node))
 
     # ---- statements -----------------------------------------------------------------------
-    def plan(self, tree: ast.Module) -> tuple[list, str, str | None, dict]:
-        """(inside steps, judge source, first-stage source or None, step inputs) of one test;
-        raises Refused with ``self.at`` the index of the refused top-level statement."""
+    def plan(self, tree: ast.Module) -> tuple[list, str, str | None, dict, str | None]:
+        """(inside steps, judge source, first-stage source or None, step inputs, Python
+        reading or None) of one test; raises Refused with ``self.at`` the index of the refused
+        top-level statement."""
         self._reset()
         judge: list[ast.stmt] = []
         for k, st in enumerate(tree.body):

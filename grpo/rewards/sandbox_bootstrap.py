@@ -469,9 +469,10 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     their builtin base's value, read by the base type's own C methods (bound here, before the
     program runs): an overridden ``__eq__``, ``__iter__`` or ``__repr__`` plays no part; a
     dataclass instance or a plain Enum member is its class name and fields (compared as data,
-    never by its ``__eq__``). An object of any other type raises TypeError (its probe fails). Whatever the program does, a
-    record is one fixed plain value, read once: what the judge compares is data, never an
-    object of the program (a value that would change on a second read cannot)."""
+    never by its ``__eq__``). An object of any other type raises TypeError (its probe fails).
+    Whatever the program does, a record is one fixed plain value, read once: what the judge
+    compares is data, never an object of the program (a value that would change on a second
+    read cannot)."""
     import time
 
     type_, len_, list_, set_, map_, issubclass_, hasattr_, getattr_ = (
@@ -489,18 +490,19 @@ def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
     enum_base = __import__("enum").Enum  # imported at startup (re needs it), taken before the program
     keys_t, values_t, items_t = type({}.keys()), type({}.values()), type({}.items())
     none_t = type(None)
+    max_text = 1 << 20  # a Decimal's digits
     # JSON by the C encoder itself, built here: nothing the program patches in json reaches it.
+    # No circularity markers: plain() has already refused anything nested past 50 levels.
     import _json
 
     def refuse(o):
         raise TypeError("not JSON")
 
-    c_encoder = _json.make_encoder({}, refuse, _json.encode_basestring_ascii, None, ":", ",",
+    c_encoder = _json.make_encoder(None, refuse, _json.encode_basestring_ascii, None, ":", ",",
                                    False, False, True)
 
     def to_json(v):
         return join(c_encoder(v, 0))
-    max_text = 1 << 20  # a Decimal's digits
 
     def scalar(k):
         return k is int or k is str or k is float or k is bool or k is none_t
