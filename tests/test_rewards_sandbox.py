@@ -540,6 +540,16 @@ def test_modules_the_judge_cannot_run_make_a_test_unscorable():
     assert _sandbox.unscorable_tests(["import os\nassert f(os.sep) == '/'"]) == {}
 
 
+def test_planning_stays_bounded_on_long_chains_of_names():
+    # Each name read by the next: the names living inside would settle one per pass. Planning
+    # runs in the trainer's process, so it stops after MAX_PLAN_PASSES: unscorable, never a stall.
+    chain = "a0 = [1]\n" + "".join(f"a{i} = a{i - 1}\n" for i in range(1, 60)) + "assert f(a59) == [1]"
+    reason = timed(lambda: _sandbox.unscorable_tests([chain]), 5.0)
+    assert "did not settle" in reason[0]
+    short = "a0 = [1]\na1 = a0\na2 = a1\nassert f(a2) == [1]"
+    assert _sandbox.unscorable_tests([short]) == {}
+
+
 @needs_jail
 def test_records_past_the_cap_fail_only_their_tests(monkeypatch):
     monkeypatch.setattr(_sandbox, "MAX_RESULT_BYTES", 1 << 16)

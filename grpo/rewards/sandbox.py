@@ -79,7 +79,9 @@
   program runs, fresh objects each time); the judge's second stage reruns the test on the
   probe records, recomputes each step's inputs and requires them to equal what was sent (same
   seeds), else the test is unscorable (``MISS``), never failed.
-  Parent-side caps: :data:`MAX_PROBE_CALLS` step runs and :data:`MAX_INPUT_BYTES` of encoded
+  Parent-side caps: :data:`MAX_PLAN_PASSES` planning passes (planning runs in the trainer's
+  process; a test whose names do not settle is unscorable), :data:`MAX_PROBE_CALLS` step runs
+  and :data:`MAX_INPUT_BYTES` of encoded
   inputs per completion (beyond them the test is unscorable), the probe records are read up
   to :data:`MAX_RESULT_BYTES` (the tests whose records lie past that cut fail), each judge
   stage under :data:`JUDGE_SECONDS` (a test's logic under :data:`JUDGE_TEST_SECONDS` of CPU)
@@ -373,6 +375,7 @@ def run_stdio_test(code: str, stdin: str, expected: str, *, timeout: float = 5.0
 # --------------------------------------------------------------------------------------------
 
 MAX_TEST_CHARS = 100_000  # one test string; longer ones are refused
+MAX_PLAN_PASSES = 24  # planning passes over a completion's tests (names moving inside settle in a few)
 MAX_RESULT_BYTES = 8 << 20  # the probe records of one run; more and every test of the run fails
 JUDGE_SECONDS = 4.0  # wall clock of a judge process (plain values only: it is fast; the margin is for load)
 JUDGE_TEST_SECONDS = 1.0  # CPU time of one test's logic inside the judge (decoding not counted)
@@ -1575,7 +1578,7 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
                               for st in imports for a in st.names}
     prologue = "".join(ast.unparse(st) + "\n" for st in imports)
     # Names the program reads move from the judge to the inside: plan until that set is stable.
-    for _ in range(2 * len(planner.test_names) + 2):
+    for _ in range(min(2 * len(planner.test_names) + 2, MAX_PLAN_PASSES)):
         before = (set(planner.inside_needed), set(planner.pvalued))
         for i, tree in trees.items():
             planner.at = None
@@ -1591,6 +1594,14 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
                 refused_at[i] = planner.at
         if (planner.inside_needed, planner.pvalued) == before:
             break
+    else:
+        if (planner.inside_needed, planner.pvalued) != before:
+            # The names that live inside did not settle (a long chain of names, each read by
+            # the next): planning stays bounded in the trainer's process; not judged.
+            for i in trees:
+                inside[i], judge[i], pre[i], python[i] = [], None, None, None
+                refused[i] = f"the test's names did not settle in {MAX_PLAN_PASSES} planning passes"
+                refused_at[i] = None
     judge = [None if j is None else prologue + j for j in judge]
     pre = [None if p is None else prologue + p for p in pre]
     python = [None if p is None else prologue + p for p in python]
