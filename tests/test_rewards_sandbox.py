@@ -613,14 +613,19 @@ def _children() -> set[int]:
 
 
 def _sandbox_processes() -> list[int]:
+    """Sandbox or judge processes that are ours or nobody's (orphans, parent 1): other
+    sessions on the machine may be running sandboxes of their own, each under its parent."""
     pids = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"grpo.rewards.sandbox`` runs" in f.read():
-                        pids.append(int(pid))
-            except OSError:
+                    ours = b"grpo.rewards.sandbox`` runs" in f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                if ours and ppid in (1, os.getpid()):
+                    pids.append(int(pid))
+            except (OSError, ValueError, IndexError):
                 pass
     return pids
 
@@ -907,15 +912,7 @@ def test_runaway_programs_end_on_time_and_leave_nothing():
         r = timed(lambda c=code: _sandbox.run(c, mode="stdio", timeout=1.5), 1.5 + SLACK)
         assert len(r.stdout) <= _sandbox.MAX_OUTPUT_BYTES
     time.sleep(0.3)
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"grpo.rewards.sandbox`` runs" in f.read():
-                    leftovers.append(pid)
-        except OSError:
-            pass
-    assert not leftovers
+    assert not _sandbox_processes()
 
 
 # The same checks as an ordinary user: when the tests run as root, drop to an unused uid with
