@@ -263,6 +263,7 @@ class Side:
     description: str
     run: Callable
     unavailable: Callable[[], Optional[str]] = lambda: None
+    python: Callable[[], Optional[str]] = lambda: sys.executable  # the interpreter its process runs in
 
 
 SIDES: dict[str, Side] = {}
@@ -452,13 +453,25 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
             "loss": logged.get("loss"), "reward": logged.get("reward"), "kl": logged.get("kl")}
 
 
-def _vllm_unavailable() -> Optional[str]:
-    import grpo.rollout
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    if not hasattr(grpo.rollout, "VLLMRollout"):
-        return "grpo.rollout has no VLLMRollout"
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed"
+
+def vllm_python() -> Optional[str]:
+    """The interpreter that has vLLM: this one when it imports vllm, else ``$GRPO_VLLM_PYTHON``, else
+    ``.venv-vllm/bin/python`` next to this interpreter's venv (``make install-vllm`` makes it), else None."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = os.path.join(os.path.dirname(sys.prefix), ".venv-vllm", "bin", "python")
+    for candidate in (os.environ.get("GRPO_VLLM_PYTHON"), venv):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _vllm_unavailable() -> Optional[str]:
+    if vllm_python() is None:
+        return ("vllm is not installed here, and no vLLM venv was found (GRPO_VLLM_PYTHON, or .venv-vllm next to "
+                f"{sys.prefix}: make install-vllm)")
     return None
 
 
@@ -480,8 +493,9 @@ register(Side("ours-reference", "grpo.trainer, plain-PyTorch reference loss (bac
 register(Side("trl", "trl.GRPOTrainer, stock", run_trl, _trl_unavailable))
 register(Side("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()",
               lambda shape, device: run_trl(shape, device, patched=True), _patch_unavailable))
-register(Side("ours+vllm", "grpo.trainer, fused loss, VLLMRollout for generation",
-              lambda shape, device: run_ours(shape, device, rollout_factory=_vllm_rollout), _vllm_unavailable))
+register(Side("ours+vllm", "grpo.trainer, fused loss, VLLMRollout for generation (in the vLLM venv's interpreter)",
+              lambda shape, device: run_ours(shape, device, rollout_factory=_vllm_rollout), _vllm_unavailable,
+              python=vllm_python))
 
 
 def child(shape_name: str, *side_names: str) -> int:
@@ -529,10 +543,11 @@ def conditions(shape_name: str, rounds: int, quick: bool) -> dict:
 
 def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[int]) -> list[dict]:
     """``sides`` run one after the other in one fresh process; one result per side, in order."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "benchmarks.trainer_step", "child", shape, *sides]
+    cmd = [SIDES[sides[0]].python(), "-m", "benchmarks.trainer_step", "child", shape, *sides]
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -695,7 +710,10 @@ def main(argv=None) -> int:
             for rnd in range(rounds):
                 order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # rotate: interleaved, no fixed position
                 # a fresh process per side; --quick / --one-process: all of them in one
-                batches = [order] if one_process else [[side] for side in order]
+                # (a side in another interpreter, the vLLM venv's, always gets a process of its own)
+                own = [s for s in order if SIDES[s].python() != sys.executable]
+                shared = [s for s in order if s not in own]
+                batches = [[s] for s in order] if not one_process else [shared] * bool(shared) + [[s] for s in own]
                 for batch in batches:
                     for side, result in zip(batch, run_child(batch, shape, timeout, threads)):
                         record = {"shape": shape, "side": side, "round": rnd, **result}
