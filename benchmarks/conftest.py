@@ -145,51 +145,32 @@ def ceilings():
     return STATE["ceilings"]["copy_gbps"], STATE["ceilings"]["matmul_tflops"]
 
 
-def _reason(case: K.Case, exc: BaseException) -> str:
-    """The skip reason of an exception that means "cannot run here"; anything else is re-raised."""
-    if isinstance(exc, K.Unavailable):
-        return str(exc)
-    if K.is_oom(exc):
-        return "out of memory"
-    if case.impl not in ("reference", "torch", "triton"):  # a peer's API that changed: record, do not fail
-        return f"{case.impl} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    raise exc
-
-
 @pytest.fixture
 def run_case(benchmark, ceilings):
-    """Check ``case`` against the reference, measure its peak memory in one run, time it."""
+    """Check ``case`` against the reference, measure its peak memory in one run, time it (``kernels.prepare``).
+    What cannot run here is skipped with the reason (a peer's changed API too); a disagreement fails."""
     runners = []
 
-    def skip(case: K.Case, reason: str):
-        STATE["skipped"].append((case.id, reason))
+    def attempt(case: K.Case, fn):
+        try:
+            return fn()
+        except K.Disagrees as exc:
+            STATE["disagreed"].append(str(exc))
+            pytest.fail(f"disagrees with the reference: {exc}", pytrace=False)
+        except Exception as exc:
+            if not isinstance(exc, K.Unavailable) and not K.is_oom(exc) and case.impl in ("reference", "torch", "triton"):
+                raise
+            reason = str(exc) if isinstance(exc, K.Unavailable) else "out of memory" if K.is_oom(exc) else \
+                f"{case.impl} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        STATE["skipped"].append((case.id, reason))  # (outside the except block: the failed call's tensors are gone)
         pytest.skip(reason)
 
     def _run(case: K.Case):
-        dev, reason, info = device(), None, {}
-        try:
-            if case.impl != "reference" and os.environ.get("GRPO_BENCH_CHECK", "1") != "0":
-                info["agreement"] = K.check_agreement(case, dev)
-            if info.get("agreement", {"ok": True})["ok"]:
-                runners.append(K.build(case, dev))
-                if dev.type == "cuda":
-                    runners[-1]()  # warm-up: compilation, workspaces (outside the peak)
-                peak, method = H.peak_extra_bytes(runners[-1], dev)  # on a CPU this run is the warm-up
-        except Exception as exc:
-            reason = _reason(case, exc)
-        if reason is not None:
-            skip(case, reason)  # (outside the except block: the failed call's tensors are gone)
-        if not info.get("agreement", {"ok": True})["ok"]:
-            STATE["disagreed"].append(K.format_agreement(case, info["agreement"]))
-            pytest.fail("disagrees with the reference: " + K.format_agreement(case, info["agreement"]), pytrace=False)
+        runner, info = attempt(case, lambda: K.prepare(case, device(), check=os.environ.get("GRPO_BENCH_CHECK", "1") != "0"))
+        runners.append(runner)
         benchmark.group = case.group
-        benchmark.extra_info.update(case.info(), **info, device=dev.type, peak_mem_bytes=int(peak), peak_mem_method=method)
-        try:
-            benchmark.pedantic(runners[-1], rounds=case.rounds, iterations=1, warmup_rounds=0)
-        except Exception as exc:
-            reason = _reason(case, exc) + " (while timing)"
-        if reason is not None:
-            skip(case, reason)
+        benchmark.extra_info.update(info)
+        attempt(case, lambda: benchmark.pedantic(runner, rounds=case.rounds, iterations=1, warmup_rounds=0))
         median = getattr(getattr(getattr(benchmark, "stats", None), "stats", None), "median", None)
         benchmark.extra_info.update(K.throughput(case, median, *ceilings))
         STATE["results"].append(dict(benchmark.extra_info, median_s=median))

@@ -93,13 +93,14 @@ class Case:
                 "dtype": self.dtype, "pass": self.pass_, "sweep": self.sweep, "chunk": self.chunk}
 
 
-def unavailable(impl: str, op: str, device: str) -> Optional[str]:
+def unavailable(impl: str, op: str, device: str, installed: bool = True) -> Optional[str]:
+    """Why ``impl`` cannot run ``op`` on ``device`` (None if it can); ``installed=False``: its package aside."""
     ops, cuda_ops, module = IMPLS[impl]
     if op not in ops:
         return f"{impl} has no {op}"
     if op in cuda_ops and device != "cuda":
-        return f"{impl}'s {op} needs CUDA (Triton on a CPU only runs in its interpreter)"
-    return H.missing(module) if module else None
+        return f"{impl}'s {op} needs CUDA (GPU kernels; Triton's CPU interpreter is far too slow to time)"
+    return H.missing(module) if module and installed else None
 
 
 def implementations(device: str) -> List[str]:
@@ -114,7 +115,7 @@ def implementations(device: str) -> List[str]:
 def _cases(impls: List[str], device: str, op: str, shapes, passes=PASSES, dtype="fp32", **kw) -> List[Case]:
     """One case per (implementation that has ``op`` here, pass, (N, V, H) shape)."""
     return [Case(op, impl, n, v, dtype, p, H=h, **kw) for impl in impls for p in passes for n, v, h in shapes
-            if not unavailable(impl, op, device) and not (impl == "liger" and op == "token_logprobs" and p == "fwd+bwd")]
+            if not unavailable(impl, op, device, installed=False) and not (impl == "liger" and op == "token_logprobs" and p == "fwd+bwd")]
 
 
 def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
@@ -124,13 +125,14 @@ def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
     for op in LOGITS_OPS:
         out += _cases(impls, device, op, [(256, 32000, None), (1024, 32000, None)], T=256, rounds=2)
         out += _cases(impls, device, op, [(512, 32000, None)], dtype="bf16", T=256, rounds=2)
-    lin = [i for i in impls if i in ("reference", "torch", "liger", "trl")]
+    some = lambda *names: [i for i in impls if i in names]  # noqa: E731
+    lin = some("reference", "torch", "liger", "trl")
     sweep = [(n, 32000, 512) for n in (1024, 2048, 4096)]
     out += _cases(lin, device, "fused_linear_grpo_loss", sweep, ("fwd+bwd",), sweep=True)
-    out += _cases(["torch"], device, "fused_linear_grpo_loss", [(8192, 32000, 512)], ("fwd+bwd",), rounds=1, sweep=True)
+    out += _cases(some("torch"), device, "fused_linear_grpo_loss", [(8192, 32000, 512)], ("fwd+bwd",), rounds=1, sweep=True)
     out += _cases(lin, device, "fused_linear_grpo_loss", [(1024, 151936, 1024)], ("fwd+bwd",), rounds=2)
-    out += _cases(["reference", "torch"], device, "fused_linear_grpo_loss", [(2048, 32000, 512)], ("fwd",), rounds=2)
-    out += _cases(["torch", "trl"], device, "fused_linear_token_logprobs", [(2048, 32768, 512)], ("fwd+bwd",), rounds=2)
+    out += _cases(some("reference", "torch"), device, "fused_linear_grpo_loss", [(2048, 32000, 512)], ("fwd",), rounds=2)
+    out += _cases(some("torch", "trl"), device, "fused_linear_token_logprobs", [(1024, 32000, 512)], ("fwd+bwd",), rounds=2)
     return out
 
 
@@ -216,145 +218,119 @@ def inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
     return x
 
 
-def _target(out: dict) -> torch.Tensor:
-    """What the backward differentiates: the loss, else the sum of the log-probs and entropies returned."""
-    return out["loss"] if "loss" in out else sum(out[k].float().sum() for k in ("logp", "entropy") if k in out)
-
-
 def _grads(case: Case, x: dict, out: dict, wrt: Optional[torch.Tensor] = None, to_logits=lambda g: g) -> dict:
-    """``out`` with the gradients of :func:`_target` in ``fwd+bwd`` (``torch.autograd.grad``: they count in the peak)."""
+    """``out`` with, in ``fwd+bwd``, the gradients (``torch.autograd.grad``: they count in the peak) of the
+    loss, else of the sum of the log-probs and entropies returned; from logits, of ``wrt`` (default the
+    ``logits`` view) mapped back by ``to_logits``."""
     if case.pass_ == "fwd+bwd":
+        target = out["loss"] if "loss" in out else sum(out[k].float().sum() for k in ("logp", "entropy") if k in out)
         if case.op in LOGITS_OPS:
-            out["grad_logits"] = to_logits(torch.autograd.grad(_target(out), [x["logits"] if wrt is None else wrt])[0])
+            out["grad_logits"] = to_logits(torch.autograd.grad(target, [x["logits"] if wrt is None else wrt])[0])
         else:
-            out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(_target(out), [x["hidden"], x["weight"]])
+            out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(target, [x["hidden"], x["weight"]])
     return out
 
 
-def _peer(module: str, name: str):
+def _peer(module: str, name: str, bare: bool = False):
+    """``module.name`` from a peer, or :class:`Unavailable`. ``bare``: its parent packages registered
+    without running their ``__init__`` (verl's imports Ray and tensordict, which its kernel does not use
+    and an offline GPU machine lacks)."""
+    import importlib.util
+    import types
+
     try:
+        parts = module.split(".")
+        for i in range(1, len(parts) if bare else 1):
+            name_i = ".".join(parts[:i])
+            if name_i not in sys.modules:
+                spec = importlib.util.find_spec(name_i)
+                sys.modules[name_i] = package = types.ModuleType(name_i)
+                package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
         return getattr(importlib.import_module(module), name)
     except Exception as exc:
         raise Unavailable(f"{module}.{name}: {type(exc).__name__}: {exc}") from None
 
 
-def _import_bare(module: str):
-    """``module`` with its parent packages registered without running their ``__init__`` (verl's imports
-    Ray and tensordict, which its kernel does not use and an offline GPU machine may lack)."""
-    import importlib.util
-    import types
-
-    parts = module.split(".")
-    for i in range(1, len(parts)):
-        name = ".".join(parts[:i])
-        if name not in sys.modules:
-            spec = importlib.util.find_spec(name)
-            package = types.ModuleType(name)
-            package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
-            sys.modules[name] = package
-    return importlib.import_module(module)
-
-
 def _ours(case: Case, x: dict) -> Callable[[], dict]:
+    """``grpo_kernels`` with ``backend=case.impl`` (reference, torch, triton) and ``chunk_size=case.chunk``."""
     import grpo_kernels as gk
 
     kw = {"backend": case.impl, **({"chunk_size": case.chunk} if case.chunk else {})}
-    if case.op == "token_logprobs":
-        return lambda: _grads(case, x, {"logp": gk.token_logprobs(x["logits"], x["ids"], backend=case.impl)})
-    if case.op == "grpo_loss":
-        def run():
-            res = gk.grpo_loss(x["logits"], x["ids"], x["adv"], x["mask"], backend=case.impl)
-            return _grads(case, x, {"loss": res.loss, "logp": res.per_token_logps})
-        return run
-    if case.op == "fused_linear_grpo_loss":
-        return lambda: _grads(case, x, {"loss": gk.fused_linear_grpo_loss(
-            x["hidden"], x["weight"], x["ids"], x["adv"], x["mask"], old_logps=x["old"], ref_logps=x["ref"], beta=BETA, **kw).loss})
-
-    def head():
-        logp, entropy = gk.fused_linear_token_logprobs(x["hidden"], x["weight"], x["ids"], return_entropy=True, **kw)
-        return _grads(case, x, {"logp": logp, "entropy": entropy})
-    return head
+    return {
+        "token_logprobs": lambda: {"logp": gk.token_logprobs(x["logits"], x["ids"], backend=case.impl)},
+        "grpo_loss": lambda: dict(zip(("loss", "logp"), gk.grpo_loss(x["logits"], x["ids"], x["adv"], x["mask"],
+                                                                     backend=case.impl)[:2])),
+        "fused_linear_grpo_loss": lambda: {"loss": gk.fused_linear_grpo_loss(
+            x["hidden"], x["weight"], x["ids"], x["adv"], x["mask"], old_logps=x["old"], ref_logps=x["ref"], beta=BETA, **kw).loss},
+        "fused_linear_token_logprobs": lambda: dict(zip(("logp", "entropy"), gk.fused_linear_token_logprobs(
+            x["hidden"], x["weight"], x["ids"], return_entropy=True, **kw))),
+    }[case.op]
 
 
 def _liger(case: Case, x: dict) -> Callable[[], dict]:
     """Liger-Kernel: ``fused_selective_log_softmax`` and ``triton_grpo_loss`` take the whole [B, T+1, V]
     buffer (their last position's gradient is 0); ``LigerFusedLinearGRPOLoss`` (``compiled=False``
     unless ``GRPO_BENCH_LIGER_COMPILED=1``)."""
-    buf, ids, adv, mask = x["buf"] if "buf" in x else None, x["ids"], x["adv"], x["mask"]
     if case.op == "token_logprobs":
         sel = _peer("liger_kernel.ops.grpo_loss", "fused_selective_log_softmax")
-        return lambda: {"logp": sel(buf, ids, 1.0)}
+        return lambda: {"logp": sel(x["buf"], x["ids"], 1.0)}
+    first = lambda out: out[0] if isinstance(out, (tuple, list)) else out  # noqa: E731
     if case.op == "grpo_loss":
         fn = _peer("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
         def run():
-            loss = fn(buf, None, None, ids, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False)
-            loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-            loss = (loss * mask).sum() / mask.sum() if loss.dim() else loss  # older Liger: per-token losses
-            return _grads(case, x, {"loss": loss}, wrt=buf, to_logits=lambda g: g[:, :-1])
+            loss = first(fn(x["buf"], None, None, x["ids"], x["adv"], x["mask"], temperature=1.0, beta=0.0, eps_low=0.2,
+                            eps_high=0.2, inplace=False))
+            loss = (loss * x["mask"]).sum() / x["mask"].sum() if loss.dim() else loss  # older Liger: per-token losses
+            return {"loss": loss, "_wrt": (x["buf"], lambda g: g[:, :-1])}
         return run
     module = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")(
         beta=BETA, compiled=os.environ.get("GRPO_BENCH_LIGER_COMPILED") == "1", use_ref_model=True, epsilon_low=0.2,
         epsilon_high=0.2, loss_type="dapo", temperature=1.0)
-
-    def fused():
-        loss = module(x["hidden"], x["weight"], ids, mask, adv, ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])
-        return _grads(case, x, {"loss": loss[0] if isinstance(loss, (tuple, list)) else loss})
-    return fused
+    return lambda: {"loss": first(module(x["hidden"], x["weight"], x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"],
+                                         old_per_token_logps=x["old"]))}
 
 
 def _trl(case: Case, x: dict) -> Callable[[], dict]:
     """TRL's fused head (``trl/kernels/chunked_logprob.py``: vocabulary tiles of 32,768, as its trainer);
     for the loss, its log-probs and entropies then the O(N) GRPO maths (``grpo_kernels.objective``)."""
-    head = _peer("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
-    Hd, shape = x["hidden"].shape[-1], x["ids"].shape
-
-    def logp_entropy():
-        out = head.apply(x["hidden"].reshape(-1, Hd), x["weight"], None, x["ids"].reshape(-1), 1.0, 32768, None, 1.0, ("entropy",))
-        return out[0].view(shape), out[1].view(shape)
-    if case.op == "fused_linear_token_logprobs":
-        return lambda: _grads(case, x, dict(zip(("logp", "entropy"), logp_entropy())))
     from grpo_kernels import objective
     from grpo_kernels.options import GRPOInputs, GRPOOptions
 
+    head, shape = _peer("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"), x["ids"].shape
+    h = lambda: head.apply(x["hidden"].reshape(-1, case.H), x["weight"], None, x["ids"].reshape(-1), 1.0, 32768, None, 1.0,  # noqa: E731
+                           ("entropy",))
+    if case.op == "fused_linear_token_logprobs":
+        return lambda: dict(zip(("logp", "entropy"), (t.view(shape) for t in h()[:2])))
     options, given = GRPOOptions(beta=BETA, loss_type="dapo"), GRPOInputs(old_logps=x["old"], ref_logps=x["ref"])
-    return lambda: _grads(case, x, {"loss": objective.grpo_loss_from_logprobs(*logp_entropy(), x["adv"], x["mask"], given,
-                                                                              options).loss})
+    return lambda: {"loss": objective.grpo_loss_from_logprobs(*(t.view(shape) for t in h()[:2]), x["adv"], x["mask"], given,
+                                                              options).loss}
 
 
 def _quack(case: Case, x: dict) -> Callable[[], dict]:
-    """quack's ``cross_entropy`` (``reduction="none"``: per-row cross-entropy, i.e. -log-prob) over the
+    """quack's ``cross_entropy`` (``reduction="none"``: per-row cross-entropy = -log-prob) over the
     contiguous [B (T+1), V] buffer, the last position of each row ignored; its gradient sliced back."""
-    ce = _peer("quack.cross_entropy", "cross_entropy")
-    B, T, V = case.B, case.T, case.V
+    ce, (B, T, V) = _peer("quack.cross_entropy", "cross_entropy"), (case.B, case.T, case.V)
     target = torch.nn.functional.pad(x["ids"], (0, 1), value=-100).reshape(-1)
 
     def run():
         flat = x["buf"].view(B * (T + 1), V)
-        logp = -ce(flat, target, reduction="none").view(B, T + 1)[:, :-1]
-        return _grads(case, x, {"logp": logp}, wrt=flat, to_logits=lambda g: g.view(B, T + 1, V)[:, :-1])
+        return {"logp": -ce(flat, target, reduction="none").view(B, T + 1)[:, :-1],
+                "_wrt": (flat, lambda g: g.view(B, T + 1, V)[:, :-1])}
     return run
 
 
 def _cce(case: Case, x: dict) -> Callable[[], dict]:
-    """Apple's Cut Cross-Entropy in its exact mode: ``filter_eps=None`` (no gradient filtering: RL needs
-    the exact gradient), ``reduction="none"`` (per-token cross-entropy = -log-prob); no entropy."""
+    """Apple's Cut Cross-Entropy, exact mode: ``filter_eps=None`` (no gradient filtering: RL needs the exact
+    gradient), ``reduction="none"`` (per-token cross-entropy = -log-prob); no entropy."""
     lce = _peer("cut_cross_entropy", "linear_cross_entropy")
-    return lambda: _grads(case, x, {"logp": -lce(x["hidden"], x["weight"], x["ids"], reduction="none", filter_eps=None,
-                                                 impl="cce")})
+    return lambda: {"logp": -lce(x["hidden"], x["weight"], x["ids"], reduction="none", filter_eps=None, impl="cce")}
 
 
 def _verl(case: Case, x: dict) -> Callable[[], dict]:
     """verl's ``verl.utils.kernel.linear_cross_entropy`` (per-token log-probs and entropies)."""
-    try:
-        fn = _import_bare("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
-    except Exception as exc:
-        raise Unavailable(f"verl.utils.kernel.linear_cross_entropy: {type(exc).__name__}: {exc}") from None
-
-    def run():
-        logp, entropy = fn(x["hidden"], x["weight"], x["ids"], 1.0, "none")
-        return _grads(case, x, {"logp": logp.view(x["ids"].shape), "entropy": entropy.view(x["ids"].shape)})
-    return run
+    fn = _peer("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy", bare=True)
+    return lambda: dict(zip(("logp", "entropy"), (t.view(x["ids"].shape) for t in fn(x["hidden"], x["weight"], x["ids"], 1.0, "none"))))
 
 
 MAKERS = {"reference": _ours, "torch": _ours, "triton": _ours, "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce,
@@ -373,6 +349,7 @@ class Runner:
     def __call__(self) -> dict:
         with torch.set_grad_enabled(self.case.pass_ == "fwd+bwd"):
             out = self.fn()
+            out = _grads(self.case, self.x, out, *out.pop("_wrt", ()))
         H.sync(self.device)  # the timer must see the device's work, not just the launches
         return out
 
@@ -395,7 +372,7 @@ def build(case: Case, device: torch.device) -> Runner:
 
 def reference_outputs(case: Case, x: dict, names) -> dict:
     """The outputs ``names`` from ``grpo_kernels.reference`` on the same inputs and settings, with the
-    gradients of the same target (:func:`_target` over the outputs the implementation returns)."""
+    gradients of the same target."""
     from grpo_kernels import reference as R
 
     grad = case.pass_ == "fwd+bwd"
@@ -403,11 +380,8 @@ def reference_outputs(case: Case, x: dict, names) -> dict:
     with torch.set_grad_enabled(grad):
         if case.op in LOGITS_OPS:
             y["logits"] = y["buf"][:, :-1]
-            if case.op == "token_logprobs":
-                out = {"logp": R.token_logprobs(y["logits"], y["ids"])}
-            else:
-                res = R.grpo_loss(y["logits"], y["ids"], y["adv"], y["mask"])
-                out = {"loss": res.loss, "logp": res.per_token_logps}
+            out = ({"logp": R.token_logprobs(y["logits"], y["ids"])} if case.op == "token_logprobs" else
+                   dict(zip(("loss", "logp"), R.grpo_loss(y["logits"], y["ids"], y["adv"], y["mask"])[:2])))
         elif case.op == "fused_linear_grpo_loss":
             out = {"loss": R.fused_linear_grpo_loss(y["hidden"], y["weight"], y["ids"], y["adv"], y["mask"], old_logps=y["old"],
                                                     ref_logps=y["ref"], beta=BETA).loss}
@@ -478,12 +452,38 @@ def check_agreement(case: Case, device: torch.device) -> dict:
             "ok": bool(outputs) and all(o["ok"] for o in outputs.values())}
 
 
+class Disagrees(Exception):
+    """The implementation's outputs differ from the reference's beyond the dtype's tolerance."""
+
+
 def format_agreement(case: Case, result: dict) -> str:
     bad = {k: v for k, v in result["outputs"].items() if not v["ok"]} or result["outputs"]
     parts = [f"{k}: max |err| {v['max_abs_err']:.3e} = {v['err_over_bound']:.2f}x the bound (scale {v['scale']:.3e})"
              for k, v in bad.items()]
     return (f"{case.id} vs grpo_kernels.reference at N={result['checked']['N']} (rtol {result['rtol']}, atol "
             f"{result['atol']} x max|ref|): " + "; ".join(parts or ["no output to compare"]))
+
+
+def prepare(case: Case, device: torch.device, check: bool = True) -> tuple:
+    """(runner, info): the agreement check first (not for the reference; :class:`Disagrees` if it fails),
+    then the inputs, a warm-up call on CUDA, and one call's peak memory (on a CPU, the warm-up).
+    :class:`Unavailable` when the case cannot run here."""
+    info = {**case.info(), "device": device.type}
+    if check and case.impl != "reference":
+        info["agreement"] = check_agreement(case, device)
+        if not info["agreement"]["ok"]:
+            raise Disagrees(format_agreement(case, info["agreement"]))
+    runner = build(case, device)
+    try:
+        if device.type == "cuda":
+            runner()  # compilation, workspaces: outside the peak
+        info["peak_mem_bytes"], info["peak_mem_method"] = H.peak_extra_bytes(runner, device)
+    except Exception as exc:
+        runner.close()
+        if is_oom(exc):
+            raise Unavailable("out of memory") from None
+        raise
+    return runner, info
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -652,42 +652,28 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
 # --------------------------------------------------------------------------------------------------
 # commands
 # --------------------------------------------------------------------------------------------------
-def _measure_rss(case: Case) -> dict:
-    """In a fresh process: one warm-up call, then the peak resident set of one more (``harness.fresh``)."""
-    r = H.fresh(["benchmarks.kernels", "child", json.dumps(dataclasses.asdict(case))], timeout_s=900)
-    return r[0] if r else {"error": "no result"}
-
-
-def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], dtype: str, rounds: int, rss: bool,
-                  device: torch.device) -> List[dict]:
-    """Every implementation of ``op`` at ``shape`` (``NxHxV``; ``NxV`` from logits), side by side."""
+def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args, device: torch.device) -> List[dict]:
+    """Every implementation of ``op`` at ``shape`` (``NxHxV``; ``NxV`` from logits) side by side: each one
+    prepared (:func:`prepare`, with ``--rss`` its peak RSS in a fresh process too), then interleaved rounds."""
     n, *rest = (int(s) for s in shape.split("x"))
-    h, v = (rest if op in LINEAR_OPS else (None, rest[-1]))
-    base = dict(op=op, N=n, V=v, dtype=dtype, pass_="fwd+bwd", T=min(512, n), H=h, rounds=rounds)
-    chosen = [Case(impl=i, **base) for i in impls] + [Case(impl="torch", chunk=c, **base) for c in chunks]
+    base = dict(op=op, N=n, V=rest[-1], dtype=args.dtype, pass_="fwd+bwd", T=min(512, n), H=rest[0] if len(rest) > 1 else None,
+                rounds=args.rounds)
     runners, records = {}, []
-    for case in chosen:
-        name, rec = case.impl + (f"@{case.chunk}" if case.chunk else ""), {**case.info(), "device": device.type}
+    for case in [Case(impl=i, **base) for i in impls] + [Case(impl="torch", chunk=c, **base) for c in chunks]:
+        name = case.impl + (f"@{case.chunk}" if case.chunk else "")
         try:
-            if case.impl != "reference":
-                rec["agreement"] = check_agreement(case, device)
-                if not rec["agreement"]["ok"]:
-                    raise Unavailable("disagrees with the reference: " + format_agreement(case, rec["agreement"]))
-            runners[name] = build(case, device)
-            rec["peak_mem_bytes"], rec["peak_mem_method"] = H.peak_extra_bytes(runners[name], device)
-            if rss:
-                rec["rss"] = _measure_rss(case)
+            runners[name], rec = prepare(case, device)
+            if args.rss:
+                rec["rss"] = H.fresh(["benchmarks.kernels", "child", json.dumps(dataclasses.asdict(case))], timeout_s=900)[-1]
         except Exception as exc:  # not installed, no CUDA, an API that moved, a disagreement: said in the table
-            rec["skipped"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            runners.pop(name, None)
-        records.append(rec)
-    times = H.interleave(runners, rounds, device, warmup=False)  # (the memory run was the warm-up)
+            rec = {**case.info(), "skipped": f"{type(exc).__name__}: {str(exc)[:300]}", "disagrees": isinstance(exc, Disagrees)}
+        records.append({**rec, "name": name})
+    times = H.interleave(runners, args.rounds, device, warmup=False)  # (the memory run was the warm-up)
     first = "reference" if "reference" in times else next(iter(times), None)
     for rec in records:
-        name = rec["impl"] + (f"@{rec['chunk']}" if rec.get("chunk") else "")
-        if name in times:
-            rec.update(name=name, times_s=times[name], median_s=H.median(times[name]), ratio_to=first,
-                       ratio=H.ratio(times, name, first), ratio_to_torch=H.ratio(times, name, "torch"))
+        if rec["name"] in times:
+            rec.update(times_s=times[rec["name"]], median_s=H.median(times[rec["name"]]), ratio_to=first,
+                       ratio=H.ratio(times, rec["name"], first))
     return records
 
 
@@ -703,25 +689,22 @@ def compare_main(argv: List[str]) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = H.Report("Kernels side by side (`python -m benchmarks.kernels compare`)")
-    report.add(f"{args.dtype}, forward + backward, {args.rounds} interleaved rounds, medians; ratios are medians of the "
-               "per-round ratios; peak: extra bytes of one separate call; agreement with the reference checked first.", "")
+    report.add(f"{args.dtype}, forward + backward, {args.rounds} interleaved rounds, medians; ratios: medians of the per-round "
+               "ratios; peak: extra bytes of one separate call; agreement with the reference checked first.", "")
     for op in args.ops:
-        impls = [i for i in args.impls.split(",") if op in IMPLS[i][0]]
         for shape in args.shapes:
-            records = compare_shape(op, shape, impls, [int(c) for c in args.chunks.split(",") if c], args.dtype, args.rounds,
-                                    args.rss, device)
+            records = compare_shape(op, shape, [i for i in args.impls.split(",") if op in IMPLS[i][0]],
+                                    [int(c) for c in args.chunks.split(",") if c], args, device)
             report.records += records
-            rows = [[r.get("name") or r["impl"], H.fmt_time(r.get("median_s")), H.fmt_ratio(r.get("ratio")),
-                     H.fmt_ratio(r.get("ratio_to_torch")), H.fmt_bytes(r.get("peak_mem_bytes")),
-                     None if not r.get("rss") else f"{r['rss'].get('peak_rss_mib', 0) - r['rss'].get('rss_start_mib', 0):,.0f} MiB"
-                     if "error" not in r["rss"] else r["rss"]["error"][:80],
-                     "yes" if r.get("agreement", {}).get("ok") else "—" if r["impl"] == "reference" else "no",
-                     r.get("skipped", "")] for r in records]
+            rss = lambda r: r["rss"].get("error", "")[:80] or f"{r['rss']['peak_rss_mib'] - r['rss']['rss_start_mib']:,.0f} MiB"  # noqa: E731
             report.add(f"## `{op}` {shape}", "", *H.table(
-                ["impl", "median", f"× {records[0]['impl'] if records else '?'}", "× torch", "peak extra",
-                 "RSS growth (fresh process)", "agrees", "skipped"], rows), "")
+                ["impl", "median", f"× {next((r['ratio_to'] for r in records if r.get('ratio_to')), '?')}", "peak extra",
+                 "RSS growth (fresh process)", "agrees", "skipped"],
+                [[r["name"], H.fmt_time(r.get("median_s")), H.fmt_ratio(r.get("ratio")), H.fmt_bytes(r.get("peak_mem_bytes")),
+                  rss(r) if r.get("rss") else None, "—" if "agreement" not in r else "yes" if r["agreement"]["ok"] else "no",
+                  r.get("skipped", "")] for r in records]), "")
     report.write(args.out)
-    return 1 if any(not r["agreement"]["ok"] for r in report.records if "agreement" in r) else 0
+    return 1 if any(r.get("disagrees") for r in report.records) else 0
 
 
 def child_main(argv: List[str]) -> int:
