@@ -5,7 +5,7 @@ process (one warm-up step, then ``GRPO_LC_ROUNDS`` rounds, default 1) and record
 same step in a fresh process (``extra_info["peak_rss_gib"]``, with that run's phase times).
 
 Sets (``GRPO_LC_SET``, default ``cpu``): ``cpu`` (``make bench`` on 2 cores, minutes): one sequence of
-1,024 tokens ``packed``, ``packed+gc`` and ``naive``, the G = 8 lognormal group at 1/16 scale ``padded``
+1,024 tokens ``packed``, ``packed+gc`` and ``naive``, the G = 8 lognormal group at 1/32 scale ``padded``
 vs ``packed``; ``full``: 2k-32k single sequences and the full-scale group (hours on a CPU); ``smoke``:
 128 tokens, the group at 1/64 scale, a 4,096-id vocabulary (every mode's code path, no measurement).
 """
@@ -21,7 +21,7 @@ from benchmarks import long_context as LC
 
 SETS = {
     "smoke": dict(single=[(128, "packed+gc"), (128, "naive")], group_scale=1 / 64, vocab_size=4096),
-    "cpu": dict(single=[(1024, "packed"), (1024, "packed+gc"), (1024, "naive")], group_scale=1 / 16),
+    "cpu": dict(single=[(1024, "packed"), (1024, "packed+gc"), (1024, "naive")], group_scale=1 / 32),
     "full": dict(single=[(n, m) for n in (2048, 4096, 8192, 16384, 32768) for m in ("packed", "packed+gc", "naive")],
                  group_scale=1.0),
 }

@@ -1,20 +1,15 @@
-"""One GRPO training step at long context: peak memory and time, padded vs packed vs the naive path
-(docs/benchmarks.md has what each mode and command measures).
+"""One GRPO training step at long context: peak memory and time (docs/benchmarks.md).
 
-The model: Qwen2-shaped, built in code with random weights, 4 layers, hidden 256, MLP 1024, the real
-151,936-token vocabulary, untied ``lm_head``, fp32. A step: forward, GRPO loss forward+backward, model
-backward, AdamW step. Modes: ``packed`` (``grpo.packing``), ``padded`` (the trainer's padded layout, the
-same fused loss), ``naive`` (padded, ``[rows, T, V]`` logits and the reference loss); each may take ``+gc``.
-Peak memory: the peak RSS of a fresh process that builds the model and runs the step.
+The model: Qwen2-shaped, random weights, 4 layers, hidden 256, MLP 1024, the real 151,936-token vocabulary,
+untied head, fp32. Modes (each may take ``+gc``): ``packed`` (``grpo.packing``), ``padded`` (the trainer's
+padded layout, the same fused loss), ``naive`` (padded, ``[rows, T, V]`` logits and the reference loss).
+Peak memory: the peak RSS of a fresh process that builds the model and runs the step. The sweep over
+lengths and the padded-vs-packed group are ``bench_long_context.py``'s sets (``GRPO_LC_SET=full``).
 
-    python -m benchmarks.long_context sweep --lengths 2048 4096 --modes packed packed+gc naive
-    python -m benchmarks.long_context group --scale 0.125          # G = 8 lognormal lengths
     python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
     python -m benchmarks.long_context memory --sizes 81M 180M --lengths 1024 2048   # full FT vs LoRA vs LoRA+bf16
-    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head time
+    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head
     python -m benchmarks.long_context run --mode packed --lengths 2048  # one measurement (what the others spawn)
-
-Every command but ``run`` / ``memory-run`` writes its report with ``--out FILE.md`` (records in FILE.json).
 """
 
 from __future__ import annotations
@@ -339,24 +334,10 @@ def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1,
     return {"mode": mode, "budget_gib": budget_gib, "longest": lo, "first_failing": hi, "probes": probes}
 
 
-def step_rows(rows: list[dict]) -> list[str]:
-    cells = []
-    for r in rows:
-        if "step_s" not in r:
-            cells.append([r["mode"], sum(r["lengths"]), r["lengths"], None, None, r.get("error"), None, None])
-            continue
-        cells.append([r["mode"], r["tokens"], r["lengths"] if len(r["lengths"]) <= 8 else f"{len(r['lengths'])} seqs",
-                      r["micro_batches"], r["model_tokens"], f"{min(r['step_s']):.1f}",
-                      f"{r['forward_s']:.1f} / {r['loss_s']:.1f} / {r['backward_s']:.1f} / {r['optimizer_s']:.1f}",
-                      f"{r['peak_rss_gib']:.2f}"])
-    return H.table(["mode", "tokens", "lengths", "micro-batches", "model tokens", "step s", "fwd / loss / bwd / opt s",
-                    "peak RSS GiB"], cells)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    common = [H.parser(rounds=None, add_help=False)]  # --rounds (default: frozen-head 5, group 1), --out
+    common = [H.parser(rounds=5, add_help=False)]  # --rounds, --out
     run = sub.add_parser("run", help="one measurement in this process (its result line)")
     run.add_argument("--mode", required=True)
     run.add_argument("--lengths", type=int, nargs="+", required=True)
@@ -366,16 +347,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.add_argument("--steps", type=int, default=1)
     run.add_argument("--vocab-size", type=int, default=MODEL_SHAPE["vocab_size"],
                      help="the model's vocabulary (default the real 151,936; fewer only for a smoke run)")
-    sweep = sub.add_parser("sweep", parents=common, help="one sequence of each length, each mode, fresh processes")
-    sweep.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    sweep.add_argument("--modes", nargs="+", default=["packed", "packed+gc", "naive"])
-    sweep.add_argument("--budget-gib", type=float, default=None, help="kill a run whose RSS passes this")
-    group = sub.add_parser("group", parents=common, help="G lognormal lengths: padded vs packed")
-    group.add_argument("--G", type=int, default=8)
-    group.add_argument("--scale", type=float, default=1.0, help="lengths (median 2048, cap 16384, prompt 256) times this")
-    group.add_argument("--modes", nargs="+", default=["padded", "packed"])
-    group.add_argument("--micro-batch-size", type=int, default=1, help="padded rows per micro-batch")
-    group.add_argument("--max-tokens", type=int, default=None, help="packed budget; default the cap")
     bis = sub.add_parser("bisect", parents=common, help="longest single sequence that fits in a memory budget")
     bis.add_argument("--mode", required=True)
     bis.add_argument("--budget-gib", type=float, required=True)
@@ -416,23 +387,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rows.append({"size": size, "variant": variant, "tokens": n, **r})
         report.add(*memory_rows(rows))
     elif args.cmd == "frozen-head":
-        rows.append(frozen_head(args.N, args.H, args.V, args.rounds or 5))
+        rows.append(frozen_head(args.N, args.H, args.V, args.rounds))
         r = rows[-1]
         report.add(f"`fused_linear_grpo_loss` fwd+bwd, N={r['N']}, H={r['H']}, V={r['V']}, fp32, {r['rounds']} interleaved "
                    f"rounds: trainable {H.fmt_time(r['trainable_median_s'])}, frozen {H.fmt_time(r['frozen_median_s'])}, "
                    f"frozen / trainable {H.fmt_ratio(r['frozen_over_trainable'])}.")
-    elif args.cmd == "sweep":
-        rows += [measure(mode, [n], budget_gib=args.budget_gib) for n in args.lengths for mode in args.modes]
-        report.add(*step_rows(rows))
-    elif args.cmd == "group":
-        cap = int(16384 * args.scale)
-        lengths = group_lengths(args.G, 2048 * args.scale, cap)
-        for _ in range(args.rounds or 1):
-            for mode in args.modes:
-                kw = dict(max_tokens=args.max_tokens or cap) if mode.startswith("packed") else dict(micro_batch_size=args.micro_batch_size)
-                rows.append(measure(mode, lengths, prompt_tokens=int(PROMPT_TOKENS * args.scale), **kw))
-        report.add(f"lengths {lengths}: {sum(lengths)} tokens, {args.G * max(lengths)} padded "
-                   f"({1 - sum(lengths) / (args.G * max(lengths)):.0%} padding)", "", *step_rows(rows))
     else:
         rows.append(bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol))
         report.add("```json", json.dumps(rows[-1], indent=1), "```")

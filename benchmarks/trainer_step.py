@@ -78,22 +78,11 @@ SHAPES = {
                           prompt_tokens=64),
 }
 
-# The options every side runs with (TRL's names on the left of the comments' "=", ours where they differ).
-OPTIONS = dict(
-    beta=0.04,  # KL to a frozen reference model: the reference log-probs are part of the step
-    loss_type="dapo",
-    epsilon=0.2,  # ours: eps_low = eps_high = 0.2
-    temperature=1.0,
-    top_p=1.0,  # top_k off on both
-    learning_rate=1e-6,  # constant (TRL: lr_scheduler_type="constant"; ours: no warm-up)
-    adam_beta1=0.9,
-    adam_beta2=0.99,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    scale_rewards="group",  # ours: advantage_std="unbiased" (TRL's group std)
-    num_iterations=1,  # on-policy: no old log-probs pass on either side
-    seed=0,
-)
+# The options every side runs with, in TRL's names. beta > 0: the reference log-probs are part of the step;
+# epsilon: ours eps_low = eps_high; top_k off on both; a constant learning rate; scale_rewards "group": ours
+# advantage_std="unbiased"; num_iterations 1: on-policy, no old log-probs pass on either side.
+OPTIONS = dict(beta=0.04, loss_type="dapo", epsilon=0.2, temperature=1.0, top_p=1.0, learning_rate=1e-6, adam_beta1=0.9,
+               adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, scale_rewards="group", num_iterations=1, seed=0)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?."
 
@@ -112,9 +101,7 @@ def build_model(shape: Shape):
         bos_token_id=None, max_position_embeddings=max(1024, shape.prompt_tokens + shape.max_new_tokens),
     )
     model = Qwen2ForCausalLM(config).float()
-    model.generation_config.min_new_tokens = shape.max_new_tokens
-    model.generation_config.eos_token_id = 1
-    model.generation_config.pad_token_id = 0
+    model.generation_config.update(min_new_tokens=shape.max_new_tokens, eos_token_id=1, pad_token_id=0)
     return model
 
 
