@@ -268,38 +268,25 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
     meter = StepMeter(device)
     phase_s: dict[str, float] = {}
 
-    class timed:
-        def __init__(self, phase: str) -> None:
-            self.phase = phase
-
-        def __enter__(self):
-            self.start = meter.now()
-
-        def __exit__(self, *exc):
-            phase_s[self.phase] = phase_s.get(self.phase, 0.0) + meter.now() - self.start
+    def timed(method: str, phase: Callable[[], Optional[str]]):
+        """An override of ``method`` that adds its time to ``phase()`` (None: not timed) around ``super()``."""
+        def override(self, *args, **kwargs):
+            name, start = phase(), meter.now()
+            try:
+                return getattr(super(TimedGRPOTrainer, self), method)(*args, **kwargs)
+            finally:
+                if name:
+                    phase_s[name] = phase_s.get(name, 0.0) + meter.now() - start
+        return override
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
-        def _generate(self, *args, **kwargs):
-            with timed("generation"):
-                return super()._generate(*args, **kwargs)
+        pass
 
-        def _calculate_rewards(self, *args, **kwargs):
-            with timed("scoring"):
-                return super()._calculate_rewards(*args, **kwargs)
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            if torch.is_grad_enabled():  # the loss's own forward: part of loss+backward
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with timed("logps"):  # old / reference log-probs, under no_grad
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-        def _prepare_inputs(self, *args, **kwargs):
-            with timed("prepare_inputs"):
-                return super()._prepare_inputs(*args, **kwargs)
-
-        def training_step(self, *args, **kwargs):
-            with timed("training_step"):
-                return super().training_step(*args, **kwargs)
+    # the no-grad log-prob calls are the old / reference log-probs; the loss's own forward is in loss+backward
+    for method, phase in (("_generate", "generation"), ("_calculate_rewards", "scoring"), ("_prepare_inputs", "prepare_inputs"),
+                          ("training_step", "training_step"), ("_get_per_token_logps_and_entropies", None)):
+        setattr(TimedGRPOTrainer, method, timed(method, (lambda p=phase: p) if phase else
+                                                (lambda: None if torch.is_grad_enabled() else "logps")))
 
     measured: dict = {}
 
