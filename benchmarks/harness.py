@@ -26,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,21 +213,23 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen([python or sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    start, seen, killed = time.monotonic(), 0.0, None
-    while proc.poll() is None:
-        seen = max(seen, (status_kib("VmRSS", str(proc.pid)) or 0) / 2**20)
-        if budget_gib is not None and seen > budget_gib:
-            killed = f"over the {budget_gib} GiB budget"
-        elif timeout_s is not None and time.monotonic() - start > timeout_s:
-            killed = f"timed out after {timeout_s:.0f} s"
-        if killed:
-            proc.kill()
-            break
-        time.sleep(0.05)
-    out, err = proc.communicate()
-    wall = time.monotonic() - start
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # (files: a pipe could fill and block it)
+        proc = subprocess.Popen([python or sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        start, seen, killed = time.monotonic(), 0.0, None
+        while proc.poll() is None:
+            seen = max(seen, (status_kib("VmRSS", str(proc.pid)) or 0) / 2**20)
+            if budget_gib is not None and seen > budget_gib:
+                killed = f"over the {budget_gib} GiB budget"
+            elif timeout_s is not None and time.monotonic() - start > timeout_s:
+                killed = f"timed out after {timeout_s:.0f} s"
+            if killed:
+                proc.kill()
+                break
+            time.sleep(0.05)
+        proc.wait()
+        wall = time.monotonic() - start
+        out.seek(0), err.seek(0)
+        out, err = out.read(), err.read()
     results = [{**json.loads(line[len(RESULT):]), "process_wall_s": wall, "rss_seen_gib": seen}
                for line in out.splitlines() if line.startswith(RESULT)]
     if killed or proc.returncode:
