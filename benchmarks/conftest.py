@@ -21,7 +21,7 @@ import torch
 from benchmarks import harness as H
 from benchmarks import kernels as K
 
-_START = time.monotonic()
+_START, _LOAD_START = time.monotonic(), round(os.getloadavg()[0], 2)
 STATE: dict = {"results": [], "skipped": [], "disagreed": [], "ceilings": {}, "done": 0.0, "total": 0.0, "count": 0}
 
 
@@ -182,7 +182,8 @@ def run_case(benchmark, ceilings):
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     name, why = bench_set(config)
-    machine_info["grpo_bench"] = H.conditions(bench_set=name, bench_set_reason=why, note=os.environ.get("GRPO_BENCH_NOTE", ""))
+    machine_info["grpo_bench"] = H.conditions(bench_set=name, bench_set_reason=why, note=os.environ.get("GRPO_BENCH_NOTE", ""),
+                                              load_1m=_LOAD_START, wall_s=round(time.monotonic() - _START))
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
