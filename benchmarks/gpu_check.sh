@@ -11,7 +11,7 @@
 #   4. the report, the trainer step's tables appended                        -> OUT_DIR/gpu.md (+ PNGs)
 # Usage: bash benchmarks/gpu_check.sh [OUT_DIR]   (default benchmarks/results/gpu-<date>)
 # Knobs: PYTHON (default python), DEADLINE_S (default 360; 1800 with the smoke set), TEST_TIMEOUT_S (120;
-# 300), GRPO_BENCH_IMPLS, GRPO_BENCH_NOTE, GPU_CHECK_KERNEL_TESTS=0, TRAINER_STEP_S (90; 600; 0 skips it),
+# 900: the kernel test files on a CPU), GRPO_BENCH_IMPLS, GRPO_BENCH_NOTE, GPU_CHECK_KERNEL_TESTS=0, TRAINER_STEP_S (90; 600; 0 skips it),
 # GPU_CHECK_BENCH_ARGS (extra pytest arguments for step 3). Dry run without a GPU (CI's `make bench-ci`):
 #   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 bash benchmarks/gpu_check.sh /tmp/x
 #
@@ -34,7 +34,7 @@ PY=${PYTHON:-python}
 OUT_DIR=${1:-${OUT_DIR:-benchmarks/results/gpu-$(date -u +%Y%m%d)}}
 BENCH_SET=${GPU_CHECK_SET:-gpu}
 if [ "$BENCH_SET" = smoke ]; then  # a CPU dry run, bounded by CI's own limit, not a GPU lease
-    DEADLINE_S=${DEADLINE_S:-1800}; TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}; TRAINER_STEP_S=${TRAINER_STEP_S:-600}
+    DEADLINE_S=${DEADLINE_S:-1800}; TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-900}; TRAINER_STEP_S=${TRAINER_STEP_S:-600}
     export GRPO_LC_SET=${GRPO_LC_SET:-smoke}
 else
     DEADLINE_S=${DEADLINE_S:-360}; TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}; TRAINER_STEP_S=${TRAINER_STEP_S:-90}
