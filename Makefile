@@ -56,7 +56,7 @@ test: install
 
 # After the tests, CI proves the benchmarks: gpu_check.sh end to end on the CPU with the smoke set (every
 # kernel case once, one timed round, its agreement check and memory run included), then `trainer_step
-# --quick` (every side, ours+vllm in the vLLM venv); it must exit 0 and write its report.
+# --quick` (the main venv's sides; ours+vllm runs from `trainer_step` without --quick); it must exit 0 and write its report.
 # bench_long_context.py is left out (BENCH_CI_ARGS; `make bench-ci BENCH_CI_ARGS=` runs it: ~55 s of fresh
 # processes' imports). bench-smoke: the same cases under --benchmark-disable. One thread: tiny shapes.
 BENCH_CI_DIR ?= /tmp/grpo-bench-ci
