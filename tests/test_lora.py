@@ -16,7 +16,7 @@ from grpo.logs import run_values
 from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
-from helpers import assert_close64, tiny_config
+from helpers import assert_close64, saved_for_backward, tiny_config
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -316,20 +316,11 @@ def test_adapter_dropout_is_pefts_bit_for_bit_and_backward_keeps_far_less():
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
         peft_model.train()
-        params = {id(q) for q in peft_model.parameters()}
-        kept = {}
-
-        def pack(t):
-            if id(t) not in params and t.untyped_storage().data_ptr() not in {q.untyped_storage().data_ptr() for q in peft_model.parameters()}:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         torch.manual_seed(7)  # (the dropout's draws)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = peft_model(ids).logits
+        logits, kept = saved_for_backward(lambda: peft_model(ids).logits, exclude=list(peft_model.parameters()))
         logits.float().pow(2).mean().backward()
         grads = {n: q.grad.clone() for n, q in peft_model.named_parameters() if q.requires_grad}
-        return logits.detach(), grads, sum(kept.values()), peft_model
+        return logits.detach(), grads, kept, peft_model
 
     ours, theirs, none = run("ours"), run("peft"), run("no dropout")
     assert any(isinstance(m, lora.DropoutLinear) for m in ours[3].modules())
