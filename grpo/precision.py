@@ -118,7 +118,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     views of one buffer the size of the largest 16-bit parameter, kept between steps: the masters are
     stepped in buckets that fit it (AdamW's update is elementwise, so the result is the one-call one,
     bit for bit). A buffer allocated afresh at every step costs more than the step itself on a CPU (every
-    page of it faults in again: 4x the fused step on an 82M model, ``benchmarks/optimizer_step.py``);
+    page of it faults in again; ``benchmarks/optimizer_step.py``, results in ``benchmarks/results/``);
     one for all the gradients at once would hold 4 bytes per parameter through the backward pass.
     Gradients that cannot be a view of a plain buffer (FSDP2's sharded ``DTensor``) are cast afresh.
 
