@@ -148,7 +148,104 @@ def add_adapters(model: torch.nn.Module, cfg: "GRPOConfig") -> torch.nn.Module:
     trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError(f"lora_target_modules (--lora-target-modules) = {cfg.lora_target_modules!r} added no adapters")
+    fuse_dropout(peft_model)
     return peft_model
+
+
+# --------------------------------------------------------------------------------------------------
+# the adapters' dropout, fused into A: what backward keeps per adapter input element
+# --------------------------------------------------------------------------------------------------
+def _dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dropout(x), the bool mask of the kept elements), drawn and computed as ``F.dropout(x, p, True)``
+    computes it on ``x``'s device, so the same random draws give the same values bit for bit: aten's
+    ``_dropout_impl`` on a CPU (a noise tensor ``bernoulli_(1 - p)``, divided by ``1 - p``, times x),
+    ``native_dropout`` elsewhere."""
+    if x.device.type == "cpu":
+        noise = torch.empty_like(x).bernoulli_(1 - p)
+        mask = noise.bool()
+        return x * noise.div_(1 - p), mask
+    out, mask = torch.native_dropout(x, p, True)
+    return out, mask
+
+
+def _undrop(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The gradient through :func:`_dropout` (as the op it mirrors computes it): ``grad * noise`` on a CPU,
+    ``native_dropout_backward`` elsewhere."""
+    if grad.device.type == "cpu":
+        return grad * mask.to(grad.dtype).div_(1 - p)
+    return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1 - p))
+
+
+class DropoutLinearFunction(torch.autograd.Function):
+    """``y = dropout(x, p) @ A^T``: peft's ``lora_A(lora_dropout(x))`` in one op (Hu et al., 2021, with
+    dropout on the adapter's input, as peft applies it), x [..., in], A [r, in] -> y [..., r].
+
+    Backward needs the dropped input (for ``d A = dy^T dropout(x)``) and the mask (for ``d x = (dy A) *
+    mask / (1 - p)``). peft's pair keeps both as fp32 tensors of x's size (the dropped copy, which the
+    matmul saves, and on a CPU dropout's fp32 noise: 8 bytes an element); this op keeps ``x`` itself,
+    which the q/k/v (and gate/up) adapters of a layer share, and a bool mask (1 byte), and recomputes
+    the dropped input in backward. Same draws, same arithmetic: bit for bit peft's values and gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
+        dropped, mask = _dropout(x, p)
+        ctx.save_for_backward(x, weight, mask)
+        ctx.p = p
+        return torch.nn.functional.linear(dropped, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, mask = ctx.saved_tensors
+        dx = dw = None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout)
+            dx = _undrop(dy2.mm(weight).view(x.shape), mask, ctx.p)
+        if ctx.needs_input_grad[1]:  # (as linear's, for its transposed weight: dy^T dropped)
+            dropped = _dropout_again(x, mask, ctx.p)
+            dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]))
+        return dx, dw, None
+
+
+def _dropout_again(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """:func:`_dropout`'s output from its mask, without drawing: the same values."""
+    if x.device.type == "cpu":
+        return x * mask.to(x.dtype).div_(1 - p)
+    return torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1 - p))  # (x * mask * scale, as native_dropout)
+
+
+class DropoutLinear(torch.nn.Linear):
+    """peft's ``lora_A`` with the adapter's dropout inside it (:class:`DropoutLinearFunction`) while
+    training; a plain linear map in eval mode. Its parameter is the adapter's own (the state-dict keys,
+    the saved adapter and peft's merge read ``lora_A.<name>.weight`` as before)."""
+
+    p: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.p > 0:
+            return DropoutLinearFunction.apply(x, self.weight, self.p)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def fuse_dropout(peft_model: torch.nn.Module) -> None:
+    """In every LoRA layer of ``peft_model`` whose adapter has dropout, move the dropout into ``lora_A``
+    (:class:`DropoutLinear`) and make ``lora_dropout`` the identity: peft computes ``lora_B(lora_A(
+    lora_dropout(x)))``, the same map. Layers that apply ``lora_dropout`` elsewhere (peft's variants,
+    such as DoRA) are left as they are."""
+    for module in peft_model.modules():
+        dropouts, As = getattr(module, "lora_dropout", None), getattr(module, "lora_A", None)
+        if not isinstance(dropouts, torch.nn.ModuleDict) or not isinstance(As, torch.nn.ModuleDict):
+            continue
+        for name, dropout in list(dropouts.items()):
+            A = As[name] if name in As else None
+            if (not isinstance(dropout, torch.nn.Dropout) or dropout.p == 0 or type(A) is not torch.nn.Linear
+                    or A.bias is not None or name in getattr(module, "lora_variant", {})):
+                continue
+            fused = DropoutLinear(A.in_features, A.out_features, bias=False, device="meta")
+            fused.weight = A.weight
+            fused.p = float(dropout.p)
+            fused.train(A.training)
+            As[name] = fused
+            dropouts[name] = torch.nn.Identity()
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

@@ -29,9 +29,11 @@ Terms (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: all ``P
   block ``2H + 2(H + kv) + kv + H`` (input and normed input, q/k before and after RoPE, v, the
   attention output; ``kv`` = kv heads x d) plus RMSNorm's fp32 upcast ``4H`` and the softmax
   log-sum-exp ``4 heads``; the MLP ``2H + 4I`` (input, normed, gate, up, SiLU(gate), their product)
-  plus ``4H``; each LoRA adapter its fp32 input after dropout and the dropout mask, ``5 in``, and
-  ``4 r``. Without checkpointing all L layers; with it, each layer's input ``H b`` plus one layer
-  recomputed in full. Plus the embeddings' output, the final norm's and the hidden states the loss
+  plus ``4H``; each LoRA adapter ``4 r`` (A's fp32 output, which B's matmul keeps), with
+  ``lora_dropout`` a 1-byte mask per input element (``grpo.lora.DropoutLinearFunction`` keeps the input,
+  counted above, and recomputes the dropped copy), and with 16-bit weights the fp32 copy of its input
+  that peft casts for it, ``4 in`` (:func:`lora_activation_bytes`). Without checkpointing all L
+  layers; with it, each layer's input ``H b`` plus one layer recomputed in full. Plus the embeddings' output, the final norm's and the hidden states the loss
   reads, and their gradient (``~4 N H b``), and the backward's temporaries (``N (2H + 2I) b``).
 - the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows for
   N, H, V on the device) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
@@ -273,13 +275,19 @@ def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
     return targets
 
 
+def lora_activation_bytes(d_in: int, r: int, b: int, dropout: float) -> int:
+    """Bytes one LoRA adapter of a linear with ``d_in`` inputs keeps for backward, per token (see the
+    module docstring; measured per term with saved-tensor hooks, benchmarks/results/)."""
+    return 4 * r + (d_in if dropout > 0 else 0) + (4 * d_in if b != 4 else 0)
+
+
 def activation_bytes(shape: ModelShape, tokens: int, b: int, gradient_checkpointing: bool,
-                     lora_inputs: list[int], lora_r: int) -> tuple[int, dict[str, int]]:
+                     lora_inputs: list[int], lora_r: int, lora_dropout: float = 0.0) -> tuple[int, dict[str, int]]:
     """Bytes saved for the backward of one micro-batch of ``tokens`` tokens (see the module docstring)."""
     H, I, kv, heads = shape.hidden_size, shape.intermediate_size, shape.kv, shape.num_attention_heads
     attention = b * (2 * H + 2 * (H + kv) + kv + H) + 4 * H + 4 * heads
     mlp = b * (2 * H + 4 * I) + 4 * H
-    adapters = sum(5 * d_in + 4 * lora_r for d_in in lora_inputs)
+    adapters = sum(lora_activation_bytes(d_in, lora_r, b, lora_dropout) for d_in in lora_inputs)
     layer = tokens * (attention + mlp + adapters)
     if gradient_checkpointing:
         layers = shape.num_hidden_layers * tokens * H * b + layer
@@ -318,10 +326,8 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
     adapters = shape.lora_parameters(lora_r, targets) if use_peft else 0
     trainable, trainable_bytes = (adapters, 4) if use_peft else (P, b)
     lora_inputs = [shape.linears()[t][0] for t in targets if t in shape.linears()]
-    if use_peft and lora_dropout == 0 and b == 4:
-        lora_inputs = []  # the adapter's input is the base layer's saved input (no copy, no mask)
     master = trainable_bytes != 4
-    activations, parts = activation_bytes(shape, tokens, b, gradient_checkpointing, lora_inputs, lora_r)
+    activations, parts = activation_bytes(shape, tokens, b, gradient_checkpointing, lora_inputs, lora_r, lora_dropout)
     kind, dtype = torch.device("cuda" if device == "cuda" else "cpu"), torch.bfloat16 if b == 2 else torch.float32
     # the largest chunk of any micro-batch of at most `tokens` tokens (a smaller one may take bigger
     # chunks: N rows are split into equal ones), so that the plan bounds every micro-batch and its peak
@@ -334,8 +340,8 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
         "gradients": trainable * trainable_bytes + (trainable * 4 if master else 0),
         "optimizer state": trainable * (8 + (4 if master else 0)),
         "activations": activations,
-        "activations without checkpointing": activation_bytes(shape, tokens, b, False, lora_inputs, lora_r)[0],
-        "activations with checkpointing": activation_bytes(shape, tokens, b, True, lora_inputs, lora_r)[0],
+        "activations without checkpointing": activation_bytes(shape, tokens, b, False, lora_inputs, lora_r, lora_dropout)[0],
+        "activations with checkpointing": activation_bytes(shape, tokens, b, True, lora_inputs, lora_r, lora_dropout)[0],
         "loss chunk": chunk * V * b + (V * H * 4 if head_trainable and b != 4 else 0),
         "rollout KV cache": 2 * shape.num_hidden_layers * shape.kv * (rollout_tokens or tokens) * b,
         "runtime": RUNTIME_BYTES_CPU if device == "cpu" else 0,

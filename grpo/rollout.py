@@ -20,10 +20,13 @@ completion mask covering every token up to and including the first EOS.
 from __future__ import annotations
 
 import copy
+import ctypes
 import importlib.util
 import math
 import os
+import platform
 import random
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
@@ -266,25 +269,70 @@ def _merged(layer: torch.nn.Module, leaf: str, base: torch.Tensor) -> torch.Tens
     return out
 
 
+# get_mempolicy(2), set_mempolicy(2) by machine (the kernel's syscall tables); elsewhere the policy is not kept
+_MEMPOLICY_SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237), "ppc64le": (260, 261), "s390x": (269, 270)}
+_NODEMASK_BITS = 1024  # (the kernel's MAX_NUMNODES is at most 1024)
+
+
+def _memory_policy() -> Optional[tuple[int, bytes]]:
+    """This thread's NUMA memory policy (mode, node mask), or None where it cannot be read."""
+    numbers = _MEMPOLICY_SYSCALLS.get(platform.machine()) if sys.platform.startswith("linux") else None
+    if numbers is None:
+        return None
+    mode, mask = ctypes.c_int(), (ctypes.c_ulong * (_NODEMASK_BITS // (8 * ctypes.sizeof(ctypes.c_ulong))))()
+    if ctypes.CDLL(None).syscall(numbers[0], ctypes.byref(mode), mask, ctypes.c_ulong(_NODEMASK_BITS), None, ctypes.c_ulong(0)):
+        return None
+    return mode.value, bytes(mask)
+
+
+def _set_memory_policy(policy: tuple[int, bytes]) -> None:
+    mode, saved = policy
+    mask = (ctypes.c_ulong * (len(saved) // ctypes.sizeof(ctypes.c_ulong))).from_buffer_copy(saved)
+    # (set_mempolicy reads maxnode - 1 bits)
+    ctypes.CDLL(None).syscall(_MEMPOLICY_SYSCALLS[platform.machine()][1], ctypes.c_int(mode), mask, ctypes.c_ulong(_NODEMASK_BITS + 1))
+
+
 @contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Keep what vLLM changes in the process while an engine starts: the RNG states (it seeds torch,
-    numpy and random with its own seed), torch's thread count (it drops to 1 for serving) and
-    ``torch.set_num_threads`` itself (its CPU worker replaces it with a no-op for the process)."""
+def _process_state_kept(rng: bool = True) -> Iterator[None]:
+    """Keep what vLLM changes in the process (importing it, starting an engine, sampling) that the
+    trainer's own work would inherit: torch's thread count (it drops to 1 for serving) and
+    ``torch.set_num_threads`` itself (its CPU worker replaces it with a no-op for the process); the
+    float32 matmul precision (set from ``VLLM_FLOAT32_MATMUL_PRECISION``); the process's CPU affinity;
+    this thread's NUMA memory policy (its CPU worker binds the process's memory to one node:
+    ``numa_set_membind``); the environment outside vLLM's own ``VLLM_*`` variables (it sets
+    ``LD_PRELOAD`` to torch's libgomp, ``LOCAL_WORLD_SIZE``, ``TORCHINDUCTOR_COMPILE_THREADS``, ..., which
+    every process the trainer starts afterwards, the reward workers among them, would inherit); and,
+    with ``rng``, the RNG states (it seeds torch, numpy and random with its own seed)."""
     import numpy as np
 
-    threads, py_state, np_state, torch_state = torch.get_num_threads(), random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    policy, environ = _memory_policy(), dict(os.environ)
+    if rng:
+        py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
     finally:
         torch.set_num_threads = torch._C.set_num_threads  # (the original: torch re-exports the C function)
         torch.set_num_threads(threads)
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_float32_matmul_precision(precision)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+        if policy is not None and _memory_policy() != policy:
+            _set_memory_policy(policy)
+        for name in set(os.environ) | set(environ):
+            if not name.startswith("VLLM_") and os.environ.get(name) != environ.get(name):
+                if name in environ:
+                    os.environ[name] = environ[name]
+                else:
+                    del os.environ[name]
+        if rng:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            torch.set_rng_state(torch_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
 
 
 class VLLMRollout:
@@ -312,8 +360,11 @@ class VLLMRollout:
     ``gpu_memory_utilization``, ``load_format``).
 
     In the process it sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine runs in this process, so
-    the weights are handed over as tensors), and keeps torch's thread count, ``torch.set_num_threads``
-    and the RNG states as they were before the engine started (vLLM changes all four). On CPU the engine
+    the weights are handed over as tensors), and keeps the process as the trainer had it: torch's thread
+    count and ``torch.set_num_threads``, the float32 matmul precision, the CPU affinity, the NUMA memory
+    policy, the environment outside ``VLLM_*`` and (at the start) the RNG states, all of which vLLM
+    changes, are put back after every call into it (:func:`_process_state_kept`). What stays are the
+    engine's own idle threads (those of its one-process gloo groups). On CPU the engine
     runs eagerly, with a KV cache of ``kv_cache_memory_bytes`` (default: what ``max_num_seqs``
     sequences of ``max_model_len`` tokens need, at most 1 GiB). On CUDA it takes
     ``gpu_memory_utilization`` of the GPU (default 0.3, TRL's) and, where vLLM supports it, sleeps
@@ -393,9 +444,10 @@ class VLLMRollout:
         options.update(engine_kwargs)
         self.sleeps = bool(options.get("enable_sleep_mode", False))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine starts)
-        from vllm import LLM
 
-        with _process_state_kept():
+        with _process_state_kept():  # (importing vLLM changes the environment too)
+            from vllm import LLM
+
             try:
                 self.llm = LLM(**options)
                 self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -434,16 +486,17 @@ class VLLMRollout:
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Copy the policy's current weights (LoRA merged) into the engine; its cached prefixes are dropped."""
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
-        dtype = self.dtype  # (vLLM casts a tensor of another dtype too, with a warning per tensor)
-        weights = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in engine_weights(language_model(policy)))
-        with torch.no_grad():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self.asleep:
-            self.llm.wake_up()  # the KV cache and the rest
-            self.asleep = False
-        self.llm.reset_prefix_cache()  # (cached KV of the old weights would otherwise be reused)
+        with _process_state_kept(rng=False):
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            dtype = self.dtype  # (vLLM casts a tensor of another dtype too, with a warning per tensor)
+            weights = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in engine_weights(language_model(policy)))
+            with torch.no_grad():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self.asleep:
+                self.llm.wake_up()  # the KV cache and the rest
+                self.asleep = False
+            self.llm.reset_prefix_cache()  # (cached KV of the old weights would otherwise be reused)
 
     @torch.no_grad()
     def generate(
@@ -496,7 +549,8 @@ class VLLMRollout:
     def _sample(self, prompt_ids: list[list[int]], params):
         from vllm.inputs import TokensPrompt
 
-        return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        with _process_state_kept(rng=False):  # (vLLM's sampling uses its own generators: torch's is the trainer's)
+            return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
 
 
 def _token_logprob(step: Any, token: int) -> float:

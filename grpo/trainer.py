@@ -72,10 +72,10 @@ RewardFn = Callable[..., Sequence[Optional[float]]]
 # the optimizer and the rollout engine (the model itself: grpo.models)
 # --------------------------------------------------------------------------------------------------
 def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW on the trainable parameters; 16-bit ones get fp32 master copies (``grpo.precision``)."""
+    """AdamW on the trainable parameters, fused where torch has the kernel; 16-bit ones get fp32 master
+    copies (``grpo.precision.adamw``)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    adamw = precision.MasterWeightAdamW if any(p.dtype != torch.float32 for p in params) else torch.optim.AdamW
-    return adamw(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    return precision.adamw(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
 
 
 def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollout:

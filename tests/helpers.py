@@ -6,6 +6,7 @@
 - ``poison_``: fill an output buffer with NaN before a kernel writes it.
 - ``tiny_config``: a ``GRPOConfig`` for the trainer tests' tiny model (CPU, "torch" backend).
 - ``timed``, ``SLACK``: a call that must return within a wall-clock budget (the rewards tests).
+- ``saved_for_backward``: the bytes autograd keeps for backward while a function runs.
 """
 
 from __future__ import annotations
@@ -126,3 +127,20 @@ def loss_and_logits_grad(logits, ids, adv, mask, backend: str = "torch", **kw):
     out = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), mask.to(DEVICE), backend=backend, **kw)
     (grad,) = torch.autograd.grad(out.loss, x)
     return out, grad.cpu()
+
+
+def saved_for_backward(fn: Callable[[], R], exclude=()) -> tuple[R, int]:
+    """(fn(), bytes of the distinct storages autograd saved for backward while it ran), leaving out
+    the storages of the tensors in ``exclude`` (a model's parameters)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())

@@ -53,6 +53,9 @@ SCRIPTS = {
                          "--out", "{out}/frozen_head.md"), ("frozen_head.md", "frozen_head.json"), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md",)),
+    "optimizer_step": Script(
+        "optimizer_step", ("--vocab", "512", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                           "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.jsonl")),
 }
 ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
                       "--rounds", "1", "--out", "{out}/rollout_speed.md")

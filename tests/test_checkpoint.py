@@ -36,6 +36,25 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     assert not os.path.exists(path) and not os.path.exists(path + ".tmp")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_finite_check_finds_every_nan_and_inf_without_a_temporary_of_the_tensors_size(dtype):
+    g = torch.Generator().manual_seed(0)
+    clean = (torch.randn(3001, 7, generator=g) * 100).to(dtype)
+    assert checkpoint.all_finite(clean) and checkpoint.all_finite(clean[:, ::3]) and checkpoint.all_finite(clean[:0])
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in ((0, 0), (1777, 3), (3000, 6)):
+            poisoned = clean.clone()
+            poisoned[at] = bad
+            assert not checkpoint.all_finite(poisoned), (bad, at)
+            assert checkpoint.non_finite_tensors({"a": clean, "b": [clean, poisoned]}) == ["b.1"]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        checkpoint.all_finite(clean)
+    allocated = sum(max(0, e.cpu_memory_usage) for e in prof.events())
+    assert allocated < clean.nbytes // 8  # (isfinite().all(): more than nbytes)
+
+
 def test_a_checkpoint_is_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
     events = []
     real_fsync, real_replace = os.fsync, os.replace

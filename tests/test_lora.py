@@ -16,7 +16,7 @@ from grpo.logs import run_values
 from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
-from helpers import tiny_config
+from helpers import assert_close64, saved_for_backward, tiny_config
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -269,6 +269,79 @@ def test_cli_trains_lora_in_bf16_and_writes_the_adapter(tmp_path, capsys):
     assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
     assert not (tmp_path / "out" / "model").exists()
     assert '"step": 1' in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the adapters' dropout
+def test_dropout_inside_lora_a_matches_float64_and_keeps_a_bool_mask():
+    """DropoutLinearFunction against the formula in float64: y = (x * m / (1 - p)) A^T with the mask m
+    the same draws give, dx = (dy A) * m / (1 - p), dA = dy^T (x * m / (1 - p)); backward keeps x, A and
+    a bool mask."""
+    g = torch.Generator().manual_seed(0)
+    p = 0.3
+    x = torch.randn(3, 5, 7, dtype=torch.float64, generator=g).requires_grad_()
+    A = torch.randn(4, 7, dtype=torch.float64, generator=g).requires_grad_()
+    dy = torch.randn(3, 5, 4, dtype=torch.float64, generator=g)
+    saved = []
+    torch.manual_seed(11)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lora.DropoutLinearFunction.apply(x, A, p)
+    torch.manual_seed(11)
+    keep = torch.empty_like(x).bernoulli_(1 - p)  # (the draws F.dropout makes on a CPU)
+    assert 0 < int(keep.sum()) < keep.numel()
+    dropped = x.detach() * keep / (1 - p)
+    assert_close64(y, dropped @ A.detach().T, torch.float64)
+    dx, dA = torch.autograd.grad(y, (x, A), dy)
+    assert_close64(dx, (dy @ A.detach()) * keep / (1 - p), torch.float64)
+    assert_close64(dA, dy.reshape(-1, 4).T @ dropped.reshape(-1, 7), torch.float64)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [("torch.float64", (3, 5, 7)), ("torch.float64", (4, 7)), ("torch.bool", (3, 5, 7))])
+
+
+def test_adapter_dropout_is_pefts_bit_for_bit_and_backward_keeps_far_less():
+    """add_adapters (dropout fused into lora_A) against peft's own LoRA on the same model: the same
+    logits and adapter gradients, bit for bit, from the same draws; what backward keeps beyond a run
+    without dropout is a small fraction of what peft's dropout keeps (its fp32 copy and fp32 noise)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.2)
+    ids = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(kind):
+        model, _ = build_model_and_tokenizer(seed=0)
+        torch.manual_seed(5)  # (the adapters' initialisation)
+        if kind == "ours":
+            peft_model = lora.add_adapters(model, cfg)
+        else:
+            peft_model = get_peft_model(model, LoraConfig(
+                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM",
+                lora_dropout=cfg.lora_dropout if kind == "peft" else 0.0), autocast_adapter_dtype=True)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        peft_model.train()
+        torch.manual_seed(7)  # (the dropout's draws)
+        logits, kept = saved_for_backward(lambda: peft_model(ids).logits, exclude=list(peft_model.parameters()))
+        logits.float().pow(2).mean().backward()
+        grads = {n: q.grad.clone() for n, q in peft_model.named_parameters() if q.requires_grad}
+        return logits.detach(), grads, kept, peft_model
+
+    ours, theirs, none = run("ours"), run("peft"), run("no dropout")
+    assert any(isinstance(m, lora.DropoutLinear) for m in ours[3].modules())
+    assert torch.equal(ours[0], theirs[0]) and not torch.equal(ours[0], none[0])
+    assert ours[1].keys() == theirs[1].keys() and ours[1]
+    for name in ours[1]:
+        assert torch.equal(ours[1][name], theirs[1][name]), name
+    assert 0 < ours[2] - none[2] <= 0.25 * (theirs[2] - none[2])
+    ours[3].eval()  # (no dropout in eval mode: the plain adapter)
+    with torch.no_grad():
+        assert torch.equal(ours[3](ids).logits, run_eval(theirs[3], ids))
+
+
+def run_eval(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
 
 
 # ---------------------------------------------------------------------------- the frozen head

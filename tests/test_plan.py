@@ -46,6 +46,34 @@ def test_built_in_configs_have_their_published_sizes(name, published):
     assert plan.load_shape("Qwen/" + name) == plan.load_shape(name)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_lora_dropout_term_is_what_backward_keeps(dtype):
+    """The plan's dropout term (a 1-byte mask per adapter input element) against the bytes autograd
+    keeps for a real peft model's forward (grpo.lora's adapters), with and without lora_dropout."""
+    pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo import lora
+    from grpo.config import GRPOConfig
+    from helpers import saved_for_backward
+
+    config = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    tokens, r = 24, 4
+    ids = torch.randint(0, SMALL["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    def kept(dropout: float) -> int:
+        torch.manual_seed(0)
+        model = lora.add_adapters(Qwen2ForCausalLM(config).to(getattr(torch, dtype)),
+                                  GRPOConfig(output_dir="unused", use_peft=True, lora_r=r, lora_dropout=dropout)).train()
+        return saved_for_backward(lambda: model(ids).logits, exclude=list(model.parameters()))[1]
+
+    shape = plan.ModelShape.from_config(config)
+    b = plan.DTYPE_BYTES[dtype]
+    per_token = sum(plan.lora_activation_bytes(d_in, r, b, 0.1) - plan.lora_activation_bytes(d_in, r, b, 0.0)
+                    for d_in, _ in shape.linears().values())
+    assert kept(0.1) - kept(0.0) == tokens * shape.num_hidden_layers * per_token
+
+
 def test_a_1_5b_32k_lora_bf16_checkpointed_step_fits_24gb_and_full_fine_tuning_does_not():
     fits = plan.plan("Qwen2.5-1.5B", 32768, use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True,
                      beta=0.04, gpu_memory=24 * 10**9)

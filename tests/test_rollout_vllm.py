@@ -66,10 +66,38 @@ def engine(saved_model):
     """One engine for the module, and what the process looked like before and after it started."""
     path = saved_model[0]
     torch.set_num_threads(2)
-    before = dict(threads=torch.get_num_threads(), rng=torch.get_rng_state())
+    before = dict(process_state(), rng=torch.get_rng_state())
     engine = VLLMRollout(path, max_new_tokens=10, temperature=TEMPERATURE, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=16)
-    after = dict(threads=torch.get_num_threads(), rng=torch.get_rng_state(), set_num_threads=torch.set_num_threads)
+    after = dict(process_state(), rng=torch.get_rng_state())
     return engine, before, after
+
+
+def process_state() -> dict:
+    """What the trainer's own work runs with: torch's threads (and its setter), the matmul precision, the
+    CPU affinity, the NUMA memory policy new memory gets and the environment outside vLLM's ``VLLM_*``."""
+    return dict(threads=torch.get_num_threads(), set_num_threads=torch.set_num_threads,
+                matmul=torch.get_float32_matmul_precision(), affinity=os.sched_getaffinity(0), policy=new_memory_policy(),
+                env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
+
+
+def new_memory_policy() -> str:
+    """The NUMA policy the kernel gives a fresh anonymous mapping ("default", "bind:0", ...), as
+    /proc/self/numa_maps lists it (a mapping without a policy of its own takes the thread's)."""
+    import ctypes
+    import mmap
+
+    m = mmap.mmap(-1, 1 << 16)
+    view = ctypes.c_char.from_buffer(m)
+    address = ctypes.addressof(view)
+    del view  # (mmap refuses to close while a view of it exists)
+    try:
+        with open("/proc/self/maps") as f:
+            ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in f]
+        start = next(lo for lo, hi in ranges if lo <= address < hi)
+        with open("/proc/self/numa_maps") as f:
+            return next(line.split()[1] for line in f if int(line.split()[0], 16) == start)
+    finally:
+        m.close()
 
 
 def reference_logps(model, out, temperature: float) -> torch.Tensor:
@@ -92,12 +120,28 @@ def perturb_(model, scale: float = 0.05, seed: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------- the engine
-def test_engine_start_leaves_the_process_as_it_was(engine):
-    _, before, after = engine
-    assert after["threads"] == before["threads"] == 2
-    assert after["set_num_threads"] is torch._C.set_num_threads  # (vLLM's CPU worker made it a no-op)
+def test_engine_start_and_sampling_leave_the_process_as_it_was(engine, saved_model):
+    """vLLM (importing it, its CPU worker, its sampling) sets torch's threads to 1 and its setter to a
+    no-op, seeds the RNGs, binds the memory to a NUMA node and sets LD_PRELOAD, LOCAL_WORLD_SIZE, ...:
+    none of it may reach the trainer's own work, after the engine starts nor after it samples."""
+    rollout, before, after = engine
+    assert before["threads"] == 2 and before["set_num_threads"] is torch._C.set_num_threads
+    assert before["policy"]  # (the probe reads one)
+    for key in ("threads", "set_num_threads", "matmul", "affinity", "policy", "env"):
+        assert after[key] == before[key], key
     assert torch.equal(after["rng"], before["rng"])  # (vLLM seeds torch's global generator)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    torch.set_num_threads(1)
+    torch.set_float32_matmul_precision("high")  # (whatever the trainer set is what it keeps)
+    try:
+        now = process_state()
+        rollout.generate(as_policy(copy.deepcopy(saved_model[1])), PROMPTS[:1], 2)
+        later = process_state()
+        for key in now:
+            assert later[key] == now[key], key
+    finally:
+        torch.set_num_threads(before["threads"])
+        torch.set_float32_matmul_precision(before["matmul"])
 
 
 def test_sampling_logps_are_transformers_under_the_current_weights(engine, saved_model):

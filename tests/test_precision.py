@@ -1,0 +1,198 @@
+"""grpo.precision's AdamW: torch's fused kernel where it exists (fp32 weights and the fp32 masters of
+16-bit ones), against an independent float64 AdamW; torch's state-dict format, so that a checkpoint the
+foreach optimizer wrote (before the optimizer was fused) loads, stays fused and resumes bit for bit.
+(Why 16-bit weights need masters at all: tests/test_lora.py.) Tiny tensors, CPU, a second or two.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import assert_close64, tiny_config
+
+from grpo import precision
+from grpo.demo import build_model_and_tokenizer
+from grpo.trainer import make_optimizer, prepare_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HYPER = dict(lr=3e-2, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
+SHAPES = [(7, 5), (13,), (3, 4, 2)]  # (awkward sizes: no vector width divides them)
+
+
+def parameters(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64).to(dtype)) for s in SHAPES]
+
+
+def gradients(steps: int, seed: int = 1) -> list[list[torch.Tensor]]:
+    """Fresh gradients for every step, float64 (each optimizer gets them in its parameters' dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES] for _ in range(steps)]
+
+
+def run(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(p.dtype)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def adamw64(start: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, betas, weight_decay: float,
+            eps: float) -> list[torch.Tensor]:
+    """AdamW in float64, written out (Loshchilov & Hutter 2019, Algorithm 2; torch.optim.AdamW's
+    documented update): decay, the two moments, bias corrections, the step."""
+    b1, b2 = betas
+    x = [t.double().clone() for t in start]
+    m = [torch.zeros_like(t) for t in x]
+    v = [torch.zeros_like(t) for t in x]
+    for k, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            x[i] = x[i] * (1 - lr * weight_decay)
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            m_hat, v_hat = m[i] / (1 - b1**k), v[i] / (1 - b2**k)
+            x[i] = x[i] - lr * m_hat / (v_hat.sqrt() + eps)
+    return x
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return all(group.get("fused") is True for group in optimizer.param_groups)
+
+
+# ---------------------------------------------------------------------------- which AdamW
+def test_the_trainers_adamw_is_fused_on_cpu_for_fp32_weights_and_for_bf16_masters(tmp_path):
+    for dtype, cls in ((torch.float32, torch.optim.AdamW), (torch.bfloat16, precision.MasterWeightAdamW)):
+        model, _ = build_model_and_tokenizer(seed=0)
+        policy = prepare_model(model.to(dtype), tiny_config(tmp_path), torch.device("cpu"))
+        optimizer = make_optimizer(policy, tiny_config(tmp_path))
+        assert type(optimizer) is cls and is_fused(optimizer), dtype
+        assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])  # (the fused kernel's)
+
+
+def test_parameters_without_a_fused_kernel_get_the_foreach_path():
+    meta = [torch.nn.Parameter(torch.empty(3, device="meta"))]  # (no fused kernel for the meta device)
+    assert not precision.fused_supported(meta) and not precision.fused_supported([])
+    optimizer = precision.adamw(meta, lr=1e-3)
+    assert type(optimizer) is torch.optim.AdamW and not optimizer.param_groups[0]["fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_step_matches_float64_adamw(dtype):
+    """Five steps with weight decay: the weights (fp32; for bf16 weights their fp32 masters, and the
+    weights = the masters rounded) against the float64 recurrence."""
+    params, grads = parameters(dtype), gradients(5)
+    start = [p.detach().double() for p in params]
+    optimizer = precision.adamw(params, **HYPER)
+    assert is_fused(optimizer)
+    run(optimizer, params, grads)
+    want = adamw64(start, [[g.to(dtype).double() for g in gs] for gs in grads], **HYPER)  # (the gradients it was given)
+    stepped = optimizer.param_groups[0]["params"]  # fp32: the parameters themselves; bf16: the masters
+    for got, expected in zip(stepped, want):
+        assert got.dtype == torch.float32
+        assert_close64(got, expected, torch.float32, what=str(dtype))
+    for p, master in zip(params, stepped):  # the weights are the masters rounded, once
+        assert torch.equal(p.detach(), master.detach().to(dtype))
+    if dtype == torch.bfloat16:  # the fp32 gradient copies live only during the step
+        assert all(master.grad is None for master in stepped)
+
+
+def test_masters_step_in_buckets_as_one_fused_call_would_with_fp32_and_gradless_parameters():
+    """16-bit weights (stepped in buckets through one kept fp32 buffer: SHAPES make three), an fp32
+    weight among them (stepped once, as it is) and one without a gradient (not stepped): bit for bit
+    torch's fused AdamW in one call on fp32 copies given the same gradients."""
+    params = parameters(torch.bfloat16) + [torch.nn.Parameter(torch.randn(6, dtype=torch.float32))]
+    params.insert(1, torch.nn.Parameter(torch.randn(4, 3).to(torch.bfloat16)))  # (never has a gradient)
+    plain = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ours, torchs = precision.adamw(params, **HYPER), torch.optim.AdamW(plain, fused=True, **HYPER)
+    assert type(ours) is precision.MasterWeightAdamW
+    for step_grads in gradients(4):
+        grads = step_grads[:1] + [None] + step_grads[1:] + [torch.randn(6, dtype=torch.float64)]
+        for p, q, g in zip(params, plain, grads):
+            p.grad = None if g is None else g.to(p.dtype)
+            q.grad = None if g is None else p.grad.float()
+        ours.step()
+        torchs.step()
+        assert params[-1].grad is not None  # (an fp32 weight keeps its own gradient, as torch's AdamW leaves it)
+        ours.zero_grad()
+        torchs.zero_grad()
+    for p, master, q in zip(params, ours.param_groups[0]["params"], plain):
+        assert torch.equal(master, q) and torch.equal(p.detach(), q.detach().to(p.dtype))
+    assert torch.equal(params[1].detach().float(), plain[1].detach())  # (never stepped: not even decayed)
+
+
+# ---------------------------------------------------------------------------- the state dict and resuming
+def old_format(state: dict) -> dict:
+    """What ``torch.optim.AdamW`` (foreach, the trainer's optimizer before it was fused) writes for the
+    same state: groups without ``fused``, the ``step`` counters as float32 tensors on the CPU."""
+    state = copy.deepcopy(state)
+    for group in state["param_groups"]:
+        group["fused"], group["foreach"] = None, None
+    for entry in state["state"].values():
+        entry["step"] = entry["step"].detach().to("cpu", torch.float32).clone()
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_foreach_checkpoint_loads_stays_fused_and_resumes_bitwise(dtype):
+    grads = gradients(6)
+    # the run that wrote the checkpoint, with the optimizer the trainer built before (foreach): its
+    # state dict has the format that is on disk
+    params = parameters(dtype)
+    cls = precision.MasterWeightAdamW if dtype != torch.float32 else torch.optim.AdamW
+    before = cls(params, **HYPER)
+    run(before, params, grads[:3])
+    written = copy.deepcopy(before.state_dict())  # (as read back from disk: no tensor shared with the optimizer)
+    assert all(g["fused"] is None and g["foreach"] is None for g in written["param_groups"])
+    assert all(s["step"].device.type == "cpu" for s in written["state"].values())
+    weights = [p.detach().clone() for p in params]
+
+    def resumed(state: dict) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+        ps = [torch.nn.Parameter(w.clone()) for w in weights]
+        optimizer = precision.adamw(ps, **{**HYPER, "lr": 1.0})  # (the checkpoint's lr wins, as torch loads it)
+        optimizer.load_state_dict(state)
+        return optimizer, ps
+
+    old, old_params = resumed(written)
+    assert is_fused(old) and old.param_groups[0]["lr"] == HYPER["lr"]
+    for saved, now in zip(written["state"].values(), old.state.values()):  # every value as written
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(now[key].cpu(), saved[key]), key
+    # the same state in the fused optimizer's own format resumes the same way, bit for bit
+    new, new_params = resumed(copy.deepcopy(old.state_dict()))
+    new_format = new.state_dict()
+    assert {k for g in new_format["param_groups"] for k in g} == {k for g in written["param_groups"] for k in g}
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in new_format["state"].values())
+    assert new_format.keys() == written.keys()  # (state, param_groups; master_weights for 16-bit)
+    run(old, old_params, grads[3:])
+    run(new, new_params, grads[3:])
+    for a, b in zip(old_params + old.param_groups[0]["params"], new_params + new.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    # and as the foreach run would have continued, to fp32 rounding (fused and foreach differ in the last bit)
+    run(before, params, grads[3:])
+    for a, b in zip(old.param_groups[0]["params"], before.param_groups[0]["params"]):
+        assert_close64(a, b.detach().double(), torch.float32)
+
+
+def test_the_fused_optimizer_resumes_bitwise_from_its_own_state_dict():
+    grads = gradients(6)
+    straight_params = parameters(torch.bfloat16)
+    straight = precision.adamw(straight_params, **HYPER)
+    run(straight, straight_params, grads)
+
+    first_params = parameters(torch.bfloat16)
+    first = precision.adamw(first_params, **HYPER)
+    run(first, first_params, grads[:3])
+    state = copy.deepcopy(first.state_dict())
+    second_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
+    second = precision.adamw(second_params, **HYPER)
+    second.load_state_dict(state)
+    assert is_fused(second)
+    run(second, second_params, grads[3:])
+    for a, b in zip(second_params + second.param_groups[0]["params"], straight_params + straight.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    assert not any(math.isnan(float(p.detach().double().sum())) for p in second_params)
