@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
 
+import numpy as np
 import torch
 
 from . import _validation as V
@@ -49,18 +51,77 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 IGNORE_INDEX = -100  # the target id of a position that predicts nothing (as in PyTorch and TRL)
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """What the softmax sees: ``z = softcap * tanh(logit_scale * logits / softcap) / temperature``
-    (``logit_scale * logits / temperature`` when ``softcap`` is None), as Gemma-2/3 (final-logit
-    soft-capping) and Cohere (``logit_scale``) compute their logits, then the sampling temperature."""
+# The sampler's truncation (vLLM 0.32's ``SamplingParams``): top_k is an int, 0 or -1 (or >= V) meaning off,
+# and top_p is in (0, 1], 1 meaning off. Defined here once: the options' metadata, the validation of every
+# function, and the trainer's config (grpo.config) read them.
+TOP_K_BOUNDS = (-1, None)
+TOP_P_BOUNDS = (0.0, 1.0, True, False)  # (low, high, low_open, high_open): 0 < top_p <= 1
+TOP_K_OFF = (0, -1)  # vLLM's values that disable top-k (as None does here)
 
-    temperature: float = 1.0
+
+def check_top_k(top_k: object) -> Optional[int]:
+    """None, or an int >= -1 (``TOP_K_BOUNDS``; numpy ints too, never a bool or a float); vLLM's "off"
+    values 0 and -1 come back as None. ``top_k >= V`` is off as well (decided per call, where V is known)."""
+    if top_k is None:
+        return None
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k must be an int (or None: off), got {type(top_k).__name__} {top_k!r}")
+    if int(top_k) < TOP_K_BOUNDS[0]:
+        raise ValueError(f"top_k must be a positive int, or 0 / -1 / None for off (vLLM's values), got {top_k}")
+    return None if int(top_k) in TOP_K_OFF else int(top_k)
+
+
+def check_top_p(top_p: object) -> Optional[float]:
+    """None, or a real number in (0, 1] (``TOP_P_BOUNDS``; NaN never is); 1 (vLLM's "off") comes back as None."""
+    if top_p is None:
+        return None
+    low, high, low_open, _ = TOP_P_BOUNDS
+    if isinstance(top_p, (bool, torch.Tensor)) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p must be a real number in (0, 1] (or None: off), got {type(top_p).__name__} {top_p!r}")
+    value = float(top_p)
+    if not (low < value <= high):  # (False for NaN)
+        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p!r}")
+    return None if value == 1.0 else value
+
+
+def _check_temperature_tensor(temperature: torch.Tensor, softcap: Optional[float], logit_scale: float) -> None:
+    """A temperature tensor: floating point, every value finite and > 0 with a finite float32 factor
+    (the float's rules, :func:`_validation.check_temperature`). One device synchronisation; its shape
+    and device are checked against the call (:meth:`LogitTransform.for_rows`)."""
+    if temperature.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"temperature must be a float or a floating-point tensor, got a {temperature.dtype} tensor")
+    if temperature.numel() == 0 or torch.compiler.is_compiling():
+        return
+    t = temperature.detach().double()
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        raise ValueError(f"temperature must be finite and > 0 everywhere, got {t[bad][0].item()}")
+    lowest = float(t.min())
+    V.check_temperature(lowest)  # (its 1 / T bound: the largest factor is the smallest temperature's)
+    V.check_transform_factors(lowest, softcap, logit_scale)
+
+
+@dataclass(frozen=True, eq=False)
+class LogitTransform:
+    """The distribution the log-probs are of: the softmax of
+    ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
+    temperature`` when ``softcap`` is None; Gemma-2/3's final-logit soft-capping, Cohere's ``logit_scale``,
+    then the sampling temperature), truncated as a vLLM sampler truncates it: ``top_k`` then ``top_p``
+    (``None`` = off; vLLM's "off" values are normalised to None here), renormalised.
+
+    ``temperature``: a float, or a tensor (``[B]`` one per sequence, or the call's leading shape, one per
+    token): :meth:`for_rows` checks its shape against a call and broadcasts it. A tensor's values are
+    read in float64, so a tensor holding the float (float64, or a float32-representable value) gives
+    bitwise the float's results. Compared by identity (``eq=False``: it may hold a tensor).
+    """
+
+    temperature: Any = 1.0  # float, or a floating-point tensor
     softcap: Optional[float] = None
     logit_scale: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", V.check_temperature(self.temperature))
         if self.softcap is not None:
             object.__setattr__(self, "softcap", V.check_number("softcap", self.softcap))
             if not self.softcap > 0:
@@ -68,7 +129,13 @@ class LogitTransform:
         object.__setattr__(self, "logit_scale", V.check_number("logit_scale", self.logit_scale))
         if not self.logit_scale > 0:
             raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
-        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        if isinstance(self.temperature, torch.Tensor):
+            _check_temperature_tensor(self.temperature, self.softcap, self.logit_scale)
+        else:
+            object.__setattr__(self, "temperature", V.check_temperature(self.temperature))
+            V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        object.__setattr__(self, "top_k", check_top_k(self.top_k))
+        object.__setattr__(self, "top_p", check_top_p(self.top_p))
 
     @staticmethod
     def of(value: "float | LogitTransform") -> "LogitTransform":
@@ -77,8 +144,54 @@ class LogitTransform:
 
     @property
     def is_plain(self) -> bool:
-        """Only a temperature (the common case, and the cheapest kernel)."""
-        return self.softcap is None and self.logit_scale == 1.0
+        """Only a float temperature (the common case, and the cheapest kernel)."""
+        return self.softcap is None and self.logit_scale == 1.0 and not self.truncates and not self.per_row
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a top-k or top-p truncation is on (then a target may lie outside the kept set)."""
+        return self.top_k is not None or self.top_p is not None
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the temperature is a tensor (one value per row of the kernels)."""
+        return isinstance(self.temperature, torch.Tensor)
+
+    def top_k_for(self, vocab_size: int) -> Optional[int]:
+        """``top_k`` for a vocabulary of ``vocab_size``: None (off) when it keeps every token (``k >= V``)."""
+        return None if self.top_k is None or self.top_k >= vocab_size else self.top_k
+
+    def _unchecked(self, **changes: Any) -> "LogitTransform":
+        """A copy with ``changes`` (already checked values: a broadcast or a slice of the temperature)."""
+        out = object.__new__(LogitTransform)
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, changes.get(f.name, getattr(self, f.name)))
+        return out
+
+    def for_rows(self, shape, device: Optional[torch.device] = None) -> "LogitTransform":
+        """This transform for a call whose tokens have the leading shape ``shape`` (``[..., V]`` logits,
+        ``[..., H]`` hidden states, ``[B, T]`` ids): a temperature tensor of shape ``shape`` (one per token)
+        or ``shape[:1]`` (one per sequence) becomes a ``shape`` view (a ValueError names ``temperature``
+        otherwise, or for another device than ``device``); a float stays as it is."""
+        if not self.per_row:
+            return self
+        t, shape = self.temperature, tuple(shape)
+        if device is not None and t.device != torch.device(device):
+            raise ValueError(f"temperature is on {t.device}, the logits / hidden states on {device}: pass it on the same device")
+        if tuple(t.shape) == shape:
+            return self
+        if len(shape) >= 1 and tuple(t.shape) == shape[:1]:
+            return self._unchecked(temperature=t.reshape(shape[:1] + (1,) * (len(shape) - 1)).expand(shape))
+        raise ValueError(f"temperature must be a float, a tensor of shape {list(shape[:1])} (one per sequence) or "
+                         f"{list(shape)} (one per token), got shape {list(t.shape)}")
+
+    def rows(self, index) -> "LogitTransform":
+        """The transform of some rows of a call (``index``: a slice or int64 indices into its flattened
+        tokens): the temperature tensor flattened and indexed; a float stays."""
+        if not self.per_row:
+            return self
+        flat = self.temperature.reshape(-1)
+        return self._unchecked(temperature=flat[index] if isinstance(index, slice) else flat.index_select(0, index))
 
 
 @dataclass(frozen=True)
@@ -93,9 +206,11 @@ class GRPOOptions:
     eps_low: float = field(default=0.2, metadata={"help": "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; 1 only for cispo; dppo_tv / dppo_kl: the divergence threshold where A <= 0)", "bounds": (0.0, 1.0, False, True)})
     eps_high: Optional[float] = field(default=None, metadata={"help": "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 (verl: clip_ratio_high; dppo_tv / dppo_kl: the divergence threshold where A > 0)", "bounds": (0.0, None)})
     delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high; verl: clip_ratio_c, > 1, default 3 under loss_mode='vanilla'; dppo_tv / dppo_kl: the cap of the detached ratio, default 20)", "bounds": (1.0, None, True)})
-    temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
+    temperature: Union[float, torch.Tensor] = field(default=1.0, metadata={"help": "logits are divided by it before the softmax (the sampling temperature); a tensor: [B] one per sequence or [B, T] one per token"})
     softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
     logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
+    top_k: Optional[int] = field(default=None, metadata={"help": "the sampler's top-k (vLLM's rule, ties at the k-th value kept): log-probs, entropy and loss of the truncated, renormalised distribution; None, 0 or -1: off", "bounds": TOP_K_BOUNDS})
+    top_p: Optional[float] = field(default=None, metadata={"help": "the sampler's top-p (nucleus, after top-k; vLLM's rule): log-probs, entropy and loss of the truncated, renormalised distribution; None or 1: off", "bounds": TOP_P_BOUNDS})
     loss_type: str = field(default="dapo", metadata={"help": "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or by completions * max_completion_length (dr_grpo; luspo: by completions); not with loss_mode", "choices": LOSS_TYPES})
     loss_mode: Optional[str] = field(default=None, metadata={"help": "verl's policy_loss.loss_mode (instead of loss_type)", "choices": LOSS_MODES})
     loss_agg_mode: Optional[str] = field(default=None, metadata={"help": "verl's loss_agg_mode (with loss_mode; None: token-mean)", "choices": LOSS_AGG_MODES})
@@ -145,10 +260,13 @@ class GRPOOptions:
                 raise ValueError(f"delta (verl: clip_ratio_c) must be > 1, got {self.delta}")
             if not self.is_verl and not self.delta > 1 + self.eps_high:
                 raise ValueError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}")
-        transform = LogitTransform(self.temperature, self.softcap, self.logit_scale)
+        transform = LogitTransform(self.temperature, self.softcap, self.logit_scale, self.top_k, self.top_p)
         set_("temperature", transform.temperature)
         set_("softcap", transform.softcap)
         set_("logit_scale", transform.logit_scale)
+        set_("top_k", transform.top_k)  # (vLLM's "off" values as None)
+        set_("top_p", transform.top_p)
+        set_("_transform", transform)
         if self.loss_mode is None:
             V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
         V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
@@ -220,8 +338,9 @@ class GRPOOptions:
 
     @property
     def transform(self) -> LogitTransform:
-        """The logits' transform before the softmax (temperature, softcap, logit_scale)."""
-        return LogitTransform(self.temperature, self.softcap, self.logit_scale)
+        """The distribution the log-probs are of: the logits' transform (temperature, softcap,
+        logit_scale) and the sampler's truncation (top_k, top_p); checked once, when the options were built."""
+        return self.__dict__["_transform"]
 
 
 @dataclass(frozen=True)
