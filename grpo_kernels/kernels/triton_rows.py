@@ -604,8 +604,8 @@ def _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY: tl.constexpr):
 _KEY_LOWEST = tl.constexpr(-2139095041)  # the key of -inf
 _KEY_HIGHEST = tl.constexpr(2139095040)  # the key of +inf
 # candidate thresholds evaluated by one narrowing pass over the row (the fallback's bracket shrinks
-# 17-fold a pass: 8 passes from any 32-bit bracket to one value)
-_NARROW = tl.constexpr(16)
+# _NARROW + 1 = 9-fold a pass: 11 passes from any 32-bit bracket to one value, fewer from a certified one)
+_NARROW = tl.constexpr(8)
 # a certificate of the top-p threshold must clear p S by this share of S (the sums' rounding: ~1e-6 S)
 _CERTIFICATE_MARGIN = tl.constexpr(1e-4)
 
@@ -729,11 +729,12 @@ def _top_p_certificate(m_slot, s_slot, m, c, per_slot, goal, total):
 
 
 @triton.jit
-def _compact(row_ptr, V, lo, m, c, cap_k, cap, cand_y_ptr, cand_i_ptr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
-             CAP: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Pass 2: write the row's elements with key >= lo (value, index) to this program's scratch, in index
-    order, the first CAP of them; returns how many there are (more than CAP: they did not fit).
-    Positions come from a scan of the block's flags (deterministic); a block without any is skipped."""
+def _compact(row_ptr, V, lo, cap_k, cap, cand_ptr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr,
+             SOFTCAP: tl.constexpr):
+    """Pass 2: write the row's elements with key >= lo to the row's scratch as ``key << 32 | index``
+    (int64: one store, and ordered by value then index), in index order, the first CAP of them;
+    returns how many there are (more than CAP: they did not fit). Positions come from a scan of the
+    block's flags (deterministic); a block without any is skipped."""
     tile = _tile(BLOCK_V, VEC)
     count = tl.zeros((), tl.int32)
     for blk in range(0, tl.cdiv(V, BLOCK_V)):
@@ -747,8 +748,7 @@ def _compact(row_ptr, V, lo, m, c, cap_k, cap, cand_y_ptr, cand_i_ptr, BLOCK_V: 
         if found > 0:
             pos = count + (tl.cumsum(per_slot, 0) - per_slot)[:, None] + (tl.cumsum(flag_i, 1) - flag_i)
             fits = flag & (pos < CAP)
-            tl.store(cand_y_ptr + pos, y, mask=fits)
-            tl.store(cand_i_ptr + pos, offs.to(tl.int32), mask=fits)
+            tl.store(cand_ptr + pos, (_order_key(y).to(tl.int64) << 32) | offs.to(tl.int64), mask=fits)
             count += found
     return count
 
@@ -776,12 +776,14 @@ def _narrow_pass(row_ptr, V, lo, hi, tie_key, m, c, cap_k, cap, BLOCK_V: tl.cons
             value = tl.where(inside & (key == tie_key), offs.to(tl.int64), -1)
         else:
             value = tl.where(inside, key, _KEY_LOWEST - 1)
-        ge = value[:, :, None] >= ts[None, None, :]
         if MODE == 1:
             e = tl.exp2(tl.maximum((y - m) * c, _LOWEST))
-            acc_m += tl.sum(tl.where(ge, e[:, :, None], 0.0), 1)
-        else:
-            acc_n += tl.sum(ge.to(tl.int32), 1)
+        for i in tl.static_range(_NARROW):  # one threshold at a time: no [R, VEC, _NARROW] temporary
+            ge = value >= lo + (i + 1) * step
+            if MODE == 1:
+                acc_m += tl.where(j == i, tl.sum(tl.where(ge, e, 0.0), 1)[:, None], 0.0)
+            else:
+                acc_n += tl.where(j == i, tl.sum(ge.to(tl.int32), 1)[:, None], 0)
     return ts, tl.sum(acc_n, 0), tl.sum(acc_m, 0), valid_t
 
 
@@ -807,10 +809,10 @@ def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC:
     """The fallback's last pass: (s, u, w) of the elements with key > v_key, and the count at v_key."""
     R: tl.constexpr = BLOCK_V // VEC
     tile = _tile(BLOCK_V, VEC)
-    s = tl.zeros((R, VEC), tl.float32)
-    u = tl.zeros((R, VEC), tl.float32)
-    w = tl.zeros((R, VEC), tl.float32)
-    n = tl.zeros((R, VEC), tl.int32)
+    s = tl.zeros((R,), tl.float32)
+    u = tl.zeros((R,), tl.float32)
+    w = tl.zeros((R,), tl.float32)
+    n = tl.zeros((R,), tl.int32)
     for blk in range(0, tl.cdiv(V, BLOCK_V)):
         offs = blk * BLOCK_V + tile
         inside = offs < V
@@ -818,18 +820,44 @@ def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC:
         key = _order_key(y).to(tl.int64)
         shift = tl.maximum((y - m) * c, _LOWEST)
         e = tl.where(inside & (key > v_key), tl.exp2(shift), 0.0)
-        s += e
-        u += e * shift
-        w += e * e
-        n += (inside & (key == v_key)).to(tl.int32)
-    return tl.sum(tl.sum(s, 1), 0), tl.sum(tl.sum(u, 1), 0), tl.sum(tl.sum(w, 1), 0), tl.sum(tl.sum(n, 1), 0)
+        s += tl.sum(e, 1)
+        u += tl.sum(e * shift, 1)
+        w += tl.sum(e * e, 1)
+        n += tl.sum((inside & (key == v_key)).to(tl.int32), 1)
+    return tl.sum(s, 0), tl.sum(u, 0), tl.sum(w, 0), tl.sum(n, 0)
+
+
+@triton.jit
+def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
+                    sum_sq_ptr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m."""
+    log2_s = tl.log2(s)
+    logp = (y_t - m) * (c * _LN2) - log2_s * _LN2
+    logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    logp = tl.where(kept_t, logp, float("-inf")) + nan_guard  # outside the kept set: -inf, as vLLM's
+    tl.store(logp_ptr + row, logp)
+    tl.store(max_ptr + row, m)
+    tl.store(log_sum_ptr + row, log2_s)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, (log2_s - u / s) * _LN2 + nan_guard)
+    if WITH_SQ:
+        tl.store(sum_sq_ptr + row, w / (s * s) + nan_guard)
+
+
+@triton.jit
+def _tie_count(need_mass, q, n_tie):
+    """How many of the ``n_tie`` tokens tied at the top-p threshold vLLM keeps: ``c = ceil((p S - M) / q)``
+    (``need_mass = p S - M``, M the mass above them, q each one's), at least 1 and at most ``n_tie``: in
+    ascending order a tied token with r tied ones after it stays iff ``M + r q < p S``."""
+    need = tl.minimum(tl.maximum(need_mass / q, 0.0), n_tie.to(tl.float32))
+    return tl.maximum(tl.minimum(tl.ceil(need).to(tl.int32), n_tie), 1)
 
 
 @triton.jit
 def sampled_logprobs_fwd_kernel(
-    logits_ptr, stride_b, stride_t, T, n_rows,
-    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr,
-    cand_y_ptr, cand_i_ptr, c_rows_ptr,
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
+    cand_ptr, c_rows_ptr,
     V, c, cap_k, cap, ignore_index, top_k, top_p,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr,
@@ -837,188 +865,177 @@ def sampled_logprobs_fwd_kernel(
 ):
     """Log-prob, entropy and sum of squared probabilities of the distribution a vLLM sampler draws from:
     ``softmax(z)`` over the kept set of top-k then top-p, renormalised (``kernels.torch_rows.truncation``
-    states the rule; vLLM 0.32's ``apply_top_k_top_p_pytorch``). Persistent programs: program ``p`` takes
-    rows p, p + P, ... and owns ``CAP`` candidates of scratch (``cand_y_ptr``, ``cand_i_ptr``).
+    states the rule; vLLM 0.32's ``apply_top_k_top_p_pytorch``). One program per row, with ``CAP``
+    candidates of int64 scratch (``cand_ptr``). With ``k(y)`` the order-preserving int key of a value
+    (:func:`_order_key`):
 
-    Per row, with ``k(y)`` the order-preserving int key of a value (:func:`_order_key`):
-    1. Pass 1 (the row read): each slot's max, ``s = sum 2^((y - m) c)`` (and u, w when untruncated).
+    1. Pass 1 (the row read): each slot's max and ``s = sum 2^((y - m) c)`` (and u, w untruncated).
     2. A certified lower bound ``lo`` of the threshold from the slots alone: top-k, the k-th largest
        slot max (k slots hold an element at least that large; k <= slots); top-p alone, the largest key
-       whose certified mass above reaches ``p s`` (:func:`_top_p_certificate`).
+       whose certified mass at and above reaches ``p s`` (:func:`_top_p_certificate`).
     3. Pass 2 (the row read again): the elements with key >= lo written to scratch (:func:`_compact`).
-       If they fit (at most CAP), every threshold is found on them by bisection over the keys
-       (registers, no more reads): top-k's k-th largest value ``tau``, then top-p's ``v*``, the largest
-       value whose mass at and above reaches ``p S`` (S: the mass top-k keeps), and among the tokens
-       tied at ``v*``, the ``c = ceil((p S - M) / q)`` highest-indexed ones (``M`` the mass above ``v*``,
-       ``q`` its probability): the tie index. The kept set's ``(s, u, w)`` and the target's membership
-       follow from the candidates: two reads of the row in all.
-    4. Otherwise (a rare row: a bound too loose, top_k > slots, a huge nucleus) the fallback narrows
-       each bracket by passes that count (mass) above 16 thresholds (:func:`_narrow`), then one pass
-       sums the kept set above the threshold (:func:`_above_pass`): exact, 2 + ~8 passes per stage.
+       If at most CAP, every threshold is found on them by bisection over the keys (registers, no
+       more reads): top-k's k-th largest value ``tau``; then top-p's ``v*``, the largest value whose
+       mass at and above reaches ``p S`` (S: the mass top-k keeps), and of the tokens tied at ``v*`` the
+       ``c`` highest-indexed (:func:`_tie_count`): the tie index. The kept set's ``(s, u, w)`` and the
+       target's membership follow from the candidates: two reads of the row in all.
+    4. Otherwise (a bound too loose: top_k above the slots, a nucleus of more than CAP tokens) the row
+       is flagged in ``overflow_ptr`` with its max, ``s`` and ``lo`` (in ``max``, ``thr``, ``tie``), for
+       ``sampled_logprobs_fallback_kernel``.
     Writes ``logp`` (-inf for a target outside the kept set), entropy, ``row_max``, ``log_sum``
-    (log2 of the kept sum), ``sum_sq``, and the kept set as ``(thr, tie)`` for the backward. A NaN in
-    the row makes its outputs NaN.
+    (log2 of the kept sum), ``sum_sq``, and the kept set as ``(thr, tie)``: ``y > thr``, or
+    ``y == thr`` at an index ``>= tie``, for the backward. A NaN in the row makes its outputs NaN.
     """
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    row = tl.program_id(0).to(tl.int64)
     R: tl.constexpr = BLOCK_V // VEC
     TRUNC: tl.constexpr = HAS_TOP_K or HAS_TOP_P
     STATS_ENTROPY: tl.constexpr = WITH_ENTROPY and not TRUNC  # (truncated: the kept set's sums come later)
     STATS_SQ: tl.constexpr = WITH_SQ and not TRUNC
-    slot_cap = cand_y_ptr + pid.to(tl.int64) * CAP
-    slot_idx = cand_i_ptr + pid.to(tl.int64) * CAP
-    j = tl.arange(0, CAP)
-    c_call = c
-    for row64 in range(pid, n_rows, programs):
-        row = row64 + tl.zeros((), tl.int64)  # (the interpreter iterates Python ints)
-        target = tl.load(targets_ptr + row).to(tl.int64)
-        if target == ignore_index:
-            tl.store(logp_ptr + row, 0.0)
-            tl.store(max_ptr + row, 0.0)
-            tl.store(log_sum_ptr + row, 0.0)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, 0.0)
-            if WITH_SQ:
-                tl.store(sum_sq_ptr + row, 0.0)
-            if HAS_TOP_K or HAS_TOP_P:
-                tl.store(thr_ptr + row, 0.0)
-                tl.store(tie_ptr + row, 0)
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    if target == ignore_index:
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(max_ptr + row, 0.0)
+        tl.store(log_sum_ptr + row, 0.0)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, 0.0)
+        if WITH_SQ:
+            tl.store(sum_sq_ptr + row, 0.0)
+        if TRUNC:
+            tl.store(thr_ptr + row, 0.0)
+            tl.store(tie_ptr + row, 0)
+            tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
+    else:
+        if PER_ROW_T:
+            c = tl.load(c_rows_ptr + row)
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m_slot, s_slot, u_slot, w_slot = _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V, VEC, STATS_ENTROPY, STATS_SQ,
+                                                    SOFTCAP)
+        m, s, u, w = _merge_sq(m_slot, s_slot, u_slot, w_slot, c, STATS_ENTROPY, STATS_SQ)
+        nan_guard = s * 0.0  # NaN when the row holds a NaN (the kept set would drop it)
+        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        if not TRUNC:
+            _finish_sampled(row, y_t, target, target == target, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr,
+                            max_ptr, log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
         else:
-            c = c_call
-            if PER_ROW_T:
-                c = tl.load(c_rows_ptr + row)
-            row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-            m_slot, s_slot, u_slot, w_slot = _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V, VEC, STATS_ENTROPY, STATS_SQ,
-                                                        SOFTCAP)
-            m, s, u, w = _merge_sq(m_slot, s_slot, u_slot, w_slot, c, STATS_ENTROPY, STATS_SQ)
-            nan_guard = s * 0.0  # NaN when the row holds a NaN (the kept set would drop it)
-            y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
-            thr = tl.zeros((), tl.float32)
-            tie = tl.zeros((), tl.int32)
-            kept_t = target == target
-            if TRUNC:
-                key_max = _order_key(m).to(tl.int64)
-                key_t = _order_key(y_t).to(tl.int64)
+            key_max = _order_key(m).to(tl.int64)
+            # 2. the certified bound (an empty slot's max is -FLT_MAX: a bound there certifies nothing)
+            key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)
+            if HAS_TOP_K:
+                k_slot = _order_key(m_slot).to(tl.int64)
+                lo = _kth_largest_key(k_slot, m_slot == m_slot, top_k, tl.min(k_slot, 0), key_max)
+                lo = tl.where((top_k <= R) & (lo > key_floor), lo, _KEY_LOWEST)
+            else:
                 per_slot = (tl.cdiv(V, BLOCK_V) * VEC).to(tl.float32)
-                # 2. the certified bound
-                key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)  # -FLT_MAX: an empty slot's max
+                lo = _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s)
+            # 3. the candidates
+            base = row * CAP
+            n_cand = _compact(row_ptr, V, lo, cap_k, cap, cand_ptr + base, BLOCK_V, VEC, CAP, SOFTCAP)
+            tl.debug_barrier()  # the scratch this program wrote, visible to all its threads
+            j = tl.arange(0, CAP)
+            cv = j < n_cand
+            packed = tl.load(cand_ptr + base + j, mask=cv, other=0)
+            ck = tl.where(cv, (packed >> 32).to(tl.int32), _KEY_LOWEST)  # (past n_cand: -inf, below every bound)
+            ci = (packed & 0xFFFFFFFF).to(tl.int32)
+            cy = _key_value(ck)
+            ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, _LOWEST)), 0.0)
+            fits = n_cand <= CAP
+            v_key = lo
+            if HAS_TOP_K:
+                v_key = _kth_largest_key(ck, cv, top_k, lo, key_max)
+            tie = tl.zeros((), tl.int32)
+            if HAS_TOP_P:
                 if HAS_TOP_K:
-                    k_slot = _order_key(m_slot).to(tl.int64)
-                    lo = _kth_largest_key(k_slot, m_slot == m_slot, top_k, tl.min(k_slot, 0), key_max)
-                    # more than the slots, or a bound an empty slot gave: no certificate, every element
-                    lo = tl.where((top_k <= R) & (lo > key_floor), lo, _KEY_LOWEST)
+                    goal = top_p * tl.sum(tl.where(ck >= v_key, ce, 0.0), 0)  # p S, S what top-k keeps
                 else:
-                    lo = _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s)
-                # 3. the candidates
-                n_cand = _compact(row_ptr, V, lo, m, c, cap_k, cap, slot_cap, slot_idx, BLOCK_V, VEC, CAP, SOFTCAP)
-                tl.debug_barrier()  # the scratch this program wrote, visible to all its threads
-                cv = j < n_cand
-                cy = tl.load(slot_cap + j, mask=cv, other=float("-inf"))
-                ci = tl.load(slot_idx + j, mask=cv, other=-1)
-                ck = tl.where(cv, _order_key(cy).to(tl.int64), _KEY_LOWEST - 1)
-                c_shift = tl.maximum((cy - m) * c, _LOWEST)
-                ce = tl.where(cv, tl.exp2(c_shift), 0.0)
-                fits = n_cand <= CAP
-                above_s = tl.zeros((), tl.float32)
-                above_u = tl.zeros((), tl.float32)
-                above_w = tl.zeros((), tl.float32)
-                # 3a. top-k: tau, and the kept mass S; whatever holds the kept set: the candidates or
-                # (fallback) the row, with the sums above the threshold apart
-                v_key = lo
-                if HAS_TOP_K:
-                    if fits:
-                        v_key = _kth_largest_key(ck, cv, top_k, lo, key_max)
-                    else:
-                        v_key = _narrow(row_ptr, V, lo, key_max, top_k, 0, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
-                # the sums of the kept set above v_key and the count at v_key (candidates, or one more pass)
-                if fits:
-                    above_s = tl.sum(tl.where(ck > v_key, ce, 0.0), 0)
-                    n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
-                else:
-                    above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC,
-                                                                   SOFTCAP)
-                keep_ties = n_tie
-                if HAS_TOP_P:
-                    q_k = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-                    if HAS_TOP_K:
-                        if fits:
-                            total = tl.sum(tl.where(ck >= v_key, ce, 0.0), 0)
-                        else:
-                            total = above_s + n_tie.to(tl.float32) * q_k
-                    else:
-                        total = s
-                    goal = top_p * total
-                    if HAS_TOP_K:
-                        lo_p = v_key
-                    else:
-                        lo_p = lo
-                    # the candidates hold everything >= lo_p when they fit; else try them again from lo_p
-                    if not fits:
-                        n_cand = _compact(row_ptr, V, lo_p, m, c, cap_k, cap, slot_cap, slot_idx, BLOCK_V, VEC, CAP,
-                                          SOFTCAP)
-                        tl.debug_barrier()
-                        cv = j < n_cand
-                        cy = tl.load(slot_cap + j, mask=cv, other=float("-inf"))
-                        ci = tl.load(slot_idx + j, mask=cv, other=-1)
-                        ck = tl.where(cv, _order_key(cy).to(tl.int64), _KEY_LOWEST - 1)
-                        c_shift = tl.maximum((cy - m) * c, _LOWEST)
-                        ce = tl.where(cv, tl.exp2(c_shift), 0.0)
-                        fits = n_cand <= CAP
-                    # the bound must hold on what the search sees (else the certificate was rounded away)
-                    fits = fits & (tl.sum(tl.where(ck >= lo_p, ce, 0.0), 0) >= goal)
-                    if fits:
-                        v_key = _mass_threshold_key(ck, ce, lo_p, key_max, 0.0, goal)
-                        above_s = tl.sum(tl.where(ck > v_key, ce, 0.0), 0)
-                        n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
-                    else:
-                        if HAS_TOP_K:
-                            start = lo_p
-                        else:
-                            start = tl.full((), _KEY_LOWEST, tl.int64)
-                        v_key = _narrow(row_ptr, V, start, key_max, goal, 0, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
-                        above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V,
-                                                                       VEC, SOFTCAP)
-                    # the tied tokens at v*: the c highest-indexed of them (a stable ascending sort's choice)
-                    q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-                    need = tl.minimum(tl.maximum((goal - above_s) / q, 0.0), n_tie.to(tl.float32))
-                    keep_ties = tl.maximum(tl.minimum(tl.ceil(need).to(tl.int32), n_tie), 1)
-                    if keep_ties < n_tie:
-                        if fits:
-                            tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
-                                                   tl.full((), V - 1, tl.int64)).to(tl.int32)
-                        else:
-                            tie = _narrow(row_ptr, V, tl.full((), 0, tl.int64), tl.full((), V - 1, tl.int64), keep_ties,
-                                          v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
-                # 4. the kept set's sums
-                q_v = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-                shift_v = tl.maximum((_key_value(v_key) - m) * c, _LOWEST)
-                if fits:
-                    kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
-                    s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
-                    u = tl.sum(tl.where(kept_c, ce * c_shift, 0.0), 0)
-                    w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
-                else:
-                    ties = keep_ties.to(tl.float32)
-                    s = above_s + ties * q_v
-                    u = above_u + ties * q_v * shift_v
-                    w = above_w + ties * q_v * q_v
-                thr = _key_value(v_key)
+                    goal = top_p * s
+                # the bound must hold on what the search sees (else the certificate was rounded away)
+                fits = fits & (tl.sum(tl.where(ck >= v_key, ce, 0.0), 0) >= goal)
+                v_key = _mass_threshold_key(ck, ce, v_key, key_max, 0.0, goal)
+                n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
+                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                keep_ties = _tie_count(goal - tl.sum(tl.where(ck > v_key, ce, 0.0), 0), q, n_tie)
+                if keep_ties < n_tie:  # the keep_ties highest-indexed of them
+                    tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
+                                           tl.full((), V - 1, tl.int64)).to(tl.int32)
+            if fits:
+                kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
+                s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
+                u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, _LOWEST), 0.0), 0)
+                w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
+                key_t = _order_key(y_t).to(tl.int64)
                 kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
-            log2_s = tl.log2(s)
-            logp = (y_t - m) * (c * _LN2) - log2_s * _LN2
-            logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
-            logp = tl.where(kept_t, logp, float("-inf")) + nan_guard
-            tl.store(logp_ptr + row, logp)
-            tl.store(max_ptr + row, m)
-            tl.store(log_sum_ptr + row, log2_s)
-            if WITH_ENTROPY:
-                tl.store(entropy_ptr + row, (log2_s - u / s) * _LN2 + nan_guard)
-            if WITH_SQ:
-                tl.store(sum_sq_ptr + row, w / (s * s) + nan_guard)
-            if TRUNC:
-                tl.store(thr_ptr + row, thr)
+                _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                                log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+                tl.store(thr_ptr + row, _key_value(v_key))
                 tl.store(tie_ptr + row, tie)
-            tl.debug_barrier()  # every thread done with the scratch before the next row overwrites it
+                tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
+            else:  # 4. for the fallback kernel: the row's max, sum and bound
+                tl.store(max_ptr + row, m)
+                tl.store(thr_ptr + row, s)
+                tl.store(tie_ptr + row, lo.to(tl.int32))
+                tl.store(overflow_ptr + row, tl.full((), 1, tl.int8))
+
+
+@triton.jit
+def sampled_logprobs_fallback_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
+    c_rows_ptr, V, c, cap_k, cap, top_k, top_p,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr,
+    SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+):
+    """The rows ``sampled_logprobs_fwd_kernel`` flagged (every other program returns at once): the same
+    thresholds found exactly by passes over the row that split the bracket at :data:`_NARROW`
+    thresholds each, counting (top-k) or summing the mass (top-p) above them (:func:`_narrow`, 9-fold
+    a pass), then one pass for the kept set's sums above the threshold and the count at it
+    (:func:`_above_pass`); the tie index, if top-p splits a tie, by the same passes over the indices.
+    Up to 11 passes a threshold over a 32-bit bracket (fewer from a certified one), plus one."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(overflow_ptr + row) != 0:
+        if PER_ROW_T:
+            c = tl.load(c_rows_ptr + row)
+        target = tl.load(targets_ptr + row).to(tl.int64)
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m = tl.load(max_ptr + row)
+        s = tl.load(thr_ptr + row)
+        lo = tl.load(tie_ptr + row).to(tl.int64)
+        nan_guard = s * 0.0
+        key_max = _order_key(m).to(tl.int64)
+        zero = tl.zeros((), tl.int64)
+        v_key = lo
+        if HAS_TOP_K:
+            v_key = _narrow(row_ptr, V, lo, key_max, top_k, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
+        above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
+        keep_ties = n_tie
+        tie = tl.zeros((), tl.int32)
+        if HAS_TOP_P:
+            if HAS_TOP_K:
+                total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                start = v_key
+            else:
+                total = s
+                start = tl.full((), _KEY_LOWEST, tl.int64)
+            goal = top_p * total
+            v_key = _narrow(row_ptr, V, start, key_max, goal, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
+            above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
+            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+            keep_ties = _tie_count(goal - above_s, q, n_tie)
+            if keep_ties < n_tie:
+                tie = _narrow(row_ptr, V, zero, tl.full((), V - 1, tl.int64), keep_ties, v_key, m, c, cap_k, cap,
+                              BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
+        shift_v = tl.maximum((_key_value(v_key) - m) * c, _LOWEST)
+        q_v = tl.exp2(shift_v)
+        ties = keep_ties.to(tl.float32)
+        s = above_s + ties * q_v
+        u = above_u + ties * q_v * shift_v
+        w = above_w + ties * q_v * q_v
+        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        key_t = _order_key(y_t).to(tl.int64)
+        kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
+        _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                        log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+        tl.store(thr_ptr + row, _key_value(v_key))
+        tl.store(tie_ptr + row, tie)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1329,26 +1346,20 @@ def backward_rows(
     return out
 
 
-# Tests set this to force a small candidate scratch (a power of 2): the fallback passes then run on tiny rows.
+# Tests set this to force a small candidate scratch (a power of 2): the fallback then runs on tiny rows.
 SAMPLING_CAPACITY_OVERRIDE: Optional[int] = None
-# candidates per program: 8 per thread (registers while the thresholds are searched)
-_CANDIDATES_PER_THREAD = 8
+# candidates per thread (registers while the thresholds are searched; scratch of CAP * 8 bytes per row)
+_CANDIDATES_PER_THREAD = 4
 
 # forward_rows_sampled's outputs: logp, entropy, row_max, log_sum, sum_sq, threshold (fp32), tie_index (int32)
 SAMPLED_ROWS_OUTPUTS = 7
 
 
 def sampling_capacity(num_warps: int) -> int:
-    """Candidates each program of :func:`forward_rows_sampled` holds (scratch CAP, a power of 2)."""
+    """Candidates a row of :func:`forward_rows_sampled` holds (its scratch, CAP, a power of 2)."""
     if SAMPLING_CAPACITY_OVERRIDE is not None:
         return int(SAMPLING_CAPACITY_OVERRIDE)
     return _CANDIDATES_PER_THREAD * 32 * num_warps
-
-
-def sampling_programs(rows: int, num_warps: int, device: torch.device) -> int:
-    """Persistent programs of :func:`forward_rows_sampled`: as many as fit on the GPU at once (64 warps
-    per SM), never more than the rows; each owns one scratch of candidates."""
-    return max(1, min(rows, _sm_count(device) * max(1, 64 // num_warps)))
 
 
 def forward_rows_sampled(
@@ -1365,12 +1376,13 @@ def forward_rows_sampled(
     with_sum_sq: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, T, V], targets [B, T] -> (logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index)
-    [B, T] of the distribution a vLLM sampler draws from (``sampled_logprobs_fwd_kernel``): the
-    transform of :func:`forward_rows`, then ``top_k`` (None, or < V) and ``top_p`` (None, or < 1),
-    renormalised. ``logp`` is -inf for a target outside the kept set; ``sum_sq`` (sum of squared
-    probabilities; zeros unless ``with_sum_sq``) and ``threshold`` (float32) / ``tie_index`` (int32:
-    the kept set, for :func:`backward_rows`; zeros without a truncation) come last. ``row_max`` and
-    ``log_sum`` (of the kept set) are :func:`backward_rows`' as in :func:`forward_rows`.
+    [B, T] of the distribution a vLLM sampler draws from (``sampled_logprobs_fwd_kernel``, then
+    ``sampled_logprobs_fallback_kernel`` for the rows it flags): the transform of :func:`forward_rows`,
+    then ``top_k`` (None, or < V) and ``top_p`` (None, or < 1), renormalised. ``logp`` is -inf for a
+    target outside the kept set; ``sum_sq`` (sum of squared probabilities; zeros unless
+    ``with_sum_sq``) and ``threshold`` (float32) / ``tie_index`` (int32: the kept set, for
+    :func:`backward_rows`; zeros without a truncation) come last. ``row_max`` and ``log_sum`` (of the
+    kept set) are :func:`backward_rows`' as in :func:`forward_rows`.
     """
     b, t, v = logits.shape
     device = logits.device
@@ -1383,21 +1395,26 @@ def forward_rows_sampled(
     logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index = outputs
     has_top_k = top_k is not None and 0 < top_k < v
     has_top_p = top_p is not None and top_p < 1.0
+    truncates = has_top_k or has_top_p
     block, vec, num_warps = launch_config(v, logits.dtype, rows, _sm_count(device))
     cap_n = sampling_capacity(num_warps)
-    programs = sampling_programs(rows, num_warps, device)
-    truncates = has_top_k or has_top_p
-    scratch_y = torch.empty(programs if truncates else 1, cap_n if truncates else 1, dtype=torch.float32, device=device)
-    scratch_i = torch.empty(scratch_y.shape, dtype=torch.int32, device=device)
+    scratch = torch.empty(rows * cap_n if truncates else 1, dtype=torch.int64, device=device)
+    overflow = torch.empty(rows if truncates else 1, dtype=torch.int8, device=device)
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
     c_rows, _ = _per_row_pointers(tf, logp)
-    sampled_logprobs_fwd_kernel[(programs,)](
-        logits, logits.stride(0), logits.stride(1), t, rows,
-        targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index,
-        scratch_y, scratch_i, c_rows,
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, int(top_k) if has_top_k else v,
-        float(top_p) if has_top_p else 1.0,
-        BLOCK_V=block, VEC=vec, CAP=cap_n, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
-        PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, num_warps=num_warps,
+    shared = dict(BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
+                  PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, num_warps=num_warps)
+    k_arg, p_arg = int(top_k) if has_top_k else v, float(top_p) if has_top_p else 1.0
+    sampled_logprobs_fwd_kernel[(rows,)](
+        logits, logits.stride(0), logits.stride(1), t,
+        targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
+        scratch, c_rows,
+        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, k_arg, p_arg, CAP=cap_n, **shared,
     )
+    if truncates:  # (launched always: no host synchronisation; a row not flagged returns at once)
+        sampled_logprobs_fallback_kernel[(rows,)](
+            logits, logits.stride(0), logits.stride(1), t,
+            targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
+            c_rows, v, tf["c"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
+        )
     return logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index
