@@ -382,7 +382,7 @@ class RowGradient(NamedTuple):
 
 
 @torch.no_grad()
-def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int,
+def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: Temperature, ignore_index: int,
                           coefficients, factored: bool = False) -> RowGradient:
     """Log-prob and entropy of each row, then ``d loss / d logits``, over ``logits`` in place.
 
@@ -396,7 +396,8 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         a = -g_entropy / s,  b = -(g_logp + g_entropy (H - log s)) / s,
 
     and at the target ``g_logp (1 - p_t) - g_entropy p_t (log p_t + H)`` with ``1 - p_t = -expm1(log p_t)``
-    (accurate for a confident token). ``d logits = d z / temperature``. Rows whose target is
+    (accurate for a confident token). ``d logits = d z / temperature`` (``temperature``: a float, or float64 [n], one per
+    row). Rows whose target is
     ``ignore_index`` give 0 and a zero gradient.
 
     ``factored=True`` and no entropy gradient (``a = 0``): the gradient is ``b e`` off the target, so
@@ -424,7 +425,10 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     # (an optimisation only: under torch.compile the masks always run, no data-dependent branch)
     all_valid = False if torch.compiler.is_compiling() else bool(valid.all())
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
-    inv_t = 1.0 / temperature
+    per_row = isinstance(temperature, torch.Tensor)
+    # 1 / T (per row: float32 [n, 1], formed in float64 as the float's is), and T for the gradient
+    inv_t = _per_row(1.0 / temperature.double()) if per_row else 1.0 / temperature
+    t_div = _per_row(temperature.double()) if per_row else temperature
 
     for r0 in range(0, n, block):  # sweep 1: statistics; z (or e') left over the logits
         rows = slice(r0, min(n, r0 + block))
@@ -436,7 +440,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         src = x if fp32 else z.copy_(x)  # 16-bit logits: every operation below in fp32
         torch.amax(src, -1, keepdim=True, out=row_max[rows])
         torch.sub(src, row_max[rows], out=z)
-        if temperature != 1.0:
+        if per_row:
+            z.mul_(inv_t[rows])
+        elif temperature != 1.0:
             z.mul_(inv_t)
         torch.gather(z, -1, safe[rows], out=target_z[rows])
         e = x if fp32 and factored else e_buf[:k]
@@ -459,13 +465,13 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     logp = torch.where(valid, (target_z - log_sum).squeeze(-1).clamp_(min=_LOWEST), zero)  # see floor_logp
     entropy = torch.where(valid, (log_sum - dot / sums).squeeze(-1), zero)
     g_logp, g_entropy = coefficients(logp, entropy)
-    g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / temperature
+    g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / t_div
     b = -g_logp / sums
     target_term = g_logp * -torch.expm1(logp.unsqueeze(-1))
     if factored and g_entropy is None:
         return RowGradient(logp, entropy, b.squeeze(-1), target_term.squeeze(-1))
     if g_entropy is not None:
-        g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / temperature
+        g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / t_div
         a = -g_entropy / sums
         b = b - g_entropy * (entropy.unsqueeze(-1) - log_sum) / sums
         target_term = target_term - g_entropy * logp.exp().unsqueeze(-1) * (logp + entropy).unsqueeze(-1)
@@ -480,7 +486,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
             z = x
         else:  # z again from the 16-bit logits (the statistics are the first sweep's)
             z = z_buf[:k].copy_(x).sub_(row_max[rows])
-            if temperature != 1.0:
+            if per_row:
+                z.mul_(inv_t[rows])
+            elif temperature != 1.0:
                 z.mul_(inv_t)
         if g_entropy is None:
             grad = z.exp_().mul_(b[rows])
