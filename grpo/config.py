@@ -21,7 +21,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from grpo_kernels.options import BACKENDS, OPTION_NAMES, ROLLOUT_CORRECTIONS, GRPOOptions
+from grpo_kernels.options import (BACKENDS, OPTION_NAMES, ROLLOUT_CORRECTIONS, TOP_K_BOUNDS, TOP_P_BOUNDS,
+                                  GRPOOptions)
 
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
@@ -84,12 +85,13 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: 
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why, "words": words})
 
 
-# Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
-# it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, the trainer
+# Loss options the trainer sets itself: the sampling settings are its own fields (temperature, top_k,
+# top_p: the rollout engines sample with them and every log-prob of the loss is taken under them),
+# the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, the trainer
 # scales micro-batch losses by the number of ranks (verl's dp_size), and the rollout correction is
 # set under TRL's names (vllm_importance_sampling_*, mapped in GRPOConfig._loss_fields).
-TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size",
-                              "rollout_correction", "rollout_correction_max", "rollout_correction_min")
+TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "top_k", "top_p", "softcap", "logit_scale", "max_completion_length",
+                              "dp_size", "rollout_correction", "rollout_correction_max", "rollout_correction_min")
 
 
 def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
@@ -144,7 +146,12 @@ class GRPOConfig:
     )
     max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
     temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
-    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
+    top_k: Optional[int] = option(None, "sampling: only the k most likely tokens (ties at the k-th kept; None, 0 or -1: "
+                                  "off); every log-prob of the loss is the truncated distribution's too",
+                                  bounds=_bounds(TOP_K_BOUNDS))
+    top_p: float = option(1.0, "nucleus sampling (after top_k): keep the smallest set of tokens with this much probability "
+                          "(1: off); every log-prob of the loss is the truncated distribution's too",
+                          bounds=_bounds(TOP_P_BOUNDS))
     # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
     # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
     # rollout_correction_max and rollout_correction_min (_loss_fields).

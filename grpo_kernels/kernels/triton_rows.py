@@ -1387,15 +1387,17 @@ def forward_rows_sampled(
     b, t, v = logits.shape
     device = logits.device
     targets = targets.contiguous()
-    outputs = [torch.zeros(b, t, dtype=torch.float32, device=device) for _ in range(SAMPLED_ROWS_OUTPUTS - 1)]
-    outputs.append(torch.zeros(b, t, dtype=torch.int32, device=device))
+    has_top_k = top_k is not None and 0 < top_k < v
+    has_top_p = top_p is not None and top_p < 1.0
+    truncates = has_top_k or has_top_p
+    # every row of what is asked is written (torch.empty); what is not asked is zeros
+    written = (True, with_entropy, True, True, with_sum_sq, truncates, truncates)
+    outputs = [(torch.empty if w else torch.zeros)(b, t, dtype=torch.int32 if i == SAMPLED_ROWS_OUTPUTS - 1 else
+                                                  torch.float32, device=device) for i, w in enumerate(written)]
     rows = b * t
     if rows == 0:
         return tuple(outputs)
     logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index = outputs
-    has_top_k = top_k is not None and 0 < top_k < v
-    has_top_p = top_p is not None and top_p < 1.0
-    truncates = has_top_k or has_top_p
     block, vec, num_warps = launch_config(v, logits.dtype, rows, _sm_count(device))
     cap_n = sampling_capacity(num_warps)
     scratch = torch.empty(rows * cap_n if truncates else 1, dtype=torch.int64, device=device)
