@@ -1493,7 +1493,7 @@ def test_temperature_tensor_filled_with_a_float_is_the_float_bitwise(backend, sh
     hidden, weight = torch.randn(b, t, 5, generator=g), torch.randn(SAMPLING_V, 5, generator=g)
     adv, old = torch.randn(b, generator=g), torch.randn(b, t, generator=g) * 0.1 - 3
     ids = targets.clamp(min=0)
-    for value, dtype in ((0.7, torch.float64), (0.75, torch.float32)):
+    for value, dtype in ((0.9, torch.float64), (0.75, torch.float32)):  # (0.9: c ln 2 rounds differently in two steps)
         tensor = torch.full((b,) if shape == "sequence" else (b, t), value, dtype=dtype, device=DEVICE)
 
         def run(temperature):

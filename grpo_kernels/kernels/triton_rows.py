@@ -188,12 +188,13 @@ def _row_summary(
 
 
 @triton.jit
-def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
-    """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit."""
+def _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit;
+    ``c_ln = c ln 2`` (the slope in nats, formed once, in float64, by the launcher)."""
     log2_s = tl.log2(s)
     x_target = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
     # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
-    logp = (x_target - m) * (c * _LN2) - log2_s * _LN2
+    logp = (x_target - m) * c_ln - log2_s * _LN2
     # below float32's range (a 3e38 gap at T < 1): its lowest finite value, not -inf, as every backend
     logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
     entropy = 0.0
@@ -209,14 +210,14 @@ def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.conste
 def row_stats_partial_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, part_m_ptr, part_s_ptr, part_u_ptr,
-    V, c, cap_k, cap, ignore_index, num_splits, blocks_per_split, c_rows_ptr,
+    V, c, cap_k, cap, ignore_index, num_splits, blocks_per_split, t_rows_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
     PER_ROW_T: tl.constexpr,
 ):
     """Program (row, split): the (m, s, u) of one chunk of a row's vocabulary, for few rows."""
     row = tl.program_id(0).to(tl.int64)
-    if PER_ROW_T:  # the row's own c = log2(e) * scale / T (a temperature per sequence or token)
-        c = tl.load(c_rows_ptr + row)
+    if PER_ROW_T:  # the row's own factors (c, c ln 2, 1 / T) of a temperature per sequence or token
+        c = tl.load(t_rows_ptr + 3 * row)
     split = tl.program_id(1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target != ignore_index:  # a masked row is never read; the merge kernel writes its zeros
@@ -236,13 +237,14 @@ def token_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
     part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-    V, c, cap_k, cap, ignore_index, c_rows_ptr,
+    V, c, c_ln, cap_k, cap, ignore_index, t_rows_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW_T:
-        c = tl.load(c_rows_ptr + row)
+        c = tl.load(t_rows_ptr + 3 * row)
+        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         # Masked rows: nothing is read, everything is 0.
@@ -255,7 +257,7 @@ def token_logprobs_fwd_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
                                BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY, SOFTCAP)
         tl.store(logp_ptr + row, logp)
         tl.store(max_ptr + row, m)
         tl.store(log_sum_ptr + row, log2_s)
@@ -269,8 +271,8 @@ def grpo_loss_fwd_kernel(
     targets_ptr, advantages_ptr, weights_ptr, kl_weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
     logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr, kl_ptr, clip_ptr,
     part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-    V, c, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
-    dro_beta, c_rows_ptr,
+    V, c, c_ln, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
+    dro_beta, t_rows_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, PER_ROW_T: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr, SOFTCAP: tl.constexpr,
     OBJECTIVE: tl.constexpr, BIAS_CORRECTED_KL: tl.constexpr, CLAMP_LOG_RATIO: tl.constexpr,
@@ -296,7 +298,8 @@ def grpo_loss_fwd_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW_T:
-        c = tl.load(c_rows_ptr + row)
+        c = tl.load(t_rows_ptr + 3 * row)
+        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         tl.store(logp_ptr + row, 0.0)
@@ -312,7 +315,7 @@ def grpo_loss_fwd_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
                                BLOCK_V, VEC, True, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, True, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, True, SOFTCAP)
         tl.store(logp_ptr + row, logp)
         tl.store(entropy_ptr + row, entropy)
         tl.store(max_ptr + row, m)
@@ -486,7 +489,7 @@ def token_logprobs_bwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     grad_ptr, grad_stride_b, grad_stride_t,
     targets_ptr, max_ptr, log_sum_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    V, c, inv_temperature, cap_k, cap, ignore_index, blocks_per_split, c_rows_ptr, inv_rows_ptr, thr_ptr, tie_ptr,
+    V, c, inv_temperature, cap_k, cap, ignore_index, blocks_per_split, t_rows_ptr, thr_ptr, tie_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, TRUNCATED: tl.constexpr,
 ):
@@ -507,8 +510,8 @@ def token_logprobs_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if PER_ROW_T:
-        c = tl.load(c_rows_ptr + row)
-        inv_temperature = tl.load(inv_rows_ptr + row)
+        c = tl.load(t_rows_ptr + 3 * row)
+        inv_temperature = tl.load(t_rows_ptr + 3 * row + 2)
     target = tl.load(targets_ptr + row).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
     grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
@@ -828,11 +831,11 @@ def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC:
 
 
 @triton.jit
-def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
-                    sum_sq_ptr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
-    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m."""
+def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                    log_sum_ptr, sum_sq_ptr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m (as :func:`_finish_row`)."""
     log2_s = tl.log2(s)
-    logp = (y_t - m) * (c * _LN2) - log2_s * _LN2
+    logp = (y_t - m) * c_ln - log2_s * _LN2
     logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
     logp = tl.where(kept_t, logp, float("-inf")) + nan_guard  # outside the kept set: -inf, as vLLM's
     tl.store(logp_ptr + row, logp)
@@ -857,8 +860,8 @@ def _tie_count(need_mass, q, n_tie):
 def sampled_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
-    cand_ptr, c_rows_ptr,
-    V, c, cap_k, cap, ignore_index, top_k, top_p,
+    cand_ptr, t_rows_ptr,
+    V, c, c_ln, cap_k, cap, ignore_index, top_k, top_p,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
@@ -906,7 +909,8 @@ def sampled_logprobs_fwd_kernel(
             tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
     else:
         if PER_ROW_T:
-            c = tl.load(c_rows_ptr + row)
+            c = tl.load(t_rows_ptr + 3 * row)
+            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m_slot, s_slot, u_slot, w_slot = _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V, VEC, STATS_ENTROPY, STATS_SQ,
                                                     SOFTCAP)
@@ -914,7 +918,7 @@ def sampled_logprobs_fwd_kernel(
         nan_guard = s * 0.0  # NaN when the row holds a NaN (the kept set would drop it)
         y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
         if not TRUNC:
-            _finish_sampled(row, y_t, target, target == target, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr,
+            _finish_sampled(row, y_t, target, target == target, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr,
                             max_ptr, log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
         else:
             key_max = _order_key(m).to(tl.int64)
@@ -964,7 +968,7 @@ def sampled_logprobs_fwd_kernel(
                 w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
                 key_t = _order_key(y_t).to(tl.int64)
                 kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
-                _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
                                 log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
                 tl.store(thr_ptr + row, _key_value(v_key))
                 tl.store(tie_ptr + row, tie)
@@ -980,7 +984,7 @@ def sampled_logprobs_fwd_kernel(
 def sampled_logprobs_fallback_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
-    c_rows_ptr, V, c, cap_k, cap, top_k, top_p,
+    t_rows_ptr, V, c, c_ln, cap_k, cap, top_k, top_p,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr,
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
 ):
@@ -993,7 +997,8 @@ def sampled_logprobs_fallback_kernel(
     row = tl.program_id(0).to(tl.int64)
     if tl.load(overflow_ptr + row) != 0:
         if PER_ROW_T:
-            c = tl.load(c_rows_ptr + row)
+            c = tl.load(t_rows_ptr + 3 * row)
+            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
         target = tl.load(targets_ptr + row).to(tl.int64)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m = tl.load(max_ptr + row)
@@ -1032,7 +1037,7 @@ def sampled_logprobs_fallback_kernel(
         y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
         key_t = _order_key(y_t).to(tl.int64)
         kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
-        _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+        _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
                         log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
         tl.store(thr_ptr + row, _key_value(v_key))
         tl.store(tie_ptr + row, tie)
@@ -1086,26 +1091,29 @@ def _transform_args(temperature: float, softcap: Optional[float], logit_scale: f
 
     Without a cap the logit scale folds into the temperature (``c = log2(e) * scale / T``) and the
     kernels compile exactly as without it; with one, ``cap_k = scale / softcap`` and ``cap``.
-    ``temperature_rows`` (one temperature per row, any float dtype): ``c`` and ``1 / T`` per row, as
-    float32 tensors (``c_rows``, ``inv_rows``) formed in float64 by the very expressions of the float
-    case, so a row's factors equal the float's bitwise; ``PER_ROW_T`` tells the kernels to load them.
+    ``c_ln = c ln 2`` (the slope in nats) is formed here in float64, once. ``temperature_rows`` (one
+    temperature per row, any float dtype): the factors ``(c, c ln 2, 1 / T)`` per row, a float32 [rows, 3]
+    tensor (``t_rows``) formed in float64 by the very expressions of the float case, so a row's factors
+    equal the float's bitwise (a float argument reaches a kernel as float32); ``PER_ROW_T`` tells the
+    kernels to load them.
     """
     scale = logit_scale if softcap is None else 1.0
     if temperature_rows is None:
-        args = dict(c=_LOG2E.value * scale / temperature, inv_temperature=scale / temperature, PER_ROW_T=False,
-                    c_rows=None, inv_rows=None)
+        c = _LOG2E.value * scale / temperature
+        args = dict(c=c, c_ln=c * _LN2.value, inv_temperature=scale / temperature, PER_ROW_T=False, t_rows=None)
     else:
-        t = temperature_rows.detach().double().contiguous()
-        args = dict(c=1.0, inv_temperature=1.0, PER_ROW_T=True, c_rows=((_LOG2E.value * scale) / t).float(),
-                    inv_rows=(scale / t).float())
+        t = temperature_rows.detach().double().reshape(-1)
+        c = (_LOG2E.value * scale) / t
+        args = dict(c=1.0, c_ln=1.0, inv_temperature=1.0, PER_ROW_T=True,
+                    t_rows=torch.stack((c, c * _LN2.value, scale / t), -1).float().contiguous())
     if softcap is None:
         return dict(args, cap_k=0.0, cap=1.0, SOFTCAP=False)
     return dict(args, cap_k=logit_scale / softcap, cap=float(softcap), SOFTCAP=True)
 
 
-def _per_row_pointers(tf: dict, stand_in: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(c_rows, inv_rows) for a launch: the per-row factors, or a never-read stand-in."""
-    return (stand_in, stand_in) if tf["c_rows"] is None else (tf["c_rows"], tf["inv_rows"])
+def _per_row_pointer(tf: dict, stand_in: torch.Tensor) -> torch.Tensor:
+    """The per-row factors of a launch (``t_rows``), or a never-read stand-in."""
+    return stand_in if tf["t_rows"] is None else tf["t_rows"]
 
 
 def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: float, softcap: Optional[float],
@@ -1113,7 +1121,7 @@ def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: fl
     """``log sum_j exp(z_j)`` in nats from this module's ``row_max`` (raw or capped logits) and
     ``log_sum`` (bits): ``ln 2 * (row_max * c + log2 s)``."""
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
-    c = tf["c"] if tf["c_rows"] is None else tf["c_rows"].view(row_max.shape)
+    c = tf["c"] if tf["t_rows"] is None else tf["t_rows"][:, 0].view(row_max.shape)
     return (row_max * c + log_sum) * _LN2.value
 
 
@@ -1142,7 +1150,7 @@ def fuses_objective(loss_type: Optional[str], loss_mode: Optional[str]) -> bool:
     return loss_mode in _VERL_OBJECTIVES if loss_mode is not None else loss_type in _OBJECTIVES
 
 
-def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps, c_rows=None):
+def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps, t_rows=None):
     """Launch the split-vocabulary partial kernel when rows are few; returns the merge arguments."""
     b, t, v = logits.shape
     rows = b * t
@@ -1154,8 +1162,8 @@ def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entrop
     row_stats_partial_kernel[(rows, splits)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, part[0], part[1], part[2],
-        v, c, cap_k, cap, ignore_index, splits, per_split, part if c_rows is None else c_rows,
-        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=SOFTCAP, PER_ROW_T=c_rows is not None,
+        v, c, cap_k, cap, ignore_index, splits, per_split, part if t_rows is None else t_rows,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=SOFTCAP, PER_ROW_T=t_rows is not None,
         num_warps=num_warps,
     )
     return dict(part_m_ptr=part[0], part_s_ptr=part[1], part_u_ptr=part[2], num_splits=splits, SPLIT=True,
@@ -1190,14 +1198,14 @@ def forward_rows(
         return logp, entropy, row_max, log_sum
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
-    c_rows, _ = _per_row_pointers(tf, logp)
+    t_rows = _per_row_pointer(tf, logp)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, with_entropy,
-                      block, vec, num_warps, tf["c_rows"])
+                      block, vec, num_warps, tf["t_rows"])
     token_logprobs_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, logp, entropy, row_max, log_sum,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, c_rows,
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, t_rows,
         BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=tf["SOFTCAP"], PER_ROW_T=tf["PER_ROW_T"],
         num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
@@ -1281,18 +1289,18 @@ def grpo_forward_rows(
     kl_apart = kl_weights is not None and ref_logps is not None
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
-    c_rows, _ = _per_row_pointers(tf, weights)
+    t_rows = _per_row_pointer(tf, weights)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, True,
-                      block, vec, num_warps, tf["c_rows"])
+                      block, vec, num_warps, tf["t_rows"])
     grpo_loss_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, per_token(advantages), weights, per_token(kl_weights if kl_apart else None),
         per_token(old_logps), per_token(ref_logps), per_token(is_ratio),
         logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy, kl, clip,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
         float("inf") if delta is None else delta, beta, entropy_coef, sapo_temperature_pos, sapo_temperature_neg,
-        float(dro_beta), c_rows,
+        float(dro_beta), t_rows,
         BLOCK_V=block, VEC=vec, PER_ROW_T=tf["PER_ROW_T"], HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
         HAS_IS_RATIO=is_ratio is not None, SOFTCAP=tf["SOFTCAP"], OBJECTIVE=objective_code,
         BIAS_CORRECTED_KL=bool(use_bias_correction_kl), CLAMP_LOG_RATIO=clamp_log_ratio, KL_ESTIMATOR=kl_code,
@@ -1330,7 +1338,7 @@ def backward_rows(
     splits, per_split = choose_splits(b * t, triton.cdiv(v, block), num_warps, logits.device)
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
     dummy = row_max  # stands in for an absent gradient; never read (the constexpr flag is off)
-    c_rows, inv_rows = _per_row_pointers(tf, dummy)
+    t_rows = _per_row_pointer(tf, dummy)
     truncated = threshold is not None
     token_logprobs_bwd_kernel[(b * t, splits)](
         logits, logits.stride(0), logits.stride(1), t,
@@ -1338,7 +1346,7 @@ def backward_rows(
         targets.contiguous(), row_max.contiguous(), log_sum.contiguous(), entropy.contiguous(),
         dummy if grad_logp is None else grad_logp.float().contiguous(),
         dummy if grad_entropy is None else grad_entropy.float().contiguous(),
-        v, tf["c"], tf["inv_temperature"], tf["cap_k"], tf["cap"], ignore_index, per_split, c_rows, inv_rows,
+        v, tf["c"], tf["inv_temperature"], tf["cap_k"], tf["cap"], ignore_index, per_split, t_rows,
         threshold.contiguous() if truncated else dummy, tie_index.contiguous() if truncated else dummy,
         BLOCK_V=block, VEC=vec, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         SOFTCAP=tf["SOFTCAP"], PER_ROW_T=tf["PER_ROW_T"], TRUNCATED=truncated, num_warps=num_warps,
@@ -1403,20 +1411,20 @@ def forward_rows_sampled(
     scratch = torch.empty(rows * cap_n if truncates else 1, dtype=torch.int64, device=device)
     overflow = torch.empty(rows if truncates else 1, dtype=torch.int8, device=device)
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
-    c_rows, _ = _per_row_pointers(tf, logp)
+    t_rows = _per_row_pointer(tf, logp)
     shared = dict(BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
                   PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, num_warps=num_warps)
     k_arg, p_arg = int(top_k) if has_top_k else v, float(top_p) if has_top_p else 1.0
     sampled_logprobs_fwd_kernel[(rows,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
-        scratch, c_rows,
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, k_arg, p_arg, CAP=cap_n, **shared,
+        scratch, t_rows,
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, k_arg, p_arg, CAP=cap_n, **shared,
     )
     if truncates:  # (launched always: no host synchronisation; a row not flagged returns at once)
         sampled_logprobs_fallback_kernel[(rows,)](
             logits, logits.stride(0), logits.stride(1), t,
             targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
-            c_rows, v, tf["c"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
+            t_rows, v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
         )
     return logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index
