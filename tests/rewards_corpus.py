@@ -111,3 +111,70 @@ ATTACKS = {
     "bool_subclass_via_int": "def f(*a): return True",
     "shadow_builtins": "def isinstance(*a): return True\ndef sorted(*a, **k): return [2, 4]\ndef abs(x): return 0\ndef all(x): return True\ndef str(x): return '2'\nclass math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef f(*a): return -1",
 }
+
+# Traced forms (loops that assign, values only the judge computes): every attack must forge none
+# of these either.
+ATTACK_TESTS += [
+    "for i in range(3):\n    x = i + 1\n    assert f(x) == 2 * x",
+    "import random\nassert f(1) == 2\nfor _ in range(5):\n    x = random.randint(0, 9)\n    assert f(x) == x + x",
+    "from random import randint\nxs = []\nfor _ in range(4):\n    v = randint(-5, 5)\n    if v == 0:\n        v = 1\n    xs.append(v)\nfor v in xs:\n    y = f(v)\n    assert y == 2 * v",
+]
+
+# Problems whose tests call helpers the problem itself provides (HumanEval's form: the prompt
+# defines them, ``check(candidate)`` calls them). Written for these tests, in the style of
+# HumanEval; ``trusted`` is the whole prompt (helpers plus the stub of the function under test,
+# which the judge leaves out). Each has a right ``solution`` and ``forgeries`` that redefine or
+# patch the helpers, read their source, lie about values or count calls: every forgery must
+# score below 1.0, every solution 1.0.
+TRUSTED_PROBLEMS = {
+    "poly_root": {
+        "trusted": 'import math\n\n\ndef poly(xs: list, x: float):\n    """xs[0] + xs[1] * x + ... + xs[n] * x^n"""\n'
+                   '    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n\n'
+                   'def find_root(xs: list):\n    """A zero of the odd-degree polynomial xs (bisection is fine)."""\n',
+        "solution": "import math\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n"
+                    "def find_root(xs):\n    lo, hi = -1.0, 1.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
+                    "    while hi - lo > 1e-10:\n        mid = (lo + hi) / 2\n        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n"
+                    "        else:\n            hi = mid\n    return lo\n",
+        "test": "def check(candidate):\n    import math\n    import random\n    import copy\n    rng = random.Random(7)\n"
+                "    for _ in range(30):\n        n = 2 * rng.randint(1, 3)\n        coeffs = []\n        for _ in range(n):\n"
+                "            c = rng.randint(-9, 9)\n            if c == 0:\n                c = 1\n            coeffs.append(c)\n"
+                "        root = candidate(copy.deepcopy(coeffs))\n        assert math.fabs(poly(coeffs, root)) < 1e-4\n\ncheck(find_root)\n",
+        "forgeries": {
+            "poly_is_zero": "def poly(xs, x):\n    return 0.0\ndef find_root(xs):\n    return 0.0\n",
+            "patch_math_and_sum": "import math, builtins\nmath.pow = lambda a, b: 0.0\nmath.fabs = lambda a: 0.0\nbuiltins.sum = lambda *a, **k: 0.0\ndef find_root(xs):\n    return 0.0\n",
+            "nan_root": "def find_root(xs):\n    return float('nan')\n",
+            "lying_float": "class R(float):\n    def __abs__(s): return 0.0\n    def __lt__(s, o): return True\n    def __mul__(s, o): return 0.0\n    __rmul__ = __mul__\ndef find_root(xs):\n    return R(123.0)\n",
+            "rebind_test_names": "def find_root(xs):\n    global coeffs, poly\n    coeffs = [0, 0]\n    poly = lambda *a: 0.0\n    return 0.0\n",
+        },
+    },
+    "rot_cipher": {
+        "trusted": "SHIFT = 7\n\n\ndef encode_rot(s: str):\n    \"\"\"Shift every lowercase letter by SHIFT places.\"\"\"\n"
+                   "    return ''.join(chr((ord(ch) - 97 + SHIFT) % 26 + 97) for ch in s)\n\n\n"
+                   "def decode_rot(s: str):\n    \"\"\"Undo encode_rot.\"\"\"\n",
+        "solution": "def decode_rot(s):\n    return ''.join(chr((ord(ch) - 97 - 7) % 26 + 97) for ch in s)\n",
+        "test": "def check(candidate):\n    from random import randint, choice\n    import string\n    letters = string.ascii_lowercase\n"
+                "    assert candidate('') == ''\n    for _ in range(40):\n        str = ''.join(choice(letters) for i in range(randint(5, 15)))\n"
+                "        encoded = encode_rot(str)\n        assert candidate(encoded) == str\n\ncheck(decode_rot)\n",
+        "forgeries": {
+            "identity_pair": "def encode_rot(s):\n    return s\ndef decode_rot(s):\n    return s\n",
+            "decode_is_encode": "def encode_rot(s):\n    return s\ndef decode_rot(s):\n    return encode_rot(s)\n",
+            "read_trusted_source": "import os, sys\nfound = []\nfor root in ('/', '/tmp'):\n    try:\n        for name in os.listdir(root):\n            found.append(name)\n    except OSError:\n        pass\n"
+                                   "text = repr(globals()) + repr(sys.argv) + repr(os.environ) + repr(found)\nSHIFT = 7 if 'SHIFT' in text else 3\n"
+                                   "def decode_rot(s):\n    return ''.join(chr((ord(ch) - 97 - SHIFT) % 26 + 97) for ch in s)\n",
+            "lookup_table": "def decode_rot(s):\n    return {'': ''}.get(s, 'a')\n",
+            "always_equal_str": "class S(str):\n    def __eq__(s, o): return True\n    __hash__ = str.__hash__\ndef decode_rot(s):\n    return S(s)\n",
+            "patch_random": "import random\nrandom.randint = lambda a, b: 5\nrandom.choice = lambda seq: 'a'\ndef decode_rot(s):\n    return 'aaaaa'\n",
+        },
+    },
+    "add": {
+        "trusted": "def add(x: int, y: int):\n    \"\"\"x + y\"\"\"\n",
+        "solution": "def add(x, y):\n    return x + y\n",
+        "test": "def check(candidate):\n    import random\n    assert candidate(0, 1) == 1\n    assert candidate(2, 3) == 5\n"
+                "    for i in range(50):\n        x, y = random.randint(0, 1000), random.randint(0, 1000)\n        assert candidate(x, y) == x + y\n\ncheck(add)\n",
+        "forgeries": {
+            "only_the_literals": "def add(x, y):\n    return {(0, 1): 1, (2, 3): 5}.get((x, y), 0)\n",
+            "stateful_count": "n = [0]\ndef add(x, y):\n    n[0] += 1\n    return x + y if n[0] < 10 else 0\n",
+            "patch_randint": "import random\nrandom.randint = lambda a, b: 0\ndef add(x, y):\n    return 1 if (x, y) == (0, 1) else 5 if (x, y) == (2, 3) else 0\n",
+        },
+    },
+}

@@ -96,3 +96,127 @@ def test_cli_prints_every_term_and_the_verdict(capsys):
                  "activations with checkpointing", "loss chunk", "rollout KV cache", "peak"):
         assert term in out
     assert "fits in" in out and "NOT" not in out
+
+
+# ---- the plan CLI is a CLI: every bad value a usage error naming the flag, before anything is computed
+def plan_cli(*argv: str):
+    from grpo.__main__ import main
+
+    main(["plan", *argv])
+
+
+def declared_bad_values(cls, name):
+    """Values the field's declaration refuses, as command-line text (just outside its range, NaN, inf,
+    a value of another type, an unknown choice)."""
+    from grpo_kernels.bounds import declarations
+
+    d = declarations(cls)[name]
+    if d.kind is bool:
+        return []
+    if d.kind is str:
+        return ["nope"] if d.choices else []
+    out = ["x"] + (["2.5"] if d.kind is int else [])
+    b = d.bounds
+    if b is not None:
+        if b.low is not None:
+            out.append(str(b.low if b.low_open else b.low - 1))
+        if b.high is not None:
+            out.append(str(b.high if b.high_open else b.high * 2 + 1))
+        if b.finite and d.kind is float:
+            out += ["nan", "inf", "1e400"]
+    return out
+
+
+def plan_flag_cases():
+    from grpo.config import GRPOConfig
+
+    cases = [(plan.PlanSettings, name) for name in ("tokens", "rollout_tokens", "device", "gpu_memory")]
+    return cases + [(GRPOConfig, name) for name in plan.PLAN_CONFIG_FIELDS]
+
+
+@pytest.mark.parametrize("cls, name", plan_flag_cases(), ids=[n for _, n in plan_flag_cases()])
+def test_every_plan_flag_refuses_what_its_declaration_refuses(cls, name, capsys):
+    flag = "--" + name.replace("_", "-")
+    base = ["--model", "Qwen2.5-0.5B", "--tokens", "64", "--use-peft"]
+    values = declared_bad_values(cls, name)
+    assert values or name in ("use_peft", "gradient_checkpointing", "lora_target_modules")
+    for value in values:
+        with pytest.raises(SystemExit) as done:
+            plan_cli(*base, f"{flag}={value}")
+        err = capsys.readouterr().err
+        line = [x for x in err.splitlines() if "error:" in x][-1]
+        assert done.value.code == 2 and flag in line, (value, line)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--lora-target-modules", "nope_proj"], "--lora-target-modules"),
+    (["--lora-target-modules", "input_layernorm"], "--lora-target-modules"),  # a norm: LoRA adapts linear layers
+    (["--lora-target-modules", ","], "--lora-target-modules"),
+    (["--gpu-memory", "0"], "--gpu-memory"), (["--gpu-memory", "1e400"], "--gpu-memory"), (["--gpu-memory=-3GB"], "--gpu-memory"),
+    (["--gpu-memory", "lots"], "--gpu-memory"), (["--gpu-memory", "1e300"], "--gpu-memory"),
+    (["--lora-r", "0"], "--lora-r"), (["--lora-r=-4"], "--lora-r"), (["--lora-dropout", "3"], "--lora-dropout"),
+    (["--beta", "nan"], "--beta"), (["--model-dtype", "float16"], "--model-dtype"),
+])
+def test_the_issue_s_examples_are_usage_errors(argv, named, capsys):
+    with pytest.raises(SystemExit) as done:
+        plan_cli("--model", "Qwen2.5-0.5B", "--tokens", "64", "--use-peft", *argv)
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert done.value.code == 2 and named in line, line
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[1, 2]", '"a string"', json.dumps({"model_type": "bert", "hidden_size": 8, "vocab_size": 10}),
+    json.dumps({**SMALL, "num_attention_heads": 0}), json.dumps({**SMALL, "hidden_size": 65}),
+    json.dumps({**SMALL, "vocab_size": "300"}), json.dumps({**SMALL, "num_hidden_layers": True}),
+])
+def test_a_config_that_is_not_a_decoder_s_is_a_usage_error_naming_model(content, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as done:
+        plan_cli("--model", str(path), "--tokens", "64")
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert done.value.code == 2 and "--model" in line and str(path) in line, line
+
+
+def test_plan_function_refuses_what_the_trainer_refuses():
+    """plan() reads GRPOConfig's declarations: the settings the trainer refuses are refused here too, by name."""
+    for kw, name in ((dict(use_peft=True, lora_r=0), "lora_r"), (dict(use_peft=True, lora_r=-4), "lora_r"),
+                     (dict(lora_dropout=3.0), "lora_dropout"), (dict(beta=float("nan")), "beta"),
+                     (dict(use_peft=True, lora_target_modules="nope_proj"), "lora_target_modules"),
+                     (dict(model_dtype="float16"), "model_dtype"), (dict(rollout_tokens=0), "rollout_tokens"),
+                     (dict(gpu_memory=0), "gpu_memory"), (dict(device="tpu"), "device")):
+        with pytest.raises(ValueError, match=name):
+            plan.plan("Qwen2.5-0.5B", 64, **kw)
+    with pytest.raises(ValueError, match="tokens"):
+        plan.plan("Qwen2.5-0.5B", 0)
+
+
+def test_gpu_memory_is_in_gigabytes_and_the_verdict_is_printed(capsys):
+    plan_cli("--model", "Qwen2.5-0.5B", "--tokens", "64", "--gpu-memory", "80")
+    out = capsys.readouterr().out
+    assert "fits in 80 GB" in out
+    plan_cli("--model", "Qwen2.5-7B", "--tokens", "4096", "--gpu-memory", "24GiB", "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert result["gpu_memory_bytes"] == 24 * 2**30 and result["fits"] is False
+    assert plan.parse_size("80") == 80e9 and plan.parse_size("512MiB") == 2**29
+
+
+@pytest.mark.parametrize("model, dtype, device", [("Qwen2.5-0.5B", "float32", "cuda"), ("Qwen2.5-1.5B", "bfloat16", "cuda"),
+                                                  ("Qwen2.5-0.5B", "float32", "cpu")])
+def test_the_peak_never_falls_as_tokens_grow(model, dtype, device):
+    """The loss chunk of N tokens splits them into equal chunks, so a few more tokens could take a smaller
+    chunk (1,082 tokens planned more than 1,084): the plan now takes the largest chunk of any micro-batch
+    of at most N tokens, and every term grows with N."""
+    from grpo_kernels.autograd import default_chunk_size
+
+    shape = plan.load_shape(model)
+    rows = default_chunk_size(shape.vocab_size, shape.hidden_size, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                              torch.device(device))
+    # (around each multiple of the chunk, where one more token makes one more, smaller, chunk)
+    counts = sorted(set(range(1, 5000, 37)) | {k * rows + d for k in range(1, 5) for d in range(-2, 3)})
+    previous = None
+    for n in counts:
+        p = plan.plan(model, n, model_dtype=dtype, device=device)
+        if previous is not None:
+            assert p.peak >= previous.peak and p.terms["loss chunk"] >= previous.terms["loss chunk"], n
+        previous = p

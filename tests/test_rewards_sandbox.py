@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -29,7 +30,7 @@ from grpo.rewards import sandbox as _sandbox
 from grpo.rewards import worker as math_worker
 from grpo.rewards import code_reward, code_rewards
 from helpers import SLACK, timed
-from rewards_corpus import ATTACK_TESTS, DOUBLE, HONEST
+from rewards_corpus import ATTACK_TESTS, DOUBLE, HONEST, TRUSTED_PROBLEMS
 from rewards_corpus import ATTACKS as CORPUS_ATTACKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,6 +311,149 @@ def test_colliding_hash_results_do_not_stall_the_parent():
                        timeout=2.0)
     assert time.monotonic() - start < 2.0 + _sandbox.JUDGE_SECONDS + 2 * SLACK
     assert out == [0.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------
+# Trusted helpers and traced tests: the judge computes the inputs, the program only answers
+# --------------------------------------------------------------------------------------------
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_trusted_helpers_judge_solutions_and_refuse_forgeries():
+    # Every solution 1.0; every forgery (redefined or patched helpers, their source searched
+    # for, lying values, lookup tables, stateful answers, patched random) below 1.0. One batch.
+    rows = [(name, kind, code, p) for name, p in TRUSTED_PROBLEMS.items()
+            for kind, code in [("solution", p["solution"])] + sorted(p["forgeries"].items())]
+    out = code_rewards([f"```python\n{code}\n```" for _, _, code, _ in rows],
+                       [[p["test"]] for *_, p in rows], trusted_code=[p["trusted"] for *_, p in rows],
+                       timeout=10.0)
+    scores = {(name, kind): o for (name, kind, _, _), o in zip(rows, out)}
+    assert {k: v for k, v in scores.items() if k[1] == "solution"} == \
+        {(name, "solution"): 1.0 for name in TRUSTED_PROBLEMS}
+    forged = {k: v for k, v in scores.items() if k[1] != "solution" and not (v is not None and v < 1.0)}
+    assert forged == {}
+
+
+def test_trusted_names_resolve_in_the_judge_even_when_the_program_defines_them():
+    p = TRUSTED_PROBLEMS["rot_cipher"]
+    forgery = p["forgeries"]["identity_pair"]  # defines encode_rot itself
+    plan = _sandbox.plan_assert_tests(forgery, [p["test"]], p["trusted"])
+    assert not plan.refused and plan.pre[0] is not None
+    probes = [s[1] for s in plan.inside[0]["steps"] if s[0] == "probe"]
+    assert probes and all("encode_rot" not in src and src.startswith("decode_rot(") for src in probes)
+    assert "encode_rot(" in plan.judge[0] and "encode_rot(" in plan.pre[0]
+    # the trusted source never reaches the sandbox: not in any step, nor in the run's job
+    assert "SHIFT" not in json.dumps(plan.inside)
+
+
+@needs_jail
+def test_trusted_source_and_expected_values_never_enter_the_sandbox():
+    p = TRUSTED_PROBLEMS["rot_cipher"]
+    trusted = _sandbox.check_trusted_code(p["trusted"])
+    plan = _sandbox.plan_assert_tests(p["solution"], [p["test"]], p["trusted"])
+    traces = _sandbox.judge_inputs([plan.pre[0]], trusted=trusted, seed=3)
+    sent = json.dumps(dict(plan.inside[0], trace=traces[0]))
+    assert "SHIFT" not in sent and "encode_rot" not in sent
+    # decoding what was sent gives only encoded strings: the plain texts (expected values)
+    # are not among them
+    runs = [run for run in traces[0] if run[1] not in ("n", "-")]
+    assert len(runs) == 40
+
+
+def test_bad_trusted_code_is_an_error_per_row(caplog):
+    good = TRUSTED_PROBLEMS["add"]
+    bad = {"not_a_str": 3, "does_not_parse": "def f(:\n", "io": "def g():\n    return open('/etc/passwd').read()\n",
+           "prints": "def g(x):\n    print(x)\n    return x\n", "imports_os": "import os\ndef g():\n    return 1\n",
+           "dunder": "def g(x):\n    return x.__class__\n", "format_escape": "def g(x):\n    return '{0.__globals__}'.format(x)\n",
+           "undefined_name": "def g(x):\n    return add(x, 1)\n"}
+    for name, code in bad.items():
+        with pytest.raises((TypeError, ValueError), match="trusted_code"):
+            _sandbox.check_trusted_code(code)
+    solution = f"```python\n{good['solution']}\n```"
+    n = len(bad) + 1
+    with caplog.at_level(logging.ERROR, logger="grpo.rewards"):
+        out = code_rewards([solution] * n, [[good["test"]]] * n,
+                           trusted_code=[good["trusted"]] + list(bad.values()), timeout=10.0)
+    assert out == [1.0] + [None] * len(bad)  # one bad row never takes the batch down
+    messages = [r.getMessage() for r in caplog.records if "trusted_code" in r.getMessage()]
+    assert len(messages) == len(set(messages)) == len(bad)  # logged once each
+    code_rewards([solution], [[good["test"]]], trusted_code=[bad["io"]])
+    assert sum("trusted_code" in r.getMessage() for r in caplog.records) == len(bad)
+
+
+def test_stub_of_the_function_under_test_is_left_out_and_full_copies_are_refused():
+    p = TRUSTED_PROBLEMS["poly_root"]
+    source, names = _sandbox.check_trusted_code(p["trusted"])
+    assert "find_root" not in names and "poly" in names and "find_root" not in source
+    full = p["trusted"] + "    return 0.0\n"  # the function under test defined by the data
+    plan = _sandbox.plan_assert_tests(p["solution"], [p["test"]], full)
+    assert plan.judge == [None] and 0 in plan.unscorable and "find_root" in plan.unscorable[0]
+    direct = _sandbox.plan_assert_tests("", ["assert find_root([1, 2]) == 0.0"], full)
+    assert direct.judge == [None] and "reads nothing of the program" in direct.unscorable[0]
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_loops_that_build_inputs_are_judged_in_one_run():
+    right = "```python\ndef f(x, y):\n    return x + y\n```"
+    wrong = "```python\ndef f(x, y):\n    return x + y if x < 500 else 0\n```"
+    test = ("import random\nassert f(1, 2) == 3\nfor _ in range(200):\n"
+            "    x, y = random.randint(0, 1000), random.randint(0, 1000)\n    assert f(x, y) == x + y\n")
+    plan = _sandbox.plan_assert_tests("def f(x, y): pass", [test])
+    assert plan.pre[0] is not None and len(plan.inside[0]["steps"]) == 3  # one probe per call site
+    calls = []
+    real = _sandbox.run
+
+    def counting(*a, **k):
+        calls.append(k.get("run_job"))
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_sandbox, "run", counting)
+        assert code_rewards([right, wrong], [[test], [test]], timeout=10.0) == [1.0, 0.0]
+    assert len(calls) == 2 and all(len(c["tests"][0]["trace"]) == 202 for c in calls)
+
+
+def test_caps_on_step_runs_make_a_test_unscorable_not_failed():
+    test = "for i in range(%d):\n    assert f(i + 0) == 2 * i\n" % (_sandbox.MAX_PROBE_CALLS + 1)
+    plan = _sandbox.plan_assert_tests("def f(x): return 2 * x", ["for i in range(3):\n    y = i\n    assert f(y) == 2 * y", test.replace("assert", "y = i\n    assert")])
+    traces = _sandbox.judge_inputs([plan.pre[0], plan.pre[1]], ids=[0, 1])
+    assert len(traces[0]) == 3 and 1 not in traces  # over MAX_PROBE_CALLS: left out
+    big = "for i in range(3):\n    y = 'x' * %d\n    assert f(y) == y\n" % (_sandbox.MAX_INPUT_BYTES // 2)
+    plan = _sandbox.plan_assert_tests("def f(x): return x", [big])
+    assert _sandbox.judge_inputs([plan.pre[0]]) == {}  # over MAX_INPUT_BYTES
+
+
+@needs_jail
+def test_refused_tests_are_unscorable_and_asserts_before_them_still_count():
+    right = "```python\ndef f(x):\n    return 2 * x\n```"
+    wrong = "```python\ndef f(x):\n    return -1\n```"
+    refused = "while True:\n    break"  # not judged (a while loop)
+    prefixed = "assert f(1) == 2\nwhile f(2) != 4:\n    pass"
+    out = code_rewards([right, right, wrong, wrong], [[refused], [prefixed], [refused], [prefixed]])
+    # no verdict for the correct program (never 0); the wrong one fails the asserts before
+    assert out == [None, None, None, 0.0]
+    assert code_rewards([right], [["assert f(1) == 2", refused]]) == [None]
+    assert code_rewards([wrong], [["assert f(1) == 2", prefixed]]) == [0.0]
+    # a refusal the program causes (it redefines a builtin the test uses) fails, as before
+    shadow = "```python\ndef sorted(x):\n    return [2]\ndef f(x):\n    return 2 * x\n```"
+    assert code_rewards([shadow], [["assert sorted([f(1)]) == [2]"]]) == [0.0]
+    assert _sandbox.unscorable_tests(["assert f(1) == 2", refused, prefixed]).keys() == {1, 2}
+
+
+def test_feedback_and_in_place_handoffs_are_refused():
+    # The judge's own loop cannot follow the program's values (its first stage runs before the
+    # program), and a value handed to a statement of the program and read again could have
+    # been changed in place there: unscorable, never a wrong verdict.
+    cases = {"for i in range(3):\n    r = f(i)\n    for j in range(r):\n        assert f(j) == 2 * j":
+             "loop's iterable would depend on the program's output",
+             "import random\nfor i in range(3):\n    xs = [random.randint(0, 9)]\n    g(xs)\n    assert xs == [1]":
+             "reads xs after handing it",
+             "for i in range(3):\n    r = f(i)\n    assert f(r) == 4 * i": "reads i after handing it"}
+    for test, why in cases.items():
+        plan = _sandbox.plan_assert_tests("def f(x): return 2 * x\ndef g(x): x.sort()", [test])
+        assert plan.judge == [None] and why in plan.unscorable[0], test
 
 
 # --------------------------------------------------------------------------------------------

@@ -233,9 +233,24 @@ def _run(argv):
     # frame (grpo.rewards.sandbox.judge decides). The writer is built from primitives taken
     # before the program runs: patching json, builtins or modules cannot reach it.
     tests, nonce = job["tests"], job["nonce"]
+    # A traced test ({"steps": [[kind, source, input names]], "trace": [[step, inputs]]}) runs
+    # its steps in the trace's order, each with the values the judge computed bound to its
+    # input names: decoded here, before the program runs, fresh objects for every step run.
+    decode = _decoder(job.get("max_items", 20000))
     del job
+    prepared = {}
+    for t, test in enumerate(tests):
+        if type(test) is dict:
+            runs = []
+            try:
+                for sid, given in test["trace"]:
+                    runs.append((sid, None if given == "-" else () if given == "n"
+                                 else decode(given.encode("ascii"))))
+            except Exception:  # noqa: BLE001 - not ours to run: the test fails
+                runs = None
+            prepared[t] = (test["steps"], runs)
     encode = _encoder()
-    str_, join = str, "".join
+    str_, join, zip_, type_, dict_ = str, "".join, zip, type, dict
     indexed = list(enumerate(tests))
     try:
         exec_(compile_(code, "solution.py", "exec"), glb)
@@ -243,6 +258,38 @@ def _run(argv):
         _report(e)
         exit_(1)
     for t, steps in indexed:
+        if type_(steps) is dict_:
+            steps, runs = prepared[t]
+            compiled = {}
+            try:
+                for occ, (sid, values) in enumerate(runs):
+                    kind, source, names = steps[sid]
+                    if values is None:
+                        if kind == "exec":
+                            raise ValueError("the inputs of a statement could not be sent")
+                        continue
+                    if sid not in compiled:
+                        compiled[sid] = compile_(source, "<test %d>" % t,
+                                                 "exec" if kind == "exec" else "eval")
+                    for name, value in zip_(names, values):
+                        glb[name] = value
+                    if kind == "exec":
+                        exec_(compiled[sid], glb)
+                        continue
+                    head = join((nonce, " ", str_(t), " ", str_(occ), " "))
+                    try:
+                        value = eval_(compiled[sid], glb)
+                        out = []
+                        encode(value, out)
+                        line = head + "v" + join(out)
+                    except BaseException as e:
+                        _report(e)
+                        line = head + "x"
+                    write(res_fd, enc(line + "\n"))
+                write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
+            except BaseException as e:
+                _report(e)
+            continue
         try:
             for step in steps:
                 if step[0] == "exec":
@@ -400,59 +447,15 @@ def _make_hook():
 # ------------------------------------------------------------------------------------------
 
 
-def _judge(argv):
-    """Decide assert tests on the probe records of a ``probes`` run.
+class ProbeFailed(Exception):
+    """A record that is missing, marks a raised probe, or does not decode."""
 
-    The records are the program's output, hence hostile: they are decoded here, in a
-    throwaway process under memory / CPU limits and the caller's wall clock, into exact
-    builtin types only (no object of the program exists here), then each test's judge source
-    runs with the judge's builtins over those values. Prints ``PASS <i>`` per passed test.
-    """
-    import builtins
-    import json
-    import math
-    import os
-    import resource
-    import signal
-    import sys
 
-    job_fd, res_fd = int(argv[0]), int(argv[1])
-    for name, value in (("RLIMIT_AS", 2 << 30), ("RLIMIT_CPU", 10), ("RLIMIT_FSIZE", 1 << 20),
-                        ("RLIMIT_NPROC", 0), ("RLIMIT_CORE", 0)):
-        try:
-            resource.setrlimit(getattr(resource, name), (value, value))
-        except (ValueError, OSError):
-            pass
-    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
-    raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
-    sources, budget, probe_name = job["tests"], job["test_seconds"], job["probe"]
-    allowed_modules = frozenset(job["modules"])
-    sys.setrecursionlimit(400)
-
-    # Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) / "<nonce> <test> d"
-    # (the test's steps completed). Lines without the nonce are the program's, not ours; a
-    # record seen twice is void. Values are parsed only when a test reads them.
-    nonce = job["nonce"].encode()
-    records, done = {}, {}
-    for line in raw.split(b"\n"):
-        parts = line.split(b" ", 3)
-        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
-            continue
-        t = int(parts[1])
-        if parts[2] == b"d" and len(parts) == 3:
-            done[t] = done.get(t, 0) + 1
-        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
-            key = (t, int(parts[2]))
-            records[key] = None if key in records else parts[3]
-    del raw
-
-    class ProbeFailed(Exception):
-        pass
-
-    max_items = job["max_items"]
+def _decoder(max_items):
+    """``decode(data)``: the value of one record ``b"v..."`` (the grammar of :func:`_encoder`),
+    iteratively: depth and sizes bounded. Raises :class:`ProbeFailed` on anything else."""
 
     def decode(data):
-        """The value of one record (iterative: depth and sizes bounded)."""
         if data[:1] != b"v":
             raise ProbeFailed("the probe raised")
         text = data.decode("ascii")
@@ -518,8 +521,203 @@ def _judge(argv):
             stack[-1][1] -= 1
         raise ProbeFailed("malformed")
 
-    current = [0]
+    return decode
 
+
+def _judge(argv):
+    """Run the judge side of assert tests, never with the program's code. Two stages:
+
+    ``inputs`` (before the program runs, only for *traced* tests: those with steps inside the
+    test's own loops or ifs, or steps that take values only the judge computes): runs each
+    test's first-stage source, which keeps the test's judge-side statements and replaces every
+    step of the program by ``__grpo_at__(step, is_statement, inputs)``; prints one line per step
+    run, ``<test> <step> <encoded inputs>`` (``n``: none, ``-``: they raised or cannot be sent),
+    then ``<test> D`` (or ``<test> E``: the test itself failed or asked for too much).
+
+    ``verdict`` (after the program ran): decides each test on the probe records of the
+    ``probes`` run. The records are the program's output, hence hostile: they are decoded here,
+    in a throwaway process under memory / CPU limits and the caller's wall clock, into exact
+    builtin types only (no object of the program exists here), then each test's judge source
+    runs with the judge's builtins over those values. Prints ``PASS <i>`` per passed test and
+    ``MISS <i>`` per test that cannot be judged (a traced test whose steps, recomputed, are
+    not the ones the program ran, or whose inputs could not be sent).
+
+    Both stages seed ``random`` alike per test (``seed`` and the test's id) and run under the
+    same ``PYTHONHASHSEED`` (the caller's), so the second recomputes exactly what the first sent;
+    a step whose recomputed inputs differ is a miss, never a failure. ``trusted`` (the
+    problem's own helper definitions, checked by ``grpo.rewards.sandbox.check_trusted_code``)
+    runs once, in its own namespace with the judge's builtins (plus classes and errors) and
+    modules reduced to their public, non-module attributes; its ``trusted_names`` are bound in
+    every test's namespace, where the test's calls resolve.
+    """
+    import builtins
+    import json
+    import os
+    import random
+    import resource
+    import signal
+    import sys
+    import types
+
+    job_fd, res_fd = int(argv[0]), int(argv[1])
+    for name, value in (("RLIMIT_AS", 2 << 30), ("RLIMIT_CPU", 10), ("RLIMIT_FSIZE", 1 << 20),
+                        ("RLIMIT_NPROC", 0), ("RLIMIT_CORE", 0)):
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError):
+            pass
+    sys.path[:] = [p for p in sys.path if p]  # (started without -I: no working directory on it)
+    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
+    sources, budget, probe_name = job["tests"], job["test_seconds"], job["probe"]
+    stage = job.get("stage", "verdict")
+    ids = job.get("ids") or list(range(len(sources)))
+    seed = int(job.get("seed", 0))
+    allowed_modules = frozenset(job["modules"])
+    sys.setrecursionlimit(400)
+    write = os.write
+    encode = _encoder()
+    decode = _decoder(job["max_items"])
+
+    # ``random`` as the tests see it: seeded by the job, never by the machine.
+    real_seed = random.Random.seed
+
+    def seeded(self, a=None, version=2):
+        real_seed(self, seed if a is None else a, version)
+
+    random.Random.seed = seeded
+
+    class NoSystemRandom:
+        def __init__(self, *a, **k):
+            raise RuntimeError("the judge has no SystemRandom (its values could not be sent)")
+
+    random.SystemRandom = NoSystemRandom
+
+    real_import = builtins.__import__
+
+    def import_(name, globals=None, locals=None, fromlist=(), level=0):
+        if level or name.partition(".")[0] not in allowed_modules:
+            raise ImportError("the judge does not import %s" % name)
+        return real_import(name, globals, locals, fromlist, 0)
+
+    safe = {n: getattr(builtins, n) for n in job["builtins"]}
+    safe["__import__"] = import_
+    glb = {"__builtins__": safe, "math": real_import("math"), probe_name: None}
+
+    class Unscorable(BaseException):
+        pass
+
+    class TestTimeout(BaseException):
+        pass
+
+    def on_alarm(signum, frame):
+        raise TestTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+
+    def timed(fn):
+        signal.setitimer(signal.ITIMER_REAL, budget)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    # The problem's own helpers, in their own namespace; modules as public attributes only.
+    trusted = {}
+    if job.get("trusted") is not None:
+        proxies = {}
+
+        def public(module):
+            if module.__name__ not in proxies:
+                proxies[module.__name__] = types.SimpleNamespace(**{
+                    k: v for k, v in vars(module).items()
+                    if not k.startswith("_") and not isinstance(v, types.ModuleType)})
+            return proxies[module.__name__]
+
+        def trusted_import(name, globals=None, locals=None, fromlist=(), level=0):
+            return public(import_(name, globals, locals, fromlist, level))
+
+        tsafe = dict(safe)
+        tsafe.update({n: getattr(builtins, n) for n in job["trusted_builtins"]})
+        tsafe["__import__"] = trusted_import
+        tsafe["__build_class__"] = builtins.__build_class__
+        tglb = {"__builtins__": tsafe, "__name__": "trusted"}
+        try:
+            timed(lambda: exec(compile(job["trusted"], "<trusted>", "exec"), tglb))
+            trusted = {n: tglb[n] for n in job["trusted_names"] if n in tglb}
+        except BaseException:  # noqa: BLE001 - no test can be judged
+            for t in range(len(sources)):
+                write(1, ("%d E\n" % ids[t] if stage == "inputs" else "MISS %d\n" % t).encode())
+            os._exit(0)
+
+    def encoded(thunk):
+        """The inputs ``thunk()`` returns, encoded; ``-`` when they raise or cannot be sent."""
+        if thunk is None:
+            return "n"
+        try:
+            out = []
+            encode(tuple(thunk()), out)
+            return "v" + "".join(out)
+        except Exception:  # noqa: BLE001 - the step cannot run; decided by how it is used
+            return "-"
+
+    def start(t):
+        random.seed(seed * 1000003 + ids[t])
+        glb.update(trusted)
+
+    if stage == "inputs":
+        max_calls, max_bytes = job["max_calls"], job["max_bytes"]
+        used = [0, 0]
+        lines = []
+
+        class TooMany(BaseException):
+            pass
+
+        def record(sid, is_exec, thunk):
+            enc = encoded(thunk)
+            used[0] += 1
+            used[1] += len(enc) + 24
+            if used[0] > max_calls or used[1] > max_bytes:
+                raise TooMany()
+            lines.append("%d %d %s\n" % (ids[current_t[0]], sid, enc))
+
+        current_t = [0]
+        glb["__grpo_at__"] = record
+        for t, src in enumerate(sources):
+            current_t[0] = t
+            start(t)
+            del lines[:]
+            try:
+                timed(lambda: exec(compile(src, "<inputs %d>" % t, "exec"), glb))
+                lines.append("%d D\n" % ids[t])
+            except TooMany:
+                lines[:] = ["%d E\n" % ids[t]]
+                used[0], used[1] = max_calls, max_bytes  # nothing more for later tests either
+            except BaseException:  # noqa: BLE001 - the test fails on its own: unscorable
+                lines[:] = ["%d E\n" % ids[t]]
+            write(1, "".join(lines).encode())
+        os._exit(0)
+
+    # stage == "verdict". Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) /
+    # "<nonce> <test> d" (the test's steps completed); a traced test's records are numbered by
+    # step run instead of probe. Lines without the nonce are the program's, not ours; a record
+    # seen twice is void. Values are parsed only when a test reads them.
+    raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
+    nonce = job["nonce"].encode()
+    records, done = {}, {}
+    for line in raw.split(b"\n"):
+        parts = line.split(b" ", 3)
+        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
+            continue
+        t = int(parts[1])
+        if parts[2] == b"d" and len(parts) == 3:
+            done[t] = done.get(t, 0) + 1
+        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
+            key = (t, int(parts[2]))
+            records[key] = None if key in records else parts[3]
+    del raw
+    traces = {int(k): v for k, v in (job.get("traces") or {}).items()}
+
+    current = [0]
     cache = {}
 
     def probe(pid):
@@ -531,38 +729,42 @@ def _judge(argv):
             cache[key] = decode(rec)
         return cache[key]
 
-    real_import = builtins.__import__
+    runs = [0]
 
-    def import_(name, globals=None, locals=None, fromlist=(), level=0):
-        if level or name.partition(".")[0] not in allowed_modules:
-            raise ImportError("the judge does not import %s" % name)
-        return real_import(name, globals, locals, fromlist, 0)
+    def at(sid, is_exec, thunk):
+        """The next step run of a traced test: the one the first stage sent, or a miss."""
+        trace, n = traces.get(current[0]), runs[0]
+        runs[0] += 1
+        if trace is None or n >= len(trace) or trace[n][0] != sid:
+            raise Unscorable()
+        enc = encoded(thunk)
+        if enc != trace[n][1] or (enc == "-" and is_exec):
+            raise Unscorable()
+        return (n, enc == "-")
 
-    safe = {n: getattr(builtins, n) for n in job["builtins"]}
-    safe["__import__"] = import_
-    glb = {"__builtins__": safe, "math": math, probe_name: probe}
+    def val(handle):
+        if handle[1]:
+            raise Unscorable()  # its inputs raised or could not be sent: the test is broken
+        return probe(handle[0])
 
-    class TestTimeout(BaseException):
-        pass
-
-    def on_alarm(signum, frame):
-        raise TestTimeout()
-
-    signal.signal(signal.SIGALRM, on_alarm)
+    glb[probe_name], glb["__grpo_at__"], glb["__grpo_val__"] = probe, at, val
     for t, src in enumerate(sources):
-        current[0] = t
-        ok = False
+        current[0], runs[0] = t, 0
+        start(t)
+        verdict = False
         try:
-            signal.setitimer(signal.ITIMER_REAL, budget)
-            try:
-                exec(compile(src, "<judge %d>" % t, "exec"), glb)
-                ok = done.get(t) == 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            timed(lambda: exec(compile(src, "<judge %d>" % t, "exec"), glb))
+            verdict = done.get(t) == 1
+            if verdict and t in traces and runs[0] != len(traces[t]):
+                verdict = None
+        except Unscorable:
+            verdict = None
         except BaseException:  # noqa: BLE001 - any failure of the test fails it
-            ok = False
-        if ok:
-            os.write(1, ("PASS %d\n" % t).encode())
+            verdict = False
+        if verdict is None:
+            write(1, ("MISS %d\n" % t).encode())
+        elif verdict:
+            write(1, ("PASS %d\n" % t).encode())
     os._exit(0)
 
 
