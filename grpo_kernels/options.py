@@ -174,6 +174,9 @@ def _check_temperature_tensor(temperature: torch.Tensor, softcap: Optional[float
     if temperature.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise OptionTypeError(f"temperature must be a float or a floating-point tensor, got a {temperature.dtype} "
                               f"tensor", "temperature")
+    if temperature.dim() == 0:  # (a float's job: one value for every row)
+        raise OptionTypeError(f"temperature must be a float, or a tensor of one value per sequence [B] or per token "
+                              f"[B, T]; got a 0-d tensor {temperature!r}: pass float(temperature)", "temperature")
     if temperature.numel() == 0 or temperature.device.type == "meta" or torch.compiler.is_compiling():
         return  # (no values to read: the device is checked against the call's, LogitTransform.for_rows)
     t = temperature.detach().double()
