@@ -32,6 +32,13 @@ dtype; the target's exact ``g * (1 - p)`` (from an accurate ``1 - p``) is writte
 Few rows (the fused-linear path's chunks of ~256 rows): each row's vocabulary is split over several
 programs (``row_stats_partial_kernel`` writes each chunk's ``(m, s, u)``), and the forward kernel
 then merges the partials instead of reading the row; the backward simply gets a 2-D grid.
+
+A temperature per row (``PER_ROW_T``): each kernel loads its row's ``(c, c ln 2, 1 / T)``, formed in
+float64 by the launchers as the float's factors are (``_transform_args``). The sampler's distribution
+(top-k, top-p; ``forward_rows_sampled``): ``sampled_logprobs_fwd_kernel`` reads the row twice (its
+statistics, then the candidates above a bound certified from them) and finds the thresholds on the
+candidates; ``sampled_logprobs_fallback_kernel`` serves the rows whose candidates did not fit, by
+narrowing passes; the backward reads the kept set (``TRUNCATED``). ``docs/kernels.md`` has the passes.
 """
 
 from __future__ import annotations
