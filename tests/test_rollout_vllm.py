@@ -247,6 +247,10 @@ def test_bad_arguments_are_refused_before_an_engine_starts(saved_model):
         VLLMRollout(path, max_new_tokens=2.5)
     with pytest.raises(ValueError, match="temperature"):
         VLLMRollout(path, max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        VLLMRollout(path, max_new_tokens=4, top_k=-5)
+    with pytest.raises(ValueError, match="top_p"):
+        VLLMRollout(path, max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         VLLMRollout(path, max_new_tokens=4, dtype="int8")
     with pytest.raises(ValueError, match=r"max_new_tokens \(64\) must be < max_model_len \(64\)"):
