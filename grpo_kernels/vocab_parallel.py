@@ -29,6 +29,12 @@ term: ``backward_rows``' contract). For hidden states, ``d hidden = d logits_r @
 partial sum, as a column-parallel layer's input gradient is before the tensor-parallel all-reduce;
 ``reduce_hidden_grad=True`` all-reduces it here.
 
+A temperature tensor (per sequence or per token) and ``return_sum_probs_sq`` (one more term of the SUM:
+``sum_r a_r^2 q_r / S^2``, ``q_r`` the shard's own sum of squared probabilities) work as on one device.
+The sampler's ``top_k`` / ``top_p`` are refused with a ValueError naming them (:func:`refuse_truncation`):
+their thresholds need the whole vocabulary's order, a distributed search (counts and masses above a
+candidate all-reduced at every step) this module does not do.
+
 Agreement: before any statistics, one all-reduce MAX of ``2 W + 2 K`` int64 (``K`` =
 :data:`FINGERPRINT_SLOTS`) gathers every rank's shard size and a fingerprint of the call (shapes,
 options, and cheap sums of the targets, advantages, masks and per-token inputs): arguments that
