@@ -77,12 +77,11 @@ test: install
 	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory bench-ci
 
-# After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with
-# the smoke set, where every kernel case runs once (one timed round) and is checked against the
-# reference, then `trainer_step --quick`; it must exit 0 and write its report. bench_long_context.py is
-# left out (~55 s on 2 quiet cores even with its tiny smoke set: four fresh processes' imports);
-# `make bench-ci BENCH_CI_ARGS=` runs it. (bench-smoke: the same cases, and bench_long_context's smoke
-# set, under --benchmark-disable.) One thread: tiny shapes, and two spin-wait on a loaded machine.
+# After the tests, CI proves the benchmarks: gpu_check.sh end to end on the CPU with the smoke set (every
+# kernel case once, one timed round, its agreement check and memory run included), then `trainer_step
+# --quick` (the main venv's sides; ours+vllm runs from `trainer_step` without --quick); it must exit 0 and write its report.
+# bench_long_context.py is left out (BENCH_CI_ARGS; `make bench-ci BENCH_CI_ARGS=` runs it: ~55 s of fresh
+# processes' imports). bench-smoke: the same cases under --benchmark-disable. One thread: tiny shapes.
 BENCH_CI_DIR ?= /tmp/grpo-bench-ci
 BENCH_CI_ARGS ?= --ignore=benchmarks/bench_long_context.py
 bench-ci: install
@@ -96,9 +95,12 @@ bench-smoke: install
 	GRPO_BENCH_SET=smoke GRPO_LC_SET=smoke OMP_NUM_THREADS=1 $(PY) -m pytest benchmarks/ --benchmark-disable -q \
 		-p no:cacheprovider
 
+# The pytest-benchmark suites: the set sized for 2 CPU cores without CUDA (printed at the start, with the
+# reason; GRPO_BENCH_SET=gpu for the full shapes), a progress line per case with an ETA, then the report.
+BENCH_OUT ?= benchmarks/results/bench
 bench: install
-	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results/cpu.json -q
-	$(PY) -m benchmarks.report benchmarks/results/cpu.json
+	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-json=$(BENCH_OUT).json -q -p no:cacheprovider
+	$(PY) -m benchmarks.kernels report $(BENCH_OUT).json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .pytest_cache .benchmarks

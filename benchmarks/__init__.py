@@ -1,5 +1,2 @@
-"""Benchmarks: fused GRPO kernels against the plain-PyTorch reference (speed and peak memory).
-
-Run ``pytest benchmarks/ --benchmark-only`` (CPU set without a GPU, GPU set with one), then
-``python -m benchmarks.report RESULTS.json``. See ``benchmarks/README.md``.
-"""
+"""Benchmarks: every script a registration on ``benchmarks/harness.py`` (see ``benchmarks/README.md``);
+``make bench`` runs the pytest-benchmark suites, ``python -m benchmarks.kernels report RESULTS.json`` renders them."""

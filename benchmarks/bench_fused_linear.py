@@ -1,7 +1,4 @@
-"""``fused_linear_grpo_loss``: reference vs torch (vs triton and Liger-Kernel on CUDA), time and peak memory.
-
-Cases come from ``benchmarks/_harness.py`` (``cpu_cases`` / ``gpu_cases``); see conftest.py.
-"""
+"""``fused_linear_grpo_loss``: reference, torch, Liger-Kernel, TRL's head; triton on CUDA (cases: benchmarks/kernels.py)."""
 
 OP = "fused_linear_grpo_loss"
 

@@ -1,8 +1,5 @@
-"""``fused_linear_token_logprobs`` (log-prob and entropy from hidden states and the lm_head): ours vs
-the torch path (vs triton and TRL's fused log-prob head on CUDA), time and peak memory.
-
-Cases come from ``benchmarks/_harness.py`` (``gpu_cases`` / ``smoke_cases``); see conftest.py.
-"""
+"""``fused_linear_token_logprobs``: torch, TRL's head; triton, Cut Cross-Entropy and verl on CUDA
+(cases: benchmarks/kernels.py)."""
 
 OP = "fused_linear_token_logprobs"
 

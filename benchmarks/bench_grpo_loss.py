@@ -1,7 +1,4 @@
-"""``grpo_loss``: reference vs torch (vs triton and Liger-Kernel on CUDA), time and peak memory.
-
-Cases come from ``benchmarks/_harness.py`` (``cpu_cases`` / ``gpu_cases``); see conftest.py.
-"""
+"""``grpo_loss``: reference, torch; triton and Liger-Kernel on CUDA (cases: benchmarks/kernels.py)."""
 
 OP = "grpo_loss"
 

@@ -1,24 +1,13 @@
 """One GRPO training step at long context (pytest-benchmark): padded vs packed vs the naive path.
 
-The step, the model (4-layer H=256 Qwen2 shape, V=151,936, fp32) and the modes are
-``benchmarks/long_context.py``'s. Each case times the step in this process with
-``benchmark.pedantic`` (one warm-up step, then ``GRPO_LC_ROUNDS`` rounds, default 1: a step at 2k tokens
-takes minutes on a shared CPU) and records the peak RSS of the same step in a fresh process
-(``extra_info["peak_rss_gib"]``, and the phase times of that run).
+The step, the model and the modes are ``benchmarks/long_context.py``'s. Each case times the step in this
+process (one warm-up step, then ``GRPO_LC_ROUNDS`` rounds, default 1) and records the peak RSS of the
+same step in a fresh process (``extra_info["peak_rss_gib"]``, with that run's phase times).
 
-    python -m pytest benchmarks/bench_long_context.py --benchmark-only --benchmark-json=out.json -q
-    GRPO_LC_SET=smoke ...        # tiny lengths through every mode, in seconds per case
-
-Sets (``GRPO_LC_SET``, default ``cpu`` without CUDA):
-- ``cpu``: one sequence of 2048 and 4096 tokens in ``packed``, ``packed+gc`` and ``naive`` (the naive
-  path only at 2048: 4096 needs ~8 GiB); the G = 8 lognormal group at 1/8 scale (median 256, cap
-  2048) ``padded`` vs ``packed``. A reduced set: the full 2k-32k sweep and the bisection are
-  ``python -m benchmarks.long_context sweep`` / ``bisect``.
-- ``full``: 2k-32k single sequences and the full-scale group (hours on this CPU).
-- ``smoke`` (CI's ``make bench-ci``): one 128-token sequence ``packed+gc`` and ``naive``, the group at 1/64
-  scale ``padded`` and ``packed``, a 4,096-id vocabulary (the real one's embedding, head and AdamW state
-  took ~25 s a case on 2 cores; now the fresh process's imports dominate): every mode's code path, no
-  measurement.
+Sets (``GRPO_LC_SET``, default ``cpu``): ``cpu`` (``make bench`` on 2 cores, minutes): one sequence of
+1,024 tokens ``packed``, ``packed+gc`` and ``naive``, the G = 8 lognormal group at 1/32 scale ``padded``
+vs ``packed``; ``full``: 2k-32k single sequences and the full-scale group (hours on a CPU); ``smoke``:
+128 tokens, the group at 1/64 scale, a 4,096-id vocabulary (every mode's code path, no measurement).
 """
 
 from __future__ import annotations
@@ -32,8 +21,7 @@ from benchmarks import long_context as LC
 
 SETS = {
     "smoke": dict(single=[(128, "packed+gc"), (128, "naive")], group_scale=1 / 64, vocab_size=4096),
-    "cpu": dict(single=[(2048, "packed"), (2048, "packed+gc"), (2048, "naive"), (4096, "packed"), (4096, "packed+gc")],
-                group_scale=1 / 8),
+    "cpu": dict(single=[(1024, "packed"), (1024, "packed+gc"), (1024, "naive")], group_scale=1 / 32),
     "full": dict(single=[(n, m) for n in (2048, 4096, 8192, 16384, 32768) for m in ("packed", "packed+gc", "naive")],
                  group_scale=1.0),
 }
@@ -46,11 +34,17 @@ def _set() -> dict:
 def _cases():
     s = _set()
     cases = [pytest.param("single", [n], mode, None, id=f"single-{mode}-L{n}") for n, mode in s["single"]]
-    scale = s["group_scale"]
-    lengths = LC.group_lengths(8, 2048 * scale, int(16384 * scale))
-    for mode in ("padded", "packed"):
-        cases.append(pytest.param("group", lengths, mode, scale, id=f"group8-{mode}-scale{scale:g}"))
-    return cases
+    lengths = LC.group_lengths(8, 2048 * s["group_scale"], int(16384 * s["group_scale"]))
+    return cases + [pytest.param("group", lengths, mode, s["group_scale"], id=f"group8-{mode}-scale{s['group_scale']:g}")
+                    for mode in ("padded", "packed")]
+
+
+def cost(params: dict) -> float:
+    """A case's work in the units of ``benchmarks.kernels.Case.cost`` (for the progress line's ETA): three
+    steps (a fresh process's, the warm-up, the timed one) through the head and the body, and a start-up."""
+    vocab = _set().get("vocab_size", LC.MODEL_SHAPE["vocab_size"])
+    tokens = max(params["lengths"]) * len(params["lengths"]) if params["mode"] != "packed" else sum(params["lengths"])
+    return 3 * tokens * vocab * 256 * 3 * 2 + 2e12
 
 
 @pytest.mark.parametrize("kind, lengths, mode, scale", _cases())

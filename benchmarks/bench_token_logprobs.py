@@ -1,7 +1,4 @@
-"""``token_logprobs``: reference vs torch (vs triton and Liger-Kernel on CUDA), time and peak memory.
-
-Cases come from ``benchmarks/_harness.py`` (``cpu_cases`` / ``gpu_cases``); see conftest.py.
-"""
+"""``token_logprobs``: reference, torch; triton, Liger-Kernel and quack on CUDA (cases: benchmarks/kernels.py)."""
 
 OP = "token_logprobs"
 

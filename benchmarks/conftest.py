@@ -1,22 +1,12 @@
-"""pytest-benchmark setup for ``pytest benchmarks/ --benchmark-only``.
+"""pytest-benchmark set-up for ``pytest benchmarks/ --benchmark-only`` (``make bench``; docs/benchmarks.md).
 
-- ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``, so a plain
-  ``pytest`` never runs benchmarks).
-- The set: ``--bench-set cpu|gpu|smoke|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` when
-  CUDA is available, else ``cpu``; ``smoke`` is tiny shapes through every code path). ``GRPO_BENCH_IMPLS=reference,triton`` narrows the implementations.
-- ``GRPO_BENCH_BUDGET_S``: skip the cases that would start after this many seconds (the results
-  JSON is still written); the GPU set is ordered with its headline cases first.
-- Copy bandwidth and matmul rate (for the fraction-of-ceiling figures) are read from
-  ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS`` when set (``gpu_check.sh`` measures them
-  once), else measured once per session.
-- After timing, each case is checked against ``grpo_kernels.reference`` on the same inputs (every
-  output and gradient, dtype-fit tolerances; cases with large ``[N, V]`` on their first rows): a
-  disagreement fails the case. ``GRPO_BENCH_CHECK=0`` turns the check off.
-- A case that cannot run here (an implementation not installed or not on this device, a shape that
-  does not fit the free memory, out of memory) is skipped with the reason, and so is an operation the
-  set has no case for; an unknown ``GRPO_BENCH_SET`` skips everything, naming the known sets.
-- ``--benchmark-disable`` (CI's smoke run) executes every case once, with its memory run and check.
-- TRITON_INTERPRET is never set here: Triton is benchmarked on CUDA only.
+- ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``).
+- The set: ``--bench-set cpu|gpu|smoke|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` with
+  CUDA, else ``cpu``), printed with the reason at the start; cases come from ``benchmarks/kernels.py``.
+- Each case: its agreement check with ``grpo_kernels.reference`` first (not for the reference itself;
+  ``GRPO_BENCH_CHECK=0`` turns it off), then one memory run, then the timed rounds. A case that cannot
+  run here is skipped with the reason; a disagreement fails it.
+- A progress line per case with an ETA; ``GRPO_BENCH_BUDGET_S`` skips the cases that would start later.
 """
 
 from __future__ import annotations
@@ -28,73 +18,106 @@ from typing import Optional
 import pytest
 import torch
 
-from benchmarks import _harness as H
-from benchmarks import machine
+from benchmarks import harness as H
+from benchmarks import kernels as K
 
-_START = time.monotonic()
-CEILINGS: dict = {}  # the measured (or given) copy bandwidth and matmul rate, for the results JSON
+_START, _LOAD_START = time.monotonic(), round(os.getloadavg()[0], 2)
+STATE: dict = {"results": [], "skipped": [], "disagreed": [], "ceilings": {}, "done": 0.0, "total": 0.0, "count": 0}
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("grpo-kernels benchmarks")
-    group.addoption("--bench-set", default=None, choices=["cpu", "gpu", "smoke", "auto"],
-                    help="benchmark set (default: $GRPO_BENCH_SET or auto = gpu when CUDA is available)")
+    parser.getgroup("grpo-kernels benchmarks").addoption(
+        "--bench-set", default=None, choices=["cpu", "gpu", "smoke", "auto"],
+        help="benchmark set (default: $GRPO_BENCH_SET or auto = gpu when CUDA is available)")
 
 
 def pytest_collect_file(file_path, parent):
-    # A file named on the command line is collected by pytest itself, whatever its name.
     if file_path.suffix == ".py" and file_path.name.startswith("bench_") and not parent.session.isinitpath(file_path):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
 
-def bench_set(config) -> str:
-    choice = config.getoption("--bench-set") or os.environ.get("GRPO_BENCH_SET", "auto")
-    if choice == "auto":
-        choice = "gpu" if torch.cuda.is_available() else "cpu"
-    return choice
+def bench_set(config) -> tuple:
+    """(the set, why it was chosen)."""
+    given = config.getoption("--bench-set") or os.environ.get("GRPO_BENCH_SET", "auto")
+    if given != "auto":
+        return given, "asked for (--bench-set / GRPO_BENCH_SET)"
+    if torch.cuda.is_available():
+        return "gpu", "auto: CUDA is available, the full shapes"
+    return "cpu", "auto: no CUDA, the set sized for 2 CPU cores (GRPO_BENCH_SET=gpu for the full shapes)"
 
 
-def bench_device() -> torch.device:
+def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def pytest_generate_tests(metafunc):
-    """One parameter per case of the set for the module's ``OP``; a set with no case for it here (no
-    implementation on this device, ``GRPO_BENCH_IMPLS`` excluding them all, an unknown set name) gives
-    one skipped item that says why, so the run goes on (an empty parametrisation would reach the
-    hooks below as pytest's NOTSET placeholder)."""
+    """One parameter per case of the set for the module's ``OP``; none here gives one skipped item saying why."""
     if "case" not in metafunc.fixturenames:
         return
-    op = getattr(metafunc.module, "OP")
-    device = bench_device().type
+    op, name = metafunc.module.OP, bench_set(metafunc.config)[0]
     try:
-        selected = [c for c in H.cases(bench_set(metafunc.config), device) if c.op == op]
-        reason = (f"the {bench_set(metafunc.config)!r} set has no {op} case on {device} (implementations here: "
-                  f"{', '.join(H.implementations(device)) or 'none'})")
+        selected = [c for c in K.cases(name, device().type) if c.op == op]
+        reason = (f"the {name!r} set has no {op} case on {device().type} (implementations here: "
+                  f"{', '.join(K.implementations(device().type)) or 'none'})")
     except ValueError as exc:  # an unknown set name
         selected, reason = [], str(exc)
     if not selected:
-        H.SKIPPED.append((op, reason))
+        STATE["skipped"].append((op, reason))
         metafunc.parametrize("case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["no-case"])
         return
     metafunc.parametrize("case", selected, ids=[c.id.replace(op + "-", "") for c in selected])
+    STATE["skipped"] += [(f"{op} {impl}", why) for impl, why in K.skipped_peers(op, device().type).items()]
+
+
+def _params(item) -> dict:
+    return getattr(getattr(item, "callspec", None), "params", {})
+
+
+def _cost(item) -> float:
+    """The work of an item in the units of ``Case.cost`` (a module may define ``cost(params)``), for the ETA."""
+    case = _params(item).get("case")
+    if isinstance(case, K.Case):
+        return case.cost
+    return getattr(item.module, "cost", lambda params: 1e9)(_params(item))
 
 
 def pytest_collection_modifyitems(config, items):
-    def priority(item):
-        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
-        return case.priority if isinstance(case, H.Case) else 100
+    case = lambda item: _params(item).get("case")  # noqa: E731
+    items.sort(key=lambda item: case(item).priority if isinstance(case(item), K.Case) else 100)  # stable within a priority
+    STATE["costs"] = {item.nodeid: _cost(item) for item in items}
+    STATE["total"], STATE["items"] = sum(STATE["costs"].values()), len(items)
 
-    items.sort(key=priority)  # stable: file and parameter order within a priority
+
+def pytest_report_header(config):
+    name, why = bench_set(config)
+    return f"benchmark set: {name} ({why})"
+
+
+def pytest_sessionstart(session):
+    name, why = bench_set(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter and reporter.verbosity < 0:  # -q hides the header
+        reporter.write_line(f"benchmark set: {name} ({why})")
+
+
+def pytest_runtest_logreport(report):
+    """One progress line per finished case, with an ETA from the cost of the cases still to run."""
+    if report.when != "call" and not (report.when == "setup" and report.skipped):
+        return
+    STATE["count"] += 1
+    STATE["done"] += STATE.get("costs", {}).get(report.nodeid, 0.0)
+    elapsed = time.monotonic() - _START
+    eta = elapsed * (STATE["total"] - STATE["done"]) / STATE["done"] if STATE["done"] else None
+    print(f"\n[bench {STATE['count']}/{STATE.get('items', '?')} +{elapsed:.0f}s ETA "
+          f"{'?' if eta is None else f'{eta:.0f}s'}] {report.nodeid.split('::')[-1]} {report.outcome} "
+          f"({report.duration:.1f} s)", flush=True)
 
 
 def _budget_s() -> Optional[float]:
     value = os.environ.get("GRPO_BENCH_BUDGET_S")
-    if not value:
-        return None
     try:
-        return float(value)
+        return float(value) if value else None
     except ValueError:
         raise pytest.UsageError(f"GRPO_BENCH_BUDGET_S must be a number of seconds, got {value!r}") from None
 
@@ -104,92 +127,53 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
-    """Past ``GRPO_BENCH_BUDGET_S``, every benchmark still to start is skipped (any file's), so the
-    results JSON is written before an outer timeout."""
     budget = _budget_s()
     if budget is not None and time.monotonic() - _START > budget:
-        H.SKIPPED.append((item.name, "time budget spent"))
+        STATE["skipped"].append((item.name, "time budget spent"))
         pytest.skip("GRPO_BENCH_BUDGET_S spent")
 
 
 @pytest.fixture(scope="session")
 def ceilings():
-    """(copy GB/s, matmul TFLOP/s) of this machine, from the environment or measured once on a GPU.
-
-    On a CPU they are not measured (the torch path is no bandwidth kernel, and a shared CPU's numbers
-    are noise): throughput is still reported, its fraction of a ceiling is not."""
-    device = bench_device()
-    copy = os.environ.get("GRPO_BENCH_COPY_GBPS")
-    mm = os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
-    if device.type != "cuda" and not (copy or mm):
-        return None, None
-    copy = float(copy) if copy else machine.copy_bandwidth_gbps(device) if device.type == "cuda" else None
-    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mm = float(mm) if mm else machine.matmul_tflops(device, dtype=mm_dtype) if device.type == "cuda" else None
-    CEILINGS.update(copy_gbps=copy and round(copy, 1), matmul_tflops=mm and round(mm, 3),
-                    matmul_dtype=str(mm_dtype).replace("torch.", ""))
-    return copy, mm
-
-
-def _skippable(case: H.Case, exc: BaseException) -> str:
-    """The skip reason for an exception that means "cannot run here"; re-raise anything else."""
-    if H._is_oom(exc):
-        return "out of memory"
-    if case.impl in ("liger", "trl"):  # a third-party API that changes between versions: record, do not fail
-        return f"{case.impl} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    raise exc
-
-
-def _skip(case: H.Case, reason: str, runners) -> None:
-    H.SKIPPED.append((case.id, reason))
-    for r in runners:
-        r.close()
-    runners.clear()
-    pytest.skip(reason)
+    """(copy GB/s, matmul TFLOP/s): from ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS``, else
+    measured once on a GPU; none on a CPU (a shared CPU's are noise)."""
+    copy, mm = os.environ.get("GRPO_BENCH_COPY_GBPS"), os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
+    if device().type == "cuda" and not (copy and mm):
+        measured = H.ceilings(device(), torch.bfloat16)
+        copy, mm = copy or measured["copy_gbps"], mm or measured["matmul_tflops"]
+    STATE["ceilings"] = {"copy_gbps": copy and float(copy), "matmul_tflops": mm and float(mm)}
+    return STATE["ceilings"]["copy_gbps"], STATE["ceilings"]["matmul_tflops"]
 
 
 @pytest.fixture
-def run_case(benchmark, ceilings, request):
-    """Build ``case``, measure its peak memory in one run, time it, and fill ``extra_info``."""
+def run_case(benchmark, ceilings):
+    """Check ``case`` against the reference, measure its peak memory in one run, time it (``kernels.prepare``).
+    What cannot run here is skipped with the reason (a peer's changed API too); a disagreement fails."""
     runners = []
 
-    def _run(case: H.Case):
-        device = bench_device()
-        reason = None
+    def attempt(case: K.Case, fn):
         try:
-            runner = H.build(case, device)
-            runners.append(runner)
-            if device.type == "cuda":
-                runner()  # warm-up: Triton compilation, cuBLAS workspaces (outside the peak)
-            peak, method = H.measure_peak(runner)  # on a CPU this run is also the warm-up
-        except H.Unavailable as exc:
-            reason = str(exc)
+            return fn()
+        except K.Disagrees as exc:
+            STATE["disagreed"].append(str(exc))
+            pytest.fail(f"disagrees with the reference: {exc}", pytrace=False)
         except Exception as exc:
-            reason = _skippable(case, exc)
-        if reason is not None:
-            _skip(case, reason, runners)  # outside the except block: the failed call's tensors are gone
+            if not isinstance(exc, K.Unavailable) and not K.is_oom(exc) and case.impl in ("reference", "torch", "triton"):
+                raise
+            reason = str(exc) if isinstance(exc, K.Unavailable) else "out of memory" if K.is_oom(exc) else \
+                f"{case.impl} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        STATE["skipped"].append((case.id, reason))  # (outside the except block: the failed call's tensors are gone)
+        pytest.skip(reason)
+
+    def _run(case: K.Case):
+        runner, info = attempt(case, lambda: K.prepare(case, device(), check=os.environ.get("GRPO_BENCH_CHECK", "1") != "0"))
+        runners.append(runner)
         benchmark.group = case.group
-        benchmark.extra_info.update(case.info())
-        benchmark.extra_info.update(device=device.type, peak_mem_bytes=int(peak), peak_mem_method=method)
-        try:
-            benchmark.pedantic(runner, setup=lambda: H._sync(device), rounds=case.rounds, iterations=1, warmup_rounds=0)
-        except Exception as exc:
-            reason = _skippable(case, exc) + " (while timing)"
-        if reason is not None:
-            _skip(case, reason, runners)
-        stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-        median = getattr(stats, "median", None)
-        benchmark.extra_info.update(H.throughput(case, median, *ceilings))
-        if case.impl != "reference" and os.environ.get("GRPO_BENCH_CHECK", "1") != "0":  # (the reference is what it is checked against)
-            for r in runners:  # the timed inputs go before the check builds its own
-                r.close()
-            runners.clear()
-            agreement = H.check_agreement(case, device)
-            benchmark.extra_info["agreement"] = agreement
-            if not agreement["ok"]:
-                H.DISAGREED.append(H.format_agreement(case, agreement))
-                pytest.fail("disagrees with the reference: " + H.format_agreement(case, agreement), pytrace=False)
-        H.RESULTS.append(dict(benchmark.extra_info, median_s=median))
+        benchmark.extra_info.update(info)
+        attempt(case, lambda: benchmark.pedantic(runner, rounds=case.rounds, iterations=1, warmup_rounds=0))
+        median = getattr(getattr(getattr(benchmark, "stats", None), "stats", None), "median", None)
+        benchmark.extra_info.update(K.throughput(case, median, *ceilings))
+        STATE["results"].append(dict(benchmark.extra_info, median_s=median))
 
     yield _run
     for r in runners:
@@ -197,29 +181,26 @@ def run_case(benchmark, ceilings, request):
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    info = machine.machine_info()
-    info["bench_set"] = bench_set(config)
-    info["note"] = os.environ.get("GRPO_BENCH_NOTE", "")
-    machine_info["grpo_bench"] = info
+    name, why = bench_set(config)
+    machine_info["grpo_bench"] = H.conditions(bench_set=name, bench_set_reason=why, note=os.environ.get("GRPO_BENCH_NOTE", ""),
+                                              load_1m=_LOAD_START, wall_s=round(time.monotonic() - _START))
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    output_json.setdefault("machine_info", {}).setdefault("grpo_bench", {}).update(CEILINGS)
-    output_json["grpo_memory_checks"] = H.memory_checks(H.RESULTS)
-    output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in H.SKIPPED]
+    output_json.setdefault("machine_info", {}).setdefault("grpo_bench", {}).update(
+        STATE["ceilings"], load_end_1m=round(os.getloadavg()[0], 2))
+    output_json["grpo_memory_checks"] = K.memory_checks(STATE["results"])
+    output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in STATE["skipped"]]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    checks = H.memory_checks(H.RESULTS)
-    if checks:
-        terminalreporter.section("fused-linear peak memory checks")
-        terminalreporter.write_line(H.format_checks(checks))
-    if H.DISAGREED:
-        terminalreporter.section("benchmark cases that disagree with the reference")
-        for line in H.DISAGREED:
-            terminalreporter.write_line(line)
-    if H.SKIPPED:
-        terminalreporter.section("benchmark cases not run")
-        for case, reason in H.SKIPPED:
-            terminalreporter.write_line(f"{case}: {reason}")
+    checks = K.memory_checks(STATE["results"])
+    sections = [("fused-linear peak memory checks", K.checks_lines(checks) if checks else []),
+                ("benchmark cases that disagree with the reference", STATE["disagreed"]),
+                ("benchmark cases not run", [f"{c}: {r}" for c, r in STATE["skipped"]])]
+    for title, lines in sections:
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)
     terminalreporter.write_line(f"benchmark session wall time: {time.monotonic() - _START:.0f} s")

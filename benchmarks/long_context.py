@@ -1,41 +1,15 @@
-"""One GRPO training step at long context: peak memory and time, padded vs packed vs the naive path.
+"""One GRPO training step at long context: peak memory and time (docs/benchmarks.md).
 
-The model is Qwen2-shaped and built in code with random weights (no download): 4 layers, hidden 256,
-4 heads (2 key/value heads), MLP 1024, the real 151,936-token vocabulary, untied ``lm_head``, fp32.
-One step = forward, GRPO loss forward+backward, model backward, AdamW step (its state is created
-in that step, so it counts in the peak), exactly as a trainer's update without generation:
+The model: Qwen2-shaped, random weights, 4 layers, hidden 256, MLP 1024, the real 151,936-token vocabulary,
+untied head, fp32. Modes (each may take ``+gc``): ``packed`` (``grpo.packing``), ``padded`` (the trainer's
+padded layout, the same fused loss), ``naive`` (padded, ``[rows, T, V]`` logits and the reference loss).
+Peak memory: the peak RSS of a fresh process that builds the model and runs the step. The sweep over
+lengths and the padded-vs-packed group are ``bench_long_context.py``'s sets (``GRPO_LC_SET=full``).
 
-- ``packed``: ``grpo.packing``: sequences packed into rows of at most ``max_tokens`` tokens
-  (first-fit decreasing), ``packed_sdpa`` attention, ``fused_linear_grpo_loss`` on the packed rows
-  (dapo, per-token advantages, the step's token count as ``num_items_in_batch``).
-- ``padded``: the trainer's layout today: prompts left-padded, completions right-padded to the
-  step's longest, ``micro_batch_size`` rows per micro-batch, ``sdpa`` with the padding mask, the
-  same fused loss (which already skips masked positions: padding costs the model, not the loss).
-- ``naive``: the padded layout with the full ``[rows, T, V]`` logits from ``lm_head`` and
-  ``grpo_kernels.reference.grpo_loss`` (fp32 ``log_softmax`` over the vocabulary), as TRL-like
-  trainers do.
-
-Peak memory is the peak resident set size of a fresh process that builds the model and runs the
-step (``resource.getrusage(RUSAGE_SELF).ru_maxrss``): weights, gradients, AdamW state,
-activations, the Python/PyTorch runtime, everything. "Fits in X GiB" means that peak <= X GiB.
-
-    python -m benchmarks.long_context sweep --lengths 2048 4096 --modes packed packed+gc naive
-    python -m benchmarks.long_context group --scale 0.125          # G = 8 lognormal lengths
     python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
-    python -m benchmarks.long_context run --mode packed --lengths 2048  # one measurement (what the others spawn)
     python -m benchmarks.long_context memory --sizes 81M 180M --lengths 1024 2048   # full FT vs LoRA vs LoRA+bf16
-    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head time
-
-``memory``: one trainer step (``grpo.trainer.setup_training``, then the reference log-probs with
-``beta`` = 0.04 and ``grpo.trainer.update``: forward, fused loss, backward, AdamW; packed, no
-generation) of one sequence, in a fresh process each, for full fine-tuning (fp32, the reference a
-frozen copy), LoRA (r 16, all-linear, fp32; the reference the policy with adapters off) and LoRA with
-bf16 weights, at two Qwen2-shaped sizes (:data:`MEMORY_SIZES`, both with the real vocabulary, untied
-head), beside ``grpo.plan``'s prediction for the same settings (device "cpu": the runtime term
-included, the KV cache not: nothing is generated). ``frozen-head``: ``fused_linear_grpo_loss``
-forward + backward with ``lm_head.weight`` trainable vs frozen (LoRA's case), interleaved rounds, medians.
-
-Each command prints JSON lines and a markdown table; ``--out FILE`` appends the JSON lines there.
+    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head
+    python -m benchmarks.long_context run --mode packed --lengths 2048  # one measurement (what the others spawn)
 """
 
 from __future__ import annotations
@@ -45,7 +19,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -53,6 +26,8 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+
+from benchmarks import harness as H
 
 MODEL_SHAPE = dict(
     vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
@@ -200,7 +175,6 @@ def run_one(mode: str, lengths: list[int], prompt_tokens: int, max_tokens: Optio
     base, _, gc = mode.partition("+")
     if base not in MODES or gc not in ("", "gc"):
         raise ValueError(f"mode must be one of {MODES}, optionally with '+gc', got {mode!r}")
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     model = build_model(max(lengths), gc == "gc", "sdpa", vocab_size)
     if base == "packed":
         packing.use_packed_attention(model)
@@ -238,15 +212,16 @@ MEMORY_BETA = 0.04
 
 
 def memory_run(size: str, variant: str, length: int, gradient_checkpointing: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
-    """One trainer step in this process (what ``memory`` spawns): peak RSS, times, the plan's prediction."""
+    """One trainer step in this process (what ``memory`` spawns): peak RSS after each phase, times, the
+    plan's prediction. A new measurement is one more entry of the returned dict."""
     import tempfile
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from grpo import plan, precision, trainer
+    from grpo import models, plan, precision, trainer
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
-    rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731  (GiB)
+    rss_start = peak()
     cfg = trainer.GRPOConfig(
         output_dir=tempfile.mkdtemp(), beta=MEMORY_BETA, gradient_checkpointing=gradient_checkpointing, padding_free=True,
         backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=length, **VARIANTS[variant],
@@ -263,8 +238,7 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
     device = torch.device("cpu")
     t0 = time.perf_counter()
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, device)
-    setup_s = time.perf_counter() - t0
-    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    setup_s, rss_setup = time.perf_counter() - t0, peak()
     fields = vars(make_batch([length], prompt_tokens, config.vocab_size))
     batch = trainer.UpdateBatch(**{k: fields[k] for k in ("input_ids", "attention_mask", "prompt_len", "completion_ids", "loss_mask", "advantages")})
     t0 = time.perf_counter()
@@ -273,128 +247,72 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
     policy.train()
     logs = trainer.update(policy, optimizer, batch, cfg, device)
     t2 = time.perf_counter()
-    predicted = plan.plan_for_run(trainer.unwrap(policy).config, cfg, length, "cpu")
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, length, "cpu")
     return {
-        "size": size, "parameters": parameters, "trainable": trainable, "variant": variant, "tokens": length,
-        "gradient_checkpointing": gradient_checkpointing, "beta": MEMORY_BETA, "loss": logs["loss"],
-        "step_s": round(t2 - t0, 2), "reference_s": round(t1 - t0, 2), "update_s": round(t2 - t1, 2), "setup_s": round(setup_s, 2),
-        "rss_start_gib": rss_start, "rss_after_setup_gib": rss_setup, "peak_rss_gib": peak,
-        "predicted_peak_gib": predicted.peak / 2**30,
-        "predicted_terms_gib": {k: v / 2**30 for k, v in predicted.terms.items()},
+        "size": size, "parameters": parameters, "trainable": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        "variant": variant, "tokens": length, "gradient_checkpointing": gradient_checkpointing, "beta": MEMORY_BETA,
+        "loss": logs["loss"], "step_s": round(t2 - t0, 2), "reference_s": round(t1 - t0, 2), "update_s": round(t2 - t1, 2),
+        "setup_s": round(setup_s, 2), "rss_start_gib": rss_start, "rss_after_setup_gib": rss_setup, "peak_rss_gib": peak(),
+        "predicted_peak_gib": predicted.peak / 2**30, "predicted_terms_gib": {k: v / 2**30 for k, v in predicted.terms.items()},
         "threads": torch.get_num_threads(),
     }
 
 
-def memory_table(rows: list[dict]) -> str:
-    lines = ["| size | variant | tokens | ckpt | peak RSS GiB | predicted GiB | pred / meas | x full FT | step s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def memory_rows(rows: list[dict]) -> list[str]:
     full = {(r["size"], r["tokens"], r["gradient_checkpointing"]): r["peak_rss_gib"] for r in rows if r.get("variant") == "full" and "peak_rss_gib" in r}
+    cells = []
     for r in rows:
         if "peak_rss_gib" not in r:
-            lines.append(f"| {r.get('size')} | {r.get('variant')} | {r.get('tokens')} | | {r.get('error')} | | | | |")
+            cells.append([r.get("size"), r.get("variant"), r.get("tokens"), None, r.get("error"), None, None, None, None])
             continue
         base = full.get((r["size"], r["tokens"], r["gradient_checkpointing"]))
-        ratio = "" if base is None else f"{r['peak_rss_gib'] / base:.2f}"
-        lines.append(
-            f"| {r['size']} ({r['parameters'] / 1e6:.0f}M) | {r['variant']} | {r['tokens']} | "
-            f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['peak_rss_gib']:.2f} | {r['predicted_peak_gib']:.2f} | "
-            f"{r['predicted_peak_gib'] / r['peak_rss_gib']:.2f} | {ratio} | {r['step_s']:.1f} |"
-        )
-    return "\n".join(lines)
+        cells.append([f"{r['size']} ({r['parameters'] / 1e6:.0f}M)", r["variant"], r["tokens"], "on" if r["gradient_checkpointing"] else "off",
+                      f"{r['peak_rss_gib']:.2f}", f"{r['predicted_peak_gib']:.2f}", f"{r['predicted_peak_gib'] / r['peak_rss_gib']:.2f}",
+                      None if base is None else f"{r['peak_rss_gib'] / base:.2f}", f"{r['step_s']:.1f}"])
+    return H.table(["size", "variant", "tokens", "ckpt", "peak RSS GiB", "predicted GiB", "pred / meas", "x full FT", "step s"], cells)
 
 
-def measure_memory(size: str, variant: str, length: int, gradient_checkpointing: bool) -> dict:
-    """``memory_run`` in a fresh process (JSON on its last line)."""
-    cmd = [sys.executable, "-m", "benchmarks.long_context", "memory-run", "--size", size, "--variant", variant,
-           "--length", str(length)] + (["--gradient-checkpointing"] if gradient_checkpointing else [])
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        return {"size": size, "variant": variant, "tokens": length, "error": f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def frozen_head(N: int, H: int, V: int, rounds: int) -> dict:
+def frozen_head(N: int, H_: int, V: int, rounds: int) -> dict:
     """``fused_linear_grpo_loss`` forward + backward (dapo, fp32, backend torch) with a trainable vs a
-    frozen weight, interleaved, ``rounds`` each after a warm-up of both; medians and their ratio."""
+    frozen weight, interleaved rounds after a warm-up of both; medians and their ratio."""
     from grpo_kernels import fused_linear_grpo_loss
 
     torch.manual_seed(0)
-    hidden = torch.randn(1, N, H) * 0.5
-    weight = torch.randn(V, H) * 0.02
+    hidden, weight = torch.randn(1, N, H_) * 0.5, torch.randn(V, H_) * 0.02
     ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
 
-    def step(trainable: bool) -> float:
+    def step(trainable: bool):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
-        t0 = time.perf_counter()
-        fused_linear_grpo_loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward()
-        return time.perf_counter() - t0
+        return lambda: fused_linear_grpo_loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward()
 
-    step(True), step(False)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for trainable in (True, False):
-            times[trainable].append(step(trainable))
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    return {"N": N, "H": H, "V": V, "dtype": "float32", "rounds": rounds, "threads": torch.get_num_threads(),
-            "trainable_s": times[True], "frozen_s": times[False], "trainable_median_s": med[True],
-            "frozen_median_s": med[False], "frozen_over_trainable": med[False] / med[True]}
+    times = H.interleave({"trainable": step(True), "frozen": step(False)}, rounds)
+    return {"N": N, "H": H_, "V": V, "dtype": "float32", "rounds": rounds, "threads": torch.get_num_threads(),
+            "trainable_s": times["trainable"], "frozen_s": times["frozen"], "trainable_median_s": H.median(times["trainable"]),
+            "frozen_median_s": H.median(times["frozen"]), "frozen_over_trainable": H.ratio(times, "frozen", "trainable")}
 
 
 # --------------------------------------------------------------------------------------------------
 # measurements in fresh processes
 # --------------------------------------------------------------------------------------------------
-def _rss_gib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
-
-
 def measure(mode: str, lengths: list[int], prompt_tokens: int = PROMPT_TOKENS, max_tokens: Optional[int] = None,
             micro_batch_size: Optional[int] = None, steps: int = 1, budget_gib: Optional[float] = None,
             timeout_s: Optional[float] = None, vocab_size: Optional[int] = None) -> dict:
-    """``run_one`` in a fresh process (``vocab_size``: the model's, default the real vocabulary). With
-    ``budget_gib`` the process is killed once its RSS passes it (then ``{"fits": False}``): a probe that
-    does not fit fails early instead of exhausting the machine."""
-    cmd = [sys.executable, "-m", "benchmarks.long_context", "run", "--mode", mode, "--lengths", *map(str, lengths),
-           "--prompt-tokens", str(prompt_tokens), "--steps", str(steps)]
-    if max_tokens:
-        cmd += ["--max-tokens", str(max_tokens)]
-    if micro_batch_size:
-        cmd += ["--micro-batch-size", str(micro_batch_size)]
-    if vocab_size:
-        cmd += ["--vocab-size", str(vocab_size)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    start, peak_seen = time.monotonic(), 0.0
-    while proc.poll() is None:
-        peak_seen = max(peak_seen, _rss_gib(proc.pid))
-        over_budget = budget_gib is not None and peak_seen > budget_gib
-        over_time = timeout_s is not None and time.monotonic() - start > timeout_s
-        if over_budget or over_time:
-            proc.kill()
-            proc.wait()
-            return {"mode": mode, "lengths": lengths, "fits": not over_budget if not over_time else None,
-                    "killed": "over budget" if over_budget else "timeout", "rss_seen_gib": peak_seen}
-        time.sleep(0.1)
-    out = proc.stdout.read()
-    if proc.returncode != 0:
-        return {"mode": mode, "lengths": lengths, "fits": False, "error": f"exit {proc.returncode}"}
-    result = json.loads(out.strip().splitlines()[-1])
-    result["fits"] = None if budget_gib is None else result["peak_rss_gib"] <= budget_gib
-    return result
+    """``run_one`` in a fresh process. With ``budget_gib`` it is killed once its RSS passes it (then
+    ``{"fits": False}``): a probe that does not fit fails early instead of exhausting the machine."""
+    args = ["benchmarks.long_context", "run", "--mode", mode, "--lengths", *map(str, lengths), "--prompt-tokens",
+            str(prompt_tokens), "--steps", str(steps)] + (["--max-tokens", str(max_tokens)] if max_tokens else []) \
+        + (["--micro-batch-size", str(micro_batch_size)] if micro_batch_size else []) \
+        + (["--vocab-size", str(vocab_size)] if vocab_size else [])
+    result = H.fresh(args, timeout_s=timeout_s, budget_gib=budget_gib)[-1]
+    if "error" in result:
+        over = "budget" in result["error"]
+        return {"mode": mode, "lengths": lengths, "fits": False if over else None, **result}
+    return {**result, "fits": None if budget_gib is None else result["peak_rss_gib"] <= budget_gib}
 
 
 def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1, **kwargs) -> dict:
-    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``).
-
-    ``lo`` is probed first (it must fit), then ``hi`` (if it fits: ``>= hi``), then geometric midpoints.
-    """
+    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``):
+    ``lo`` first (it must fit), then ``hi`` (if it fits: ``>= hi``), then geometric midpoints."""
     probes = []
 
     def fits(n: int) -> bool:
@@ -416,26 +334,11 @@ def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1,
     return {"mode": mode, "budget_gib": budget_gib, "longest": lo, "first_failing": hi, "probes": probes}
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| mode | tokens | lengths | micro-batches | model tokens | step s | fwd / loss / bwd / opt s | peak RSS GiB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "step_s" not in r:
-            lines.append(f"| {r['mode']} | {sum(r['lengths'])} | {r['lengths']} | | | {r.get('killed') or r.get('error')} | | |")
-            continue
-        lens = r["lengths"] if len(r["lengths"]) <= 8 else f"{len(r['lengths'])} seqs"
-        lines.append(
-            f"| {r['mode']} | {r['tokens']} | {lens} | {r['micro_batches']} | {r['model_tokens']} | "
-            f"{min(r['step_s']):.1f} | {r['forward_s']:.1f} / {r['loss_s']:.1f} / {r['backward_s']:.1f} / "
-            f"{r['optimizer_s']:.1f} | {r['peak_rss_gib']:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="one measurement in this process (JSON on the last line)")
+    common = [H.parser(rounds=5, add_help=False)]  # --rounds, --out
+    run = sub.add_parser("run", help="one measurement in this process (its result line)")
     run.add_argument("--mode", required=True)
     run.add_argument("--lengths", type=int, nargs="+", required=True)
     run.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
@@ -444,89 +347,57 @@ def main(argv: Optional[list[str]] = None) -> None:
     run.add_argument("--steps", type=int, default=1)
     run.add_argument("--vocab-size", type=int, default=MODEL_SHAPE["vocab_size"],
                      help="the model's vocabulary (default the real 151,936; fewer only for a smoke run)")
-    sweep = sub.add_parser("sweep", help="one sequence of each length, each mode, fresh processes")
-    sweep.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    sweep.add_argument("--modes", nargs="+", default=["packed", "packed+gc", "naive"])
-    sweep.add_argument("--budget-gib", type=float, default=None, help="kill a run whose RSS passes this")
-    group = sub.add_parser("group", help="G lognormal lengths: padded vs packed")
-    group.add_argument("--G", type=int, default=8)
-    group.add_argument("--scale", type=float, default=1.0, help="lengths (median 2048, cap 16384, prompt 256) times this")
-    group.add_argument("--modes", nargs="+", default=["padded", "packed"])
-    group.add_argument("--micro-batch-size", type=int, default=1, help="padded rows per micro-batch")
-    group.add_argument("--max-tokens", type=int, default=None, help="packed budget; default the cap")
-    group.add_argument("--repeats", type=int, default=1, help="alternating rounds of the modes")
-    bis = sub.add_parser("bisect", help="longest single sequence that fits in a memory budget")
+    bis = sub.add_parser("bisect", parents=common, help="longest single sequence that fits in a memory budget")
     bis.add_argument("--mode", required=True)
     bis.add_argument("--budget-gib", type=float, required=True)
     bis.add_argument("--lo", type=int, default=1024)
     bis.add_argument("--hi", type=int, default=32768)
     bis.add_argument("--rel-tol", type=float, default=0.1)
-    mem = sub.add_parser("memory", help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan")
+    mem = sub.add_parser("memory", parents=common, help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan")
     mem.add_argument("--sizes", nargs="+", default=list(MEMORY_SIZES), choices=list(MEMORY_SIZES))
     mem.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     mem.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     mem.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    mrun = sub.add_parser("memory-run", help="one memory measurement in this process (JSON on the last line)")
+    mrun = sub.add_parser("memory-run", help="one memory measurement in this process (its result line)")
     mrun.add_argument("--size", required=True, choices=list(MEMORY_SIZES))
     mrun.add_argument("--variant", required=True, choices=list(VARIANTS))
     mrun.add_argument("--length", type=int, required=True)
     mrun.add_argument("--gradient-checkpointing", action="store_true")
-    fh = sub.add_parser("frozen-head", help="fused linear loss fwd+bwd: trainable vs frozen lm_head")
+    fh = sub.add_parser("frozen-head", parents=common, help="fused linear loss fwd+bwd: trainable vs frozen lm_head")
     fh.add_argument("--N", type=int, default=2048)
     fh.add_argument("--H", type=int, default=512)
     fh.add_argument("--V", type=int, default=151936)
-    fh.add_argument("--rounds", type=int, default=5)
-    for q in (sweep, group, bis, mem, fh):
-        q.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args(argv)
 
     if args.cmd == "run":
-        print(json.dumps(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps,
-                                 args.vocab_size)))
-        return
+        H.emit(run_one(args.mode, args.lengths, args.prompt_tokens, args.max_tokens, args.micro_batch_size, args.steps,
+                       args.vocab_size))
+        return 0
     if args.cmd == "memory-run":
-        print(json.dumps(memory_run(args.size, args.variant, args.length, args.gradient_checkpointing)))
-        return
-    results = []
+        H.emit(memory_run(args.size, args.variant, args.length, args.gradient_checkpointing))
+        return 0
+    report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
+    rows = report.records
     if args.cmd == "memory":
         for size in args.sizes:
             for n in args.lengths:
                 for variant in args.variants:
-                    results.append(measure_memory(size, variant, n, args.gradient_checkpointing))
-                    print(json.dumps(results[-1]), flush=True)
+                    cmd = ["benchmarks.long_context", "memory-run", "--size", size, "--variant", variant, "--length", str(n)]
+                    r = H.fresh(cmd + (["--gradient-checkpointing"] if args.gradient_checkpointing else []))[-1]
+                    rows.append({"size": size, "variant": variant, "tokens": n, **r})
+        report.add(*memory_rows(rows))
     elif args.cmd == "frozen-head":
-        results.append(frozen_head(args.N, args.H, args.V, args.rounds))
-        print(json.dumps(results[-1]), flush=True)
-    elif args.cmd == "sweep":
-        for n in args.lengths:
-            for mode in args.modes:
-                results.append(measure(mode, [n], budget_gib=args.budget_gib))
-                print(json.dumps(results[-1]), flush=True)
-    elif args.cmd == "group":
-        cap = int(16384 * args.scale)
-        lengths = group_lengths(args.G, 2048 * args.scale, cap)
-        prompt = int(PROMPT_TOKENS * args.scale)
-        for _ in range(args.repeats):
-            for mode in args.modes:
-                base = mode.partition("+")[0]
-                kw = dict(max_tokens=args.max_tokens or cap) if base == "packed" else dict(micro_batch_size=args.micro_batch_size)
-                results.append(measure(mode, lengths, prompt_tokens=prompt, **kw))
-                print(json.dumps(results[-1]), flush=True)
-        padded_tokens = args.G * max(lengths)
-        print(f"\nlengths {lengths}: {sum(lengths)} tokens, {padded_tokens} padded "
-              f"({1 - sum(lengths) / padded_tokens:.0%} padding)")
+        rows.append(frozen_head(args.N, args.H, args.V, args.rounds))
+        r = rows[-1]
+        report.add(f"`fused_linear_grpo_loss` fwd+bwd, N={r['N']}, H={r['H']}, V={r['V']}, fp32, {r['rounds']} interleaved "
+                   f"rounds: trainable {H.fmt_time(r['trainable_median_s'])}, frozen {H.fmt_time(r['frozen_median_s'])}, "
+                   f"frozen / trainable {H.fmt_ratio(r['frozen_over_trainable'])}.")
     else:
-        results.append(bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol))
-        print(json.dumps(results[-1]), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-    if args.cmd == "memory":
-        print(memory_table(results))
-    elif args.cmd not in ("bisect", "frozen-head"):
-        print(table(results))
+        rows.append(bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol))
+        report.add("```json", json.dumps(rows[-1], indent=1), "```")
+    report.write(args.out)
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

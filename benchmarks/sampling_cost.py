@@ -3,11 +3,13 @@
 Two measurements, each written to the report:
 
 1. **CPU, measured** (``backend="torch"``, the chunked PyTorch rows): ``token_logprobs`` with the entropy,
-   forward only, on ``[rows, V]`` logits of a peaked distribution (scaled standard normal), in four
-   modes: plain, ``top_k``, ``top_p``, ``top_k`` + ``top_p``. Rounds alternate the modes' order; each
-   round times one call per mode; the report gives each mode's median seconds and the median of the
-   per-round ratios to plain, with the machine's load (``/proc/loadavg``) before and after. Timings
-   are ratios measured interleaved in one process: nothing else here is comparable across runs.
+   forward only, on ``[rows, V]`` logits ``3 N(0, 1)`` at T = 0.7 (a flat distribution: a nucleus of
+   thousands of tokens, the candidate search's worst case), in four modes (the script's
+   ``harness.Sides``): plain, ``top_k``, ``top_p``, ``top_k`` + ``top_p``. Rounds alternate the modes' order; each
+   round times one call per mode (``harness.interleave``, registered as ``harness.Sides``); the report
+   gives each mode's median and the median of the per-round ratios to plain, with the conditions
+   (load at the start and at the end: ``harness.Report``). Timings are ratios measured interleaved in
+   one process: nothing else here is comparable across runs.
    The Triton kernels are not timed: on a CPU they run in Triton's interpreter, whose time says
    nothing about a GPU's.
 2. **H200, predicted** (``--sass-model PATH``, the shared SASS model ``sass_model.py``): the plain
@@ -16,56 +18,39 @@ Two measurements, each written to the report:
    from meta tensors; the model's predicted time and its bandwidth-only time per launch. Without a
    path this part is skipped (CI runs the script tiny, without it).
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.sampling_cost --out benchmarks/results/sampling_cost.md \
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.sampling_cost --out benchmarks/results/cpu-sampling_cost.md \
         [--rows 256 --vocab 32000 151936 --rounds 7] [--sass-model ../shared/tools/sass_model.py]
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
-import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
 import grpo_kernels as gk
+from benchmarks import harness as H
 
+# the sides: token_logprobs with the entropy under each truncation (plain first: the ratios' base)
+SIDES = H.Sides()
 MODES = {"plain": {}, "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),
          "top_k=20,top_p=0.9": dict(top_k=20, top_p=0.9)}
+for _mode, _kw in MODES.items():
+    SIDES.register(_mode, f"token_logprobs(return_entropy=True, backend='torch', {', '.join(f'{k}={v}' for k, v in _kw.items()) or 'no truncation'})")(
+        lambda logits, targets, _kw=_kw: (lambda: gk.token_logprobs(logits, targets, temperature=0.7,
+                                                                    return_entropy=True, backend="torch", **_kw)))
 
 
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-def cpu_ratios(rows: int, vocab: int, rounds: int, seed: int = 0) -> Dict[str, Dict[str, float]]:
-    """mode -> {"seconds": median per call, "ratio": median of per-round ratios to plain}."""
+def cpu_ratios(rows: int, vocab: int, rounds: int, seed: int = 0) -> Dict[str, Dict[str, Optional[float]]]:
+    """mode -> {"seconds": median per call, "ratio": median of per-round ratios to plain} (harness.interleave)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(1, rows, vocab, generator=g) * 3.0  # peaked: a nucleus of tens of tokens
+    logits = torch.randn(1, rows, vocab, generator=g) * 3.0
     targets = logits.argmax(-1)
-    times: Dict[str, List[float]] = {m: [] for m in MODES}
-    for mode, kw in MODES.items():  # warm-up (allocator, first-call paths)
-        gk.token_logprobs(logits, targets, temperature=0.7, return_entropy=True, backend="torch", **kw)
-    for r in range(rounds):
-        order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
-        for mode in order:
-            start = time.perf_counter()
-            gk.token_logprobs(logits, targets, temperature=0.7, return_entropy=True, backend="torch", **MODES[mode])
-            times[mode].append(time.perf_counter() - start)
-    out = {}
-    for mode in MODES:
-        ratios = [t / p for t, p in zip(times[mode], times["plain"])]
-        out[mode] = dict(seconds=statistics.median(times[mode]), ratio=statistics.median(ratios))
-    return out
+    times = H.interleave({name: side.make(logits, targets) for name, side in SIDES.items()}, rounds)
+    return {name: dict(seconds=H.median(times[name]), ratio=H.ratio(times, name, "plain")) for name in SIDES}
 
 
 def predicted(sass_model: str, vocab: int, rows: int = 16384) -> List[dict]:
@@ -93,52 +78,42 @@ def predicted(sass_model: str, vocab: int, rows: int = 16384) -> List[dict]:
             launch = sm.Launch(name, kernel, sm._to_spec_args(bound), options, grid, read_bytes=2 * vocab * passes)
             r = sm.analyse(launch, 90, vocab, rows, "bf16")
             out.append(dict(mode=name, kernel=kernel.fn.__name__, vocab=vocab, regs=r.regs, spill=r.spill,
-                            ctas_per_sm=r.ctas_per_sm, loops=len(r.loops), row_reads=0 if fallback else passes,
-                            t_bw_ms=r.t_bw_ms, t_pred_ms=r.t_pred_ms, bound=r.bound, error=r.error))
+                            ctas_per_sm=r.ctas_per_sm, row_reads=None if fallback else passes, t_bw_ms=r.t_bw_ms,
+                            t_pred_ms=list(r.t_pred_ms), bound=r.bound, error=r.error))
     return out
 
 
-def report(rows: int, vocabs: List[int], rounds: int, sass_model: Optional[str]) -> str:
-    lines = ["# Sampler truncation cost (issue 34)", "",
-             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load before: {_load()}", ""]
-    lines += ["## CPU, measured: token_logprobs(return_entropy=True), backend='torch', forward, fp32", "",
-              f"{rows} rows, temperature 0.7, logits 3 x N(0, 1); median of {rounds} interleaved rounds", "",
-              "| V | mode | median s | x plain (median of per-round ratios) |", "|---|---|---|---|"]
-    for v in vocabs:
-        for mode, r in cpu_ratios(rows, v, rounds).items():
-            lines.append(f"| {v} | {mode} | {r['seconds']:.4f} | {r['ratio']:.2f} |")
-    lines += ["", f"load after: {_load()}", ""]
-    if sass_model:
-        lines += ["## H200, predicted by the SASS model (sm_90a, bf16, N = 16,384 rows)", "",
-                  "t_bw: bytes read / (0.9 x 4.8 TB/s); row reads: passes over the row from HBM (the fallback "
-                  "kernel's are per flagged row: it returns at once on the others, its line is an upper bound)", "",
-                  "| V | mode | kernel | regs | spill | CTA/SM | row reads | t_bw (ms) | t_pred (ms) | bound |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for v in vocabs:
-            for r in predicted(sass_model, v):
-                t_pred = "-".join(f"{x:.2f}" for x in r["t_pred_ms"])
-                lines.append(f"| {r['vocab']} | {r['mode']} | {r['kernel']} | {r['regs']} | {r['spill']} | "
-                             f"{r['ctas_per_sm']} | {r['row_reads'] or 'per flagged row'} | {r['t_bw_ms']:.2f} | "
-                             f"{t_pred} | {r['bound']}{' ' + r['error'] if r['error'] else ''} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = H.parser(__doc__.splitlines()[0], rounds=7)
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--sass-model", default=None, help="path of sass_model.py for the predicted H200 part")
-    p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    text = report(a.rows, a.vocab, a.rounds, a.sass_model)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
-    print(text)
+    report = H.Report("Sampler truncation cost (issue 34)")
+    report.add("## CPU, measured: token_logprobs(return_entropy=True), backend='torch', forward, fp32", "",
+               f"{a.rows} rows, temperature 0.7, logits 3 x N(0, 1) (a flat distribution: a nucleus of thousands of "
+               f"tokens); medians of {a.rounds} interleaved rounds (harness.interleave), ratios the median of the "
+               f"per-round ratios to plain", "")
+    rows = []
+    for v in a.vocab:
+        for mode, r in cpu_ratios(a.rows, v, a.rounds).items():
+            rows.append((v, mode, H.fmt_time(r["seconds"]), H.fmt_ratio(r["ratio"])))
+            report.records.append(dict(kind="cpu", vocab=v, mode=mode, rows=a.rows, **r))
+    report.add(*H.table(("V", "mode", "median", "x plain"), rows), "")
+    if a.sass_model:
+        report.add("## H200, predicted by the SASS model (sm_90a, bf16, N = 16,384 rows)", "",
+                   "t_bw: bytes read / (0.9 x 4.8 TB/s); row reads: passes over the row from HBM (the fallback "
+                   "kernel's are per flagged row: it returns at once on the others, its line an upper bound)", "")
+        rows = []
+        for v in a.vocab:
+            for r in predicted(a.sass_model, v):
+                report.records.append(dict(kind="predicted", **r))
+                rows.append((r["vocab"], r["mode"], r["kernel"], r["regs"], r["spill"], r["ctas_per_sm"],
+                             r["row_reads"] or "per flagged row", f"{r['t_bw_ms']:.2f}",
+                             "-".join(f"{x:.2f}" for x in r["t_pred_ms"]), r["bound"] + (f" {r['error']}" if r["error"] else "")))
+        report.add(*H.table(("V", "mode", "kernel", "regs", "spill", "CTA/SM", "row reads", "t_bw (ms)", "t_pred (ms)",
+                             "bound"), rows), "")
+    report.write(a.out)
     return 0
 
 

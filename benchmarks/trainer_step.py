@@ -1,58 +1,35 @@
-"""One full GRPO step, end to end: our trainer (fused loss, and the plain-PyTorch reference loss)
-against TRL's ``GRPOTrainer`` (stock, and with ``grpo_kernels.integrations.trl.patch()``).
+"""One full GRPO step, end to end: our trainer against TRL's ``GRPOTrainer``, side by side.
 
-    python -m benchmarks.trainer_step                  # CPU: shapes tiny and qwen-vocab, 3 rounds
+    python -m benchmarks.trainer_step                  # CPU: shapes tiny and qwen-vocab, 3 rounds, every side
     python -m benchmarks.trainer_step --quick          # CI: shape tiny, 1 round, < 1 minute
-    python -m benchmarks.trainer_step --shapes qwen-vocab --rounds 5 --sides ours trl
+    python -m benchmarks.trainer_step --shapes qwen-vocab --sides ours trl trl+patch --rounds 2 --threads 1
     python -m benchmarks.trainer_step --list           # the shapes and sides, and why a side cannot run here
 
-A step is everything a trainer does between two batches of prompts: rollout (Hugging Face
-``generate`` with the policy), rewards, advantages, reference log-probs (``beta > 0``), the loss
-forward and backward, gradient clipping and the AdamW step. Every side gets the same model (a
-Qwen2-shaped ``Qwen2ForCausalLM`` built in code from a seed, fp32 weights; bf16 autocast on CUDA as
-both trainers do there), the same tokenizer (built in code), prompts, reward function and options
-(:data:`OPTIONS`); completions are forced to exactly ``max_new_tokens`` tokens (``min_new_tokens``
-suppresses EOS), so every side samples and trains on the same number of tokens. One warm-up step
-precedes the measured one (lazy initialisation, AdamW's state).
+A step is everything between two batches of prompts: rollout, rewards, advantages, reference log-probs
+(beta > 0), the loss forward and backward, clipping and the AdamW step. Every side gets the same
+Qwen2-shaped model (seeded, fp32; bf16 autocast on CUDA), tokenizer, prompts, reward and options
+(:data:`OPTIONS`); completions are forced to ``max_new_tokens`` tokens. One warm-up step, then the measured one.
 
-Sides (:data:`SIDES`, a registry: add one with :func:`register`):
-- ``ours``: ``grpo.trainer.train_step`` with ``backend="auto"`` (the fused hidden-state loss).
-- ``ours-reference``: the same with ``backend="reference"`` (``[N, V]`` fp32 logits, ``log_softmax``).
-- ``trl``: TRL's ``GRPOTrainer`` as shipped (its own chunked log-prob head since 1.15).
-- ``trl+patch``: the same after ``grpo_kernels.integrations.trl.patch()``.
-- ``ours+vllm``: ours with ``grpo.rollout.VLLMRollout`` as the rollout engine; only when that class
-  exists and vLLM imports (else skipped with the reason). vLLM's length is not forced (no
-  ``min_new_tokens`` in its rollout API): the token counts are reported.
+Sides (:data:`SIDES`): ``ours`` (``grpo.trainer``, fused loss), ``ours-reference`` (the plain-PyTorch
+loss), ``trl`` (``GRPOTrainer`` as shipped), ``trl+patch`` (after ``grpo_kernels.integrations.trl.patch()``),
+``ours+vllm`` (ours with ``VLLMRollout``; run by the vLLM venv's interpreter when this one has no vLLM:
+``GRPO_VLLM_PYTHON``, or ``.venv-vllm`` next to this venv).
 
-Each (side, round) runs in a fresh process; rounds interleave the sides (the order rotates every
-round), and the tables give medians over rounds and the median of the per-round ratios to ``ours``.
-Phases: generation, scoring (rewards and advantages), old/ref log-probs, loss+backward (clipping
-included), optimizer (``AdamW.step``, timed by torch's global optimizer hooks), other (the rest of
-the step: batching, bookkeeping, logging). Ours reads the ``time/*`` entries of the trainer's own step
-log; TRL's are measured by a subclass whose overrides time TRL's ``_generate``,
-``_calculate_rewards``, the no-grad ``_get_per_token_logps_and_entropies`` calls, ``_prepare_inputs``
-and ``training_step`` (each calls ``super()``; nothing of TRL is patched).
-
-Memory: the step's peak resident set (``VmHWM`` after resetting it through ``/proc/self/clear_refs``
-at the start of the step; ``MALLOC_MMAP_THRESHOLD_`` makes freed big buffers leave the process), the
-resident set at its start, the whole process's peak (``ru_maxrss``), and on CUDA
-``torch.cuda.max_memory_allocated`` over the step.
-
-Results: ``benchmarks/results/trainer_step-<device>-<date>[-quick].jsonl`` (one line per measured
-step, with the conditions) and ``.md`` (the tables). Exit status 1 when a side that is available here
-failed (its error is in the JSON line), 0 otherwise.
+Each (side, round) runs in a fresh process (``harness.fresh``); rounds interleave the sides (the order
+rotates); the tables give medians and the median per-round ratio to ``ours``, with the load average.
+Phases: generation, scoring, old/ref log-probs, loss+backward, optimizer (torch's optimizer hooks),
+other. Memory: the step's peak RSS (``harness.RSS``) and on CUDA ``max_memory_allocated``.
+Results: ``benchmarks/results/trainer_step-<device>-<date>[-quick].md`` (+ ``.json``, and ``.jsonl``
+written as the records come: ``--report JSONL`` renders a stopped run). Exit 1 when a side that can
+run here failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +37,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-RESULT_PREFIX = "TRAINER_STEP_RESULT "
+from benchmarks import harness as H
+
 WARMUP_STEPS = 1
 
 
@@ -100,22 +78,11 @@ SHAPES = {
                           prompt_tokens=64),
 }
 
-# The options every side runs with (TRL's names on the left of the comments' "=", ours where they differ).
-OPTIONS = dict(
-    beta=0.04,  # KL to a frozen reference model: the reference log-probs are part of the step
-    loss_type="dapo",
-    epsilon=0.2,  # ours: eps_low = eps_high = 0.2
-    temperature=1.0,
-    top_p=1.0,  # top_k off on both
-    learning_rate=1e-6,  # constant (TRL: lr_scheduler_type="constant"; ours: no warm-up)
-    adam_beta1=0.9,
-    adam_beta2=0.99,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    scale_rewards="group",  # ours: advantage_std="unbiased" (TRL's group std)
-    num_iterations=1,  # on-policy: no old log-probs pass on either side
-    seed=0,
-)
+# The options every side runs with, in TRL's names. beta > 0: the reference log-probs are part of the step;
+# epsilon: ours eps_low = eps_high; top_k off on both; a constant learning rate; scale_rewards "group": ours
+# advantage_std="unbiased"; num_iterations 1: on-policy, no old log-probs pass on either side.
+OPTIONS = dict(beta=0.04, loss_type="dapo", epsilon=0.2, temperature=1.0, top_p=1.0, learning_rate=1e-6, adam_beta1=0.9,
+               adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, scale_rewards="group", num_iterations=1, seed=0)
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?."
 
@@ -134,9 +101,7 @@ def build_model(shape: Shape):
         bos_token_id=None, max_position_embeddings=max(1024, shape.prompt_tokens + shape.max_new_tokens),
     )
     model = Qwen2ForCausalLM(config).float()
-    model.generation_config.min_new_tokens = shape.max_new_tokens
-    model.generation_config.eos_token_id = 1
-    model.generation_config.pad_token_id = 0
+    model.generation_config.update(min_new_tokens=shape.max_new_tokens, eos_token_id=1, pad_token_id=0)
     return model
 
 
@@ -173,75 +138,34 @@ def checksum_reward(prompts, completions, **kwargs) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 # measuring a step inside a side's process
 # --------------------------------------------------------------------------------------------------
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 class StepMeter:
-    """Wall time and peak memory of the measured step, and the optimizer's time inside it.
-
-    ``AdamW.step`` is timed through torch's global optimizer hooks (``register_optimizer_step_pre_hook``
-    / ``_post_hook``), which fire for our optimizer and for the one inside TRL's accelerate wrapper."""
+    """Wall time and peak memory of the measured step, and the optimizer's time inside it (torch's
+    global optimizer hooks fire for ours and for the one inside TRL's accelerate wrapper)."""
 
     def __init__(self, device) -> None:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self.torch, self.device = torch, device
+        self.torch, self.device, self.rss = torch, device, H.RSS()
         self.optimizer_s, self._opt_start = 0.0, None
-        register_optimizer_step_pre_hook(self._opt_pre)
-        register_optimizer_step_post_hook(self._opt_post)
+        register_optimizer_step_pre_hook(lambda *_: setattr(self, "_opt_start", self.now()))
+        register_optimizer_step_post_hook(lambda *_: setattr(self, "optimizer_s", self.optimizer_s + self.now() - self._opt_start))
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-
-    def _opt_pre(self, optimizer, args, kwargs) -> None:
-        self.sync()
-        self._opt_start = time.perf_counter()
-
-    def _opt_post(self, optimizer, args, kwargs) -> None:
-        self.sync()
-        self.optimizer_s += time.perf_counter() - self._opt_start
+    def now(self) -> float:
+        H.sync(self.device)
+        return time.perf_counter()
 
     def begin(self) -> None:
-        self.sync()
         self.optimizer_s = 0.0
-        try:  # "5": reset the peak resident set to the current one
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-        self.rss_start_kib = _status_kib("VmRSS")
+        self.rss.start()
         if self.device.type == "cuda":
             self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.cuda_start = self.torch.cuda.memory_allocated(self.device)
-        self.start = time.perf_counter()
+        self.start = self.now()
 
     def end(self) -> dict:
-        self.sync()
-        seconds = time.perf_counter() - self.start
-        mib = lambda kib: None if kib is None else kib / 1024  # noqa: E731
-        out = {
-            "step_s": seconds,
-            "optimizer_s": self.optimizer_s,
-            "rss_start_mib": mib(self.rss_start_kib),
-            # without the reset, VmHWM is the process's peak so far (marked so in the results)
-            "step_peak_rss_mib": mib(_status_kib("VmHWM")),
-            "step_peak_rss_is_step_only": self.hwm_reset,
-            "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
+        out = {"step_s": self.now() - self.start, "optimizer_s": self.optimizer_s, **self.rss.stop()}
         if self.device.type == "cuda":
             out["cuda_peak_allocated_mib"] = self.torch.cuda.max_memory_allocated(self.device) / 2**20
-            out["cuda_start_allocated_mib"] = self.cuda_start / 2**20
         return out
 
 
@@ -253,24 +177,7 @@ def phases_with_other(step_s: float, phases: dict) -> dict:
 # --------------------------------------------------------------------------------------------------
 # the sides
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Side:
-    """One way to run the step. ``run(shape, device)`` runs inside the side's own process and returns
-    the measured step (:meth:`StepMeter.end`'s fields plus ``phases``, ``completion_tokens``, ``loss``);
-    ``unavailable()`` is None when the side can run here, else the reason it cannot."""
-
-    name: str
-    description: str
-    run: Callable
-    unavailable: Callable[[], Optional[str]] = lambda: None
-
-
-SIDES: dict[str, Side] = {}
-
-
-def register(side: Side) -> Side:
-    SIDES[side.name] = side
-    return side
+SIDES = H.Sides()
 
 
 def _our_config(shape: Shape, backend: str, output_dir: str):
@@ -320,9 +227,7 @@ def run_ours(shape: Shape, device, backend: str = "auto", rollout_factory: Optio
 
 
 def _trl_unavailable() -> Optional[str]:
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        return "trl is not installed (pip install -e '.[trl]')"
-    return None
+    return H.missing("trl", "datasets")
 
 
 def _patch_unavailable() -> Optional[str]:
@@ -363,40 +268,25 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
     meter = StepMeter(device)
     phase_s: dict[str, float] = {}
 
-    class timed:
-        def __init__(self, phase: str) -> None:
-            self.phase = phase
-
-        def __enter__(self):
-            meter.sync()
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            meter.sync()
-            phase_s[self.phase] = phase_s.get(self.phase, 0.0) + time.perf_counter() - self.start
+    def timed(method: str, phase: Callable[[], Optional[str]]):
+        """An override of ``method`` that adds its time to ``phase()`` (None: not timed) around ``super()``."""
+        def override(self, *args, **kwargs):
+            name, start = phase(), meter.now()
+            try:
+                return getattr(super(TimedGRPOTrainer, self), method)(*args, **kwargs)
+            finally:
+                if name:
+                    phase_s[name] = phase_s.get(name, 0.0) + meter.now() - start
+        return override
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
-        def _generate(self, *args, **kwargs):
-            with timed("generation"):
-                return super()._generate(*args, **kwargs)
+        pass
 
-        def _calculate_rewards(self, *args, **kwargs):
-            with timed("scoring"):
-                return super()._calculate_rewards(*args, **kwargs)
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            if torch.is_grad_enabled():  # the loss's own forward: part of loss+backward
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with timed("logps"):  # old / reference log-probs, under no_grad
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-        def _prepare_inputs(self, *args, **kwargs):
-            with timed("prepare_inputs"):
-                return super()._prepare_inputs(*args, **kwargs)
-
-        def training_step(self, *args, **kwargs):
-            with timed("training_step"):
-                return super().training_step(*args, **kwargs)
+    # the no-grad log-prob calls are the old / reference log-probs; the loss's own forward is in loss+backward
+    for method, phase in (("_generate", "generation"), ("_calculate_rewards", "scoring"), ("_prepare_inputs", "prepare_inputs"),
+                          ("training_step", "training_step"), ("_get_per_token_logps_and_entropies", None)):
+        setattr(TimedGRPOTrainer, method, timed(method, (lambda p=phase: p) if phase else
+                                                (lambda: None if torch.is_grad_enabled() else "logps")))
 
     measured: dict = {}
 
@@ -452,16 +342,6 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
             "loss": logged.get("loss"), "reward": logged.get("reward"), "kl": logged.get("kl")}
 
 
-def _vllm_unavailable() -> Optional[str]:
-    import grpo.rollout
-
-    if not hasattr(grpo.rollout, "VLLMRollout"):
-        return "grpo.rollout has no VLLMRollout"
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed"
-    return None
-
-
 def _vllm_rollout(model, tokenizer, cfg, out_dir):
     """A ``VLLMRollout`` on the policy saved to ``out_dir`` (the engine loads weights from a path)."""
     from grpo.rollout import VLLMRollout
@@ -474,203 +354,154 @@ def _vllm_rollout(model, tokenizer, cfg, out_dir):
                        dtype=dtype, seed=cfg.seed, eos_token_id=1)
 
 
-register(Side("ours", "grpo.trainer, fused loss (backend auto)", run_ours))
-register(Side("ours-reference", "grpo.trainer, plain-PyTorch reference loss (backend reference)",
-              lambda shape, device: run_ours(shape, device, backend="reference")))
-register(Side("trl", "trl.GRPOTrainer, stock", run_trl, _trl_unavailable))
-register(Side("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()",
-              lambda shape, device: run_trl(shape, device, patched=True), _patch_unavailable))
-register(Side("ours+vllm", "grpo.trainer, fused loss, VLLMRollout for generation",
-              lambda shape, device: run_ours(shape, device, rollout_factory=_vllm_rollout), _vllm_unavailable))
+def vllm_python() -> Optional[str]:
+    return H.venv_python(".venv-vllm", "GRPO_VLLM_PYTHON", "vllm")
+
+
+def _vllm_unavailable() -> Optional[str]:
+    if vllm_python() is None:
+        return f"vllm is not installed here, and no vLLM venv found (GRPO_VLLM_PYTHON, or .venv-vllm next to {sys.prefix})"
+    return None
+
+
+SIDES.register("ours", "grpo.trainer, fused loss (backend auto)")(run_ours)
+SIDES.register("ours-reference", "grpo.trainer, plain-PyTorch reference loss (backend reference)")(
+    lambda shape, device: run_ours(shape, device, backend="reference"))
+SIDES.register("trl", "trl.GRPOTrainer, stock", _trl_unavailable)(run_trl)
+SIDES.register("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()", _patch_unavailable)(
+    lambda shape, device: run_trl(shape, device, patched=True))
+SIDES.register("ours+vllm", "grpo.trainer, fused loss, VLLMRollout for generation (the vLLM venv's interpreter)",
+               _vllm_unavailable, vllm_python)(lambda shape, device: run_ours(shape, device, rollout_factory=_vllm_rollout))
 
 
 def child(shape_name: str, *side_names: str) -> int:
-    """Run each side's warm-up and measured step in this process, one after the other, and print a
-    result line for each (a side that raises gets an ``error`` line; the next one still runs)."""
+    """Each side's warm-up and measured step in this process, one after the other; a result line each (a
+    side that raises gets an ``error`` line and the next one still runs)."""
+    import gc
     import traceback
 
     import torch
 
-    import gc
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name in side_names:
         gc.collect()  # (several sides in one process: the previous one's model and trainer go first)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         try:
-            result = {"side": name, **SIDES[name].run(SHAPES[shape_name], device)}
+            result = SIDES[name].make(SHAPES[shape_name], device)
         except Exception as exc:
             traceback.print_exc()
-            result = {"side": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        H.emit({"side": name, "python": sys.executable, "transformers": H.version("transformers"),
+                "load_1m": round(os.getloadavg()[0], 2), **result})
     return 0
 
 
 # --------------------------------------------------------------------------------------------------
 # the driver: fresh processes, interleaved rounds, tables
 # --------------------------------------------------------------------------------------------------
-def conditions(shape_name: str, rounds: int, quick: bool) -> dict:
-    import torch
-
-    from benchmarks import machine
-
-    info = machine.machine_info()
-    versions = {}
-    for name in ("transformers", "trl", "datasets"):
-        try:
-            versions[name] = importlib.import_module(name).__version__
-        except Exception:
-            versions[name] = None
-    return {**info, **versions, "torch_threads": torch.get_num_threads(), "shape": shape_name,
-            "shape_detail": dataclasses.asdict(SHAPES[shape_name]), "options": OPTIONS, "rounds": rounds,
-            "warmup_steps": WARMUP_STEPS, "quick": quick, "dtype": "fp32 weights" + (", bf16 autocast" if torch.cuda.is_available() else "")}
-
-
 def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[int]) -> list[dict]:
-    """``sides`` run one after the other in one fresh process; one result per side, in order."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "benchmarks.trainer_step", "child", shape, *sides]
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-        stdout, error = done.stdout, f"exit {done.returncode}: " + "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        error = f"timed out after {timeout_s:.0f} s"
-    wall = time.perf_counter() - start
-    results = {}
-    for line in stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            r = json.loads(line[len(RESULT_PREFIX):])
-            results[r.pop("side")] = {**r, "process_wall_s": wall, "process_sides": len(sides)}
-    return [results.get(side, {"error": error}) for side in sides]
-
-
-def median(values: list) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    """``sides`` one after the other in one fresh process (their interpreter's); one result per side."""
+    results = H.fresh(["benchmarks.trainer_step", "child", shape, *sides], python=SIDES[sides[0]].python(),
+                      timeout_s=timeout_s, threads=threads)
+    error = next((r for r in results if "side" not in r), {"error": "no result"})
+    by_side = {r["side"]: r for r in results if "side" in r}
+    return [{k: v for k, v in by_side.get(side, error).items() if k != "side"} for side in sides]
 
 
 def summarise(records: list[dict], baseline: str = "ours") -> list[dict]:
     """Per side: medians over rounds, and the median per-round ratio of step time and step peak RSS
     to ``baseline``'s in the same round."""
     ok = [r for r in records if "error" not in r]
-    by_round = {(r["round"], r["side"]): r for r in ok}
     rows = []
     for side in dict.fromkeys(r["side"] for r in records):
         mine = [r for r in ok if r["side"] == side]
         if not mine:
             rows.append({"side": side, "error": next(r["error"] for r in records if r["side"] == side)})
             continue
-        row = {"side": side, "rounds": len(mine)}
-        for key in ("step_s", "step_peak_rss_mib", "rss_start_mib", "process_peak_rss_mib", "cuda_peak_allocated_mib",
-                    "completion_tokens"):
-            row[key] = median([r.get(key) for r in mine])
-        row["phases"] = {p: median([r["phases"][p] for r in mine]) for p in mine[0]["phases"]}
-        for key, name in (("step_s", "time_ratio"), ("step_peak_rss_mib", "rss_ratio"),
-                          ("cuda_peak_allocated_mib", "cuda_ratio")):
-            ratios = [r[key] / by_round[(r["round"], baseline)][key] for r in mine
-                      if (r["round"], baseline) in by_round and r.get(key) and by_round[(r["round"], baseline)].get(key)]
-            row[name] = median(ratios)
+        row = {"side": side, "rounds": len(mine), "phases": {p: H.median([r["phases"][p] for r in mine]) for p in mine[0]["phases"]}}
+        for key in ("step_s", "peak_rss_mib", "cuda_peak_allocated_mib", "completion_tokens", "load_1m"):
+            row[key] = H.median([r.get(key) for r in mine])
+        for key, name in (("step_s", "time_ratio"), ("peak_rss_mib", "rss_ratio"), ("cuda_peak_allocated_mib", "cuda_ratio")):
+            per_round = {side: [], baseline: []}
+            for rnd in sorted({r["round"] for r in mine}):
+                pair = {r["side"]: r.get(key) for r in ok if r["round"] == rnd and r["side"] in (side, baseline)}
+                for s in per_round:
+                    per_round[s].append(pair.get(s))
+            row[name] = H.ratio(per_round, side, baseline)
         rows.append(row)
     return rows
 
 
-def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, str]) -> str:
-    shape = SHAPES[shape_name]
+PHASES = ("generation", "scoring", "logps", "loss+backward", "optimizer", "other")
+
+
+def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, str]) -> list[str]:
     cuda = any(r.get("cuda_peak_allocated_mib") for r in rows)
-    lines = [
-        f"### `{shape_name}`: {shape.describe()}",
-        "",
-        f"{cond['date']}; {cond.get('gpu_name') or cond.get('cpu_model', '?')}, {cond.get('cpu_count', '?')} CPUs "
-        f"(torch threads {cond['side_threads'] or cond['torch_threads']}); torch {cond.get('torch')}, transformers {cond.get('transformers')}, "
-        f"trl {cond.get('trl')}; {cond['dtype']}; {cond['rounds']} interleaved round(s), "
-        + ("each side in a fresh process, " if cond["process_per_side"] else "all sides in one process, ")
-        + f"{WARMUP_STEPS} warm-up step then the measured one; medians; ratios are per-round ratios to `ours`, medianed.",
-        "",
-    ]
-    head = "| side | step | × ours | step peak RSS | × ours |" + (" CUDA peak | × ours |" if cuda else "")
-    head += " generation | scoring | old/ref log-probs | loss+backward | optimizer | other | completion tokens |"
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    x = lambda v: "" if v is None else f"{v:.2f}×"  # noqa: E731
+    cells = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['side']} | failed: {r['error'].splitlines()[-1][:120]} |")
+            cells.append([r["side"], f"failed: {r['error'].splitlines()[-1][:120]}"])
             continue
-        fmt_x = lambda v: "" if v is None else f"{v:.2f}×"  # noqa: E731
-        cells = [r["side"], f"{r['step_s']:.2f} s", fmt_x(r["time_ratio"]),
-                 f"{r['step_peak_rss_mib']:,.0f} MiB" if r["step_peak_rss_mib"] else "?", fmt_x(r["rss_ratio"])]
-        if cuda:
-            cells += [f"{r['cuda_peak_allocated_mib']:,.0f} MiB" if r.get("cuda_peak_allocated_mib") else "?", fmt_x(r["cuda_ratio"])]
-        for p in ("generation", "scoring", "logps", "loss+backward", "optimizer", "other"):
-            v = r["phases"].get(p)
-            cells.append("" if v is None else f"{v:.2f} s ({100 * v / r['step_s']:.0f}%)")
-        cells.append(f"{r['completion_tokens']:.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    for side, reason in skipped.items():
-        lines.append(f"| {side} | skipped: {reason} |")
-    lines += ["", "Sides: " + "; ".join(f"`{s.name}`: {s.description}" for s in SIDES.values()) + "."]
-    return "\n".join(lines)
+        cells.append([r["side"], f"{r['step_s']:.2f} s", x(r["time_ratio"]), f"{r['peak_rss_mib']:,.0f} MiB", x(r["rss_ratio"])]
+                     + ([f"{r['cuda_peak_allocated_mib'] or 0:,.0f} MiB", x(r["cuda_ratio"])] if cuda else [])
+                     + ["" if r["phases"].get(p) is None else f"{r['phases'][p]:.2f} s ({100 * r['phases'][p] / r['step_s']:.0f}%)"
+                        for p in PHASES] + [f"{r['completion_tokens']:.0f}", f"{r['load_1m']:.2f}"])
+    cells += [[side, f"skipped: {reason}"] for side, reason in skipped.items()]
+    return [f"## `{shape_name}`: {SHAPES[shape_name].describe()}", "",
+            f"{cond['rounds']} interleaved round(s), " + ("each side in a fresh process" if cond["process_per_side"] else
+                                                           "the sides of a round in one process")
+            + f", torch threads {cond.get('side_threads') or 'default'}, {cond['dtype']}; {WARMUP_STEPS} warm-up step then "
+            "the measured one; medians; ratios are per-round ratios to `ours`, medianed.", "",
+            *H.table(["side", "step", "× ours", "step peak RSS", "× ours"] + (["CUDA peak", "× ours"] if cuda else [])
+                     + ["generation", "scoring", "old/ref log-probs", "loss+backward", "optimizer", "other", "completion tokens",
+                        "load (1 min)"], cells), ""]
 
 
-def render_jsonl(path: str) -> int:
-    """The tables of the records in ``path`` (every shape in it), written to the ``.md`` beside it."""
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    sections = []
+def report(records: list[dict], cond: dict, skipped: dict[str, str], out: Optional[str]) -> H.Report:
+    rep = H.Report("One GRPO step: ours vs TRL (`python -m benchmarks.trainer_step`)", cond)
     for shape in dict.fromkeys(r["shape"] for r in records):
         mine = [r for r in records if r["shape"] == shape]
-        cond = {**mine[-1]["conditions"], "rounds": len({r["round"] for r in mine})}
-        sections.append(markdown(shape, summarise(mine), cond, {}))
-    text = TITLE + "\n\n".join(sections) + "\n"
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    return 0
-
-
-TITLE = "## One GRPO step: ours vs TRL (`python -m benchmarks.trainer_step`)\n\n"
+        rep.add(*markdown(shape, summarise(mine), {**cond, "rounds": len({r["round"] for r in mine})}, skipped))
+    rep.add("Sides: " + "; ".join(f"`{s.name}`: {s.description}" for s in SIDES.values()) + ".")
+    rep.records = records
+    rep.write(out)
+    return rep
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    if argv is None:
-        argv = sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
         return child(*argv[1:])
-    parser.add_argument("--quick", action="store_true",
-                        help="shape tiny, 1 round, --one-process, 1 thread (CI's smoke run; under a minute)")
-    parser.add_argument("--one-process", action="store_true",
-                        help="all sides of a round in one process (saves the start-ups; CUDA peaks stay per step, "
-                             "the RSS of a later side includes what the earlier ones left)")
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
-    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=None)
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per process (default 120 with --quick, else 900); a process past it loses the "
-                             "sides it had not finished (reported as failed), the tables are still written")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS of the side processes (default: torch's own; 1 with --quick)")
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--list", action="store_true", help="print the shapes and sides and exit")
-    parser.add_argument("--report", metavar="JSONL", help="only render the tables of an earlier run's JSONL "
-                        "(e.g. one stopped early: its finished rounds) into the .md beside it")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shape tiny, 1 round, --one-process, 1 thread, this interpreter's "
+                   "sides unless --sides names others (CI's smoke run)")
+    p.add_argument("--one-process", action="store_true",
+                   help="the sides of a round in one process (a side in another interpreter still gets its own)")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
+    p.add_argument("--sides", nargs="+", choices=list(SIDES), default=None)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="seconds per process (default 120 with --quick, else 900)")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the side processes (1 with --quick)")
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--list", action="store_true", help="print the shapes and sides and exit")
+    p.add_argument("--report", metavar="JSONL", help="only render the tables of an earlier run's JSONL into the .md beside it")
+    args = p.parse_args(argv)
     if args.report:
-        return render_jsonl(args.report)
+        with open(args.report) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        report(records, records[-1]["conditions"], {}, os.path.splitext(args.report)[0] + ".md")
+        return 0
     import torch
 
     cuda = torch.cuda.is_available()
     shapes = args.shapes or (["tiny"] if args.quick else ["qwen2.5-0.5b"] if cuda else ["tiny", "qwen-vocab"])
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds, threads = args.rounds or (1 if args.quick else 3), args.threads or (1 if args.quick else None)
     if rounds < 1:
-        parser.error("--rounds must be >= 1")
-    timeout = args.timeout or (120.0 if args.quick else 900.0)
-    threads = args.threads or (1 if args.quick else None)
-    skipped = {s.name: reason for s in SIDES.values() if (reason := s.unavailable())}
-    sides = [s for s in (args.sides or list(SIDES)) if s not in skipped]
+        p.error("--rounds must be >= 1")
+    sides, skipped = SIDES.select(args.sides)
+    if args.quick and not args.sides:  # CI's smoke run: this interpreter's sides (the vLLM venv's start-up is CI's slowest)
+        skipped.update({s: "not in --quick unless named in --sides" for s in sides if SIDES[s].python() != sys.executable})
+        sides = [s for s in sides if s not in skipped]
     if args.list:
         for name, shape in SHAPES.items():
             print(f"shape {name}: {shape.describe()}")
@@ -680,42 +511,33 @@ def main(argv=None) -> int:
     for side, reason in skipped.items():
         print(f"[trainer_step] side {side} skipped: {reason}", flush=True)
     if not sides:
-        print("[trainer_step] no side can run here", flush=True)
         return 0
+    one_process = args.quick or args.one_process
+    cond = H.conditions(shapes={s: dataclasses.asdict(SHAPES[s]) for s in shapes}, options=OPTIONS, rounds=rounds, side_threads=threads,
+                        warmup_steps=WARMUP_STEPS, process_per_side=not one_process,
+                        dtype="fp32 weights" + (", bf16 autocast" if cuda else ""))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"trainer_step-{'cuda' if cuda else 'cpu'}-{datetime.now(timezone.utc):%Y%m%d}"
                         + ("-quick" if args.quick else ""))
-    failed = False
-    sections = []
+    records = []
     with open(stem + ".jsonl", "a") as jsonl:
         for shape in shapes:
-            one_process = args.quick or args.one_process
-            cond = {**conditions(shape, rounds, args.quick), "side_threads": threads, "process_per_side": not one_process}
-            records = []
             for rnd in range(rounds):
                 order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # rotate: interleaved, no fixed position
-                # a fresh process per side; --quick / --one-process: all of them in one
-                batches = [order] if one_process else [[side] for side in order]
+                own = [s for s in order if SIDES[s].python() != sys.executable]  # another interpreter: its own process
+                shared = [s for s in order if s not in own]
+                batches = [[s] for s in order] if not one_process else [shared] * bool(shared) + [[s] for s in own]
                 for batch in batches:
-                    for side, result in zip(batch, run_child(batch, shape, timeout, threads)):
-                        record = {"shape": shape, "side": side, "round": rnd, **result}
-                        records.append(record)
-                        jsonl.write(json.dumps({**record, "conditions": cond}) + "\n")
+                    for side, result in zip(batch, run_child(batch, shape, args.timeout or (120.0 if args.quick else 900.0), threads)):
+                        records.append({"shape": shape, "side": side, "round": rnd, **result})
+                        jsonl.write(json.dumps({**records[-1], "conditions": cond}) + "\n")
                         jsonl.flush()
-                        if "error" in result:
-                            failed = True
-                            print(f"[trainer_step] {shape} round {rnd} {side}: FAILED {result['error']}", flush=True)
-                        else:
-                            print(f"[trainer_step] {shape} round {rnd} {side}: step {result['step_s']:.2f} s, step peak RSS "
-                                  f"{result['step_peak_rss_mib']:,.0f} MiB, {result['completion_tokens']} completion tokens",
-                                  flush=True)
-            sections.append(markdown(shape, summarise(records), cond, skipped))
-    text = TITLE + "\n\n".join(sections) + "\n"
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    print(f"[trainer_step] wrote {stem}.md and {stem}.jsonl", flush=True)
-    return 1 if failed else 0
+                        print(f"[trainer_step] {shape} round {rnd} {side}: " + (f"FAILED {result['error']}" if "error" in result else
+                              f"step {result['step_s']:.2f} s, step peak RSS {result['peak_rss_mib']:,.0f} MiB, "
+                              f"{result['completion_tokens']} completion tokens, load {result.get('load_1m')}"), flush=True)
+    report(records, cond, skipped, stem + ".md")
+    print(f"[trainer_step] wrote {stem}.md, .json and .jsonl", flush=True)
+    return 1 if any("error" in r for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ Four implementations of one GRPO step (forward + backward), interleaved round by
 - ``gather_weight``: ``all_gather`` the ``[V_r, H]`` weight shards, ``fused_linear_grpo_loss`` on the
   whole head, this rank's slice of ``d W``.
 
-Every collective is counted (elements and bytes each rank puts in, and the seconds spent inside it).
-Reported per implementation: median step time over the rounds, its ratio to the gathering
-counterpart, bytes per token communicated, and the median time inside collectives.
+Every collective is counted (bytes each rank puts in, seconds inside it). Reported per implementation:
+median step time (``harness.interleave``), the median per-round ratio to the gathering counterpart,
+bytes per token communicated, and the median time inside collectives.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/vocab_parallel.py [--world 2] [--tokens 1024] [--vocab 32000]
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.vocab_parallel [--world 2] [--tokens 1024] [--vocab 32000]
         [--hidden 256] [--rounds 5] [--out benchmarks/results/cpu-DATE-vocab_parallel.md]
 """
 
@@ -24,13 +24,14 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import tempfile
 import time
 from typing import Callable, Dict
 
 import torch
 import torch.multiprocessing as mp
+
+from benchmarks import harness as H
 
 
 class CollectiveMeter:
@@ -117,70 +118,52 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
     # the two ways agree (the tests check both against float64; this guards the benchmark itself)
     assert torch.allclose(vp_logits(), gather_logits(), rtol=1e-4, atol=1e-7)
     assert torch.allclose(vp_linear(), gather_weight(), rtol=1e-4, atol=1e-6)
-    record = {name: {"seconds": [], "comm_seconds": [], "bytes": 0, "collectives": 0} for name in impls}
-    for _ in range(args.rounds):
-        for name, fn in impls.items():
-            dist.barrier()
-            meter.reset()
-            t0 = time.perf_counter()
-            fn()
-            record[name]["seconds"].append(time.perf_counter() - t0)
-            record[name]["comm_seconds"].append(meter.seconds)
-            record[name]["bytes"], record[name]["collectives"] = meter.bytes, meter.calls
+    record = {name: {"comm_seconds": [], "bytes": 0, "collectives": 0} for name in impls}
+
+    def after(_round: int, name: str) -> None:  # each timed call: what went through the collectives, then all wait
+        record[name]["comm_seconds"].append(meter.seconds)
+        record[name]["bytes"], record[name]["collectives"] = meter.bytes, meter.calls
+        dist.barrier()
+        meter.reset()
+
+    dist.barrier()
+    meter.reset()
+    for name, seconds in H.interleave(impls, args.rounds, warmup=False, progress=after).items():
+        record[name]["seconds"] = seconds
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"sizes": sizes, "record": record}, f)
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    p = H.parser(__doc__.split("\n")[0], rounds=5)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--hidden", type=int, default=256)
+    args = p.parse_args(argv)
+    report = H.Report(f"Vocabulary-parallel GRPO step vs gathering the vocabulary (CPU, gloo, {args.world} processes)")
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.json")
         mp.start_processes(_worker, args=(args.world, args, os.path.join(tmp, "store"), raw), nprocs=args.world,
                            start_method="spawn")
         with open(raw) as f:
             data = json.load(f)
-    n = args.tokens
-    rows = []
-    med = {name: statistics.median(r["seconds"]) for name, r in data["record"].items()}
     baseline = {"vp_logits": "gather_logits", "gather_logits": "gather_logits", "vp_linear": "gather_weight",
                 "gather_weight": "gather_weight"}
-    for name, r in data["record"].items():
-        rows.append(f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med[baseline[name]]:.2f} | "
-                    f"{statistics.median(r['comm_seconds']) * 1e3:.2f} | {r['collectives']} | {r['bytes']:,} | "
-                    f"{r['bytes'] / n:,.1f} |")
-    date = datetime.date.today().strftime("%Y%m%d")
-    text = "\n".join([
-        f"# Vocabulary-parallel GRPO step vs gathering the vocabulary (CPU, gloo, {date})",
-        "",
-        f"{args.world} processes on one machine ({os.cpu_count()} cores, shared), gloo over 127.0.0.1; "
-        f"N = {n} tokens (B = 2), V = {args.vocab} in shards {data['sizes']}, H = {args.hidden}, fp32, "
-        f"dapo with old log-probs, torch backend; forward + backward, {args.rounds} interleaved rounds, medians, rank 0.",
-        "`bytes` is what rank 0 puts into collectives in one step (the all-reduces' inputs, or its all-gather shard).",
-        "",
-        "| implementation | step ms | vs gathering | ms in collectives | collectives | bytes | bytes / token |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-        f"Re-run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/vocab_parallel.py --world {args.world} "
-        f"--tokens {n} --vocab {args.vocab} --hidden {args.hidden} --rounds {args.rounds}`",
-        "",
-    ])
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"args": vars(args), **data}, f, indent=1)
+    times = {name: r["seconds"] for name, r in data["record"].items()}
+    report.records = [{"args": vars(args), **data}]
+    report.add(f"N = {args.tokens} tokens (B = 2), V = {args.vocab} in shards {data['sizes']}, H = {args.hidden}, fp32, dapo "
+               f"with old log-probs, torch backend; forward + backward, {args.rounds} interleaved rounds, medians, rank 0. "
+               "`bytes`: what rank 0 puts into collectives in one step.", "", *H.table(
+                   ["implementation", "step", "vs gathering", "in collectives", "collectives", "bytes", "bytes / token"],
+                   [[name, H.fmt_time(H.median(r["seconds"])), H.fmt_ratio(H.ratio(times, name, baseline[name])),
+                     H.fmt_time(H.median(r["comm_seconds"])), r["collectives"], f"{r['bytes']:,}", f"{r['bytes'] / args.tokens:,.1f}"]
+                    for name, r in data["record"].items()]))
+    report.write(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -132,7 +132,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 # Flop per byte of memory traffic a matmul needs to run at the machine's rate (its "balance"), used
 # by default_chunk_size. CUDA: taken from datasheets (predicted, not measured); CPU: an effective
-# figure fitted by benchmarks/chunk_size_cpu.py (the per-call cost a skinny chunk fails to amortise).
+# figure fitted by `python -m benchmarks.kernels compare --chunks` (the per-call cost a skinny chunk fails to amortise).
 # The measurements: benchmarks/results/chunk_size_cpu.md.
 MACHINE_BALANCE = {"cuda": 200.0, "cpu": 172.0}
 # Most bytes one chunk's logits may take (they are overwritten by their gradient in place): next to

@@ -766,7 +766,7 @@ def test_default_chunk_size_rule():
 
 def test_peak_memory_is_flat_in_tokens():
     """Extra memory of forward + backward is bounded by the chunk, not by N (CPU profiler)."""
-    from benchmarks.profiling import cpu_peak_extra_bytes
+    from benchmarks.harness import peak_extra_bytes
 
     def peak_extra(n_tokens, fn):
         g = torch.Generator().manual_seed(0)
@@ -774,7 +774,7 @@ def test_peak_memory_is_flat_in_tokens():
         weight = torch.randn(2000, 32, generator=g, requires_grad=True)
         ids = torch.randint(0, 2000, (1, n_tokens), generator=g)
         adv = torch.randn(1, generator=g)
-        return cpu_peak_extra_bytes(lambda: fn(hidden, weight, ids, adv).loss.backward())[0]
+        return peak_extra_bytes(lambda: fn(hidden, weight, ids, adv).loss.backward(), torch.device("cpu"))[0]
 
     def fused(h, w, i, a):
         return gk.fused_linear_grpo_loss(h, w, i, a, chunk_size=256, backend="torch")

@@ -1,7 +1,7 @@
 """grpo_kernels/kernels/triton_rows.py: the epilogue equals the objective, and the row kernels compile ahead of time for sm_80 and sm_90a (GPU readiness without a GPU).
 
 Triton's NVIDIA backend needs no driver: ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``benchmarks.aot``
+cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``grpo_kernels.kernels.aot``
 captures the exact launch ``forward_rows`` / ``backward_rows`` make (meta tensors, so nothing is
 allocated), specializes it as Triton's launcher would (16-byte alignment -> ``tt.divisibility``),
 compiles it, and reads the cubin back with the wheel's ``cuobjdump``.
@@ -31,7 +31,7 @@ import torch
 import verl_cases as vc
 from helpers import DEVICE
 
-from benchmarks import aot
+from grpo_kernels.kernels import aot
 from grpo_kernels import objective
 from grpo_kernels.options import GRPOInputs, GRPOOptions
 
@@ -452,7 +452,7 @@ def test_plain_kernels_read_a_temperature_per_row(splits, monkeypatch):
 _SAMPLED_COMPILE = r"""
 import json, sys
 import torch
-from benchmarks import aot
+from grpo_kernels.kernels import aot
 from grpo_kernels.kernels import triton_rows
 out = []
 for dtype in (torch.bfloat16, torch.float32):

@@ -73,7 +73,7 @@ def _normalise_tests(tests: Any) -> list | None:
 
 
 def _jobs(code: str, tests: list, timeout: float, trusted_code: str | None
-          ) -> list[Callable[[], list[tuple[int, bool | None]]]]:
+          ) -> list[Callable[[], list[tuple[int, bool | None | str]]]]:
     """Units of sandboxed work, each returning ``[(test index, verdict)]`` (True, False, or None
     where the test cannot be judged); see ``grpo.rewards.sandbox``: assert tests share one run,
     stdin tests get one run each. ``trusted_code`` applies to assert tests only."""
@@ -110,6 +110,9 @@ def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: f
     None (unscorable: the trainer gives such a completion no advantage) where its tests are
     missing or malformed, where one of its tests cannot be judged whatever the program (the
     planner refuses it on its own, or its judge side fails: see :func:`unscorable_rows`),
+    where its only shortfall is a test that passes only on what the program left in a value
+    the test handed it (``grpo.rewards.sandbox.row_score``: beside a failed test it counts as
+    failed),
     where its ``trusted_code`` is bad (not a str, does not parse, does I/O or imports outside
     the judge's modules: logged once), or where the sandbox cannot be built on this machine
     (logged once: code is never run unconfined). ``timeout`` bounds each sandboxed process.
@@ -121,7 +124,7 @@ def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: f
     if len(tests) != len(completions):
         raise ValueError(f"tests has {len(tests)} rows for {len(completions)} completions")
     trusted = _column("trusted_code", trusted_code, len(completions))
-    units: list[tuple[int, Callable[[], list[tuple[int, bool | None]]]]] = []
+    units: list[tuple[int, Callable[[], list[tuple[int, bool | None | str]]]]] = []
     totals: list[int | None] = []
     for i, (completion, test) in enumerate(zip(completions, tests)):
         norm = _normalise_tests(test)
@@ -136,11 +139,10 @@ def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: f
     passed = [0] * len(totals)
     unscorable: set[int] = set()
 
-    def run(unit: tuple[int, Callable[[], list[tuple[int, bool | None]]]]) -> tuple[int, int | None]:
+    def run(unit: tuple[int, Callable[[], list[tuple[int, bool | None | str]]]]) -> tuple[int, int | None]:
         global _sandbox_failure_logged
         try:
-            verdicts = [ok for _, ok in unit[1]()]
-            return unit[0], None if None in verdicts else sum(verdicts)
+            return unit[0], _sandbox.row_score([ok for _, ok in unit[1]()])
         except _sandbox.SandboxUnavailable as e:
             if not _sandbox_failure_logged:
                 _sandbox_failure_logged = True

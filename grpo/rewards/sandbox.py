@@ -7,22 +7,57 @@
 * *assert tests* (:func:`plan_assert_tests`): each test is split into judge logic and
   *probes*. A probe is a part of the test that belongs to the program (its calls, its names,
   attributes and methods of what it returned); it is evaluated in the sandbox after the
-  program and its value leaves as a record of exact builtin types (None, bool, int, float,
-  complex, str, bytes, list, tuple, set, frozenset, dict), headed by a per-run nonce and
-  written by primitives bound before the program ran. Everything else -- every assert of the
-  test, ``==``/``!=``/``<``, chained comparisons, ``in``, ``is``, ``not``, ``and``/``or``,
-  literal methods (``[2].count(...)``), builtins (``len``, ``sorted``, ``isinstance`` ...),
-  ``math.isclose``, the test's comprehensions, lambdas and ``for`` loops of asserts -- runs in
-  a separate *judge* process (a fresh interpreter under memory/CPU limits and a
-  :data:`JUDGE_SECONDS` wall clock that never holds an object of the program) on the decoded
-  values. The expected values never enter the sandbox. A test whose logic would have to run
-  inside (a helper the test defines, a comparison whose result is passed to the program, a
-  ``def check(candidate)`` that cannot be inlined) is refused. A refusal that is the test's
+  program and its value leaves as one fixed plain value (a record), headed by a per-run
+  nonce and written by primitives bound before the program ran. Everything else -- every
+  assert of the test, ``==``/``!=``/``<``, chained comparisons, ``in``, ``not``,
+  ``and``/``or``, literal methods (``[2].count(...)``), builtins (``len``, ``sorted``,
+  ``isinstance`` ...), ``math.isclose``, the test's comprehensions, lambdas and ``for``
+  loops of asserts -- runs in a separate *judge* process (a fresh interpreter under memory
+  limits, a CPU budget per test and a :data:`JUDGE_SECONDS` wall clock, that never holds an
+  object of the program) on the decoded values. The expected values never enter the
+  sandbox. A test whose logic would have to run inside (a helper the test defines, a
+  comparison whose result is passed to the program, a ``def check(candidate)`` that cannot
+  be inlined) is refused. A refusal that is the test's
   own (it is refused when planned without any program) scores None, unscorable, not 0: the
   plain asserts before the refused statement are still judged (one that fails fails the test;
   if they hold the test stays unscorable), so a correct program never scores 0 for it. A
   refusal the program causes (it redefines a builtin the test uses) fails, logged at INFO.
-  The trainer's process only ever reads the judge's ``PASS <i>`` / ``MISS <i>`` lines (bounded).
+  The trainer's process only ever reads the judge's verdict lines (bounded).
+* *values*: a record is exact data, read once by the base type's own C methods: None, bool,
+  int, float, complex, str, bytes, bytearray, list, tuple, set, frozenset, dict, range, dict
+  views; subclasses of those (IntEnum, namedtuple, Counter, OrderedDict, a ``str`` subclass
+  ...) leave as their base's value (an overridden ``__eq__``, ``__iter__``, ``__hash__`` or
+  ``__class__`` plays no part); ``Fraction``, ``Decimal``, ``deque`` and naive ``datetime``
+  values by their fields; an iterator (a generator) as the values it yields, up to
+  :data:`MAX_ITER_ITEMS` or :data:`ITER_SECONDS` (reading past that cut fails the test). An
+  object of any other type (the program's own classes, a plain ``Enum``) has no value: its
+  probe fails. Lists and str-keyed dicts of scalars travel as JSON (the C codec, bound before
+  the program: a million ints decode in a fraction of a second). An identity test between
+  non-constants where a side is the program's (``f(xs) is xs``) is one probe, evaluated
+  inside: ``is`` cannot be overridden and identity exists only there.
+* *what a test binds*: a name the test binds to a judge-side value (``x = 3``,
+  ``xs = sorted([3, 1, 2])``) that the program reads is held twice: the judge computes its
+  own copy, which is what every assert reads, and the sandbox binds the program's copy in the
+  test's own namespace (a dict of the harness, not the program's globals, with the builtins
+  as they were before the program ran). A ``global`` statement, ``globals()``, patched
+  builtins, ``sys.modules`` or judge modules, or a change in place to what the program was
+  handed can only reach the program's copy. Two readings follow when the program could have
+  changed a value the test reads again: a value handed to a *statement* of the program
+  (``f(xs)`` on its own line: its effect is what the test checks) is read back from the
+  sandbox from then on; a value handed to a *probe* (``r = f(xs)``, ``assert f(xs) ...``) is
+  read as the test built it (in that statement and after), and in the test's *Python
+  reading* (:attr:`AssertPlan.python`) as read back from the sandbox in the statements
+  after. Such a test passes only when both readings pass (Python's is the dataset's: a test
+  that checks its input was left alone still fails a program that changed it); its Python
+  reading failing fails it; one that fails as written but passes in its Python reading (a
+  right program that sorts in place, or a forgery that emptied the list) is
+  :data:`PYTHON_ONLY`: it counts as failed when another test of the row fails, and makes the
+  row None otherwise (:func:`row_score`): never 1.0, never a way out of a wrong program's
+  zeros. A name bound
+  to the program's value (``s = Stack()``) lives inside; what the test calls or reads on it
+  (``s.pop()``) is a probe. A test that imports a module outside the standard library is
+  unscorable (the sandbox has none); one whose logic calls a module outside the judge's
+  (:data:`JUDGE_MODULES`: it would run inside, where the program can patch it) too.
 * *trusted helpers* (``trusted_code``, :func:`check_trusted_code`): the problem's own helper
   definitions (HumanEval's ``poly``, ``encode_cyclic``) run in the judge only. A test's
   calls of those names resolve there, even when the program defines the same names (its
@@ -43,15 +78,23 @@
   those steps in that order in **one** run, each with its values bound (decoded before the
   program runs, fresh objects each time); the judge's second stage reruns the test on the
   probe records, recomputes each step's inputs and requires them to equal what was sent (same
-  seeds, same ``PYTHONHASHSEED``), else the test is unscorable (``MISS``), never failed.
-  Parent-side caps: :data:`MAX_PROBE_CALLS` step runs and :data:`MAX_INPUT_BYTES` of encoded
-  inputs per completion (beyond them the test is unscorable), the probe records stay under
-  :data:`MAX_RESULT_BYTES`, each judge stage under :data:`JUDGE_SECONDS` (a test under
-  :data:`JUDGE_TEST_SECONDS`) and the sandbox under the caller's ``timeout``. Refused
+  seeds), else the test is unscorable (``MISS``), never failed.
+  Parent-side caps: :data:`MAX_PLAN_PASSES` planning passes (planning runs in the trainer's
+  process; a test whose names do not settle is unscorable), :data:`MAX_PROBE_CALLS` step runs
+  and :data:`MAX_INPUT_BYTES` of encoded
+  inputs per completion (beyond them the test is unscorable), the probe records are read up
+  to :data:`MAX_RESULT_BYTES` (the tests whose records lie past that cut fail), each judge
+  stage under :data:`JUDGE_SECONDS` (a test's logic under :data:`JUDGE_TEST_SECONDS` of CPU)
+  and the sandbox under the caller's ``timeout``: a row takes at most ``timeout`` +
+  2 x :data:`JUDGE_SECONDS` plus process starts, whatever the program does. Refused
   (unscorable): inputs, a loop's iterable or an if's test that depend on the program's output
   (a test that feeds the program's values back to it), a value computed per element of a
   comprehension and passed to the program, and a judge-side value handed to a statement of the
-  program (``g(xs)``) and read again (the program gets copies: changes in place are not seen).
+  program inside the test's own loops and read again.
+* *one hash seed*: the sandbox and both judge stages run under the same ``PYTHONHASHSEED``
+  (drawn per completion, apart from ``random``'s seed), and a vector probe iterates its
+  iterable in the judge's own form (``enumerate(...)``), so a set of strings is walked in the
+  same order on both sides.
 
 **What remains possible** (said plainly): a probe's value is whatever the program returns,
 so a forged record is no better than returning that value (a stateful program may return
@@ -59,33 +102,46 @@ different values on each call); a method of an object the program returned
 (``s.pop()``) is the program's, and so is a helper the test calls without defining or importing
 it itself when ``trusted_code`` does not define it (a test's ``poly(...)`` where only the
 program defines ``poly``: a program whose ``poly`` returns 0 passes, as in HumanEval's own
-harness -- give the prompt as ``trusted_code``); a name a test binds inside the program's
-process (one the program reads) may be rebound by the program's ``global`` statement, as in
-Python; but a test using a builtin or judge module the program redefines is refused. The
-attacker model for trusted helpers: the program may define, patch or shadow any name or module
+harness -- give the prompt as ``trusted_code``); after a test hands a value to a statement
+of the program, what it reads of that value is the program's (as in Python); a test that the
+program can make pass only in its Python reading scores as described above; but a test using
+a builtin or judge module the program redefines is refused. The attacker model for trusted
+helpers: the program may define, patch or shadow any name or module
 (its own copies of the helpers, ``builtins``, ``math``, ``random``), return objects whose
 ``__eq__`` lies, search every file, variable and descriptor it can reach for the helpers'
 source or the expected values, and count its calls; none of it reaches the judge, which holds
 the helpers, computes their values on plain data and compares (tests/rewards_corpus.py's
-``TRUSTED_PROBLEMS``). What the trusted code computes from a probe's value is the data's
+``TRUSTED_PROBLEMS``; ``JUDGE_FORGERIES`` for the values a test binds). What the trusted
+code computes from a probe's value is the data's
 own code: the judge runs it unjailed (limits, no I/O builtins, no imports outside its
 modules, no ``_`` names), so it is the dataset author's, not the policy's. Not judged (refused):
 ``try``/``with``/``if``/``while`` statements in a test, helper functions it defines (other than
-HumanEval's ``check(candidate)``), and values of the test's own lambdas passed to the program. Forging a record needs the nonce, which lives only in a local
-of the bootstrap's frame: a CPython memory-safety bug that lets pure Python read its own
-memory would reveal it (the known routes stay closed: frames, tracebacks, generators, ``gc``,
-``/proc``, ctypes and the ``_test*`` modules, code objects, ``marshal``). Refused inside, and
+HumanEval's ``check(candidate)``), and values of the test's own lambdas passed to the program.
+Forging a record needs the nonce, which lives only in a local of the bootstrap's frame: a
+CPython memory-safety bug that lets pure Python read its own memory would reveal it (the
+known routes stay closed: frames -- ``sys._getframe``, tracebacks, generators, and Python
+signal handlers, which are handed the running frame --, ``gc``, ``/proc``, ctypes and the
+``_test*`` modules, code objects, ``marshal``, native code from the writable ``/tmp``); and
+the verdict hardly rests on it: every probe is a value the program could have returned, but
+for the read-backs of the Python reading, which can at most make a failed test
+:data:`PYTHON_ONLY`.
+Refused inside, and
 why: new processes and threads (``os.fork``/``exec``/``subprocess``/``multiprocessing``,
-``threading.Thread.start``, ``concurrent.futures``: RLIMIT_NPROC and the hook), signals to
-other processes, sockets (``socket``, ``asyncio``'s event loop, ``http``, ``urllib``: no
+``threading.Thread.start``, ``concurrent.futures``: RLIMIT_NPROC and the hook; a stdio
+program that runs its ``main`` in a thread for a bigger stack fails), signals to
+other processes, Python signal handlers (``signal.signal(s, SIG_DFL / SIG_IGN)`` works; a
+callable is refused, and so is a second ``_signal`` module), sockets (``socket``,
+``asyncio``'s event loop, ``http``, ``urllib``: no
 network exists), ctypes and raw memory, directory descriptors (``tempfile``'s
 ``TemporaryDirectory``/``NamedTemporaryFile``, ``shutil.rmtree``'s fd walk, ``os.open`` of a
 directory) because they would serve as ``dir_fd`` for paths the hook cannot resolve, ``/proc``,
 ``sys._getframe``/``inspect.currentframe`` and ``traceback`` frame walks (they would reach the
 nonce; ``namedtuple``, ``enum``, ``typing`` and ``logging`` cope), and ``marshal`` (the standard
 library is imported from source, ``-X pycache_prefix``). Every other pure-Python standard
-library module imports and works (tests/rewards_corpus.py: 60 solutions over heapq, bisect,
-typing, dataclasses, fractions, random, datetime, decimal, statistics, enum, re, json ...).
+library module imports and works (tests/rewards_corpus.py: 85 solutions over heapq, bisect,
+typing, dataclasses, fractions, random, datetime, decimal, statistics, enum, re, json ...);
+third-party packages (numpy) do not exist inside: a program that imports one fails.
+``exit()`` and ``quit()`` exist (the site module, left out, would define them).
 In every mode the program may print, spin or crash: that only fails its own tests.
 
 **Containment** (``grpo/rewards/sandbox_bootstrap.py`` builds it; the same on every machine, whether
@@ -94,15 +150,21 @@ the trainer runs as root or as an ordinary user, via an unprivileged user namesp
 * new mount, PID, network, IPC and UTS namespaces; the filesystem is a fresh read-only tmpfs
   holding read-only nosuid bind mounts of the Python runtime and system libraries only, a
   minimal ``/dev`` (null, zero, random, urandom), no ``/proc``, and a size-capped private
-  ``/tmp`` as working directory. The project tree, the data,
-  ``/etc``, the home directories and every writable host directory are simply not there;
+  ``/tmp`` (noexec: nothing written there can be mapped as code) as working directory. The
+  project tree, the data, ``/etc``, the home directories and every writable host directory
+  are simply not there;
 * no capabilities: as root the program runs as uid 65534; otherwise as an unprivileged user
   inside a user namespace whose capabilities ``execve`` dropped; ``no_new_privs`` is set;
 * rlimits: address space, file size (stdout included), CPU, no new processes or threads
   (``RLIMIT_NPROC = 0``), 64 descriptors; the wall clock is enforced from outside with SIGKILL
   to the process group, and the sandbox dies with its parent (``PR_SET_PDEATHSIG``);
 * an audit hook as a second layer (frame / gc / ``/proc`` / directory-descriptor / process /
-  socket / ctypes access refused; its state is immutable and unreachable without frames).
+  socket / ctypes access refused; its state is immutable and unreachable without frames);
+* the interpreters (the sandbox's and the judge's) start with ``-s -S -P -B`` and an
+  environment built here: no user site, no ``site`` (no ``sitecustomize``, no ``.pth``), no
+  working directory on ``sys.path``, nothing of the trainer's ``PYTHONPATH``,
+  ``PYTHONSTARTUP`` or ``PYTHONHOME``; the judge's stdout and stderr go to ``/dev/null``
+  (its verdicts travel on a descriptor of their own).
 
 If the namespaces cannot be created the run fails closed: :attr:`RunResult.error` is set and
 ``grpo.rewards`` scores the completion ``None`` (unscorable) instead of running it unconfined.
@@ -112,6 +174,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import json
 import logging
 import math
@@ -221,20 +284,27 @@ def _memfd(data: bytes, name: str) -> int:
 
 def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None = None,
         timeout: float = 5.0, memory_mb: int = DEFAULT_MEMORY_MB,
-        file_mb: int = DEFAULT_FILE_MB, audit: bool = True) -> RunResult:
-    """Run ``code`` in the jail. ``mode``: ``"stdio"``, ``"values"`` or ``"statement"``
-    (``run_job`` carries ``tests`` / ``statement`` and ``nonce``; see the module docstring).
-    ``audit=False`` leaves the audit hook out, so tests can check what the OS layers hold alone.
+        file_mb: int = DEFAULT_FILE_MB, audit: bool = True, hash_seed: int = 0) -> RunResult:
+    """Run ``code`` in the jail. ``mode``: ``"stdio"`` (``stdin`` in, stdout and the exit
+    status out) or ``"probes"`` (``run_job`` carries ``tests``, ``nonce`` and ``max_items``:
+    the program, then each test's steps; the probe records go to :attr:`RunResult.results`;
+    its stdout is discarded: what it prints is nobody's business). ``audit=False`` leaves
+    the audit hook out, so tests can check what the OS layers hold alone. ``hash_seed``: the
+    run's ``PYTHONHASHSEED`` (the judge's, so that sets iterate alike on both sides).
 
-    ``timeout`` is the wall-clock limit of the whole run, interpreter starts included.
+    ``timeout`` is the wall-clock limit of the whole run, interpreter starts included; the
+    process group is killed at that deadline whatever it does.
     """
+    if mode not in ("stdio", "probes"):
+        raise ValueError(f"mode must be 'stdio' or 'probes', got {mode!r}")
     exe, binds = _runtime()
     source = _bootstrap_source()
     run_job = dict(run_job or {}, mode=mode, code=code, audit=bool(audit))
     job = {"binds": list(binds), "python": exe, "source": source, "run_job": json.dumps(run_job),
            "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_mb) << 20,
            "tmp_bytes": DEFAULT_TMP_MB << 20, "cpu_seconds": int(math.ceil(timeout)) + 1,
-           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155)}
+           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155),
+           "hash_seed": int(hash_seed) % (1 << 32)}
     fds: list[int] = []
     try:
         job_fd = _memfd(json.dumps(job).encode(), "job")
@@ -248,7 +318,8 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
             fds.append(res_w)
             proc = subprocess.Popen(
                 [exe, "-I", "-S", "-B", "-c", source, "jail", str(job_fd), str(res_w)],
-                stdin=stdin_fd, stdout=out, stderr=err, pass_fds=(job_fd, res_w), cwd="/",
+                stdin=stdin_fd, stdout=out if mode == "stdio" else subprocess.DEVNULL, stderr=err,
+                pass_fds=(job_fd, res_w), cwd="/",
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
                 close_fds=True)
             exited = _end_group(proc, fds, timeout)
@@ -304,9 +375,10 @@ def run_stdio_test(code: str, stdin: str, expected: str, *, timeout: float = 5.0
 # --------------------------------------------------------------------------------------------
 
 MAX_TEST_CHARS = 100_000  # one test string; longer ones are refused
+MAX_PLAN_PASSES = 24  # planning passes over a completion's tests (names moving inside settle in a few)
 MAX_RESULT_BYTES = 8 << 20  # the probe records of one run; more and every test of the run fails
-JUDGE_SECONDS = 2.0  # wall clock of the judge process (plain values only: it is fast)
-JUDGE_TEST_SECONDS = 0.5  # one test inside the judge
+JUDGE_SECONDS = 4.0  # wall clock of a judge process (plain values only: it is fast; the margin is for load)
+JUDGE_TEST_SECONDS = 1.0  # CPU time of one test's logic inside the judge (decoding not counted)
 MAX_SET_ITEMS = 20_000  # a reported set / dict; hash collisions make a big one quadratic
 PROBE = "__grpo_probe__"
 
@@ -320,7 +392,9 @@ JUDGE_BUILTINS = frozenset({
 # Pure modules a test may import and use in its own logic (the judge imports them itself).
 JUDGE_MODULES = frozenset({"math", "cmath", "collections", "fractions", "decimal", "itertools",
                            "functools", "operator", "string", "statistics", "heapq", "bisect",
-                           "re", "copy", "random", "typing"})
+                           "re", "copy", "random", "typing", "json", "hashlib", "base64",
+                           "binascii", "zlib", "struct", "textwrap", "unicodedata", "datetime",
+                           "calendar", "numbers"})
 # Judge modules whose values differ from run to run: what a test computes with them is computed
 # in the judge only (seeded per job, the same in both judge stages) and sent to the program.
 STATEFUL_MODULES = frozenset({"random"})
@@ -332,9 +406,13 @@ TRUSTED_EXTRA_BUILTINS = frozenset({
     "OverflowError", "RuntimeError", "StopIteration", "TypeError", "ValueError",
     "ZeroDivisionError"})
 MAX_PROBE_CALLS = 10_000  # step runs (probes and statements) one completion's traced tests may ask for
+MAX_ITER_ITEMS = 100_000  # values read from an iterator (a generator) the program returns
+ITER_SECONDS = 1.0  # the time spent reading one such iterator; past either cap it is cut
 MAX_INPUT_BYTES = 4 << 20  # the encoded inputs of those runs; more and the test is unscorable
 INPUT = "__grpo_in%d__"  # a value the judge computed, bound inside before a step runs
 AT, VAL, STEP = "__grpo_at__", "__grpo_val__", "__grpo_step__"
+DUAL = "__grpo_dual__"  # (the judge's copy, the sandbox's copy) of a value handed to the program
+_HANDOFF = {"fresh": 0, "probe": 1, "stmt": 2}  # how far the program has had a mirrored name
 # Constructs that are test logic: inside the program's process their outcome would be the
 # program's to decide, so code that runs there (setup, probes) may not hold them.
 _LOGIC = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp,
@@ -365,7 +443,11 @@ class AssertPlan:
     ``unscorable``: the refused tests whose refusal is the test's own (planned without any
     program): they score None, not 0. ``prefix``: the unscorable tests judged on the asserts
     before their refused statement (``judge[i]`` is that prefix): failing it fails the test,
-    passing it leaves the test unscorable.
+    passing it leaves the test unscorable. ``python``: per test, None, or its *Python
+    reading*: the judge source where the values the test bound and handed to the program in
+    an earlier statement are read back from the sandbox (what Python would see after the
+    program changed them in place); a test that fails as written (``judge[i]``, on the
+    test's own copies) but passes this way is unscorable.
     """
 
     inside: list
@@ -374,6 +456,7 @@ class AssertPlan:
     pre: list = field(default_factory=list)
     unscorable: dict = field(default_factory=dict)
     prefix: set = field(default_factory=set)
+    python: list = field(default_factory=list)
 
 
 def _names_loaded(node: ast.AST) -> set[str]:
@@ -440,6 +523,13 @@ class _Planner:
     computed in the judge and *sent* in: replaced by an input name the sandbox binds before the
     step runs. A test with such inputs, or with steps inside its own loops or ifs, is *traced*:
     the judge runs its judge side first and records every step run (``AssertPlan.pre``).
+
+    A name the test binds at top level to a judge-side value that a step of the program reads
+    is *mirrored* (``mirror``): the judge's assignment and the same assignment inside (in the
+    test's own namespace there); the judge's reads use its copy, and after a step of the
+    program had the name, ``__grpo_dual__(judge copy, read-back probe)`` (a probe) or the
+    read-back alone (a statement) -- see the module docstring. A name bound to the program's
+    value (``pvalued``) lives inside; calls, attributes and indexing on it are P.
     """
 
     def __init__(self, program_names: set[str], tests: list[ast.Module],
@@ -448,6 +538,7 @@ class _Planner:
         self.tests = tests
         self.test_names: set[str] = set()  # names test assignments bind
         self.judge_imports: set[str] = set()
+        self.foreign: set[str] = set()  # names the tests' imports of other modules bind
         self.stateful: set[str] = set()  # names bound by the tests' imports of STATEFUL_MODULES
         for tree in tests:
             for st in _statements(tree.body):
@@ -455,14 +546,19 @@ class _Planner:
                     for t in (st.targets if isinstance(st, ast.Assign) else [st.target]):
                         self.test_names |= _target_names(t) or set()
                 elif isinstance(st, (ast.Import, ast.ImportFrom)):
+                    bound = {(a.asname or a.name).partition(".")[0] for a in st.names}
                     if _judge_import(st):
-                        bound = {(a.asname or a.name).partition(".")[0] for a in st.names}
                         self.judge_imports |= bound
                         if _stateful_import(st):
                             self.stateful |= bound
+                    else:
+                        self.foreign |= bound
         # A name the tests bind themselves is theirs, not the trusted helper's.
         self.trusted = frozenset(trusted) - self.test_names
         self.inside_needed: set[str] = set()
+        # Test names bound to the program's values (r = f(1), s = Stack()): what the test
+        # calls, reads or indexes on them is the program's, evaluated inside.
+        self.pvalued: set[str] = set()
         self.vector: dict | None = None  # the enclosing single-generator comprehension
         self._reset()
 
@@ -477,11 +573,23 @@ class _Planner:
         self.cur_inputs: list = []
         self.depth = 0  # inside the test's own loops / ifs
         self.traced = False
+        # Test names bound at top level to judge-side values that the program reads: the
+        # judge keeps its copy, the sandbox its own. State: "fresh" (no step of the program
+        # has had it since), "probe" (a probe or value-producing statement of the program
+        # had it: the judge reads its copy, the Python reading the sandbox's), "stmt" (a
+        # statement of the program had it: the test checks what the program did to it, read
+        # back from the sandbox). Handoffs in a top-level statement count from the next one.
+        self.mirror: dict[str, str] = {}
+        self.pending: dict[str, str] = {}
+        self.duals = False
+        self.foreign_t: set[str] = set(self.foreign)  # plus names bound from such modules' values
 
     # ---- classification -----------------------------------------------------------------
     def judge_name(self, name: str, local: frozenset) -> bool:
         if name in local:
             return True
+        if name in self.mirror:
+            return self.mirror[name] != "stmt"
         if name in self.jnames:
             if name in self.handed:
                 raise _Handed(f"the test reads {name} after handing it to a statement of the "
@@ -498,6 +606,78 @@ class _Planner:
             return name not in self.inside_needed
         return name in JUDGE_BUILTINS or name in self.judge_imports or name == "math"
 
+    def on_program_value(self, node: ast.AST, local: frozenset) -> bool:
+        """``r.upper()``, ``s.pop()``, ``r[0]``, ``r()`` where ``r`` is a test name bound to
+        a value of the program: the program's object does it, inside."""
+        base = node.func if isinstance(node, ast.Call) else node.value
+        return (isinstance(base, ast.Name) and base.id in self.pvalued and base.id not in local
+                and base.id not in self.mirror and base.id not in self.jnames)
+
+    def program_part(self, node: ast.AST, local: frozenset) -> bool:
+        """Whether ``node`` is a value of the program: a name of its, or what is called,
+        indexed or read as an attribute on one."""
+        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        if not isinstance(node, ast.Name):
+            return False
+        if node.id in self.pvalued and node.id not in local:
+            return True
+        try:
+            return not self.judge_name(node.id, local)
+        except Refused:
+            return False
+
+    def compared_inside(self, node: ast.Compare, local: frozenset) -> bool:
+        """An identity test between non-constants where a side is the program's (``f(xs) is
+        xs``, ``s.top() is not s.pop()``) is evaluated inside, as one probe: identity exists
+        only there, and ``is`` cannot be overridden (no object's method takes part). Every
+        other comparison runs in the judge, on the values."""
+        operands = [node.left] + node.comparators
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+            return False
+        if any(isinstance(o, ast.Constant) for o in operands):
+            return False
+        return (any(self.program_part(o, local) for o in operands)
+                and all(self.program_part(o, local) or isinstance(o, ast.Name) and o.id in self.mirror
+                        for o in operands))
+
+    def handoff(self, node: ast.AST, kind: str) -> None:
+        """A step of the program (``kind``: "probe" or "stmt") reads the mirrored names in
+        ``node``: from the next top-level statement on (at once inside the test's loops and
+        ifs), the judge's reads of them follow that (see ``mirror``)."""
+        for name in _names_loaded(node) & set(self.mirror):
+            if _HANDOFF[kind] > _HANDOFF[self.pending.get(name, "fresh")]:
+                self.pending[name] = kind
+        if self.depth:
+            self.settle()
+
+    def settle(self) -> None:
+        for name, kind in self.pending.items():
+            if name in self.mirror and _HANDOFF[kind] > _HANDOFF[self.mirror[name]]:
+                self.mirror[name] = kind
+        self.pending = {}
+
+    def prescan(self, body: list) -> None:
+        """Before a top-level loop or if: the handoffs its body makes, by form, count from its
+        first statement (a later iteration reads what an earlier one handed over)."""
+        live = {n for n, k in self.mirror.items() if k != "stmt"}
+        for st in _statements(body):
+            if isinstance(st, (ast.For, ast.If, ast.While)):
+                continue
+            names = set()
+            for n in ast.walk(st):
+                if isinstance(n, ast.Call) and self.program_part(n.func, frozenset()):
+                    names |= _names_loaded(n) & live
+            if not names:
+                continue
+            effect = isinstance(st, ast.Expr) or isinstance(st, (ast.Assign, ast.AugAssign)) and any(
+                isinstance(t, (ast.Subscript, ast.Attribute))
+                for t in (st.targets if isinstance(st, ast.Assign) else [st.target]))
+            for name in names:
+                self.pending[name] = "stmt" if effect else max(
+                    "probe", self.pending.get(name, "probe"), key=_HANDOFF.__getitem__)
+        self.settle()
+
     def judge_only_names(self) -> set[str]:
         return self.trusted | self.stateful | self.jnames
 
@@ -505,7 +685,8 @@ class _Planner:
         """Whether the judge computes ``node`` (no name of the program in it); never refuses,
         except for a name the test reads after handing it to the program."""
         if any(isinstance(n, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom))
-               for n in ast.walk(node)):
+               or isinstance(n, (ast.Attribute, ast.Subscript, ast.Call))
+               and self.on_program_value(n, frozenset()) for n in ast.walk(node)):
             return False
         try:
             return all(self.judge_name(n, frozenset()) for n in _free_names(node))
@@ -519,9 +700,19 @@ class _Planner:
         if isinstance(node, ast.Constant):
             return "H", node
         if isinstance(node, ast.Name):
+            if node.id not in local and self.mirror.get(node.id) == "probe":
+                # The judge's copy as written; the sandbox's, read back now, for the Python
+                # reading (AssertPlan.python).
+                self.duals = True
+                return "H", _marker(DUAL, ast.Name(node.id, ast.Load()),
+                                    self.probe(node, local, handoff=False))
             return ("H" if self.judge_name(node.id, local) else "P"), node
         if isinstance(node, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
             raise Refused(f"{type(node).__name__} in a test")
+        if isinstance(node, ast.Compare) and self.compared_inside(node, local):
+            return "P", node
+        if isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)) and self.on_program_value(node, local):
+            return "P", node
         if isinstance(node, ast.Attribute):
             k, v = self.expr(node.value, local)
             if k == "P":
@@ -681,7 +872,15 @@ class _Planner:
         self.cur_inputs = []
         return sid
 
-    def probe(self, node: ast.AST, local: frozenset) -> ast.AST:
+    def probe(self, node: ast.AST, local: frozenset, handoff: bool = True) -> ast.AST:
+        root = node
+        while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if isinstance(root, ast.Name) and root.id in self.foreign_t:
+            raise Refused(f"the test's logic uses {root.id}, from a module the judge does not "
+                          "run (inside, the program could patch it)")
+        if handoff:
+            self.handoff(node, "probe")
         v = self.vector
         pid = len(self.probes)
         self.cur_inputs = []
@@ -693,7 +892,12 @@ class _Planner:
             self.reads(it, v["outer"])
             if _names_loaded(node) & (local - v["vars"] - v["outer"]):
                 raise Refused("a value of the test's own lambda would be passed to the program")
-            source = ast.unparse(ast.ListComp(node, [ast.comprehension(v["target"], it, [], 0)]))
+            # The same form as the judge's loop (``enumerate(<iterable>)``), under the same
+            # PYTHONHASHSEED: a set display iterates alike on both sides (a bare ``for x in
+            # {...}`` would iterate a frozenset constant, in another order).
+            enum = ast.Call(ast.Name("enumerate", ast.Load()), [it], [])
+            target = ast.Tuple([ast.Name(v["index"], ast.Store()), _as_store(v["target"])], ast.Store())
+            source = ast.unparse(ast.ListComp(node, [ast.comprehension(target, enum, [], 0)]))
             v["used"] = True
             self.probes.append(source)
             self.probe_step[pid] = self.add_step(["probe", pid, source])
@@ -730,29 +934,33 @@ class _Planner:
                    for n in _names_loaded(node))
 
     # ---- statements -----------------------------------------------------------------------
-    def plan(self, tree: ast.Module) -> tuple[list, str, str | None, dict]:
-        """(inside steps, judge source, first-stage source or None, step inputs) of one test;
-        raises Refused with ``self.at`` the index of the refused top-level statement."""
+    def plan(self, tree: ast.Module) -> tuple[list, str, str | None, dict, str | None]:
+        """(inside steps, judge source, first-stage source or None, step inputs, Python
+        reading or None) of one test; raises Refused with ``self.at`` the index of the refused
+        top-level statement."""
         self._reset()
         judge: list[ast.stmt] = []
         for k, st in enumerate(tree.body):
             self.at = k
             judge.extend(self.statement(st))
+            self.settle()
         self.at = None
         if not self.probes and _names_loaded(tree) & self.trusted:
             raise Refused("the test reads nothing of the program: trusted_code defines "
                           "every function it calls")
+
+        def source(body: list) -> str:
+            return ast.unparse(ast.fix_missing_locations(ast.Module(body=body or [ast.Pass()],
+                                                                    type_ignores=[])))
+
         if not self.traced:
-            judge = _strip_steps(judge)
-            module = ast.fix_missing_locations(ast.Module(body=judge or [ast.Pass()], type_ignores=[]))
-            return self.steps, ast.unparse(module), None, {}
-        judge = _hoist(judge, self.inputs, self.probe_step)
-        pre = _first_stage(judge, set(), self.stateful)
+            strict, python = _readings(_strip_steps(judge), self.duals)
+            return self.steps, source(strict), None, {}, python and source(python)
+        strict, python = _readings(_hoist(judge, self.inputs, self.probe_step), self.duals)
+        pre = _first_stage(copy.deepcopy(strict), set(), self.stateful)
         steps = [[s[0], s[-1], [name for name, _ in self.inputs.get(sid, [])]]
                  for sid, s in enumerate(self.steps)]
-        sources = [ast.unparse(ast.fix_missing_locations(ast.Module(body=b or [ast.Pass()], type_ignores=[])))
-                   for b in (judge, pre)]
-        return steps, sources[0], sources[1], self.inputs
+        return steps, source(strict), source(pre), self.inputs, python and source(python)
 
     def statement(self, st: ast.stmt) -> list[ast.stmt]:
         """The judge's statements for ``st`` (a step of the program leaves a ``__grpo_step__``
@@ -761,9 +969,15 @@ class _Planner:
             k, test = self.child(st.test, frozenset())
             return [ast.Assert(test, None)]
         if isinstance(st, (ast.Import, ast.ImportFrom)):
+            for top in _imported_modules(st):
+                if top not in _STDLIB:
+                    raise Refused(f"the test imports {top}, which the sandbox does not have "
+                                  "(the standard library only)")
             out = [self.step_marker(["exec", ast.unparse(st)])]
             if _judge_import(st):
                 out.append(st)
+            else:
+                self.foreign_t |= {(a.asname or a.name).partition(".")[0] for a in st.names}
             return out
         if isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             return self.assignment(st)
@@ -775,13 +989,26 @@ class _Planner:
                 # effects), exempt from the rule on builtins.
                 call = self.ship(call, handing=True)
                 self.reads(call, frozenset())
+                if not self.is_h(call):
+                    self.handoff(call, "stmt")
                 return [self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
+            mirrored = _free_names(call) & set(self.mirror)
+            if self.is_h(call) and mirrored:
+                # The test's own call on a value the program also holds (xs.append(4)): run in
+                # the judge on its copy and in the sandbox on the program's, alike.
+                if _free_names(call) & self.judge_only_names():
+                    return [st] + self.resend(mirrored)
+                _, judged = self.child(call, frozenset())
+                return [ast.Expr(judged), self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
             if _free_names(call) & self.judge_only_names() and self.is_h(call):
                 return [st]  # a call on judge-side values (xs.append(x), random.seed(1)): the judge's
             call = self.ship(call, handing=True)
             self.inside(call)
+            self.handoff(call, "stmt")
             return [self.step_marker(["exec", ast.unparse(ast.Expr(call))])]
         if isinstance(st, ast.For) and not st.orelse:
+            if self.depth == 0:
+                self.prescan(st.body)
             if self.depth == 0 and all(isinstance(b, (ast.Assert, ast.Pass)) for b in st.body) \
                     and not _free_names(st) & self.judge_only_names():
                 return [self.loop(st)]
@@ -789,6 +1016,8 @@ class _Planner:
         if isinstance(st, ast.If):
             if not self.is_h(st.test):
                 raise Refused("an if on the program's values in a test")
+            if self.depth == 0:
+                self.prescan(st.body + st.orelse)
             self.depth += 1
             body = [s for b in st.body for s in self.statement(b)]
             orelse = [s for b in st.orelse for s in self.statement(b)]
@@ -800,6 +1029,17 @@ class _Planner:
             return []
         raise Refused(f"{type(st).__name__} statement in a test (only asserts, "
                       "assignments, imports, calls, loops and ifs are judged)")
+
+    def resend(self, names: set) -> list[ast.stmt]:
+        """After a judge-only statement changed mirrored names (``xs.append(random...)``):
+        the sandbox's copies are replaced by the judge's, sent in (a traced step)."""
+        out = []
+        for name in sorted(names):
+            self.cur_inputs = [(INPUT % 0, ast.Name(name, ast.Load()))]
+            out.append(self.step_marker(["exec", f"{name} = {INPUT % 0}"]))
+            self.mirror[name] = "fresh"
+            self.pending.pop(name, None)
+        return out
 
     def step_marker(self, step: list) -> ast.stmt:
         return ast.Expr(_marker(STEP, ast.Constant(self.add_step(step))))
@@ -850,6 +1090,18 @@ class _Planner:
             return []
         names = [_target_names(t) for t in targets]
         if any(n is None for n in names):  # d[k] = v, o.a = v: a mutation of program state
+            into = [t for t in targets if isinstance(t, (ast.Subscript, ast.Attribute))]
+            mirrored = {n for t in into for n in _names_loaded(t.value) if n in self.mirror
+                        and self.mirror[n] != "stmt"}
+            if mirrored and all(self.is_h(t.value) for t in into) and self.is_h(value):
+                # xs[0] = 5 on a value the test and the program both hold: in both places
+                # (or, with a value only the judge computes, the judge's copy sent in again).
+                if _free_names(st) & self.judge_only_names():
+                    return [st] + self.resend(mirrored)
+                _, judged = self.child(value, frozenset())
+                self.reads(st, frozenset())
+                return [type(st)(**{**{f: getattr(st, f) for f in st._fields}, "value": judged}),
+                        self.step_marker(["exec", _stmt_source(st)])]
             if any(isinstance(t, (ast.Subscript, ast.Attribute)) and _names_loaded(t) & self.jnames
                    and self.is_h(t.value) for t in targets):
                 if self.is_h(value):
@@ -857,6 +1109,7 @@ class _Planner:
                 raise Refused("an assignment into a judge-side value from the program's")
             st = _ship_stmt(self, st)
             self.inside(st)
+            self.handoff(st, "stmt")
             return [self.step_marker(["exec", ast.unparse(st)])]
         bound = set().union(*names)
         if isinstance(st, ast.AugAssign):
@@ -867,17 +1120,79 @@ class _Planner:
             # judge-only name, sent to the program where a step reads it.
             self.jnames |= bound
             self.handed -= bound
+            self.drop_mirror(bound)
             return [ast.Assign([_as_store(t) for t in targets], value, None)]
         if bound & self.inside_needed:
-            # The program reads these names: bind them inside (the judge reads them back).
+            # The program reads these names: bind them inside.
             if not bound <= self.inside_needed:
                 raise Refused("an assignment binds names both the program and the judge need")
+            if self.depth == 0 and self.is_h(value) and _mirrorable(value):
+                # A judge-side value: the judge computes its own copy (what it reads), the
+                # sandbox binds the program's (with the builtins as they were before the
+                # program ran). Whatever the program does to its copy -- in place, or by
+                # rebinding the name with a global statement -- the judge's is untouched.
+                _, judged = self.child(value, frozenset())
+                self.reads(value, frozenset())
+                self.jnames -= bound
+                for name in bound:
+                    self.mirror[name] = "fresh"
+                    self.pending.pop(name, None)
+                return [ast.Assign([_as_store(t) for t in targets], judged, None),
+                        self.step_marker(["exec", _stmt_source(ast.Assign(targets, value, None))])]
             value = self.ship(value, handing=True)
             self.inside(value)
+            self.handoff(value, "probe")
+            self.drop_mirror(bound)
+            if not self.is_h(value):
+                self.pvalued |= bound
             return [self.step_marker(["exec", _stmt_source(ast.Assign(targets, value, None))])]
         k, v = self.child(value, frozenset())
         self.jnames -= bound
+        self.drop_mirror(bound)
+        if k != "H":
+            self.pvalued |= bound
         return [ast.Assign([_as_store(t) for t in targets], v, None)]
+
+    def drop_mirror(self, names: set) -> None:
+        for name in names:
+            self.mirror.pop(name, None)
+            self.pending.pop(name, None)
+
+
+class _Reading(ast.NodeTransformer):
+    """``__grpo_dual__(judge copy, sandbox copy)`` -> the one or the other."""
+
+    def __init__(self, python: bool):
+        self.python = python
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if _is_call_of(node, DUAL):
+            return self.visit(node.args[1] if self.python else node.args[0])
+        return self.generic_visit(node)
+
+
+def _readings(stmts: list, duals: bool) -> tuple[list, list | None]:
+    """(the test as written, on its own copies; its Python reading, or None without duals)."""
+    strict = [_Reading(False).visit(copy.deepcopy(st)) for st in stmts]
+    python = [_Reading(True).visit(copy.deepcopy(st)) for st in stmts] if duals else None
+    return strict, python
+
+
+def _mirrorable(value: ast.AST) -> bool:
+    """A judge-side value the sandbox may compute for itself: no function of the test's own
+    (a lambda would hand the program the test's namespace), nothing that suspends."""
+    return not any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom))
+                   for n in ast.walk(value))
+
+
+def _imported_modules(st: ast.stmt) -> set[str]:
+    if isinstance(st, ast.Import):
+        return {a.name.partition(".")[0] for a in st.names}
+    return {(st.module or "").partition(".")[0]} if st.level == 0 else {""}
+
+
+# What the sandbox can import: the standard library (its interpreter runs without site).
+_STDLIB = frozenset(sys.stdlib_module_names)
 
 
 def _ship_stmt(planner: _Planner, st: ast.stmt) -> ast.stmt:
@@ -1245,11 +1560,14 @@ def _has_assert(body: list) -> bool:
                for st in body)
 
 
-def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset) -> tuple[list, list, list, dict, dict]:
-    """(inside, judge, pre, refused, refused_at) of the parsed tests ``trees`` against ``code``."""
+def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
+                ) -> tuple[list, list, list, dict, dict, list]:
+    """(inside, judge, pre, refused, refused_at, python) of the parsed tests ``trees`` against
+    ``code``."""
     inside: list = [[] for _ in range(n)]
     judge: list = [None] * n
     pre: list = [None] * n
+    python: list = [None] * n
     refused: dict[int, str] = {}
     refused_at: dict[int, int | None] = {}
     shadowed, imports = top_level_names(code), _program_judge_imports(code)
@@ -1260,24 +1578,34 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset) -> tuple[lis
                               for st in imports for a in st.names}
     prologue = "".join(ast.unparse(st) + "\n" for st in imports)
     # Names the program reads move from the judge to the inside: plan until that set is stable.
-    for _ in range(len(planner.test_names) + 2):
-        before = set(planner.inside_needed)
+    for _ in range(min(2 * len(planner.test_names) + 2, MAX_PLAN_PASSES)):
+        before = (set(planner.inside_needed), set(planner.pvalued))
         for i, tree in trees.items():
             planner.at = None
             try:
-                steps, j, p, _ = planner.plan(tree)
+                steps, j, p, _, py = planner.plan(tree)
                 inside[i], judge[i], pre[i] = (steps if p is None else {"steps": steps}), j, p
+                python[i] = py
                 refused.pop(i, None)
                 refused_at.pop(i, None)
             except (Refused, RecursionError, ValueError, TypeError, AttributeError) as e:
-                inside[i], judge[i], pre[i] = [], None, None
+                inside[i], judge[i], pre[i], python[i] = [], None, None, None
                 refused[i] = str(e) if isinstance(e, Refused) else f"unsupported test ({type(e).__name__})"
                 refused_at[i] = planner.at
-        if planner.inside_needed == before:
+        if (planner.inside_needed, planner.pvalued) == before:
             break
+    else:
+        if (planner.inside_needed, planner.pvalued) != before:
+            # The names that live inside did not settle (a long chain of names, each read by
+            # the next): planning stays bounded in the trainer's process; not judged.
+            for i in trees:
+                inside[i], judge[i], pre[i], python[i] = [], None, None, None
+                refused[i] = f"the test's names did not settle in {MAX_PLAN_PASSES} planning passes"
+                refused_at[i] = None
     judge = [None if j is None else prologue + j for j in judge]
     pre = [None if p is None else prologue + p for p in pre]
-    return inside, judge, pre, refused, refused_at
+    python = [None if p is None else prologue + p for p in python]
+    return inside, judge, pre, refused, refused_at, python
 
 
 @lru_cache(maxsize=256)
@@ -1285,7 +1613,7 @@ def _own_refusals(tests: tuple, trusted: frozenset) -> tuple[dict, dict]:
     """What the tests alone (planned without a program) cannot be judged for, and where:
     ``({i: reason}, {i: prefix tree or None})``. Cached: a group's completions share tests."""
     trees, refused = _parse_tests(list(tests), trusted)
-    _, _, _, own, at = _plan_trees("", trees, len(tests), trusted)
+    _, _, _, own, at, _ = _plan_trees("", trees, len(tests), trusted)
     prefixes = {}
     for i, k in at.items():
         body = trees[i].body[:k] if k is not None else []
@@ -1311,7 +1639,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
     except (TypeError, ValueError) as e:
         reasons = dict.fromkeys(range(n), str(e))
         return AssertPlan(inside=[[] for _ in range(n)], judge=[None] * n, refused=dict(reasons),
-                          pre=[None] * n, unscorable=reasons)
+                          pre=[None] * n, unscorable=reasons, python=[None] * n)
     trusted = frozenset(checked[1]) if checked else frozenset()
     own, prefixes = _own_refusals(tuple(tests), trusted)
     trees, refused = _parse_tests(tests, trusted)
@@ -1321,7 +1649,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
         if prefixes.get(i) is not None:
             trees[i] = prefixes[i]
             prefix.add(i)
-    inside, judge, pre, mine, _ = _plan_trees(code, trees, n, trusted)
+    inside, judge, pre, mine, _, python = _plan_trees(code, trees, n, trusted)
     refused.update(mine)
     for i in own:
         if i in mine:
@@ -1330,7 +1658,7 @@ def plan_assert_tests(code: str, tests: list[str], trusted_code: str | None = No
             refused[i] = own[i]
     unscorable = {i: own[i] for i in own if i not in mine}
     return AssertPlan(inside=inside, judge=judge, refused=refused, pre=pre,
-                      unscorable=unscorable, prefix=prefix)
+                      unscorable=unscorable, prefix=prefix, python=python)
 
 
 def unscorable_tests(tests: list[str], trusted_code: str | None = None) -> dict[int, str]:
@@ -1386,7 +1714,8 @@ def _judge_seed(sources: list) -> int:
 def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
                 trusted_code: str | None = None, **kw):
     """Assert tests as units of sandboxed work: callables returning ``[(test index, verdict)]``
-    with verdict True / False / None (unscorable).
+    with verdict True / False / None (unscorable) / :data:`PYTHON_ONLY` (a row's score:
+    :func:`row_score`).
 
     All tests of a completion share one sandboxed run (``timeout``) that reports the probes'
     values, then one judge run (:data:`JUDGE_SECONDS`) that decides every test on those values;
@@ -1406,17 +1735,20 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
         trusted = check_trusted_code(trusted_code)
     judged = [i for i, j in enumerate(plan.judge) if j is not None]
 
-    def job() -> list[tuple[int, bool | None]]:
-        verdicts: dict[int, bool | None] = {
+    def job() -> list[tuple[int, bool | None | str]]:
+        verdicts: dict[int, bool | None | str] = {
             i: None if i in plan.unscorable else False for i in range(len(tests))}
         runs = list(judged)
         if runs:
             seed = _judge_seed([plan.judge[i] for i in runs] + [trusted_code])
+            # Drawn apart from the seed (which the program cannot see): the sandbox's
+            # PYTHONHASHSEED is readable inside, and must say nothing about random's inputs.
+            hash_seed = secrets.randbelow(1 << 32)
             traced = [i for i in runs if plan.pre[i] is not None]
             traces: dict[int, list] = {}
             if traced:
                 traces = judge_inputs([plan.pre[i] for i in traced], trusted=trusted, seed=seed,
-                                      ids=traced)
+                                      ids=traced, hash_seed=hash_seed)
                 for i in traced:
                     if i not in traces:
                         verdicts[i] = None  # the test itself failed or asked for too much
@@ -1424,13 +1756,15 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
             jobs_ = [plan.inside[i] if plan.pre[i] is None
                      else dict(plan.inside[i], trace=traces[i]) for i in runs]
             nonce = secrets.token_hex(16)
-            r = run(code, mode="probes", timeout=timeout, **kw,
-                    run_job={"tests": jobs_, "nonce": nonce, "max_items": MAX_SET_ITEMS})
+            r = run(code, mode="probes", timeout=timeout, **kw, hash_seed=hash_seed,
+                    run_job={"tests": jobs_, "nonce": nonce, "max_items": MAX_SET_ITEMS,
+                             "iter_items": MAX_ITER_ITEMS, "iter_seconds": ITER_SECONDS})
             if r.error is not None:
                 raise SandboxUnavailable(r.error)
             passed = judge([plan.judge[i] for i in runs], r.results_bytes, nonce,
-                           trusted=trusted, seed=seed, ids=runs,
-                           traces={k: traces[i] for k, i in enumerate(runs) if i in traces})
+                           trusted=trusted, seed=seed, ids=runs, hash_seed=hash_seed,
+                           traces={k: traces[i] for k, i in enumerate(runs) if i in traces},
+                           python=[plan.python[i] for i in runs])
             for k, i in enumerate(runs):
                 verdicts[i] = passed[k]
         for i in plan.prefix:
@@ -1441,10 +1775,19 @@ def assert_jobs(code: str, tests: list[str], *, timeout: float = 5.0,
     return [job]
 
 
-def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: int
-                   ) -> tuple[bool, bytes]:
+# The judge's interpreter: no user site, no site (no sitecustomize, no .pth), no working
+# directory on sys.path (-P), bytecode neither read from nor written to the tree (-B); the
+# environment is exactly the one given (so not -I, which would drop PYTHONHASHSEED):
+# PYTHONPATH, PYTHONSTARTUP, PYTHONHOME and the rest of the trainer's environment never reach it.
+JUDGE_FLAGS = ("-s", "-S", "-P", "-B")
+
+
+def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: int,
+                   hash_seed: int) -> tuple[bool, bytes]:
     """Run one judge stage of the bootstrap on ``job`` (with ``data`` as its second
-    descriptor); ``(exited cleanly within JUDGE_SECONDS, stdout up to read_limit bytes)``."""
+    descriptor, its output on a third); ``(exited cleanly within JUDGE_SECONDS, output up to
+    read_limit bytes)``. Its stdout and stderr go to /dev/null: no code the judge runs can
+    print a verdict line."""
     exe, _ = _runtime()
     fds: list[int] = []
     try:
@@ -1453,14 +1796,14 @@ def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: in
         res_fd = _memfd(data, "results")
         fds.append(res_fd)
         with tempfile.TemporaryFile() as out:
-            # Not -I: PYTHONHASHSEED must reach it (both stages iterate sets in the same order);
-            # the environment is ours alone, and the stage drops the working directory from
-            # sys.path.
+            out_w = os.open(f"/proc/self/fd/{out.fileno()}", os.O_WRONLY | os.O_APPEND)
+            fds.append(out_w)
             proc = subprocess.Popen(
-                [exe, "-s", "-S", "-B", "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
-                pass_fds=(job_fd, res_fd), cwd="/",
-                env={"LANG": "C.UTF-8", "PYTHONHASHSEED": str(seed % (1 << 32))},
+                [exe, *JUDGE_FLAGS, "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd),
+                 str(out_w)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(job_fd, res_fd, out_w), cwd="/",
+                env={"LANG": "C.UTF-8", "PYTHONHASHSEED": str(int(hash_seed) % (1 << 32))},
                 start_new_session=True, close_fds=True)
             exited = _end_group(proc, fds, JUDGE_SECONDS)
             out.seek(0)
@@ -1480,18 +1823,19 @@ def _judge_job(sources: list[str], trusted: tuple | None, ids: list[int]) -> dic
 
 
 def judge_inputs(sources: list[str], *, trusted: tuple | None = None, seed: int = 0,
-                 ids: list[int] | None = None) -> dict[int, list]:
+                 ids: list[int] | None = None, hash_seed: int | None = None) -> dict[int, list]:
     """The judge's first stage over traced tests (``AssertPlan.pre`` sources, run before the
     program, never with it): ``{id: [[step, encoded inputs], ...]}`` for each test that ran
     to its end within the caps; a test that raised on its own, asked for more than
     :data:`MAX_PROBE_CALLS` step runs or :data:`MAX_INPUT_BYTES` of inputs (all tests
     together), or did not finish within :data:`JUDGE_SECONDS` is left out (unscorable).
-    ``trusted``: :func:`check_trusted_code`'s result."""
+    ``trusted``: :func:`check_trusted_code`'s result; ``hash_seed``: the ``PYTHONHASHSEED``
+    shared with the sandbox and the verdict stage (``seed`` when None)."""
     ids = list(range(len(sources))) if ids is None else list(ids)
     job = dict(_judge_job(sources, trusted, ids), max_calls=MAX_PROBE_CALLS,
                max_bytes=MAX_INPUT_BYTES)
     ok, text = _judge_process(job, b"", "inputs", MAX_INPUT_BYTES + 64 * (MAX_PROBE_CALLS + len(ids)) + 4096,
-                              seed)
+                              seed, seed if hash_seed is None else hash_seed)
     traces: dict[int, list] = {}
     if not ok:
         return traces
@@ -1515,28 +1859,54 @@ def judge_inputs(sources: list[str], *, trusted: tuple | None = None, seed: int 
 
 
 def judge(sources: list[str], results: bytes, nonce: str, *, trusted: tuple | None = None,
-          seed: int = 0, ids: list[int] | None = None, traces: dict | None = None) -> list[bool | None]:
+          seed: int = 0, ids: list[int] | None = None, traces: dict | None = None,
+          python: list | None = None, hash_seed: int | None = None) -> list[bool | None | str]:
     """Run the judge stage of the bootstrap (a fresh interpreter, never the program) on the
-    probe records ``results``; one verdict per judge source: True (passed), False, or None
-    (a traced test whose step runs, recomputed, are not those the program ran: unscorable).
+    probe records ``results``; one verdict per judge source: True (passed), False, None
+    (a traced test whose step runs, recomputed, are not those the program ran: unscorable),
+    or :data:`PYTHON_ONLY` (fails as written, passes in its ``python`` reading; see
+    :func:`row_score`).
     Anything short of a clean "passed" from the judge within :data:`JUDGE_SECONDS` fails.
-    ``traces``: the step runs of the traced tests, by position in ``sources``."""
+    ``traces``: the step runs of the traced tests, by position in ``sources``; ``python``:
+    per source, its Python reading (:attr:`AssertPlan.python`) or None. Records past
+    :data:`MAX_RESULT_BYTES` are cut: the tests they belong to never finished (fail)."""
     n = len(sources)
-    if len(results) > MAX_RESULT_BYTES or nonce.encode() not in results:
-        return [False] * n  # too much to read, or not one record of ours: nothing to judge
+    if len(results) > MAX_RESULT_BYTES:
+        results = results[:results.rfind(b"\n", 0, MAX_RESULT_BYTES) + 1]
+    if nonce.encode() not in results:
+        return [False] * n  # not one record of ours: nothing to judge
     ids = list(range(n)) if ids is None else list(ids)
     job = dict(_judge_job(sources, trusted, ids), nonce=nonce,
-               traces={str(k): v for k, v in (traces or {}).items()})
-    ok, raw = _judge_process(job, results, "verdict", 24 * n + 64, seed)
+               traces={str(k): v for k, v in (traces or {}).items()},
+               python=list(python) if python is not None else None)
+    ok, raw = _judge_process(job, results, "verdict", 24 * n + 64, seed,
+                             seed if hash_seed is None else hash_seed)
     verdicts: list[bool | None] = [False] * n
     if not ok:
         return verdicts
-    # The judge writes exactly "PASS <i>" / "MISS <i>" lines (bounded: n lines).
+    # The judge writes exactly "PASS <i>" / "MISS <i>" / "PYTH <i>" lines (bounded: n lines).
     for line in raw.decode("ascii", errors="replace").split("\n")[:n]:
         head, _, idx = line.partition(" ")
-        if head in ("PASS", "MISS") and idx.isdigit() and len(idx) < 10 and int(idx) < n:
-            verdicts[int(idx)] = True if head == "PASS" else None
+        if head in _VERDICTS and idx.isdigit() and len(idx) < 10 and int(idx) < n:
+            verdicts[int(idx)] = _VERDICTS[head]
     return verdicts
+
+
+PYTHON_ONLY = "python"  # a verdict: the test's two readings disagree (see the module docstring)
+_VERDICTS = {"PASS": True, "MISS": None, "PYTH": PYTHON_ONLY}
+
+
+def row_score(verdicts: list) -> int | None:
+    """Tests passed in one completion's verdicts, or None (unscorable). A test unscorable on
+    its own (None) makes the row None; a test that passes only in its Python reading
+    (:data:`PYTHON_ONLY`: the program changed what it was handed) counts as failed when
+    another test fails (else a wrong program could escape its zeros that way) and makes the
+    row None otherwise (the right program may be updating in place)."""
+    if None in verdicts:
+        return None
+    if PYTHON_ONLY in verdicts and False not in verdicts:
+        return None
+    return sum(v is True for v in verdicts)
 
 
 def capabilities() -> dict:

@@ -16,7 +16,7 @@ the cubin for any compute capability. This module
 - reads the cubin back with the ``cuobjdump`` from Triton's wheel: registers, local memory (spills),
   stack, and the width of every global load and store in the SASS.
 
-Run it as ``python -m benchmarks.aot [--out report.json] [--jobs N]``. It must run with
+Run it as ``python -m grpo_kernels.kernels.aot [--out report.json] [--jobs N]``. It must run with
 ``TRITON_INTERPRET`` unset: under the interpreter ``@triton.jit`` gives ``InterpretedFunction``
 objects, which ``triton.compile`` cannot take. ``compile_in_subprocess`` does exactly that from a
 process (a test) that runs with the interpreter on.
@@ -596,9 +596,9 @@ def compile_in_subprocess(timeout: float = 300, jobs: int = 0) -> Dict[str, Any]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "aot.json")
         env["TRITON_CACHE_DIR"] = os.path.join(d, "cache")
-        cmd = [sys.executable, "-m", "benchmarks.aot", "--out", out, "--jobs", str(jobs), "--quiet"]
+        cmd = [sys.executable, "-m", "grpo_kernels.kernels.aot", "--out", out, "--jobs", str(jobs), "--quiet"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
         if not os.path.exists(out):
             raise RuntimeError(f"AOT subprocess failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
         with open(out) as f:

