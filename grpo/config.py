@@ -34,14 +34,16 @@ from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
 
 
-# Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
-# it too), the model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, the trainer
+# Loss options the trainer sets itself: the sampling settings are its own fields (temperature, top_k,
+# top_p: the rollout engines sample with them and every log-prob of the loss is taken under them), the
+# model gives softcap / logit_scale, max_new_tokens is dr_grpo's length, the trainer
 # scales micro-batch losses by the number of ranks (verl's dp_size), and the rollout correction is
 # set under TRL's names (vllm_importance_sampling_*, mapped in GRPOConfig._loss_fields).
-TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size",
-                              "rollout_correction", "rollout_correction_max", "rollout_correction_min")
+TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "top_k", "top_p", "softcap", "logit_scale", "max_completion_length",
+                              "dp_size", "rollout_correction", "rollout_correction_max", "rollout_correction_min")
 # ... and the config's fields that set them (each declared like the option: grpo_kernels.bounds.like)
-CONFIG_FIELDS_OF = {"temperature": ("temperature",), "max_completion_length": ("max_new_tokens",),
+CONFIG_FIELDS_OF = {"temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
+                    "max_completion_length": ("max_new_tokens",),
                     "rollout_correction": ("vllm_importance_sampling_mode",),
                     "rollout_correction_max": ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"),
                     "rollout_correction_min": ("vllm_importance_sampling_clip_min",)}
@@ -92,7 +94,10 @@ class GRPOConfig:
                                "loss's max_completion_length)")
     temperature: float = like(OPTION_FIELDS["temperature"], help="sampling temperature; as in TRL the loss divides the logits "
                               "by it too")
-    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
+    top_k: Optional[int] = like(OPTION_FIELDS["top_k"], None, "sampling: only the k most likely tokens (ties at the k-th "
+                                "kept; None, 0 or -1: off); every log-prob of the loss is the truncated distribution's too")
+    top_p: float = like(OPTION_FIELDS["top_p"], 1.0, "nucleus sampling (after top_k): keep the smallest set of tokens with "
+                        "this much probability (1: off); every log-prob of the loss is the truncated distribution's too")
     # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
     # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
     # rollout_correction_max and rollout_correction_min (_loss_fields).

@@ -61,7 +61,9 @@ class Policy(torch.nn.Module):
     """The language model, with every use the trainer makes of its weights behind one ``forward``.
 
     ``policy("generate", **kwargs)`` samples, ``policy("logps", mb, cfg, device)`` returns per-token
-    log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss. DDP syncs
+    log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss; both of the
+    distribution the rollouts sample from (``cfg.temperature``, ``cfg.top_k``, ``cfg.top_p``: -inf for
+    a token outside the truncated set, which the loss then leaves out). DDP syncs
     gradients, and FSDP2 gathers sharded weights (``lm_head.weight`` included, which the fused loss
     reads directly), only around a wrapped module's forward: so this module is the one they wrap.
     """
@@ -81,9 +83,10 @@ class Policy(torch.nn.Module):
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
         targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, IGNORE_INDEX))
+        # the distribution the engine sampled from: the temperature, top-k and top-p of the rollouts
         return fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=cfg.temperature, chunk_size=cfg.chunk_size, backend=cfg.backend,
-            **head_transform(self.model),
+            hidden, weight, targets, bias=bias, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            chunk_size=cfg.chunk_size, backend=cfg.backend, **head_transform(self.model),
         )
 
     def _loss(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):

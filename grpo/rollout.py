@@ -33,6 +33,8 @@ from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_c
 
 import torch
 
+from grpo_kernels.options import check_top_k, check_top_p
+
 from .models import unwrap
 from .precision import autocast
 
@@ -112,8 +114,21 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: Union[int, list[
     return mask, ~is_eos.any(-1)
 
 
+def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Optional[int], float]:
+    """(temperature, top_k or None, top_p) once valid: the loss's own rules (``grpo_kernels.options``:
+    ``check_top_k`` / ``check_top_p``, vLLM's "off" values 0 / -1 and 1 accepted), a ValueError naming the
+    argument otherwise."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    top_k = check_top_k(top_k)
+    top_p = check_top_p(top_p)
+    return float(temperature), top_k, 1.0 if top_p is None else top_p
+
+
 class HFGenerate:
-    """Rollouts with Hugging Face ``generate``: sampling at ``temperature`` / ``top_p`` (``top_k`` off).
+    """Rollouts with Hugging Face ``generate``: sampling at ``temperature``, then ``top_k`` (None: off), then
+    ``top_p``, the order and the rules (ties at the k-th value kept, the nucleus' cumulative threshold)
+    of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``).
 
     tokenizer: pads on the left (``load_model`` and the demo's tokenizer do). eos_token_id: an id or a
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
@@ -134,9 +149,11 @@ class HFGenerate:
         top_p: float = 1.0,
         bf16: bool = True,
         eos_token_id: Union[int, list[int], None] = None,
+        top_k: Optional[int] = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.max_new_tokens, self.temperature, self.top_p, self.bf16 = max_new_tokens, temperature, top_p, bf16
+        self.temperature, self.top_k, self.top_p = _check_sampling(temperature, top_k, top_p)
+        self.max_new_tokens, self.bf16 = max_new_tokens, bf16
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -151,7 +168,8 @@ class HFGenerate:
             raise ValueError(f"all {len(prompts)} prompts are empty after tokenization: a completion needs a prompt token to follow")
         was_training = policy.training
         policy.eval()
-        sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
+        # (transformers: temperature, then top-k, then top-p, as vLLM; top_k=0 is its "off")
+        sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0)
         with autocast(device, self.bf16):
             out = policy(
                 "generate",
@@ -342,10 +360,11 @@ class VLLMRollout:
     ``generate`` first copies the policy's current weights into the engine (``reload_weights``, all of
     them; under LoRA the base weights with the adapters merged, :func:`engine_weights`) and drops the
     engine's prefix cache (KV of the old weights), then samples ``G`` completions of each prompt at
-    ``temperature`` / ``top_p`` (``top_k`` off) and returns them in the layout of :class:`HFGenerate`
+    ``temperature``, ``top_k`` (None: off) and ``top_p`` and returns them in the layout of :class:`HFGenerate`
     (the same tokenizer, left-padded prompts, completions cut after the first EOS), with
-    ``sampling_logps``: vLLM's log-probs of the sampled tokens after temperature
-    (``logprobs_mode="processed_logprobs"``, as TRL asks for its correction).
+    ``sampling_logps``: vLLM's log-probs of the sampled tokens under the distribution it drew from,
+    after temperature, top-k and top-p (``logprobs_mode="processed_logprobs"``, as TRL asks for its
+    correction; the loss's log-probs take the same truncation: ``grpo_kernels``' ``top_k`` / ``top_p``).
 
     model_name_or_path: a local directory (or hub name) with the model's config and tokenizer, and its
     weights unless ``load_format="dummy"`` is passed (they are replaced before the first sample anyway:
@@ -386,6 +405,7 @@ class VLLMRollout:
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: Optional[int] = None,
         dtype: str = "float32",
         max_model_len: Optional[int] = None,
         seed: int = 0,
@@ -396,10 +416,7 @@ class VLLMRollout:
         if max_model_len is not None:
             _check_int("max_model_len", max_model_len, 2)
         _check_int("seed", seed, 0)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
         taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init", "logprobs_mode"})
@@ -409,7 +426,7 @@ class VLLMRollout:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         self.model_name_or_path, self.dtype = model_name_or_path, getattr(torch, dtype)
-        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, float(temperature), float(top_p), seed
+        self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed = max_new_tokens, temperature, top_k, top_p, seed
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, padding_side="left")
             config = AutoConfig.from_pretrained(model_name_or_path)
@@ -543,7 +560,9 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
-        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.top_p, top_k=0, seed=seed)
+        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off")
+        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.top_p,
+                                                             top_k=self.top_k or 0, seed=seed)
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
 
     def _sample(self, prompt_ids: list[list[int]], params):

@@ -86,13 +86,14 @@ def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollo
         on_cuda = torch.cuda.is_available()
         return VLLMRollout.for_model(
             model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k,
             dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed, eos_token_id=generation_eos(model, tokenizer),
             max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
             **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
         )
     return HFGenerate(
-        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, bf16=cfg.bf16,
-        eos_token_id=generation_eos(model, tokenizer),
+        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer),
     )
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import torch
 
 from .backends import RowBackend
-from .kernels.torch_rows import RowGradient
+from .kernels.torch_rows import RowGradient, RowStats
 from .options import LogitTransform
 
 
@@ -55,26 +55,33 @@ def _written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class TokenLogprobsFunction(torch.autograd.Function):
-    """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T]), both float32."""
+    """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T], sum of squared probabilities
+    [B, T] or, unless ``with_sum_sq``, a 0-d 0), float32; the third has no gradient. Under a truncation
+    (``transform.top_k`` / ``top_p``) the kept set the forward found is saved with the statistics: a
+    constant of the backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
-                with_entropy: bool, inplace_backward: bool):
-        logp, entropy, row_max, log_sum = backend.forward_rows(logits, targets, transform, ignore_index, with_entropy)
+                with_entropy: bool, inplace_backward: bool, with_sum_sq: bool = False):
+        stats = backend.forward_rows(logits, targets, transform, ignore_index, with_entropy, with_sum_sq)
         ctx.set_materialize_grads(False)  # an unused output passes None, not a tensor of zeros
-        ctx.save_for_backward(logits, targets, row_max, log_sum, entropy)
+        ctx.save_for_backward(logits, targets, stats.row_max, stats.log_sum, stats.entropy, stats.threshold,
+                              stats.tie_index)
         ctx.config = (backend, transform, ignore_index, inplace_backward)
-        return logp, entropy
+        sum_sq = stats.sum_probs_sq if with_sum_sq else stats.logp.new_zeros(())
+        ctx.mark_non_differentiable(sum_sq)
+        return stats.logp, stats.entropy, sum_sq
 
     @staticmethod
     @_first_order
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, row_max, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        logits, targets, row_max, log_sum, entropy, threshold, tie_index = ctx.saved_tensors
         backend, transform, ignore_index, inplace_backward = ctx.config
         out = _gradient_buffer(logits, inplace_backward)
-        backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, transform, ignore_index, out)
+        backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, transform, ignore_index,
+                              out, threshold, tie_index)
         _written_in_place(logits, out)
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 class FusedGRPOLossFunction(torch.autograd.Function):
@@ -91,16 +98,18 @@ class FusedGRPOLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, advantages, weights, entropy_weights, kl_weights, backend: RowBackend, inputs,
-                options, ignore_index: int, inplace_backward: bool):
+                options, ignore_index: int, inplace_backward: bool, transform: Optional[LogitTransform] = None):
+        transform = options.transform if transform is None else transform  # (a per-row temperature as the rows)
         loss, logp, entropy, row_max, log_sum, coef_logp, coef_entropy, kl, clip = backend.grpo_forward_rows(
-            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0, kl_weights=kl_weights
+            logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=0.0, kl_weights=kl_weights,
+            transform=transform,
         )
         loss = loss.sum()
         if entropy_weights is not None:
             loss = loss - (entropy_weights * entropy).sum()
             coef_entropy = -entropy_weights.float()
         ctx.save_for_backward(logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy)
-        ctx.config = (backend, options.transform, ignore_index, inplace_backward, entropy_weights is not None)
+        ctx.config = (backend, transform, ignore_index, inplace_backward, entropy_weights is not None)
         ctx.mark_non_differentiable(logp, entropy, kl, clip)
         return loss, logp, entropy, kl, clip
 
@@ -115,7 +124,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
         _written_in_place(logits, out)
-        return (out,) + (None,) * 10
+        return (out,) + (None,) * 11
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,23 +275,30 @@ def _operands(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.d
 
 def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
-                       row_stats: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, ...]],
-                       num_stats: int = 4) -> list:
+                       row_stats: Callable[[torch.Tensor, torch.Tensor, slice], RowStats]) -> RowStats:
     """The forward's chunk loop: the logits ``hidden [n, H] @ weight^T [H, V] + bias`` are formed
     ``chunk_size`` rows at a time in ``dtype`` (autocast off, one reused buffer, never all n rows) and
-    reduced at once by ``row_stats(logits [1, r, V], targets [1, r])`` to ``num_stats`` per-row
-    statistics, each [1, r]. Returns them as ``num_stats`` float32 [n] tensors."""
+    reduced at once by ``row_stats(logits [1, r, V], targets [1, r], rows)`` (``rows``: the chunk's
+    slice of the n rows) to a ``RowStats`` of [1, r] tensors (its None fields stay None). Returns the
+    ``RowStats`` of all n rows, [n] each."""
     n = hidden.shape[0]
-    stats = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(num_stats)]
+    stats: Optional[list] = None
     with torch.autocast(hidden.device.type, enabled=False):
         w, b = _operands(weight, bias, dtype)
         buffer = _logits_buffer(n, chunk_size, w)
         for start in range(0, n, chunk_size):
             rows = slice(start, min(n, start + chunk_size))
             logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
-            for out, value in zip(stats, row_stats(_as_rows(logits), _as_rows(targets[rows]))):
-                out[rows] = value[0]
-    return stats
+            chunk = row_stats(_as_rows(logits), _as_rows(targets[rows]), rows)
+            if stats is None:
+                stats = [None if x is None else torch.empty(n, dtype=x.dtype, device=hidden.device) for x in chunk]
+            for out, value in zip(stats, chunk):
+                if out is not None:
+                    out[rows] = value[0]
+    if stats is None:  # no rows
+        empty = torch.empty(0, dtype=torch.float32, device=hidden.device)
+        return RowStats(empty, empty, empty, empty)
+    return RowStats(*stats)
 
 
 def _hand_over(grad: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
@@ -304,19 +320,24 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
-                with_entropy: bool, chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool = False):
-        logp, entropy, row_max, log_sum = _chunked_row_stats(
+                with_entropy: bool, chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool = False,
+                with_sum_sq: bool = False):
+        stats = _chunked_row_stats(
             hidden, weight, bias, targets, chunk_size, dtype,
-            lambda logits, rows: backend.forward_rows(logits, rows, transform, ignore_index, with_entropy))
+            lambda logits, tgt, rows: backend.forward_rows(logits, tgt, transform.rows(rows), ignore_index, with_entropy,
+                                                           with_sum_sq))
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, stats.row_max, stats.log_sum, stats.entropy,
+                              stats.threshold, stats.tie_index)
         ctx.config = (backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype)
-        return logp, entropy
+        sum_sq = stats.sum_probs_sq if with_sum_sq else stats.logp.new_zeros(())
+        ctx.mark_non_differentiable(sum_sq)
+        return stats.logp, stats.entropy, sum_sq
 
     @staticmethod
     @_first_order
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        hidden, weight, bias, targets, row_max, log_sum, entropy, threshold, tie_index = ctx.saved_tensors
         backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
@@ -332,9 +353,10 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
                 logits = _chunk_logits(h, w, b, buffer)
                 g_logp = None if grad_logp is None else _as_rows(grad_logp[rows])
                 g_ent = None if grad_entropy is None else _as_rows(grad_entropy[rows])
+                kept = (None, None) if threshold is None else (_as_rows(threshold[rows]), _as_rows(tie_index[rows]))
                 grad_logits = backend.backward_rows(
                     _as_rows(logits), _as_rows(targets[rows]), _as_rows(row_max[rows]), _as_rows(log_sum[rows]),
-                    _as_rows(entropy[rows]), g_logp, g_ent, transform, ignore_index, _as_rows(logits),
+                    _as_rows(entropy[rows]), g_logp, g_ent, transform.rows(rows), ignore_index, _as_rows(logits), *kept,
                 )[0]
                 if need_hidden:
                     _write_hidden_grad(grad_hidden[rows], grad_logits, w)
@@ -346,7 +368,7 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
             grad_hidden,
             _hand_over(grad_weight, weight.dtype),
             _hand_over(grad_bias, None if bias is None else bias.dtype),
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
         )
 
 
@@ -443,7 +465,7 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
                     return g_logp, g_entropy
 
                 # factored unless the bias needs its gradient (a plain column sum of d logits)
-                out = backend.forward_backward_rows(grad_logits, targets[rows], transform, ignore_index,
+                out = backend.forward_backward_rows(grad_logits, targets[rows], transform.rows(rows), ignore_index,
                                                     chunk_coefficients, factored=not need_bias)
                 logp[rows], entropy[rows] = out.logp, out.entropy
                 if out.row_scale is not None:

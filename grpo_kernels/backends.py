@@ -15,28 +15,38 @@ from __future__ import annotations
 import os
 import sys
 from types import ModuleType
-from typing import ClassVar, Dict, Tuple
+from typing import ClassVar, Dict, Optional
 
 import torch
 
 from .kernels import torch_rows
 from .objective import is_token_local
-from .kernels.torch_rows import RowGradient
+from .kernels.torch_rows import RowGradient, RowStats
 from .options import LogitTransform
 
-RowStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+def _rows_temperature(t: LogitTransform, logits: torch.Tensor) -> Optional[torch.Tensor]:
+    """A per-row temperature tensor as the rows of ``logits [B, T, V]`` ([B, T]), or None for a float."""
+    return t.temperature.reshape(logits.shape[:2]) if t.per_row else None
 
 
 class RowBackend:
     """The interface every backend implements. Per-row outputs are float32 [B, T].
 
-    ``forward_rows(logits [B, T, V], targets [B, T], transform, ignore_index, with_entropy)``
-        -> ``(logp, entropy, row_max, log_sum)``: ``row_max`` and ``log_sum`` are the max of the
-        transformed logits ``z`` (``options.LogitTransform``: logit scale, softcap, temperature)
-        and ``log sum exp(z - max)``; rows whose target is ``ignore_index`` are never read and give 0.
+    ``forward_rows(logits [B, T, V], targets [B, T], transform, ignore_index, with_entropy, with_sum_sq)``
+        -> ``RowStats(logp, entropy, row_max, log_sum, sum_probs_sq, threshold, tie_index)``
+        (``kernels.torch_rows.RowStats``): ``row_max`` and ``log_sum`` are the max of the
+        transformed logits ``z`` (``options.LogitTransform``: logit scale, softcap, temperature, a
+        float or a tensor with one per row) and ``log sum exp(z - max)`` over the distribution's
+        support: the kept set of a truncation (``transform.top_k`` / ``top_p``, vLLM's rule), which
+        ``threshold`` / ``tie_index`` describe (None without one), where a target outside it gets
+        ``logp = -inf``; ``sum_probs_sq`` when asked. Rows whose target is ``ignore_index`` are never
+        read and give 0.
     ``backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-        transform, ignore_index, out)`` writes ``d loss / d logits`` into ``out`` (which may be
-        ``logits`` itself) in ``out``'s dtype and returns it; a ``None`` gradient means zero.
+        transform, ignore_index, out, threshold=None, tie_index=None)`` writes ``d loss / d logits``
+        into ``out`` (which may be ``logits`` itself) in ``out``'s dtype and returns it; a ``None``
+        gradient means zero; with a kept set, the gradient of the truncated distribution (the set a
+        constant).
     ``forward_backward_rows(logits [n, V], targets [n], transform, ignore_index, coefficients, factored)``
         -> ``RowGradient(logp, entropy, row_scale, target_grad)``, with ``d loss / d logits`` written
         over ``logits`` (the fused-linear path's gradient in the forward), or in factored form
@@ -54,18 +64,19 @@ class RowBackend:
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError (naming ``backend``) when this backend cannot run on ``device``."""
 
-    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy, with_sum_sq=False) -> RowStats:
         raise NotImplementedError
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      transform, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out, threshold=None, tie_index=None) -> torch.Tensor:
         raise NotImplementedError
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None,
-                          kl_weights=None):
+                          kl_weights=None, transform=None):
         """Only where ``fuses(options)``: see ``kernels.triton_rows.grpo_forward_rows`` (``entropy_coef``
         overrides the options': the bonus weighted like the policy term, per token, in the kernel;
-        ``kl_weights``: the KL's own weights under ``loss_mode``, where they differ from ``weights``)."""
+        ``kl_weights``: the KL's own weights under ``loss_mode``, where they differ from ``weights``;
+        ``transform``: the options' with a per-row temperature shaped as the rows, if not theirs)."""
         raise NotImplementedError(f"backend {self.name!r} has no fused GRPO forward")
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
@@ -90,11 +101,12 @@ class RowBackend:
         ``backward_rows`` with ``out=logits`` (never factored); ``TorchBackend`` fuses them.
         """
         rows, tgt = logits.unsqueeze(0), targets.unsqueeze(0)
-        logp, entropy, row_max, log_sum = self.forward_rows(rows, tgt, transform, ignore_index, True)
-        g_logp, g_entropy = coefficients(logp[0], entropy[0])
-        self.backward_rows(rows, tgt, row_max, log_sum, entropy, g_logp.unsqueeze(0),
-                           None if g_entropy is None else g_entropy.unsqueeze(0), transform, ignore_index, rows)
-        return RowGradient(logp[0], entropy[0])
+        stats = self.forward_rows(rows, tgt, transform, ignore_index, True)
+        g_logp, g_entropy = coefficients(stats.logp[0], stats.entropy[0])
+        self.backward_rows(rows, tgt, stats.row_max, stats.log_sum, stats.entropy, g_logp.unsqueeze(0),
+                           None if g_entropy is None else g_entropy.unsqueeze(0), transform, ignore_index, rows,
+                           stats.threshold, stats.tie_index)
+        return RowGradient(stats.logp[0], stats.entropy[0])
 
     def __repr__(self) -> str:
         return f"<{self.name} row backend>"
@@ -105,27 +117,35 @@ class TorchBackend(RowBackend):
 
     name = "torch"
 
-    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
+    @staticmethod
+    def _temperature(t: LogitTransform, logits: torch.Tensor):
+        rows = _rows_temperature(t, logits)
+        return t.temperature if rows is None else rows
+
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy, with_sum_sq=False) -> RowStats:
         t = LogitTransform.of(transform)
-        return torch_rows.forward_rows(logits, targets, t.temperature, ignore_index, with_entropy,
-                                       softcap=t.softcap, logit_scale=t.logit_scale)
+        return torch_rows.forward_rows(logits, targets, self._temperature(t, logits), ignore_index, with_entropy,
+                                       softcap=t.softcap, logit_scale=t.logit_scale, top_k=t.top_k_for(logits.shape[-1]),
+                                       top_p=t.top_p, with_sum_sq=with_sum_sq)
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      transform, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out, threshold=None, tie_index=None) -> torch.Tensor:
         t = LogitTransform.of(transform)
         return torch_rows.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                                        t.temperature, ignore_index, out, softcap=t.softcap, logit_scale=t.logit_scale)
+                                        self._temperature(t, logits), ignore_index, out, softcap=t.softcap,
+                                        logit_scale=t.logit_scale, threshold=threshold, tie_index=tie_index)
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
         t = LogitTransform.of(transform)
-        return torch_rows.log_normalizer(row_max, log_sum, t.temperature, t.softcap, t.logit_scale)
+        temperature = t.temperature.reshape(row_max.shape) if t.per_row else t.temperature
+        return torch_rows.log_normalizer(row_max, log_sum, temperature, t.softcap, t.logit_scale)
 
     def forward_backward_rows(self, logits, targets, transform, ignore_index, coefficients,
                               factored: bool = False) -> RowGradient:
         t = LogitTransform.of(transform)
-        if t.softcap is None:  # the fused pass; the logit scale folds into the temperature
-            return torch_rows.forward_backward_rows(logits, targets, t.temperature / t.logit_scale, ignore_index,
-                                                    coefficients, factored)
+        if t.softcap is None and not t.truncates:  # the fused pass; the logit scale folds into the temperature
+            temperature = t.temperature.reshape(-1).double() / t.logit_scale if t.per_row else t.temperature / t.logit_scale
+            return torch_rows.forward_backward_rows(logits, targets, temperature, ignore_index, coefficients, factored)
         return super().forward_backward_rows(logits, targets, t, ignore_index, coefficients)
 
 
@@ -157,8 +177,10 @@ class TritonBackend(RowBackend):
 
     def fuses(self, options) -> bool:
         """The token-local objectives (``objective.is_token_local``) whose term the epilogue has: all of
-        TRL's and verl's token-local ones (sapo, vanilla, gpg, cispo, dppo_tv, dppo_kl, dro)."""
-        return is_token_local(options) and self._module().fuses_objective(options.loss_type, options.loss_mode)
+        TRL's and verl's token-local ones (sapo, vanilla, gpg, cispo, dppo_tv, dppo_kl, dro); not under a
+        truncation (top-k / top-p), whose tokens outside the kept set leave the loss's normalisers first."""
+        return (is_token_local(options) and not options.transform.truncates
+                and self._module().fuses_objective(options.loss_type, options.loss_mode))
 
     @staticmethod
     def _module() -> ModuleType:
@@ -184,35 +206,53 @@ class TritonBackend(RowBackend):
             )
 
     @staticmethod
-    def _transform_keywords(transform) -> dict:
+    def _transform_keywords(transform, logits: Optional[torch.Tensor] = None, rows_shape=None) -> dict:
+        """The launchers' keywords of a transform: a per-row temperature as ``temperature_rows`` [B, T]
+        (the rows of ``logits``, or ``rows_shape``), the float then unused (1.0). Only set keywords are
+        passed, so a plain call is the launcher's own default signature."""
         t = LogitTransform.of(transform)
-        return dict(temperature=t.temperature, softcap=t.softcap, logit_scale=t.logit_scale)
+        out = dict(temperature=1.0 if t.per_row else t.temperature, softcap=t.softcap, logit_scale=t.logit_scale)
+        if t.per_row:
+            out["temperature_rows"] = t.temperature.reshape(logits.shape[:2] if logits is not None else rows_shape)
+        return out
 
-    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy) -> RowStats:
-        return self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
-                                              with_entropy=with_entropy, **self._transform_keywords(transform))
+    def forward_rows(self, logits, targets, transform, ignore_index, with_entropy, with_sum_sq=False) -> RowStats:
+        t = LogitTransform.of(transform)
+        keywords = self._transform_keywords(t, logits)
+        top_k = t.top_k_for(logits.shape[-1])
+        if top_k is None and t.top_p is None and not with_sum_sq:  # the plain row pass
+            return RowStats(*self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
+                                                            with_entropy=with_entropy, **keywords))
+        out = self._launchers().forward_rows_sampled(logits=logits, targets=targets, ignore_index=ignore_index,
+                                                     with_entropy=with_entropy, top_k=top_k, top_p=t.top_p,
+                                                     with_sum_sq=with_sum_sq, **keywords)
+        truncated = top_k is not None or t.top_p is not None
+        return RowStats(*out[:4], out[4] if with_sum_sq else None, *(out[5:] if truncated else (None, None)))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
-                      transform, ignore_index, out) -> torch.Tensor:
+                      transform, ignore_index, out, threshold=None, tie_index=None) -> torch.Tensor:
+        kept = {} if threshold is None else dict(threshold=threshold, tie_index=tie_index)
         self._launchers().backward_rows(  # the custom op returns nothing: it mutates ``out``
             logits=logits, targets=targets, row_max=row_max, log_sum=log_sum, entropy=entropy, grad_logp=grad_logp,
-            grad_entropy=grad_entropy, ignore_index=ignore_index, out=out, **self._transform_keywords(transform),
+            grad_entropy=grad_entropy, ignore_index=ignore_index, out=out,
+            **self._transform_keywords(transform, logits), **kept,
         )
         return out
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
-        return self._module().log_normalizer(row_max, log_sum, **self._transform_keywords(transform))
+        return self._module().log_normalizer(row_max, log_sum, **self._transform_keywords(transform, rows_shape=row_max.shape))
 
     def shift_log_sum(self, log_sum, shift) -> torch.Tensor:
         return self._module().shift_log_sum(log_sum, shift)
 
     def grpo_forward_rows(self, logits, targets, advantages, weights, inputs, options, ignore_index, entropy_coef=None,
-                          kl_weights=None):
+                          kl_weights=None, transform=None):
         verl = dict(loss_mode=options.loss_mode, kl_loss_type=options.kl_loss_type,
                     dro_beta=0.0 if options.dro_beta is None else options.dro_beta, kl_weights=kl_weights)
+        transform = options.transform if transform is None else transform
         return self._launchers().grpo_forward_rows(
             logits=logits, targets=targets, advantages=advantages, weights=weights, old_logps=inputs.old_logps,
-            ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(options.transform),
+            ref_logps=inputs.ref_logps, is_ratio=inputs.is_ratio, **self._transform_keywords(transform, logits),
             ignore_index=ignore_index, eps_low=options.eps_low, eps_high=options.eps_high, delta=options.delta,
             beta=options.beta, entropy_coef=options.entropy_coef if entropy_coef is None else entropy_coef,
             loss_type=options.loss_type,

@@ -10,7 +10,7 @@ spec in ``reference`` instead.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, Fused
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import linear_rows, prepare_grpo, scatter_rows, take_rows
+from .prepare import linear_rows, prepare_grpo, scatter_rows, take_rows, take_transform
 
 
 
@@ -81,13 +81,24 @@ def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> 
     return decorate
 
 
-def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False):
-    """(logp, entropy) with the shape of ``targets``; logits [..., V] viewed as rows without a copy."""
+def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False,
+                   with_sum_sq=False):
+    """(logp, entropy, sum of squared probabilities or a 0-d 0) with the shape of ``targets``; logits
+    [..., V] viewed as rows without a copy; ``transform``'s temperature a float or of ``targets``' shape."""
     rows = as_rows(logits)
-    logp, entropy = TokenLogprobsFunction.apply(
-        rows, targets.reshape(rows.shape[:2]), backend, transform, ignore_index, with_entropy, inplace_backward
+    logp, entropy, sum_sq = TokenLogprobsFunction.apply(
+        rows, targets.reshape(rows.shape[:2]), backend, transform, ignore_index, with_entropy, inplace_backward,
+        with_sum_sq,
     )
-    return logp.view(targets.shape), entropy.view(targets.shape)
+    return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
+
+
+def _logprob_outputs(logp, entropy, sum_sq, return_entropy: bool, return_sum_probs_sq: bool):
+    """The log-prob functions' return (contract v4): ``logp`` alone, else ``(logp,)`` then ``entropy`` if
+    asked, then ``sum_probs_sq`` if asked."""
+    if not (return_entropy or return_sum_probs_sq):
+        return logp
+    return (logp,) + ((entropy,) if return_entropy else ()) + ((sum_sq,) if return_sum_probs_sq else ())
 
 
 @_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
@@ -95,11 +106,14 @@ def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_sum_probs_sq: bool = False,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
@@ -109,10 +123,19 @@ def token_logprobs(
     temperature`` without ``softcap``: Gemma's final-logit soft-capping, Cohere's logit scale).
 
     logits [..., V] fp16/bf16/fp32 (strided views fine, last dim contiguous); targets [...] int32/int64.
-    With ``return_entropy`` also returns the entropy of ``softmax(z)``, float32 [...].
+    ``temperature``: a float, or a tensor of shape ``[...]`` (one per token) or ``[...][:1]`` (one per
+    sequence), finite and > 0 (a tensor holding a float gives the float's results bitwise).
+    ``top_k`` / ``top_p``: the distribution a vLLM sampler draws from, ``softmax(z)`` truncated to the
+    top-k, then to the top-p nucleus, and renormalised (vLLM 0.32's rules: ties at the k-th value kept,
+    the largest token always kept; ``None``, ``top_k`` 0 / -1 / >= V and ``top_p`` 1 mean off); a
+    target outside the kept set gets ``-inf``, as vLLM's processed log-probs (``docs/api.md``).
+    Returns ``logp``, or ``(logp,)`` + ``(entropy,)`` if ``return_entropy`` + ``(sum_probs_sq,)`` if
+    ``return_sum_probs_sq``: the entropy and the (detached) sum of squared probabilities of the same
+    distribution, float32 [...].
     Positions whose target is ``ignore_index`` give 0 and a zero gradient, and their logits are never
-    read. Differentiable w.r.t. the logits through both outputs (first order: a double backward
-    raises); the gradient has the logits' dtype.
+    read. Differentiable w.r.t. the logits through the log-prob and the entropy (first order: a double
+    backward raises; the kept set is a constant; a -inf log-prob has no gradient); the gradient has
+    the logits' dtype.
 
     ``process_group`` (a ``torch.distributed`` ProcessGroup): vocabulary-parallel, ``logits`` is this
     rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
@@ -120,18 +143,21 @@ def token_logprobs(
     ``reduce_hidden_grad`` (the fused-linear functions' option) must be False: logits have no ``d hidden``.
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
+    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
     _no_hidden_to_reduce(reduce_hidden_grad)
     if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
         return vocab_parallel.token_logprobs(
             logits, targets, group=group, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend)
+            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
+            return_sum_probs_sq=return_sum_probs_sq, backend=backend)
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-    transform = LogitTransform(temperature, softcap, logit_scale)
+    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
     V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
     row_backend = backends.resolve(backend, logits.device)
-    logp, entropy = _logprobs_rows(logits, targets, transform, ignore_index, return_entropy, row_backend)
-    return (logp, entropy) if return_entropy else logp
+    logp, entropy, sum_sq = _logprobs_rows(logits, targets, transform, ignore_index, return_entropy, row_backend,
+                                           with_sum_sq=return_sum_probs_sq)
+    return _logprob_outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
 @grpo_keywords
@@ -166,8 +192,8 @@ def grpo_loss(
         return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, group=group,
                                         backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
     logits = V.check_logits(logits)
-    inputs, options, mask, ids = prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids, advantages,
-                                               completion_mask, grpo_kwargs)
+    inputs, options, mask, ids, transform = prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids,
+                                                         advantages, completion_mask, grpo_kwargs)
     if inplace_backward:
         V.check_writable("logits", logits, [("completion_ids", completion_ids), ("advantages", advantages),
                                             ("completion_mask", completion_mask), ("old_logps", inputs.old_logps),
@@ -175,15 +201,16 @@ def grpo_loss(
                                             ("segment_ids", inputs.segment_ids)])
     row_backend = backends.resolve(backend, logits.device)
     if row_backend.fuses(options) and not objective.needs_logprobs_first(options, inputs):
-        return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward)
-    # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives and the torch
-    # path (no fused epilogue): log-probs from the row kernel, then the O(B*T) maths of the objective.
-    logp, entropy = _logprobs_rows(logits, ids, options.transform, IGNORE_INDEX, True, row_backend, inplace_backward)
+        return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward, transform)
+    # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives, a truncation
+    # (top-k / top-p: the tokens outside the kept set leave the loss first) and the torch path (no fused
+    # epilogue): log-probs from the row kernel, then the O(B*T) maths of the objective.
+    logp, entropy, _ = _logprobs_rows(logits, ids, transform, IGNORE_INDEX, True, row_backend, inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
 def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInputs, options: GRPOOptions,
-                     inplace_backward) -> GRPOLossOutput:
+                     inplace_backward, transform: LogitTransform) -> GRPOLossOutput:
     """Token-level GRPO on a backend whose kernel computes the loss in the log-prob pass
     (``FusedGRPOLossFunction``); the per-token weights (the reduction) and the metrics come from ``objective``."""
     rows = as_rows(logits)
@@ -205,7 +232,7 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
     )
     loss, logp, entropy, kl, clip = FusedGRPOLossFunction.apply(
         rows, ids.reshape(rows.shape[:2]), adv, weights, None if bonus is None else bonus.reshape(rows.shape[:2]),
-        kl_weights, row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward,
+        kl_weights, row_backend, kernel_inputs, options, IGNORE_INDEX, inplace_backward, transform,
     )
     logp, entropy, kl, clip = (x.view(ids.shape) for x in (logp, entropy, kl, clip))
     if options.is_verl:  # verl's metrics (per mode, ppo_kl on its log-ratio): the same formulas, no autograd
@@ -222,20 +249,23 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
 # fused linear: hidden states and lm_head weight in, the [N, V] logits never exist at once
 # --------------------------------------------------------------------------------------------------
 def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform, ignore_index, with_entropy, chunk_size,
-                       backend, accumulate_in_weight_dtype=False):
-    """(logp, entropy) of ``hidden @ weight.T + bias`` with the shape of ``targets``; the backward
-    recomputes each chunk's logits (4 matmuls). Only rows whose target is not ``ignore_index`` are read."""
+                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False):
+    """(logp, entropy, sum of squared probabilities or a 0-d 0) of ``hidden @ weight.T + bias`` with the
+    shape of ``targets``; the backward recomputes each chunk's logits (4 matmuls). Only rows whose
+    target is not ``ignore_index`` are read; ``transform``'s temperature a float or of ``targets``' shape."""
     row_backend = backends.resolve(backend, hidden.device)
     rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
-    logp, entropy = FusedLinearTokenLogprobsFunction.apply(
-        rows.hidden, weight, bias, rows.targets, row_backend, transform, ignore_index, with_entropy,
-        rows.chunk_size, rows.dtype, accumulate_in_weight_dtype,
+    logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
+        rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
+        with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
     )
-    return scatter_rows(rows, logp, targets.shape), scatter_rows(rows, entropy, targets.shape)
+    sum_sq = scatter_rows(rows, sum_sq, targets.shape) if with_sum_sq else sum_sq
+    return scatter_rows(rows, logp, targets.shape), scatter_rows(rows, entropy, targets.shape), sum_sq
 
 
 def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs: GRPOInputs,
-                                  options: GRPOOptions, chunk_size, backend, accumulate_in_weight_dtype) -> GRPOLossOutput:
+                                  options: GRPOOptions, chunk_size, backend, accumulate_in_weight_dtype,
+                                  transform: LogitTransform) -> GRPOLossOutput:
     """Token-level GRPO from hidden states, its gradient formed in the forward (3 matmuls a chunk).
 
     The per-token coefficients come from autograd over ``objective.per_token_loss`` on fp32 leaf
@@ -284,7 +314,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
 
     needs_grad = (rows.hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     loss, logp, entropy = FusedLinearGRPOLossFunction.apply(
-        rows.hidden, weight, bias, rows.targets, coefficients, row_backend, options.transform,
+        rows.hidden, weight, bias, rows.targets, coefficients, row_backend, take_transform(rows, transform),
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
     )
     logp, entropy = scatter_rows(rows, logp, shape), scatter_rows(rows, entropy, shape)
@@ -300,11 +330,14 @@ def fused_linear_token_logprobs(
     targets: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_sum_probs_sq: bool = False,
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
@@ -314,8 +347,10 @@ def fused_linear_token_logprobs(
     """``token_logprobs(hidden @ weight.T + bias, targets)`` a chunk of rows at a time.
 
     hidden [..., H], weight [V, H] (``lm_head.weight``), bias [V] or None, targets [...]. Returns
-    float32 [...] (and the entropy), of the transformed logits as in :func:`token_logprobs`
-    (``logit_scale``, then ``softcap``, then ``temperature``). Gradients flow to hidden, weight and bias (in their dtypes); the
+    float32 [...] (and the entropy, and the sum of squared probabilities: ``return_entropy``,
+    ``return_sum_probs_sq``), of the transformed logits as in :func:`token_logprobs` (``logit_scale``,
+    then ``softcap``, then ``temperature``, a float or a tensor ``[...]`` / ``[...][:1]``), truncated by
+    ``top_k`` / ``top_p`` as :func:`token_logprobs` truncates them. Gradients flow to hidden, weight and bias (in their dtypes); the
     backward recomputes each chunk's logits. Extra memory: ``chunk_size`` rows of logits (default:
     :func:`grpo_kernels.autograd.default_chunk_size`) plus, with gradients, the fp32 ``d W``
     accumulator, or one in the weight's dtype with ``accumulate_in_weight_dtype=True`` (half the
@@ -328,6 +363,7 @@ def fused_linear_token_logprobs(
     partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
     """
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
+    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
@@ -335,15 +371,15 @@ def fused_linear_token_logprobs(
         return vocab_parallel.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, group=group, reduce_hidden_grad=reduce_hidden_grad,
             temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
-            logit_scale=logit_scale, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
-            backend=backend)
+            logit_scale=logit_scale, top_k=top_k, top_p=top_p, return_sum_probs_sq=return_sum_probs_sq,
+            chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
-    transform = LogitTransform(temperature, softcap, logit_scale)
+    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, hidden.device)
     V.check_ids_in_range(targets, weight.shape[0], ignore_index, "targets")
-    logp, entropy = _fused_linear_rows(hidden, weight, bias, targets, transform, ignore_index, return_entropy, chunk_size,
-                                       backend, accumulate_in_weight_dtype)
-    return (logp, entropy) if return_entropy else logp
+    logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, ignore_index, return_entropy,
+                                               chunk_size, backend, accumulate_in_weight_dtype, return_sum_probs_sq)
+    return _logprob_outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
 @grpo_keywords
@@ -385,12 +421,14 @@ def fused_linear_grpo_loss(
             reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
             accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
     V.check_linear(hidden, weight, bias)
-    inputs, options, mask, ids = prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids, advantages,
-                                               completion_mask, grpo_kwargs)
+    inputs, options, mask, ids, transform = prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids,
+                                                         advantages, completion_mask, grpo_kwargs)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options):
+    # (a truncation's tokens outside the kept set leave the loss's normalisers, known only after the
+    # log-probs: those calls take the backward that recomputes the logits)
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options) and not transform.truncates:
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
-                                             backend, accumulate_in_weight_dtype)
-    logp, entropy = _fused_linear_rows(hidden, weight, bias, ids, options.transform, IGNORE_INDEX, True, chunk_size,
-                                       backend, accumulate_in_weight_dtype)
+                                             backend, accumulate_in_weight_dtype, transform)
+    logp, entropy, _ = _fused_linear_rows(hidden, weight, bias, ids, transform, IGNORE_INDEX, True, chunk_size,
+                                          backend, accumulate_in_weight_dtype)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

@@ -1007,9 +1007,40 @@ def prepare(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
     return Prepared(inputs, policy_mask, entropy_mask, metrics)
 
 
+OUTSIDE_KEPT_SET = "sampling/outside_kept_set"
+
+
+def leave_out_outside_kept_set(logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                               inputs: GRPOInputs) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under a truncation (``top_k`` / ``top_p``), the tokens outside a distribution's kept set leave the loss.
+
+    A token whose log-prob is ``-inf`` (the current one, or the given ``old_logps``, ``ref_logps`` or
+    ``rollout_logps``: a policy under which the sampler could not have drawn it) would give an infinite
+    ratio or KL: it is masked out, as if its mask were 0 (every reduction and metric then leaves it
+    out), its log-prob and entropy replaced by 0 through a select (no gradient reaches its logits).
+    Returns ``(logp, entropy, mask, share)``: ``share`` the 0-d fraction of the mask's tokens left out
+    (:data:`OUTSIDE_KEPT_SET`), weighted as the mask weighs them."""
+    valid = mask != 0
+    outside = logp.detach() == float("-inf")
+    for given in (inputs.old_logps, inputs.ref_logps, inputs.rollout_logps):
+        if given is not None:
+            outside = outside | (given.detach() == float("-inf")).expand_as(outside)
+    outside = outside & valid
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    share = (torch.where(outside, mask, zero).sum() / mask.sum().clamp(min=1.0)).detach().float()  # (as every token mean)
+    return (torch.where(outside, zero, logp), torch.where(outside, zero, entropy),
+            torch.where(outside, torch.zeros_like(mask), mask), share)
+
+
 def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                             inputs: GRPOInputs, options: GRPOOptions) -> GRPOLossOutput:
-    """Everything after the log-probs: per-token loss, reduction and metrics (arguments checked)."""
+    """Everything after the log-probs: per-token loss, reduction and metrics (arguments checked).
+    Under a truncation the tokens outside a kept set leave the loss first
+    (:func:`leave_out_outside_kept_set`; metric :data:`OUTSIDE_KEPT_SET`); ``per_token_logps`` keeps
+    their -inf."""
+    given_logp, given_mask, outside_share = logp, mask, None
+    if options.transform.truncates:
+        logp, entropy, mask, outside_share = leave_out_outside_kept_set(logp, entropy, mask, inputs)
     sequences = Sequences(mask, inputs.segment_ids)
     prep = prepare(logp, entropy, advantages, mask, inputs, options, sequences)
     inputs = prep.inputs
@@ -1022,5 +1053,7 @@ def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantage
     if options.is_verl:
         metrics.update(verl_metrics(terms, entropy, mask, options, regulariser))
     metrics.update({k: v.detach().float() for k, v in prep.metrics.items()})
-    per_token_logps = torch.where(mask != 0, logp.detach(), torch.zeros_like(logp))
+    if outside_share is not None:
+        metrics[OUTSIDE_KEPT_SET] = outside_share
+    per_token_logps = torch.where(given_mask != 0, given_logp.detach(), torch.zeros_like(given_logp))
     return GRPOLossOutput(reduced, per_token_logps, metrics)

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 
 from . import _validation as V
-from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, above, at_least, declarations,
-                     fields_by_name, option)
+from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, OptionTypeError, above, at_least,
+                     declarations, fields_by_name, option)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
@@ -66,20 +66,48 @@ _DIVERGENCE_THRESHOLD = at_least(0)
 _EPS_LOW_UNDER = {"cispo": UNIT_INTERVAL, **{mode: _DIVERGENCE_THRESHOLD for mode in DIVERGENCE_CLIP_LOSS_MODES}}
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """What the softmax sees: ``z = softcap * tanh(logit_scale * logits / softcap) / temperature``
-    (``logit_scale * logits / temperature`` when ``softcap`` is None), as Gemma-2/3 (final-logit
-    soft-capping) and Cohere (``logit_scale``) compute their logits, then the sampling temperature."""
+# The sampler's truncation (vLLM 0.32's SamplingParams): top_k an int, 0 or -1 (or >= V) meaning off,
+# top_p in (0, 1], 1 meaning off; declared once here and shared by LogitTransform and GRPOOptions (the
+# trainer's config and the rollout engines read the same declarations).
+_TOP_K = dict(help="the sampler's top-k (vLLM's rule: ties at the k-th value kept): log-probs, entropy and loss of the "
+              "truncated, renormalised distribution; None, 0 or -1 (vLLM's values) or >= V: off", bounds=at_least(-1))
+_TOP_P = dict(help="the sampler's top-p nucleus, after top-k (vLLM's rule): log-probs, entropy and loss of the "
+              "truncated, renormalised distribution; None or 1: off", bounds=FRACTION)
+TOP_K_OFF = (0, -1)  # vLLM's values that disable top-k (as None does here)
 
-    temperature: float = option(1.0, **_TEMPERATURE)
+
+@dataclass(frozen=True, eq=False)
+class LogitTransform:
+    """The distribution the log-probs are of: the softmax of
+    ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
+    temperature`` when ``softcap`` is None; Gemma-2/3's final-logit soft-capping, Cohere's ``logit_scale``,
+    then the sampling temperature), truncated as a vLLM sampler truncates it: ``top_k`` then ``top_p``
+    (``None`` = off; vLLM's "off" values are normalised to None here), renormalised.
+
+    ``temperature``: a float, or a tensor (``[B]`` one per sequence, or the call's leading shape, one per
+    token), each value within the float's declared range: :meth:`for_rows` checks its shape against a
+    call and broadcasts it. A tensor's values are read in float64, so a tensor holding the float
+    (float64, or a float32-representable value) gives bitwise the float's results. Compared by identity
+    (``eq=False``: it may hold a tensor).
+    """
+
+    temperature: float = option(1.0, **_TEMPERATURE)  # (or a tensor: checked apart, _check_temperature_tensor)
     softcap: Optional[float] = option(None, **_SOFTCAP)
     logit_scale: float = option(1.0, **_LOGIT_SCALE)
+    top_k: Optional[int] = option(None, **_TOP_K)
+    top_p: Optional[float] = option(None, **_TOP_P)
 
     def __post_init__(self) -> None:
         for declared in _TRANSFORM_DECLARATIONS.values():
+            if declared.name == "temperature" and isinstance(self.temperature, torch.Tensor):
+                continue
             object.__setattr__(self, declared.name, declared.check(getattr(self, declared.name)))
-        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        if isinstance(self.temperature, torch.Tensor):
+            _check_temperature_tensor(self.temperature, self.softcap, self.logit_scale)
+        else:
+            V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        object.__setattr__(self, "top_k", None if self.top_k in TOP_K_OFF else self.top_k)
+        object.__setattr__(self, "top_p", None if self.top_p == 1.0 else self.top_p)
 
     @staticmethod
     def of(value: "float | LogitTransform") -> "LogitTransform":
@@ -88,8 +116,87 @@ class LogitTransform:
 
     @property
     def is_plain(self) -> bool:
-        """Only a temperature (the common case, and the cheapest kernel)."""
-        return self.softcap is None and self.logit_scale == 1.0
+        """Only a float temperature (the common case, and the cheapest kernel)."""
+        return self.softcap is None and self.logit_scale == 1.0 and not self.truncates and not self.per_row
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a top-k or top-p truncation is on (then a target may lie outside the kept set)."""
+        return self.top_k is not None or self.top_p is not None
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the temperature is a tensor (one value per row of the kernels)."""
+        return isinstance(self.temperature, torch.Tensor)
+
+    def top_k_for(self, vocab_size: int) -> Optional[int]:
+        """``top_k`` for a vocabulary of ``vocab_size``: None (off) when it keeps every token (``k >= V``)."""
+        return None if self.top_k is None or self.top_k >= vocab_size else self.top_k
+
+    def _unchecked(self, **changes: Any) -> "LogitTransform":
+        """A copy with ``changes`` (already checked values: a broadcast or a slice of the temperature)."""
+        out = object.__new__(LogitTransform)
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, changes.get(f.name, getattr(self, f.name)))
+        return out
+
+    def for_rows(self, shape, device: Optional[torch.device] = None) -> "LogitTransform":
+        """This transform for a call whose tokens have the leading shape ``shape`` (``[..., V]`` logits,
+        ``[..., H]`` hidden states, ``[B, T]`` ids): a temperature tensor of shape ``shape`` (one per token)
+        or ``shape[:1]`` (one per sequence) becomes a ``shape`` view (a ValueError names ``temperature``
+        otherwise, or for another device than ``device``); a float stays as it is."""
+        if not self.per_row:
+            return self
+        t, shape = self.temperature, tuple(shape)
+        if device is not None and t.device != torch.device(device):
+            raise OptionError(f"temperature is on {t.device}, the logits / hidden states on {device}: pass it on the "
+                              f"same device", "temperature")
+        if tuple(t.shape) == shape:
+            return self
+        if len(shape) >= 1 and tuple(t.shape) == shape[:1]:
+            return self._unchecked(temperature=t.reshape(shape[:1] + (1,) * (len(shape) - 1)).expand(shape))
+        raise OptionError(f"temperature must be a float, a tensor of shape {list(shape[:1])} (one per sequence) or "
+                          f"{list(shape)} (one per token), got shape {list(t.shape)}", "temperature")
+
+    def rows(self, index) -> "LogitTransform":
+        """The transform of some rows of a call (``index``: a slice or int64 indices into its flattened
+        tokens): the temperature tensor flattened and indexed; a float stays."""
+        if not self.per_row:
+            return self
+        flat = self.temperature.reshape(-1)
+        return self._unchecked(temperature=flat[index] if isinstance(index, slice) else flat.index_select(0, index))
+
+
+def _check_temperature_tensor(temperature: torch.Tensor, softcap: Optional[float], logit_scale: float) -> None:
+    """A temperature tensor: floating point, every value within the float's declared range (finite,
+    > 0) with a finite float32 factor (``_validation.check_transform_factors``). One device
+    synchronisation; its shape and device are checked against the call (:meth:`LogitTransform.for_rows`)."""
+    if temperature.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise OptionTypeError(f"temperature must be a float or a floating-point tensor, got a {temperature.dtype} "
+                              f"tensor", "temperature")
+    if temperature.dim() == 0:  # (a float's job: one value for every row)
+        raise OptionTypeError(f"temperature must be a float, or a tensor of one value per sequence [B] or per token "
+                              f"[B, T]; got a 0-d tensor {temperature!r}: pass float(temperature)", "temperature")
+    if temperature.numel() == 0 or temperature.device.type == "meta" or torch.compiler.is_compiling():
+        return  # (no values to read: the device is checked against the call's, LogitTransform.for_rows)
+    t = temperature.detach().double()
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        raise OptionError(f"temperature must be finite and > 0 everywhere, got {t[bad][0].item()}", "temperature")
+    V.check_transform_factors(float(t.min()), softcap, logit_scale)  # (the largest factor: the smallest T)
+
+
+def check_top_k(top_k: Any) -> Optional[int]:
+    """``top_k`` checked against its declaration (an int >= -1, or None), vLLM's "off" values 0 and -1 as
+    None; for the callers outside the loss (the rollout engines, the TRL head)."""
+    top_k = _TRANSFORM_DECLARATIONS["top_k"].check(top_k)
+    return None if top_k in TOP_K_OFF else top_k
+
+
+def check_top_p(top_p: Any) -> Optional[float]:
+    """``top_p`` checked against its declaration (in (0, 1], or None), 1 (vLLM's "off") as None."""
+    top_p = _TRANSFORM_DECLARATIONS["top_p"].check(top_p)
+    return None if top_p == 1.0 else top_p
 
 
 @dataclass(frozen=True)
@@ -103,7 +210,7 @@ class GRPOOptions:
     unless ``loss_mode`` names the loss. All are runtime values for the kernels: a new value compiles
     no new kernel.
 
-    A new option is one field here, e.g. ``top_p: Optional[float] = option(None, "nucleus sampling",
+    A new option is one field here, e.g. ``min_p: Optional[float] = option(None, "min-p sampling",
     bounds=FRACTION)``; ``GRPOConfig``, its flags and the functions' keywords follow.
     """
 
@@ -118,9 +225,11 @@ class GRPOOptions:
                                     "is negative (> 1 + eps_high; verl: clip_ratio_c, > 1, default 3 under "
                                     "loss_mode='vanilla'; dppo_tv / dppo_kl: the cap of the detached ratio, default 20)",
                                     bounds=above(1))
-    temperature: float = option(1.0, **_TEMPERATURE)
+    temperature: float = option(1.0, **_TEMPERATURE)  # (or a [B] / [B, T] tensor: LogitTransform checks it)
     softcap: Optional[float] = option(None, **_SOFTCAP)
     logit_scale: float = option(1.0, **_LOGIT_SCALE)
+    top_k: Optional[int] = option(None, **_TOP_K)
+    top_p: Optional[float] = option(None, **_TOP_P)
     loss_type: Optional[str] = option(
         None, "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence "
         "means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or "
@@ -177,6 +286,8 @@ class GRPOOptions:
         # every field against its declaration, loss_mode first (some ranges depend on it)
         set_("loss_mode", OPTION_DECLARATIONS["loss_mode"].check(self.loss_mode))
         for declared in OPTION_DECLARATIONS.values():
+            if declared.name == "temperature" and isinstance(self.temperature, torch.Tensor):
+                continue  # (a tensor of temperatures: checked by LogitTransform below)
             set_(declared.name, declared.check(getattr(self, declared.name), loss_mode=self.loss_mode))
         # the rules that tie fields together, each once
         self._resolve_vocabulary(set_)
@@ -187,7 +298,10 @@ class GRPOOptions:
         if not self.is_verl and self.delta is not None and not self.delta > 1 + self.eps_high:
             # (under loss_mode delta is verl's clip_ratio_c, a cap of its own: its declared range, > 1)
             raise OptionError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}", "delta", "eps_high")
-        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        transform = LogitTransform(self.temperature, self.softcap, self.logit_scale, self.top_k, self.top_p)
+        set_("top_k", transform.top_k)  # (vLLM's "off" values as None)
+        set_("top_p", transform.top_p)
+        set_("_transform", transform)
         low, high = self.rollout_correction_min, self.rollout_correction_max
         if low is not None and high is not None and low > high:
             raise OptionError(f"rollout_correction_min ({low}) must be <= rollout_correction_max ({high})",
@@ -228,8 +342,9 @@ class GRPOOptions:
 
     @property
     def transform(self) -> LogitTransform:
-        """The logits' transform before the softmax (temperature, softcap, logit_scale)."""
-        return LogitTransform(self.temperature, self.softcap, self.logit_scale)
+        """The distribution the log-probs are of: the logits' transform (temperature, softcap,
+        logit_scale) and the sampler's truncation (top_k, top_p); checked once, when the options were built."""
+        return self.__dict__["_transform"]
 
 
 @dataclass(frozen=True)

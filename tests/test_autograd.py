@@ -119,3 +119,21 @@ def test_inplace_backward_on_a_strided_view_is_exact(backend):
         out.loss.backward()
         results.append(leaf.grad)
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sum_of_squares_is_detached_and_chunks_agree(backend):
+    """The sum of squared probabilities carries no gradient; the fused-linear function's chunks (with a
+    per-token temperature and a truncation) give the unchunked values."""
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(2, 5, 4, generator=g).requires_grad_()
+    weight = torch.randn(19, 4, generator=g).requires_grad_()
+    targets = torch.randint(0, 19, (2, 5), generator=g)
+    temperature = torch.rand(2, 5, generator=g, dtype=torch.float64) + 0.5
+    outs = [gk.fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature, top_k=6, top_p=0.9,
+                                           return_sum_probs_sq=True, chunk_size=chunk, backend=backend)
+            for chunk in (3, 10)]
+    assert not outs[0][1].requires_grad
+    for a, b in zip(*outs):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(torch.where(torch.isfinite(a), a, 0), torch.where(torch.isfinite(b), b, 0))

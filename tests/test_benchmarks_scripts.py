@@ -56,6 +56,8 @@ SCRIPTS = {
     "optimizer_step": Script(
         "optimizer_step", ("--vocab", "512", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                            "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.jsonl")),
+    "sampling_cost": Script("sampling_cost", ("--rows", "4", "--vocab", "257", "--rounds", "1",
+                                              "--out", "{out}/sampling_cost.md"), ("sampling_cost.md",)),
 }
 ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
                       "--rounds", "1", "--out", "{out}/rollout_speed.md")

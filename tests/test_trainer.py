@@ -1038,3 +1038,37 @@ def test_vespo_s_correction_is_decided_from_the_engine_s_declaration(tmp_path):
     token = dataclasses.replace(cfg, output_dir=str(tmp_path / "c"), vllm_importance_sampling_mode="token_mask")
     records = train(model, tokenizer, problems()[:8], {"format": format_reward}, token, rollout=ReportingRollout(tokenizer))
     assert "sampling/importance_sampling_ratio/mean" in records[0]
+
+
+def test_sampling_settings_reach_the_engine_and_every_log_prob(tmp_path):
+    """GRPOConfig.top_k / top_p reach the rollout engine (transformers' warpers: temperature, top-k, top-p,
+    vLLM's order and rules) and every log-prob of the loss: the old policy's and the reference's are those
+    of the same truncated distribution (spec64's float64 restatement of vLLM), every token the engine drew
+    lies in our kept set, and a step logs the share of loss tokens outside it."""
+    model, tokenizer = fresh_model()
+    cfg = tiny_config(tmp_path, top_k=4, top_p=0.85, temperature=0.9, num_steps=1, num_iterations=2, beta=0.04)
+    engine = default_rollout(model, tokenizer, cfg)
+    assert (engine.temperature, engine.top_k, engine.top_p) == (0.9, 4, 0.85)
+    torch.manual_seed(1)
+    rollout = engine.generate(as_policy(model), [p["prompt"] for p in problems()[:4]], 4)
+    batch = update_batch(rollout, torch.zeros(len(rollout.prompts)))
+    logps = completion_logps(model, batch, cfg, torch.device("cpu"))
+    mask = rollout.completion_mask.bool()
+    assert torch.isfinite(logps[mask]).all(), "a token the engine drew lies outside the loss's kept set"
+    with torch.no_grad():
+        logits = model.double()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    model.float()
+    from spec64 import sampled_logprobs64
+
+    P = batch.prompt_len
+    ids = torch.where(mask, rollout.completion_ids, -100)
+    expected = sampled_logprobs64(logits[:, P - 1:-1], ids, 0.9, 4, 0.85)[0]
+    helpers.assert_close64(torch.where(mask, logps, 0.0), torch.where(mask, expected, 0.0), scale=5, what="old log-probs")
+    full = logprobs64(logits[:, P - 1:-1], ids, 0.9)[0]
+    assert (expected - full)[mask].abs().max() > 1e-3, "the truncation must matter in this case"
+    record = train(model, tokenizer, problems()[:4], REWARDS, cfg)[0]
+    assert "sampling/outside_kept_set" in record and 0.0 <= record["sampling/outside_kept_set"] <= 1.0
+    assert math.isfinite(record["loss"]) and math.isfinite(record["kl"])
+    plain = train(*fresh_model(), problems()[:4], REWARDS, tiny_config(tmp_path / "plain", num_steps=1))[0]
+    assert "sampling/outside_kept_set" not in plain

@@ -351,3 +351,141 @@ def test_triton_backend_does_not_fuse_verl_batch_level_modes():
                for m in ("vanilla", "sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro"))
     assert not any(triton_backend.fuses(GRPOOptions(loss_mode=m)) for m in ("gspo", "clip_cov", "kl_cov", "geo_mean"))
     assert triton_backend.fuses(GRPOOptions(loss_type="dapo")) and not triton_backend.fuses(GRPOOptions(loss_type="vespo"))
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampler's distribution (forward_rows_sampled): the candidate path, the fallback kernel, the kept
+# set the backward reads, per-row temperatures; and both sampling kernels compile for sm_90a unspilled
+# --------------------------------------------------------------------------------------------------
+from grpo_kernels.kernels import torch_rows, triton_rows  # noqa: E402
+from helpers import assert_close64  # noqa: E402
+from spec64 import sampled_logprobs64  # noqa: E402
+
+
+def _poisoned_empty(real_empty):
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+    return empty
+
+
+@pytest.mark.parametrize("capacity", [None, 2], ids=["candidates", "fallback"])
+@pytest.mark.parametrize("top_k,top_p", [(5, None), (None, 0.85), (7, 0.6), (30, None)])
+def test_sampled_rows_candidates_and_fallback(capacity, top_k, top_p, monkeypatch):
+    """Both paths of forward_rows_sampled (the candidates that fit; a scratch of 2 forcing every truncated
+    row through sampled_logprobs_fallback_kernel) write every output (poisoned allocations) and agree with
+    spec64 and with torch_rows' kept set; top_k = 30 exceeds the slots (no certificate: all candidates)."""
+    monkeypatch.setattr(triton_rows, "SAMPLING_CAPACITY_OVERRIDE", capacity)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(2, 3, 45, generator=g) * 2).round() / 4  # ties
+    targets = logits.argmax(-1)
+    targets[0, 1] = logits[0, 1].argmin()
+    targets[1, 2] = -100
+    temperature_rows = torch.tensor([[0.7, 0.9, 1.1], [1.3, 0.5, 0.8]], dtype=torch.float64)
+    out = triton_rows.forward_rows_sampled(logits.to(DEVICE), targets.to(DEVICE), 1.0, -100, True,
+                                           temperature_rows=temperature_rows.to(DEVICE), top_k=top_k, top_p=top_p,
+                                           with_sum_sq=True)
+    logp, entropy, row_max, log_sum, sum_sq, threshold, tie = (x.cpu() for x in out)
+    assert not any(torch.isnan(x).any() for x in (row_max, log_sum, threshold)) and (tie != -7).all()
+    logp64, ent64, sq64 = sampled_logprobs64(logits, targets, temperature_rows, top_k, top_p)
+    assert torch.equal(torch.isinf(logp), torch.isinf(logp64))
+    assert_close64(logp, logp64, scale=5, what="logp")
+    assert_close64(entropy, ent64, scale=5, what="entropy")
+    assert_close64(sum_sq, sq64, what="sum_sq")
+    mine = torch_rows.kept_mask(logits, threshold, tie)
+    stats = torch_rows.forward_rows(logits, targets, temperature_rows, -100, True, top_k=top_k, top_p=top_p)
+    theirs = torch_rows.kept_mask(logits, stats.threshold, stats.tie_index)
+    valid = targets != -100
+    assert torch.equal(mine[valid], theirs[valid]), "the two backends' kept sets differ"
+
+
+def test_sampled_backward_is_the_truncated_distributions(monkeypatch):
+    """backward_rows with the kept set: d (logp + H) / d logits of the truncated distribution (0 outside it,
+    no log-prob term for a target outside it), per-row temperatures, split over programs as for few rows."""
+    monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", 3)
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, 3, 53, generator=g) * 2
+    targets = logits.argmax(-1)
+    targets[1, 0] = logits[1, 0].argmin()
+    temperature_rows = torch.rand(2, 3, generator=g, dtype=torch.float64) + 0.5
+    out = triton_rows.forward_rows_sampled(logits.to(DEVICE), targets.to(DEVICE), 1.0, -100, True,
+                                           temperature_rows=temperature_rows.to(DEVICE), top_k=9, top_p=0.8)
+    logp, entropy, row_max, log_sum, _, threshold, tie = out
+    up = torch.rand(2, 3, generator=g).to(DEVICE)
+    grad = triton_rows.backward_rows(logits.to(DEVICE), targets.to(DEVICE), row_max, log_sum, entropy,
+                                     torch.where(torch.isfinite(logp), up, 0.0), torch.ones_like(up), 1.0, -100,
+                                     torch.empty_like(logits.to(DEVICE)), temperature_rows=temperature_rows.to(DEVICE),
+                                     threshold=threshold, tie_index=tie)
+    x64 = logits.double().requires_grad_()
+    logp64, ent64, _ = sampled_logprobs64(x64, targets, temperature_rows, 9, 0.8)
+    (torch.where(torch.isfinite(logp64), logp64, 0.0) * up.cpu().double() + ent64).sum().backward()
+    assert torch.isinf(logp64[1, 0])
+    assert_close64(grad, x64.grad, scale=0.1 * x64.grad.abs().max().item(), what="d logits")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_plain_kernels_read_a_temperature_per_row(splits, monkeypatch):
+    """The default kernels (forward, its split path, the backward) with temperature_rows: a row's
+    outputs are those of its own float temperature, bitwise."""
+    monkeypatch.setattr(triton_rows, "SPLITS_OVERRIDE", splits)
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(2, 2, 67, generator=g) * 3).to(DEVICE)
+    targets = torch.randint(0, 67, (2, 2), generator=g).to(DEVICE)
+    temps = [[0.7, 1.0], [1.3, 0.45]]
+    rows = triton_rows.forward_rows(logits, targets, 1.0, -100, True,
+                                    temperature_rows=torch.tensor(temps, dtype=torch.float64, device=DEVICE))
+    grad_rows = triton_rows.backward_rows(logits, targets, rows[2], rows[3], rows[1], torch.ones(2, 2, device=DEVICE),
+                                          torch.ones(2, 2, device=DEVICE), 1.0, -100, torch.empty_like(logits),
+                                          temperature_rows=torch.tensor(temps, dtype=torch.float64, device=DEVICE))
+    for i in range(2):
+        for j in range(2):
+            one = triton_rows.forward_rows(logits[i:i + 1, j:j + 1], targets[i:i + 1, j:j + 1], temps[i][j], -100, True)
+            grad_one = triton_rows.backward_rows(logits[i:i + 1, j:j + 1], targets[i:i + 1, j:j + 1], one[2], one[3],
+                                                 one[1], torch.ones(1, 1, device=DEVICE), torch.ones(1, 1, device=DEVICE),
+                                                 temps[i][j], -100, torch.empty_like(logits[i:i + 1, j:j + 1]))
+            for a, b in zip(rows, one):
+                assert torch.equal(a[i, j], b[0, 0]), (i, j)
+            assert torch.equal(grad_rows[i, j], grad_one[0, 0])
+
+
+_SAMPLED_COMPILE = r"""
+import json, sys
+import torch
+from grpo_kernels.kernels import aot
+from grpo_kernels.kernels import triton_rows
+out = []
+for dtype in (torch.bfloat16, torch.float32):
+    logits = torch.empty(8, 2048, 151936, dtype=dtype, device="meta")
+    targets = torch.empty(8, 2048, dtype=torch.int64, device="meta")
+    launches = aot.capture_launches(triton_rows, triton_rows.forward_rows_sampled, logits=logits, targets=targets,
+                                    temperature=0.7, ignore_index=-100, with_entropy=True, top_k=20, top_p=0.9,
+                                    with_sum_sq=True)
+    for launch in launches:
+        args, options = aot.launch_spec(launch)
+        ck, *_ = aot.compile_kernel(launch.kernel, args, launch.constexpr_names, 90, options)
+        meta = ck.metadata._asdict() if hasattr(ck.metadata, "_asdict") else dict(ck.metadata)
+        out.append(dict(kernel=launch.kernel.__name__, dtype=str(dtype), regs=meta.get("n_regs"),
+                        ptx_local=ck.asm["ptx"].count(".local"), warps=options.get("num_warps")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_sampling_kernels_compile_for_sm90_without_spills():
+    """sampled_logprobs_fwd_kernel and its fallback compile for sm_90a (bf16 and fp32 logits, V = 151,936)
+    with no local memory (spills) in the PTX: GPU readiness without a GPU."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _SAMPLED_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=850, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if proc.returncode != 0 and "Unsupported" in proc.stderr:
+        pytest.skip("cannot compile for CUDA targets here")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in results} == {"sampled_logprobs_fwd_kernel", "sampled_logprobs_fallback_kernel"}
+    for r in results:
+        assert r["ptx_local"] == 0, r

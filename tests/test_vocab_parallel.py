@@ -266,6 +266,47 @@ def _match(rank, world, backend):
                     reduce_hidden_grad=i % 2 == 1)
     _check_fused_linear_logprobs(rank, world, backend)
     _check_modules(rank, world, backend)
+    _check_sampling(rank, world, backend)
+
+
+def _check_sampling(rank, world, backend):
+    """A temperature tensor (per sequence, per token) and the sum of squared probabilities across shards:
+    the one-device call's values and gradients (the shards' slices); top_k / top_p refused by name."""
+    import grpo_kernels as gk
+
+    group = torch.distributed.group.WORLD
+    cols, vocab = _shard(world, rank)
+    logits, ids, mask, old, ref, adv, *_ = _batch(71, vocab)
+    ids = torch.where(mask != 0, ids, -100)
+    for temperature in (torch.tensor([0.6, 1.0, 1.5], dtype=torch.float64)[:B].expand(B).contiguous(),
+                        torch.rand(B, T, generator=torch.Generator().manual_seed(72)) + 0.5):
+        full = logits.clone().requires_grad_()
+        lp1, ent1, sq1 = gk.token_logprobs(full, ids, temperature=temperature, return_entropy=True,
+                                           return_sum_probs_sq=True, backend=backend)
+        (lp1 + 0.5 * ent1).sum().backward()
+        shard = logits[..., cols].clone().requires_grad_()
+        lp, ent, sq = gk.token_logprobs(shard, ids, temperature=temperature, return_entropy=True,
+                                        return_sum_probs_sq=True, backend=backend, process_group=group)
+        (lp + 0.5 * ent).sum().backward()
+        what = f"temperature {tuple(temperature.shape)} rank {rank}/{world}"
+        assert_close64(lp, lp1.double(), what=what + " logp", scale=5)
+        assert_close64(ent, ent1.double(), what=what + " entropy", scale=5)
+        assert_close64(sq, sq1.double(), what=what + " sum_sq")
+        assert_close64(shard.grad, full.grad[..., cols].double(), what=what + " d logits")
+        _same_on_all_ranks(sq, what)
+    hidden = torch.randn(B, T, H, generator=torch.Generator().manual_seed(73))
+    weight = torch.randn(vocab, H, generator=torch.Generator().manual_seed(74))
+    temperature = torch.tensor([0.7, 1.2, 0.9])[:B].expand(B).contiguous()
+    one = gk.fused_linear_token_logprobs(hidden, weight, ids, temperature=temperature, return_sum_probs_sq=True,
+                                         backend=backend)
+    many = gk.fused_linear_token_logprobs(hidden, weight[cols], ids, temperature=temperature, return_sum_probs_sq=True,
+                                          backend=backend, process_group=group, chunk_size=4)
+    for a, b, name in zip(many, one, ("logp", "sum_sq")):
+        assert_close64(a, b.double(), what=f"fused linear {name} rank {rank}/{world}", scale=5)
+    loss_one = gk.grpo_loss(logits, ids.clamp(min=0), adv, mask, old_logps=old, temperature=temperature, backend=backend)
+    loss_many = gk.grpo_loss(logits[..., cols].contiguous(), ids.clamp(min=0), adv, mask, old_logps=old,
+                             temperature=temperature, backend=backend, process_group=group)
+    assert_close64(loss_many.loss, loss_one.loss.double(), what="grpo_loss with a temperature tensor")
 
 
 def _check_modules(rank, world, backend):
@@ -371,6 +412,13 @@ def _bad_input(rank, world, backend):
                   lambda: gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, process_group=group,
                                                     reduce_hidden_grad=1))
     _expect_error(TypeError, "process_group", lambda: gk.token_logprobs(shard, ids, process_group="world"))
+    # the sampler's truncation is refused across shards, by name, on every rank
+    _expect_error(ValueError, "top_k", lambda: gk.token_logprobs(shard, ids, top_k=5, process_group=group, backend=backend))
+    _expect_error(ValueError, "top_p", lambda: call(top_p=0.9))
+    _expect_error(ValueError, "top_p", lambda: gk.fused_linear_token_logprobs(hidden, weight, ids, top_p=0.5,
+                                                                             process_group=group, backend=backend))
+    _expect_error(ValueError, "top_k", lambda: gk.fused_linear_grpo_loss(hidden, weight, ids, adv, mask, top_k=3,
+                                                                        process_group=group, backend=backend))
     # the group is still in step: a valid call now matches the one-device result
     log = CommunicationLog(dist)
     _check_grpo(rank, world, backend, log, 77, dict(use_old=True, use_ref=True, beta=0.05))

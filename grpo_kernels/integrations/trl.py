@@ -32,6 +32,17 @@ autocast by default, also on CPU), else in the hidden states' dtype, or in fp32 
 states and ``lm_head`` in that same dtype with autocast off, so both heads round the logits the same
 way and differ only by fp32 reduction order.
 
+The sampler's truncation (an option; off by default, so TRL's numbers stay TRL's): TRL 1.16 scores
+its tokens under the full ``softmax(logits / T)``, while vLLM draws them from that distribution
+truncated to ``top_k`` then ``top_p`` (and TRL's vLLM importance-sampling correction divides by those
+processed log-probs: TRL #6789). ``patch(top_k=..., top_p=...)`` (or ``GRPOTrainer(...,
+grpo_kernels_top_k=..., grpo_kernels_top_p=...)``) makes the head return the log-probs and entropy of
+the truncated, renormalised distribution (``grpo_kernels.fused_linear_token_logprobs``' ``top_k`` /
+``top_p``): pass the values of your ``trl.GRPOConfig``. TRL's loss cannot leave out a token outside the
+kept set (its log-prob is -inf there, as vLLM's): the head reports float32's lowest finite value
+instead, which gives such a token an importance ratio of 0 (no policy gradient) but, with ``beta > 0``,
+an overflowing KL term; grpo-kernels' own losses leave such tokens out (``docs/api.md``).
+
 A DTensor head (FSDP2, or a tensor-parallel ``lm_head``) is gathered once per call with
 ``full_tensor()``, as TRL 1.16's head does (its gradient flows back to the shards through it).
 
@@ -68,7 +79,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
 
 import grpo_kernels
 from grpo_kernels.autograd import compute_dtype
-from grpo_kernels.options import IGNORE_INDEX
+from grpo_kernels.kernels.torch_rows import floor_logp
+from grpo_kernels.options import IGNORE_INDEX, check_top_k, check_top_p
 
 MIN_TRL_VERSION = "1.15"
 if Version(trl.__version__) < Version(MIN_TRL_VERSION):
@@ -118,11 +130,15 @@ def _fall_back(reason: str, model: Optional[torch.nn.Module] = None) -> None:
     )
 
 
-def _check_settings(backend: str, chunk_size: Optional[int]) -> None:
+def _check_settings(backend: str, chunk_size: Optional[int], top_k: Optional[int] = None,
+                    top_p: Optional[float] = None) -> dict:
+    """Refuse bad settings at ``patch`` time; -> the sampling keywords of the head ({} when off)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    top_k, top_p = check_top_k(top_k), check_top_p(top_p)  # (vLLM's "off" values: None)
+    return {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +250,7 @@ def _head_compute_dtype(hidden: torch.Tensor, cast_lm_head_to_fp32: bool) -> tor
 
 def _fused_forward(
     model: torch.nn.Module, trl_forward: Callable[..., Any], settings: dict, transform: dict,
-    backend: str, chunk_size: Optional[int],
+    backend: str, chunk_size: Optional[int], sampling: Optional[dict] = None,
 ) -> Callable[..., Any]:
     """The forward installed in front of TRL's: same keywords, same FusedCausalLMOutput."""
     text_config = settings["text_config"]
@@ -278,9 +294,11 @@ def _fused_forward(
             result = grpo_kernels.fused_linear_token_logprobs(
                 hidden_states[mask].to(dtype), weight.to(dtype), labels[mask],
                 bias=None if bias is None else bias.to(dtype), temperature=temperature,
-                return_entropy=with_entropy, chunk_size=chunk_size, backend=backend, **transform,
+                return_entropy=with_entropy, chunk_size=chunk_size, backend=backend, **transform, **(sampling or {}),
             )
         log_probs, entropy = result if with_entropy else (result, None)
+        if sampling:  # outside the kept set: float32's lowest, not -inf, which TRL's loss cannot leave out
+            log_probs = floor_logp(log_probs)
         # masked_scatter keeps the outputs connected to the model even when no label is valid.
         log_probs = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
         if entropy is not None:
@@ -294,8 +312,9 @@ def _fused_forward(
     return forward
 
 
-def _make_add_fused_lm_head(backend: str = "auto", chunk_size: Optional[int] = None) -> Callable[..., None]:
-    _check_settings(backend, chunk_size)
+def _make_add_fused_lm_head(backend: str = "auto", chunk_size: Optional[int] = None, top_k: Optional[int] = None,
+                            top_p: Optional[float] = None) -> Callable[..., None]:
+    sampling = _check_settings(backend, chunk_size, top_k, top_p)
 
     def add_fused_lm_head(
         model: torch.nn.Module,
@@ -327,7 +346,7 @@ def _make_add_fused_lm_head(backend: str = "auto", chunk_size: Optional[int] = N
             )
             return
         model.forward = types.MethodType(
-            _fused_forward(model, trl_forward, settings, transform, backend, chunk_size), model
+            _fused_forward(model, trl_forward, settings, transform, backend, chunk_size, sampling), model
         )
         logger.info(
             "grpo_kernels.integrations.trl: %s's log-prob head (%s) is grpo_kernels.fused_linear_token_logprobs "
@@ -346,14 +365,17 @@ add_fused_lm_head = _make_add_fused_lm_head()
 # --------------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------------
-def patch(*, backend: str = "auto", chunk_size: Optional[int] = None) -> None:
+def patch(*, backend: str = "auto", chunk_size: Optional[int] = None, top_k: Optional[int] = None,
+          top_p: Optional[float] = None) -> None:
     """Make every ``trl.GRPOTrainer`` built from now on use grpo-kernels' log-prob head.
 
-    ``backend`` and ``chunk_size`` are passed to ``fused_linear_token_logprobs``. Calling it again
+    ``backend`` and ``chunk_size`` are passed to ``fused_linear_token_logprobs``. ``top_k`` / ``top_p``
+    (default None: off, TRL's numbers): the log-probs and entropy of the distribution vLLM samples from
+    with these settings (see the module docstring; pass your ``trl.GRPOConfig``'s). Calling it again
     changes the settings; ``unpatch()`` restores TRL as it was before the first call.
     """
     global _trl_head_before_patch
-    head = _make_add_fused_lm_head(backend, chunk_size)
+    head = _make_add_fused_lm_head(backend, chunk_size, top_k, top_p)
     if _trl_head_before_patch is None:
         _trl_head_before_patch = _grpo_trainer_module.add_fused_lm_head
     _grpo_trainer_module.add_fused_lm_head = head
@@ -388,12 +410,16 @@ def _head_installed(head: Callable[..., None]) -> Iterator[None]:
 class GRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` with grpo-kernels' log-prob head, without patching TRL globally.
 
-    Takes every argument of ``trl.GRPOTrainer``, plus ``grpo_kernels_backend`` and
-    ``grpo_kernels_chunk_size`` (passed to ``fused_linear_token_logprobs``).
+    Takes every argument of ``trl.GRPOTrainer``, plus ``grpo_kernels_backend``,
+    ``grpo_kernels_chunk_size`` (passed to ``fused_linear_token_logprobs``) and
+    ``grpo_kernels_top_k`` / ``grpo_kernels_top_p`` (the sampler's truncation, as in :func:`patch`).
     """
 
     def __init__(self, *args: Any, grpo_kernels_backend: str = "auto", grpo_kernels_chunk_size: Optional[int] = None,
+                 grpo_kernels_top_k: Optional[int] = None, grpo_kernels_top_p: Optional[float] = None,
                  **kwargs: Any) -> None:
         # TRL calls add_fused_lm_head from its __init__ only: install ours for that call.
-        with _head_installed(_make_add_fused_lm_head(grpo_kernels_backend, grpo_kernels_chunk_size)):
+        head = _make_add_fused_lm_head(grpo_kernels_backend, grpo_kernels_chunk_size, grpo_kernels_top_k,
+                                       grpo_kernels_top_p)
+        with _head_installed(head):
             super().__init__(*args, **kwargs)

@@ -6,7 +6,7 @@ Only one chunk's fp32 copy of the logits exists at once, so the extra memory is
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -68,61 +68,182 @@ def _capped(x: torch.Tensor, softcap: Optional[float], logit_scale: float) -> to
     return y
 
 
-def _slope(temperature: float, softcap: Optional[float], logit_scale: float) -> float:
-    """``k`` with ``z = k * y`` (``y`` from :func:`_capped`): ``logit_scale / T``, or ``1 / T`` with a cap.
+Temperature = Union[float, torch.Tensor]  # a float, or one per row: a tensor of the chunk's leading shape
+
+
+def _per_row(value: torch.Tensor) -> torch.Tensor:
+    """A float64 per-row factor as float32 [..., 1] (rounded once: a tensor holding a float gives the
+    float's factor, which torch rounds to float32 when it multiplies a float32 tensor by it)."""
+    return value.float().unsqueeze(-1)
+
+
+def _slope(temperature: Temperature, softcap: Optional[float], logit_scale: float):
+    """``k`` with ``z = k * y`` (``y`` from :func:`_capped`): ``logit_scale / T``, or ``1 / T`` with a cap;
+    a float, or float32 [..., 1] for a tensor of temperatures (formed in float64, as the float is).
 
     The row max is taken of ``y`` and the shift formed as ``(y - max) * k``, never ``y * k - max * k``:
     a finite logit near FLT_MAX over a temperature below 1 would overflow to inf (and give NaN) the
     other way, as in the Triton kernels, which keep the raw max too.
     """
-    return (1.0 if softcap is not None else logit_scale) / temperature
+    scale = 1.0 if softcap is not None else logit_scale
+    if isinstance(temperature, torch.Tensor):
+        return _per_row(scale / temperature.double())
+    return scale / temperature
 
 
-def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float, softcap: Optional[float],
+def _is_one(k) -> bool:
+    """Whether a slope or temperature is the float 1 (then the multiplication is skipped: it is exact)."""
+    return not isinstance(k, torch.Tensor) and k == 1.0
+
+
+def _shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: Temperature, softcap: Optional[float],
              logit_scale: float) -> torch.Tensor:
     """``z - max z`` in fp32, a fresh buffer: ``(y - row_max) * k`` (``row_max`` of ``y``, [..., 1])."""
     k = _slope(temperature, softcap, logit_scale)
     y = _capped(x, softcap, logit_scale).sub_(row_max)
-    return y.mul_(k) if k != 1.0 else y
+    return y if _is_one(k) else y.mul_(k)
 
 
-def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: float, softcap: Optional[float],
+def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: Temperature, softcap: Optional[float],
                    logit_scale: float) -> torch.Tensor:
     """``log sum_j exp(z_j)`` in nats from :func:`forward_rows`' ``row_max`` (of :func:`_capped`, before
     the slope) and ``log_sum``: ``row_max * k + log_sum``."""
-    return row_max * _slope(temperature, softcap, logit_scale) + log_sum
+    k = _slope(temperature, softcap, logit_scale)
+    return row_max * (k.squeeze(-1) if isinstance(k, torch.Tensor) else k) + log_sum
 
 
-def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: float, softcap: Optional[float], logit_scale: float) -> None:
+def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: Temperature, softcap: Optional[float], logit_scale: float) -> None:
     """``grad`` (d loss / d z, fp32) times ``dz / dx = logit_scale * (1 - tanh^2(logit_scale x / softcap)) / temperature``."""
     if softcap is not None:
         t = x.to(torch.float32, copy=True).mul_(logit_scale / softcap).tanh_()
         grad.mul_(t.mul_(t).neg_().add_(1.0))
     if logit_scale != 1.0:
         grad.mul_(logit_scale)
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):
+        grad.div_(_per_row(temperature.double()))
+    elif temperature != 1.0:
         grad.div_(temperature)
 
 
-def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ignore_index: int, with_entropy: bool):
-    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t].
+def kept_mask(y: torch.Tensor, threshold: torch.Tensor, tie_index: torch.Tensor) -> torch.Tensor:
+    """Bool [..., V]: the kept set ``y > threshold``, or ``y == threshold`` at an index ``>= tie_index``
+    (``threshold`` float32 and ``tie_index`` int [...]: :func:`truncation`'s description of it)."""
+    columns = torch.arange(y.shape[-1], device=y.device)
+    thr = threshold.unsqueeze(-1)
+    return (y > thr) | ((y == thr) & (columns >= tie_index.unsqueeze(-1)))
+
+
+# rows of candidates first asked of torch.topk for the top-p threshold (multiplied by 4 until they hold it)
+_TOP_P_CANDIDATES = 64
+
+
+@torch.no_grad()
+def truncation(y: torch.Tensor, e: torch.Tensor, top_k: Optional[int], top_p: Optional[float]):
+    """The kept set of vLLM's top-k then top-p over rows ``y`` [n, V] (the logits before the temperature,
+    which order the tokens), with ``e = exp(z - max z)`` [n, V] (the tempered masses): ``(threshold [n]
+    float32, tie_index [n] int64)`` for :func:`kept_mask`.
+
+    vLLM 0.32 (``apply_top_k_top_p_pytorch`` in ``vllm/v1/sample/ops/topk_topp_sampler.py``): top-k keeps
+    ``y >= `` the k-th largest value (ties kept); top-p, over the masses ``top-k`` kept (total ``S``),
+    walks the row in ascending order (ties by index: a stable sort) and drops a token while the mass up
+    to and including it is ``<= (1 - p) S``, the largest always kept. Equivalently, in descending order
+    (ties by decreasing index) a token is kept iff the mass before it is ``< p S``: a prefix, whose last
+    token gives the threshold (its value) and the tie index (its index: the tied tokens it keeps are the
+    higher-indexed ones). No sort of the row: ``torch.topk`` gives the largest candidates, asked for
+    more until every token not among them is certainly dropped (the candidates' mass reaches ``p S``,
+    with whole groups of ties: :data:`_TOP_P_CANDIDATES`, times 4)."""
+    n, v = y.shape
+    low = torch.full((), float("-inf"), device=y.device)
+    if top_k is not None:
+        kth = torch.topk(y, top_k, dim=-1, sorted=False).values.amin(-1)  # (a selection, not a sort)
+        live = y >= kth.unsqueeze(-1)
+        threshold, tie_index = kth, torch.zeros(n, dtype=torch.int64, device=y.device)
+        y = torch.where(live, y, low)
+        e = torch.where(live, e, torch.zeros((), device=e.device))
+    if top_p is None:
+        return threshold, tie_index
+    goal = e.sum(-1) * top_p  # p S
+    k0 = min(v, _TOP_P_CANDIDATES if top_k is None else max(top_k, int((y > low).sum(-1).max())))
+    while True:
+        values, index = torch.topk(y, k0, dim=-1)
+        smallest = values[:, -1:]
+        # every token tied with the smallest candidate is one (or they are all, -inf ones aside)
+        complete = ((y >= smallest).sum(-1) <= k0) | (smallest.squeeze(-1) == low)
+        covered = torch.where(values >= smallest, e.gather(-1, index), 0.0).sum(-1) >= goal
+        if k0 == v or bool((complete & covered).all()):
+            break
+        k0 = min(v, 4 * k0 if bool(complete.all()) else max(4 * k0, int((y >= smallest).sum(-1).max())))
+    # descending value, ties by decreasing index: sort by index first, then stably by value
+    by_index = index.argsort(dim=-1, descending=True)
+    values, index = values.gather(-1, by_index), index.gather(-1, by_index)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    values, index = values.gather(-1, by_value), index.gather(-1, by_value)
+    mass = e.gather(-1, index)
+    before = mass.cumsum(-1) - mass  # exclusive
+    kept = (before < goal.unsqueeze(-1)) & (values > low)
+    kept[:, 0] = True  # the largest is always kept
+    last = (kept.sum(-1) - 1).unsqueeze(-1)
+    return values.gather(-1, last).squeeze(-1), index.gather(-1, last).squeeze(-1)
+
+
+class RowStats(NamedTuple):
+    """A row backend's forward: float32 [B, T] ``logp`` (-inf for a target outside the kept set),
+    ``entropy``, ``row_max`` and ``log_sum`` (what the backward needs), ``sum_probs_sq`` (the sum of
+    squared probabilities, or None when not asked) and the kept set of a truncation (``threshold``
+    float32, ``tie_index`` int [B, T]; None without one). ``row_max`` / ``log_sum`` / the kept set are
+    private to the backend that made them."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+    sum_probs_sq: Optional[torch.Tensor] = None
+    threshold: Optional[torch.Tensor] = None
+    tie_index: Optional[torch.Tensor] = None
+
+
+def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ignore_index: int, with_entropy: bool,
+                    sampling: tuple = (None, None, False)):
+    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t]; then the sum of
+    squared probabilities and the kept set (threshold, tie index), or None each.
 
     Two fp32 buffers of the chunk's size: ``shift = z - max`` (in place) and ``e = exp(shift)``.
-    ``row_max`` is the max of :func:`_capped` (before the slope), private to this module.
+    ``row_max`` is the max of :func:`_capped` (before the slope), private to this module. With a
+    truncation (``sampling = (top_k, top_p, with_sum_sq)``) the sums run over the kept set
+    (:func:`truncation`), a target outside it gets -inf, and a third buffer holds ``y``.
     """
     temperature, softcap, logit_scale = transform
+    top_k, top_p, with_sum_sq = sampling
     shift = _capped(x, softcap, logit_scale)
     row_max = shift.amax(-1, keepdim=True)
     k = _slope(temperature, softcap, logit_scale)
+    truncates = top_k is not None or top_p is not None
+    y = shift.clone() if truncates else None
     shift.sub_(row_max)
-    if k != 1.0:
+    if not _is_one(k):
         shift.mul_(k)
     e = torch.exp(shift)
-    s = e.sum(-1, keepdim=True)
-    log_sum = torch.log(s)
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
+    threshold = tie_index = in_kept_set = None
+    if truncates:
+        b, t, v = e.shape
+        threshold, tie_index = truncation(y.view(-1, v), e.view(-1, v), top_k, top_p)
+        threshold, tie_index = threshold.view(b, t), tie_index.view(b, t)
+        kept = kept_mask(y, threshold, tie_index)
+        in_kept_set = kept.gather(-1, safe).squeeze(-1)
+        nan_row = torch.isnan(e).any(-1)  # (a NaN row stays NaN: the kept set would drop the NaN)
+        e.masked_fill_(~kept & ~torch.isnan(e), 0.0)
+        in_kept_set |= nan_row
+        del y
+    s = e.sum(-1, keepdim=True)
+    log_sum = torch.log(s)
     logp = (shift.gather(-1, safe) - log_sum).squeeze(-1).clamp_(min=_LOWEST)  # see floor_logp
+    if in_kept_set is not None:  # outside the kept set: -inf, as vLLM's processed log-probs
+        logp = torch.where(in_kept_set, logp, torch.full((), float("-inf")))
+    sum_sq = None
+    if with_sum_sq:
+        sum_sq = (e.square().sum(-1, keepdim=True) / (s * s)).squeeze(-1)
     if with_entropy:
         # H = log s - sum(e * shift) / s; a -inf logit has e = 0 and must add 0, not 0 * -inf, so
         # clamp shift to the lowest finite value (a NaN stays NaN through clamp).
@@ -130,32 +251,49 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ig
         entropy = (log_sum - (e.mul_(shift)).sum(-1, keepdim=True) / s).squeeze(-1)
     else:
         entropy = torch.zeros_like(logp)
-    zero = torch.zeros_like(logp)
-    keep = lambda t: torch.where(valid, t, zero)  # noqa: E731
-    return keep(logp), keep(entropy), keep(row_max.squeeze(-1)), keep(log_sum.squeeze(-1))
+    keep = lambda t: None if t is None else torch.where(valid, t, torch.zeros((), dtype=t.dtype))  # noqa: E731
+    return (keep(logp), keep(entropy), keep(row_max.squeeze(-1)), keep(log_sum.squeeze(-1)), keep(sum_sq),
+            threshold, tie_index)
+
+
+def _rows_of(temperature: Temperature, bs: slice, ts: slice) -> Temperature:
+    """The temperatures of a box of rows: a float as it is, a [B, T] tensor's slice."""
+    return temperature[bs, ts] if isinstance(temperature, torch.Tensor) else temperature
 
 
 @torch.no_grad()
 def forward_rows(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float,
+    temperature: Temperature,
     ignore_index: int,
     with_entropy: bool = True,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
-):
-    """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum), fp32 [B, T].
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    with_sum_sq: bool = False,
+) -> RowStats:
+    """logits [B, T, V] (last dim contiguous), targets [B, T] -> :class:`RowStats`, fp32 [B, T].
 
-    Statistics of the transformed logits ``z`` (see :func:`_shifted`); ``row_max`` is the max before
-    the slope (:func:`_capped`), for :func:`backward_rows` only."""
+    Statistics of the transformed logits ``z`` (see :func:`_shifted`), over the kept set of the
+    truncation ``top_k`` / ``top_p`` (:func:`truncation`; ``top_k < V``) when one is given;
+    ``temperature`` a float or a [B, T] tensor. ``row_max`` is the max before the slope
+    (:func:`_capped`), for :func:`backward_rows` only."""
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
+    truncates = top_k is not None or top_p is not None
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    outputs += [torch.empty(b, t, dtype=torch.float32, device=logits.device) if with_sum_sq else None]
+    outputs += [torch.empty(b, t, dtype=torch.float32, device=logits.device) if truncates else None,
+                torch.empty(b, t, dtype=torch.int64, device=logits.device) if truncates else None]
     for bs, ts in row_chunks(b, t, rows):
-        for out, value in zip(outputs, _chunk_logprobs(logits[bs, ts], targets[bs, ts], (temperature, softcap, logit_scale), ignore_index, with_entropy)):
-            out[bs, ts] = value
-    return tuple(outputs)
+        values = _chunk_logprobs(logits[bs, ts], targets[bs, ts], (_rows_of(temperature, bs, ts), softcap, logit_scale),
+                                 ignore_index, with_entropy, (top_k, top_p, with_sum_sq))
+        for out, value in zip(outputs, values):
+            if out is not None:
+                out[bs, ts] = value
+    return RowStats(*outputs)
 
 
 @torch.no_grad()
@@ -167,28 +305,37 @@ def backward_rows(
     entropy: torch.Tensor,
     grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
-    temperature: float,
+    temperature: Temperature,
     ignore_index: int,
     out: torch.Tensor,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    threshold: Optional[torch.Tensor] = None,
+    tie_index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
 
     ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, times ``dz / dx`` (the
     temperature, softcap and logit scale: :func:`_chain_rule_`). A target outside ``[0, V)`` (other
     than ``ignore_index``) lies in another rank's vocabulary shard (``grpo_kernels.vocab_parallel``):
-    its row has no one-hot term.
+    its row has no one-hot term. With a truncation's kept set (``threshold``, ``tie_index``: a
+    constant of the step) ``p`` is 0 outside it, and a row whose target lies outside it has no
+    log-prob term (its log-prob is -inf: a gradient of 0).
     """
     b, t, v = logits.shape
     rows = default_chunk_rows(v)
     for bs, ts in row_chunks(b, t, rows):
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
+        temp = _rows_of(temperature, bs, ts)
         # log p = (z - max) - log s, in place in one fp32 buffer; p in a second one.
-        log_p = _shifted(logits[bs, ts], row_max[bs, ts].unsqueeze(-1), temperature, softcap, logit_scale)
+        log_p = _shifted(logits[bs, ts], row_max[bs, ts].unsqueeze(-1), temp, softcap, logit_scale)
         log_p.sub_(log_sum[bs, ts].unsqueeze(-1))
         p = torch.exp(log_p)
+        kept = None
+        if threshold is not None:
+            kept = kept_mask(_capped(logits[bs, ts], softcap, logit_scale), threshold[bs, ts], tie_index[bs, ts])
+            p.masked_fill_(~kept, 0.0)
         if grad_entropy is not None:
             # d H / d z = -p (log p + H); at a -inf logit p = 0, so clamp log p to stay finite.
             log_p.clamp_(min=_LOWEST).add_(entropy[bs, ts].unsqueeze(-1))
@@ -199,16 +346,18 @@ def backward_rows(
             g = grad_logp[bs, ts].unsqueeze(-1)
             in_row = valid & (tgt >= 0) & (tgt < v)
             safe = torch.where(in_row, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
+            if kept is not None:  # a target outside the kept set: log p = -inf, no gradient through it
+                g = torch.where(kept.gather(-1, safe), g, torch.zeros((), device=g.device))
             # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
             # before the one rounding, so a confident prediction keeps its small gradient.
-            log_p_target = (_shifted(logits[bs, ts].gather(-1, safe), row_max[bs, ts].unsqueeze(-1), temperature,
+            log_p_target = (_shifted(logits[bs, ts].gather(-1, safe), row_max[bs, ts].unsqueeze(-1), temp,
                                      softcap, logit_scale) - log_sum[bs, ts].unsqueeze(-1))
             target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
             grad.sub_(p.mul_(g))
             # a row whose target is in another shard keeps its -g p entry at column 0
             target_term = torch.where(in_row.unsqueeze(-1), target_term, grad.gather(-1, safe))
             grad.scatter_(-1, safe, target_term)
-        _chain_rule_(grad, logits[bs, ts], temperature, softcap, logit_scale)
+        _chain_rule_(grad, logits[bs, ts], temp, softcap, logit_scale)
         grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read
         out[bs, ts] = grad.to(out.dtype)
     return out
@@ -233,7 +382,7 @@ class RowGradient(NamedTuple):
 
 
 @torch.no_grad()
-def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int,
+def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: Temperature, ignore_index: int,
                           coefficients, factored: bool = False) -> RowGradient:
     """Log-prob and entropy of each row, then ``d loss / d logits``, over ``logits`` in place.
 
@@ -247,7 +396,8 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         a = -g_entropy / s,  b = -(g_logp + g_entropy (H - log s)) / s,
 
     and at the target ``g_logp (1 - p_t) - g_entropy p_t (log p_t + H)`` with ``1 - p_t = -expm1(log p_t)``
-    (accurate for a confident token). ``d logits = d z / temperature``. Rows whose target is
+    (accurate for a confident token). ``d logits = d z / temperature`` (``temperature``: a float, or float64 [n], one per
+    row). Rows whose target is
     ``ignore_index`` give 0 and a zero gradient.
 
     ``factored=True`` and no entropy gradient (``a = 0``): the gradient is ``b e`` off the target, so
@@ -275,7 +425,10 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     # (an optimisation only: under torch.compile the masks always run, no data-dependent branch)
     all_valid = False if torch.compiler.is_compiling() else bool(valid.all())
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
-    inv_t = 1.0 / temperature
+    per_row = isinstance(temperature, torch.Tensor)
+    # 1 / T (per row: float32 [n, 1], formed in float64 as the float's is), and T for the gradient
+    inv_t = _per_row(1.0 / temperature.double()) if per_row else 1.0 / temperature
+    t_div = _per_row(temperature.double()) if per_row else temperature
 
     for r0 in range(0, n, block):  # sweep 1: statistics; z (or e') left over the logits
         rows = slice(r0, min(n, r0 + block))
@@ -287,7 +440,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         src = x if fp32 else z.copy_(x)  # 16-bit logits: every operation below in fp32
         torch.amax(src, -1, keepdim=True, out=row_max[rows])
         torch.sub(src, row_max[rows], out=z)
-        if temperature != 1.0:
+        if per_row:
+            z.mul_(inv_t[rows])
+        elif temperature != 1.0:
             z.mul_(inv_t)
         torch.gather(z, -1, safe[rows], out=target_z[rows])
         e = x if fp32 and factored else e_buf[:k]
@@ -310,13 +465,13 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     logp = torch.where(valid, (target_z - log_sum).squeeze(-1).clamp_(min=_LOWEST), zero)  # see floor_logp
     entropy = torch.where(valid, (log_sum - dot / sums).squeeze(-1), zero)
     g_logp, g_entropy = coefficients(logp, entropy)
-    g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / temperature
+    g_logp = torch.where(valid, g_logp.float(), zero).unsqueeze(-1) / t_div
     b = -g_logp / sums
     target_term = g_logp * -torch.expm1(logp.unsqueeze(-1))
     if factored and g_entropy is None:
         return RowGradient(logp, entropy, b.squeeze(-1), target_term.squeeze(-1))
     if g_entropy is not None:
-        g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / temperature
+        g_entropy = torch.where(valid, g_entropy.float(), zero).unsqueeze(-1) / t_div
         a = -g_entropy / sums
         b = b - g_entropy * (entropy.unsqueeze(-1) - log_sum) / sums
         target_term = target_term - g_entropy * logp.exp().unsqueeze(-1) * (logp + entropy).unsqueeze(-1)
@@ -331,7 +486,9 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
             z = x
         else:  # z again from the 16-bit logits (the statistics are the first sweep's)
             z = z_buf[:k].copy_(x).sub_(row_max[rows])
-            if temperature != 1.0:
+            if per_row:
+                z.mul_(inv_t[rows])
+            elif temperature != 1.0:
                 z.mul_(inv_t)
         if g_entropy is None:
             grad = z.exp_().mul_(b[rows])

@@ -7,6 +7,8 @@ launch, and AOTAutograd / inductor trace the forward and the backward of ``grpo_
 Functions through them without a graph break; at run time the node calls the launcher itself.
 
 - ``torch.ops.grpo_kernels.forward_rows``: ``triton_rows.forward_rows`` -> 4 fp32 [B, T].
+- ``torch.ops.grpo_kernels.forward_rows_sampled``: ``triton_rows.forward_rows_sampled`` (top-k / top-p,
+  the sum of squared probabilities) -> 6 fp32 [B, T] and an int32 [B, T] (the tie index).
 - ``torch.ops.grpo_kernels.grpo_forward_rows``: ``triton_rows.grpo_forward_rows`` -> 8 fp32 [B, T] and
   an int8 [B, T].
 - ``torch.ops.grpo_kernels.backward_rows``: writes ``d loss / d logits`` into ``out``
@@ -47,6 +49,15 @@ forward_rows = torch.library.custom_op(f"{NAMESPACE}::forward_rows", triton_rows
 @forward_rows.register_fake
 def _forward_rows_fake(logits, targets, *args, **kwargs):
     return _row_outputs(logits, (torch.float32,) * 4)
+
+
+forward_rows_sampled = torch.library.custom_op(f"{NAMESPACE}::forward_rows_sampled", triton_rows.forward_rows_sampled,
+                                              mutates_args=())
+
+
+@forward_rows_sampled.register_fake
+def _forward_rows_sampled_fake(logits, targets, *args, **kwargs):
+    return _row_outputs(logits, (torch.float32,) * (triton_rows.SAMPLED_ROWS_OUTPUTS - 1) + (torch.int32,))
 
 
 grpo_forward_rows = torch.library.custom_op(f"{NAMESPACE}::grpo_forward_rows", triton_rows.grpo_forward_rows,

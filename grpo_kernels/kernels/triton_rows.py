@@ -32,6 +32,13 @@ dtype; the target's exact ``g * (1 - p)`` (from an accurate ``1 - p``) is writte
 Few rows (the fused-linear path's chunks of ~256 rows): each row's vocabulary is split over several
 programs (``row_stats_partial_kernel`` writes each chunk's ``(m, s, u)``), and the forward kernel
 then merges the partials instead of reading the row; the backward simply gets a 2-D grid.
+
+A temperature per row (``PER_ROW_T``): each kernel loads its row's ``(c, c ln 2, 1 / T)``, formed in
+float64 by the launchers as the float's factors are (``_transform_args``). The sampler's distribution
+(top-k, top-p; ``forward_rows_sampled``): ``sampled_logprobs_fwd_kernel`` reads the row twice (its
+statistics, then the candidates above a bound certified from them) and finds the thresholds on the
+candidates; ``sampled_logprobs_fallback_kernel`` serves the rows whose candidates did not fit, by
+narrowing passes; the backward reads the kept set (``TRUNCATED``). ``docs/kernels.md`` has the passes.
 """
 
 from __future__ import annotations
@@ -188,12 +195,13 @@ def _row_summary(
 
 
 @triton.jit
-def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
-    """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit."""
+def _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(logp, entropy, log2 s) in nats / nats / bits from the row's statistics and its target logit;
+    ``c_ln = c ln 2`` (the slope in nats, formed once, in float64, by the launcher)."""
     log2_s = tl.log2(s)
     x_target = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
     # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
-    logp = (x_target - m) * (c * _LN2) - log2_s * _LN2
+    logp = (x_target - m) * c_ln - log2_s * _LN2
     # below float32's range (a 3e38 gap at T < 1): its lowest finite value, not -inf, as every backend
     logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
     entropy = 0.0
@@ -209,11 +217,14 @@ def _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY: tl.conste
 def row_stats_partial_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, part_m_ptr, part_s_ptr, part_u_ptr,
-    V, c, cap_k, cap, ignore_index, num_splits, blocks_per_split,
+    V, c, cap_k, cap, ignore_index, num_splits, blocks_per_split, t_rows_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+    PER_ROW_T: tl.constexpr,
 ):
     """Program (row, split): the (m, s, u) of one chunk of a row's vocabulary, for few rows."""
     row = tl.program_id(0).to(tl.int64)
+    if PER_ROW_T:  # the row's own factors (c, c ln 2, 1 / T) of a temperature per sequence or token
+        c = tl.load(t_rows_ptr + 3 * row)
     split = tl.program_id(1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target != ignore_index:  # a masked row is never read; the merge kernel writes its zeros
@@ -233,11 +244,14 @@ def token_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
     part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-    V, c, cap_k, cap, ignore_index,
+    V, c, c_ln, cap_k, cap, ignore_index, t_rows_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if PER_ROW_T:
+        c = tl.load(t_rows_ptr + 3 * row)
+        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         # Masked rows: nothing is read, everything is 0.
@@ -250,7 +264,7 @@ def token_logprobs_fwd_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
                                BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, WITH_ENTROPY, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY, SOFTCAP)
         tl.store(logp_ptr + row, logp)
         tl.store(max_ptr + row, m)
         tl.store(log_sum_ptr + row, log2_s)
@@ -264,9 +278,9 @@ def grpo_loss_fwd_kernel(
     targets_ptr, advantages_ptr, weights_ptr, kl_weights_ptr, old_logps_ptr, ref_logps_ptr, is_ratio_ptr,
     logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, loss_ptr, coef_logp_ptr, coef_entropy_ptr, kl_ptr, clip_ptr,
     part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-    V, c, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
-    dro_beta,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    V, c, c_ln, cap_k, cap, ignore_index, eps_low, eps_high, delta, beta, entropy_coef, sapo_tau_pos, sapo_tau_neg,
+    dro_beta, t_rows_ptr,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, PER_ROW_T: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_RATIO: tl.constexpr, SOFTCAP: tl.constexpr,
     OBJECTIVE: tl.constexpr, BIAS_CORRECTED_KL: tl.constexpr, CLAMP_LOG_RATIO: tl.constexpr,
     KL_ESTIMATOR: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, KL_WEIGHTED_APART: tl.constexpr,
@@ -290,6 +304,9 @@ def grpo_loss_fwd_kernel(
     carries its derivative beside it, and ``tests/test_objective.py`` checks them against autograd.
     """
     row = tl.program_id(0).to(tl.int64)
+    if PER_ROW_T:
+        c = tl.load(t_rows_ptr + 3 * row)
+        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         tl.store(logp_ptr + row, 0.0)
@@ -305,7 +322,7 @@ def grpo_loss_fwd_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
                                BLOCK_V, VEC, True, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c, cap_k, cap, True, SOFTCAP)
+        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, True, SOFTCAP)
         tl.store(logp_ptr + row, logp)
         tl.store(entropy_ptr + row, entropy)
         tl.store(max_ptr + row, m)
@@ -479,9 +496,9 @@ def token_logprobs_bwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     grad_ptr, grad_stride_b, grad_stride_t,
     targets_ptr, max_ptr, log_sum_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
-    V, c, inv_temperature, cap_k, cap, ignore_index, blocks_per_split,
+    V, c, inv_temperature, cap_k, cap, ignore_index, blocks_per_split, t_rows_ptr, thr_ptr, tie_ptr,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, TRUNCATED: tl.constexpr,
 ):
     """Program (row, split): d loss / d logits over one chunk of the row (the whole row: 1 split).
 
@@ -492,9 +509,16 @@ def token_logprobs_bwd_kernel(
     The loop writes p_j (a + b q_j) everywhere; the target's exact value, with its accurate 1 - p,
     is written once after it. With soft-capping, x above is ``y = cap tanh(k x)`` and each element
     is further multiplied by ``dy / dx = logit_scale (1 - (y / cap)^2)``.
+
+    ``TRUNCATED``: the forward's kept set (``y > thr``, or ``y == thr`` at an index ``>= tie``: a
+    constant of the step) holds the distribution; p = 0 outside it, and a target outside it has
+    log-prob -inf and no log-prob gradient (``g_l`` = 0).
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    if PER_ROW_T:
+        c = tl.load(t_rows_ptr + 3 * row)
+        inv_temperature = tl.load(t_rows_ptr + 3 * row + 2)
     target = tl.load(targets_ptr + row).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
     grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
@@ -527,10 +551,22 @@ def token_logprobs_bwd_kernel(
         # Read before the loop: with out = logits (in-place backward) the loop overwrites it.
         y_t = _load_row(row_ptr + tl.where(in_row, target, 0), cap_k, cap, SOFTCAP)
         q_t = (y_t - m) * c - log2_s
+        thr = 0.0
+        tie = 0
+        kept_t = in_row
+        if TRUNCATED:
+            thr = tl.load(thr_ptr + row)
+            tie = tl.load(tie_ptr + row)
+            kept_t = (y_t > thr) | ((y_t == thr) & (target >= tie))
+            # a target outside the kept set: log p = -inf, a constant; only the entropy has a gradient
+            g_logp = tl.where(kept_t, g_logp, 0.0)
+            a = -(g_logp + g_entropy * entropy)
         for blk in range(blk_lo, blk_full):
             offs = blk * BLOCK_V + tile
             x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP)
             grad = _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY)
+            if TRUNCATED:
+                grad = tl.where((x > thr) | ((x == thr) & (offs >= tie)), grad, 0.0)
             if SOFTCAP:
                 grad = grad * _softcap_slope(x, cap_scale, cap)
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty))
@@ -538,6 +574,8 @@ def token_logprobs_bwd_kernel(
             offs = blk_full * BLOCK_V + tile
             x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
             grad = _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY)
+            if TRUNCATED:
+                grad = tl.where((x > thr) | ((x == thr) & (offs >= tie)), grad, 0.0)
             if SOFTCAP:
                 grad = grad * _softcap_slope(x, cap_scale, cap)
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=offs < V)
@@ -552,6 +590,8 @@ def token_logprobs_bwd_kernel(
                 target_grad += p_t * (b * q_t - g_entropy * entropy)
             if SOFTCAP:
                 target_grad = target_grad * _softcap_slope(y_t, cap_scale, cap)
+            if TRUNCATED:  # outside the kept set its p is 0: no term at all
+                target_grad = tl.where(kept_t, target_grad, 0.0)
             tl.store(grad_row_ptr + target, target_grad.to(grad_ptr.dtype.element_ty))
 
 
@@ -564,6 +604,450 @@ def _grad_tile(x, m, log2_s, c, a, b, HAS_GRAD_ENTROPY: tl.constexpr):
         q = tl.maximum(q, _LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         return tl.exp2(q) * (a + b * q)
     return tl.exp2(q) * a
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampler's distribution: top-k / top-p inside the row pass (forward_rows_sampled)
+# --------------------------------------------------------------------------------------------------
+# Keys: each float32 value as an int32 in the same order (NaN above +inf), so that thresholds are
+# searched over integers: every bracket halves (or splits in NC + 1) exactly, and ends on a value.
+_KEY_LOWEST = tl.constexpr(-2139095041)  # the key of -inf
+_KEY_HIGHEST = tl.constexpr(2139095040)  # the key of +inf
+# candidate thresholds evaluated by one narrowing pass over the row (the fallback's bracket shrinks
+# _NARROW + 1 = 9-fold a pass: 11 passes from any 32-bit bracket to one value, fewer from a certified one)
+_NARROW = tl.constexpr(8)
+# a certificate of the top-p threshold must clear p S by this share of S (the sums' rounding: ~1e-6 S)
+_CERTIFICATE_MARGIN = tl.constexpr(1e-4)
+
+
+@triton.jit
+def _order_key(y):
+    """int32 keys in the order of float32 values y (-0.0 as +0.0; NaN above +inf): flip the magnitude
+    bits of negatives. The map is its own inverse (:func:`_key_value`)."""
+    bits = tl.where(y == 0.0, 0.0, y).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 value of a key (int32 or an int64 in int32's range)."""
+    k = key.to(tl.int32)
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """:func:`_slot_update` with ``w = sum 2^(2 (x - m) c)`` too (the squared probabilities' sum), which
+    moves to a new max by ``alpha^2``."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    dd = tl.maximum((m - m_new) * c, _LOWEST)
+    alpha = tl.exp2(dd)
+    shift = tl.maximum((x - m_new[:, None]) * c, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.exp2(shift)
+    s_new = s * alpha + tl.sum(e, 1)
+    if WITH_ENTROPY:
+        u = u * alpha + (alpha * dd) * s + tl.sum(e * shift, 1)
+    if WITH_SQ:
+        w = w * (alpha * alpha) + tl.sum(e * e, 1)
+    return m_new, s_new, u, w
+
+
+@triton.jit
+def _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+               WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Pass 1 over the row: each slot's (max, s, u, w), not yet merged (the slot maxima bound the
+    thresholds: :func:`_kth_largest_key`, :func:`_top_p_certificate`)."""
+    R: tl.constexpr = BLOCK_V // VEC
+    tile = _tile(BLOCK_V, VEC)
+    m = tl.full((R,), _LOWEST, tl.float32)
+    s = tl.zeros((R,), tl.float32)
+    u = tl.zeros((R,), tl.float32)
+    w = tl.zeros((R,), tl.float32)
+    blk_hi = tl.cdiv(V, BLOCK_V)
+    blk_full = V // BLOCK_V
+    for blk in range(0, blk_full):
+        x = _load_row(row_ptr + blk * BLOCK_V + tile, cap_k, cap, SOFTCAP)
+        m, s, u, w = _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
+    if blk_full < blk_hi:
+        offs = blk_full * BLOCK_V + tile
+        x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
+        m, s, u, w = _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
+    return m, s, u, w
+
+
+@triton.jit
+def _merge_sq(m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """:func:`_merge` with ``w`` (scaled by ``a^2``)."""
+    m_row = tl.max(m, 0)
+    dd = tl.maximum((m - m_row) * c, _LOWEST)
+    a = tl.exp2(dd)
+    s_row = tl.sum(a * s, 0)
+    u_row = 0.0
+    w_row = 0.0
+    if WITH_ENTROPY:
+        u_row = tl.sum(a * u + (a * dd) * s, 0)
+    if WITH_SQ:
+        w_row = tl.sum((a * a) * w, 0)
+    return m_row, s_row, u_row, w_row
+
+
+@triton.jit
+def _kth_largest_key(keys, valid, k, lo, hi):
+    """The largest key t in [lo, hi] (int64) with ``count(valid & keys >= t) >= k``, by bisection over the
+    integers (``lo`` must satisfy it): the k-th largest of ``keys`` when lo, hi bracket it."""
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum((valid & (keys >= mid)).to(tl.int32), 0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _mass_threshold_key(keys, mass, lo, hi, above, goal):
+    """The largest key t in [lo, hi] with ``above + sum(mass[keys >= t]) >= goal`` (``lo`` must satisfy
+    it; ``mass`` is 0 where not valid). A float32 tree sum of non-negative terms is monotone in each of
+    them, so the predicate is monotone in t as evaluated, and the bisection exact for it."""
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        ok = above + tl.sum(tl.where(keys >= mid, mass, 0.0), 0) >= goal
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _top_p_certificate(m_slot, s_slot, m, c, per_slot, goal, total):
+    """A key t that certainly lies at or below the top-p threshold (the largest with a certified
+    ``mass(y >= t) >= goal``; :data:`_KEY_LOWEST` if none), from pass 1's slots alone: a slot holds at
+    least ``q(max_r)`` above t when its max is, and at least ``s_r - per_slot q(t)`` (its other
+    elements each weigh less than ``q(t)``). Bisection on the key."""
+    q_slot = tl.exp2(tl.maximum((m_slot - m) * c, _LOWEST))
+    s_rel = s_slot * q_slot  # the slot's sum relative to the row's max
+    k_slot = _order_key(m_slot).to(tl.int64)
+    lo = tl.full((), _KEY_LOWEST, tl.int64)
+    hi = _order_key(m).to(tl.int64)
+    need = goal + _CERTIFICATE_MARGIN * total
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        q_mid = tl.exp2(tl.maximum((_key_value(mid) - m) * c, _LOWEST))
+        bound = tl.maximum(tl.where(k_slot >= mid, q_slot, 0.0), s_rel - per_slot * q_mid)
+        ok = tl.sum(tl.maximum(bound, 0.0), 0) >= need
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _compact(row_ptr, V, lo, cap_k, cap, cand_ptr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr,
+             SOFTCAP: tl.constexpr):
+    """Pass 2: write the row's elements with key >= lo to the row's scratch as ``key << 32 | index``
+    (int64: one store, and ordered by value then index), in index order, the first CAP of them;
+    returns how many there are (more than CAP: they did not fit). Positions come from a scan of the
+    block's flags (deterministic); a block without any is skipped."""
+    tile = _tile(BLOCK_V, VEC)
+    count = tl.zeros((), tl.int32)
+    for blk in range(0, tl.cdiv(V, BLOCK_V)):
+        offs = blk * BLOCK_V + tile
+        inside = offs < V
+        y = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=inside)
+        flag = inside & (_order_key(y).to(tl.int64) >= lo)
+        flag_i = flag.to(tl.int32)
+        per_slot = tl.sum(flag_i, 1)
+        found = tl.sum(per_slot, 0)
+        if found > 0:
+            pos = count + (tl.cumsum(per_slot, 0) - per_slot)[:, None] + (tl.cumsum(flag_i, 1) - flag_i)
+            fits = flag & (pos < CAP)
+            tl.store(cand_ptr + pos, (_order_key(y).to(tl.int64) << 32) | offs.to(tl.int64), mask=fits)
+            count += found
+    return count
+
+
+@triton.jit
+def _narrow_pass(row_ptr, V, lo, hi, tie_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                 SOFTCAP: tl.constexpr, MODE: tl.constexpr):
+    """One fallback pass: the bracket [lo, hi] (int64) split by _NARROW thresholds ``t_j``; returns
+    (t_j [_NARROW] int64, f(t_j) [_NARROW], valid_j): MODE 0 the count of keys >= t_j, 1 their mass
+    ``sum 2^((y - m) c)``, 2 the count of the elements whose key is ``tie_key`` at an index >= t_j."""
+    R: tl.constexpr = BLOCK_V // VEC
+    tile = _tile(BLOCK_V, VEC)
+    j = tl.arange(0, _NARROW)
+    step = tl.maximum((hi - lo + 1) // (_NARROW + 1), 1)
+    ts = lo + (j + 1).to(tl.int64) * step
+    valid_t = ts <= hi
+    acc_n = tl.zeros((R, _NARROW), tl.int32)
+    acc_m = tl.zeros((R, _NARROW), tl.float32)
+    for blk in range(0, tl.cdiv(V, BLOCK_V)):
+        offs = blk * BLOCK_V + tile
+        inside = offs < V
+        y = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=inside)
+        key = _order_key(y).to(tl.int64)
+        if MODE == 2:
+            value = tl.where(inside & (key == tie_key), offs.to(tl.int64), -1)
+        else:
+            value = tl.where(inside, key, _KEY_LOWEST - 1)
+        if MODE == 1:
+            e = tl.exp2(tl.maximum((y - m) * c, _LOWEST))
+        for i in tl.static_range(_NARROW):  # one threshold at a time: no [R, VEC, _NARROW] temporary
+            ge = value >= lo + (i + 1) * step
+            if MODE == 1:
+                acc_m += tl.where(j == i, tl.sum(tl.where(ge, e, 0.0), 1)[:, None], 0.0)
+            else:
+                acc_n += tl.where(j == i, tl.sum(ge.to(tl.int32), 1)[:, None], 0)
+    return ts, tl.sum(acc_n, 0), tl.sum(acc_m, 0), valid_t
+
+
+@triton.jit
+def _narrow(row_ptr, V, lo, hi, target, tie_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+            SOFTCAP: tl.constexpr, MODE: tl.constexpr):
+    """The fallback search: the largest t in [lo, hi] with f(t) >= target (f as in :func:`_narrow_pass`;
+    ``lo`` must satisfy it), by passes over the row that each split the bracket in _NARROW + 1."""
+    while lo < hi:
+        ts, n, mass, valid_t = _narrow_pass(row_ptr, V, lo, hi, tie_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, MODE)
+        if MODE == 1:
+            ok = mass >= target
+        else:
+            ok = n >= target
+        ok = ok & valid_t
+        lo = tl.maximum(lo, tl.max(tl.where(ok, ts, lo), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(valid_t & ~ok, ts - 1, hi), 0))
+    return lo
+
+
+@triton.jit
+def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The fallback's last pass: (s, u, w) of the elements with key > v_key, and the count at v_key."""
+    R: tl.constexpr = BLOCK_V // VEC
+    tile = _tile(BLOCK_V, VEC)
+    s = tl.zeros((R,), tl.float32)
+    u = tl.zeros((R,), tl.float32)
+    w = tl.zeros((R,), tl.float32)
+    n = tl.zeros((R,), tl.int32)
+    for blk in range(0, tl.cdiv(V, BLOCK_V)):
+        offs = blk * BLOCK_V + tile
+        inside = offs < V
+        y = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=inside)
+        key = _order_key(y).to(tl.int64)
+        shift = tl.maximum((y - m) * c, _LOWEST)
+        e = tl.where(inside & (key > v_key), tl.exp2(shift), 0.0)
+        s += tl.sum(e, 1)
+        u += tl.sum(e * shift, 1)
+        w += tl.sum(e * e, 1)
+        n += tl.sum((inside & (key == v_key)).to(tl.int32), 1)
+    return tl.sum(s, 0), tl.sum(u, 0), tl.sum(w, 0), tl.sum(n, 0)
+
+
+@triton.jit
+def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                    log_sum_ptr, sum_sq_ptr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m (as :func:`_finish_row`)."""
+    log2_s = tl.log2(s)
+    logp = (y_t - m) * c_ln - log2_s * _LN2
+    logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    logp = tl.where(kept_t, logp, float("-inf")) + nan_guard  # outside the kept set: -inf, as vLLM's
+    tl.store(logp_ptr + row, logp)
+    tl.store(max_ptr + row, m)
+    tl.store(log_sum_ptr + row, log2_s)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, (log2_s - u / s) * _LN2 + nan_guard)
+    if WITH_SQ:
+        tl.store(sum_sq_ptr + row, w / (s * s) + nan_guard)
+
+
+@triton.jit
+def _tie_count(need_mass, q, n_tie):
+    """How many of the ``n_tie`` tokens tied at the top-p threshold vLLM keeps: ``c = ceil((p S - M) / q)``
+    (``need_mass = p S - M``, M the mass above them, q each one's), at least 1 and at most ``n_tie``: in
+    ascending order a tied token with r tied ones after it stays iff ``M + r q < p S``."""
+    need = tl.minimum(tl.maximum(need_mass / q, 0.0), n_tie.to(tl.float32))
+    return tl.maximum(tl.minimum(tl.ceil(need).to(tl.int32), n_tie), 1)
+
+
+@triton.jit
+def sampled_logprobs_fwd_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
+    cand_ptr, t_rows_ptr,
+    V, c, c_ln, cap_k, cap, ignore_index, top_k, top_p,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+):
+    """Log-prob, entropy and sum of squared probabilities of the distribution a vLLM sampler draws from:
+    ``softmax(z)`` over the kept set of top-k then top-p, renormalised (``kernels.torch_rows.truncation``
+    states the rule; vLLM 0.32's ``apply_top_k_top_p_pytorch``). One program per row, with ``CAP``
+    candidates of int64 scratch (``cand_ptr``). With ``k(y)`` the order-preserving int key of a value
+    (:func:`_order_key`):
+
+    1. Pass 1 (the row read): each slot's max and ``s = sum 2^((y - m) c)`` (and u, w untruncated).
+    2. A certified lower bound ``lo`` of the threshold from the slots alone: top-k, the k-th largest
+       slot max (k slots hold an element at least that large; k <= slots); top-p alone, the largest key
+       whose certified mass at and above reaches ``p s`` (:func:`_top_p_certificate`).
+    3. Pass 2 (the row read again): the elements with key >= lo written to scratch (:func:`_compact`).
+       If at most CAP, every threshold is found on them by bisection over the keys (registers, no
+       more reads): top-k's k-th largest value ``tau``; then top-p's ``v*``, the largest value whose
+       mass at and above reaches ``p S`` (S: the mass top-k keeps), and of the tokens tied at ``v*`` the
+       ``c`` highest-indexed (:func:`_tie_count`): the tie index. The kept set's ``(s, u, w)`` and the
+       target's membership follow from the candidates: two reads of the row in all.
+    4. Otherwise (a bound too loose: top_k above the slots, a nucleus of more than CAP tokens) the row
+       is flagged in ``overflow_ptr`` with its max, ``s`` and ``lo`` (in ``max``, ``thr``, ``tie``), for
+       ``sampled_logprobs_fallback_kernel``.
+    Writes ``logp`` (-inf for a target outside the kept set), entropy, ``row_max``, ``log_sum``
+    (log2 of the kept sum), ``sum_sq``, and the kept set as ``(thr, tie)``: ``y > thr``, or
+    ``y == thr`` at an index ``>= tie``, for the backward. A NaN in the row makes its outputs NaN.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    R: tl.constexpr = BLOCK_V // VEC
+    TRUNC: tl.constexpr = HAS_TOP_K or HAS_TOP_P
+    STATS_ENTROPY: tl.constexpr = WITH_ENTROPY and not TRUNC  # (truncated: the kept set's sums come later)
+    STATS_SQ: tl.constexpr = WITH_SQ and not TRUNC
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    if target == ignore_index:
+        tl.store(logp_ptr + row, 0.0)
+        tl.store(max_ptr + row, 0.0)
+        tl.store(log_sum_ptr + row, 0.0)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, 0.0)
+        if WITH_SQ:
+            tl.store(sum_sq_ptr + row, 0.0)
+        if TRUNC:
+            tl.store(thr_ptr + row, 0.0)
+            tl.store(tie_ptr + row, 0)
+            tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
+    else:
+        if PER_ROW_T:
+            c = tl.load(t_rows_ptr + 3 * row)
+            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m_slot, s_slot, u_slot, w_slot = _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V, VEC, STATS_ENTROPY, STATS_SQ,
+                                                    SOFTCAP)
+        m, s, u, w = _merge_sq(m_slot, s_slot, u_slot, w_slot, c, STATS_ENTROPY, STATS_SQ)
+        nan_guard = s * 0.0  # NaN when the row holds a NaN (the kept set would drop it)
+        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        if not TRUNC:
+            _finish_sampled(row, y_t, target, target == target, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr,
+                            max_ptr, log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+        else:
+            key_max = _order_key(m).to(tl.int64)
+            # 2. the certified bound (an empty slot's max is -FLT_MAX: a bound there certifies nothing)
+            key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)
+            if HAS_TOP_K:
+                k_slot = _order_key(m_slot).to(tl.int64)
+                lo = _kth_largest_key(k_slot, m_slot == m_slot, top_k, tl.min(k_slot, 0), key_max)
+                lo = tl.where((top_k <= R) & (lo > key_floor), lo, _KEY_LOWEST)
+            else:
+                per_slot = (tl.cdiv(V, BLOCK_V) * VEC).to(tl.float32)
+                lo = _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s)
+            # 3. the candidates
+            base = row * CAP
+            n_cand = _compact(row_ptr, V, lo, cap_k, cap, cand_ptr + base, BLOCK_V, VEC, CAP, SOFTCAP)
+            tl.debug_barrier()  # the scratch this program wrote, visible to all its threads
+            j = tl.arange(0, CAP)
+            cv = j < n_cand
+            packed = tl.load(cand_ptr + base + j, mask=cv, other=0)
+            ck = tl.where(cv, (packed >> 32).to(tl.int32), _KEY_LOWEST)  # (past n_cand: -inf, below every bound)
+            ci = (packed & 0xFFFFFFFF).to(tl.int32)
+            cy = _key_value(ck)
+            ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, _LOWEST)), 0.0)
+            fits = n_cand <= CAP
+            v_key = lo
+            if HAS_TOP_K:
+                v_key = _kth_largest_key(ck, cv, top_k, lo, key_max)
+            tie = tl.zeros((), tl.int32)
+            if HAS_TOP_P:
+                if HAS_TOP_K:
+                    goal = top_p * tl.sum(tl.where(ck >= v_key, ce, 0.0), 0)  # p S, S what top-k keeps
+                else:
+                    goal = top_p * s
+                # the bound must hold on what the search sees (else the certificate was rounded away)
+                fits = fits & (tl.sum(tl.where(ck >= v_key, ce, 0.0), 0) >= goal)
+                v_key = _mass_threshold_key(ck, ce, v_key, key_max, 0.0, goal)
+                n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
+                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                keep_ties = _tie_count(goal - tl.sum(tl.where(ck > v_key, ce, 0.0), 0), q, n_tie)
+                if keep_ties < n_tie:  # the keep_ties highest-indexed of them
+                    tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
+                                           tl.full((), V - 1, tl.int64)).to(tl.int32)
+            if fits:
+                kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
+                s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
+                u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, _LOWEST), 0.0), 0)
+                w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
+                key_t = _order_key(y_t).to(tl.int64)
+                kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
+                _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                                log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+                tl.store(thr_ptr + row, _key_value(v_key))
+                tl.store(tie_ptr + row, tie)
+                tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
+            else:  # 4. for the fallback kernel: the row's max, sum and bound
+                tl.store(max_ptr + row, m)
+                tl.store(thr_ptr + row, s)
+                tl.store(tie_ptr + row, lo.to(tl.int32))
+                tl.store(overflow_ptr + row, tl.full((), 1, tl.int8))
+
+
+@triton.jit
+def sampled_logprobs_fallback_kernel(
+    logits_ptr, stride_b, stride_t, T,
+    targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
+    t_rows_ptr, V, c, c_ln, cap_k, cap, top_k, top_p,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr,
+    SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+):
+    """The rows ``sampled_logprobs_fwd_kernel`` flagged (every other program returns at once): the same
+    thresholds found exactly by passes over the row that split the bracket at :data:`_NARROW`
+    thresholds each, counting (top-k) or summing the mass (top-p) above them (:func:`_narrow`, 9-fold
+    a pass), then one pass for the kept set's sums above the threshold and the count at it
+    (:func:`_above_pass`); the tie index, if top-p splits a tie, by the same passes over the indices.
+    Up to 11 passes a threshold over a 32-bit bracket (fewer from a certified one), plus one."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(overflow_ptr + row) != 0:
+        if PER_ROW_T:
+            c = tl.load(t_rows_ptr + 3 * row)
+            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+        target = tl.load(targets_ptr + row).to(tl.int64)
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+        m = tl.load(max_ptr + row)
+        s = tl.load(thr_ptr + row)
+        lo = tl.load(tie_ptr + row).to(tl.int64)
+        nan_guard = s * 0.0
+        key_max = _order_key(m).to(tl.int64)
+        zero = tl.zeros((), tl.int64)
+        v_key = lo
+        if HAS_TOP_K:
+            v_key = _narrow(row_ptr, V, lo, key_max, top_k, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
+        above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
+        keep_ties = n_tie
+        tie = tl.zeros((), tl.int32)
+        if HAS_TOP_P:
+            if HAS_TOP_K:
+                total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                start = v_key
+            else:
+                total = s
+                start = tl.full((), _KEY_LOWEST, tl.int64)
+            goal = top_p * total
+            v_key = _narrow(row_ptr, V, start, key_max, goal, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
+            above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
+            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+            keep_ties = _tie_count(goal - above_s, q, n_tie)
+            if keep_ties < n_tie:
+                tie = _narrow(row_ptr, V, zero, tl.full((), V - 1, tl.int64), keep_ties, v_key, m, c, cap_k, cap,
+                              BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
+        shift_v = tl.maximum((_key_value(v_key) - m) * c, _LOWEST)
+        q_v = tl.exp2(shift_v)
+        ties = keep_ties.to(tl.float32)
+        s = above_s + ties * q_v
+        u = above_u + ties * q_v * shift_v
+        w = above_w + ties * q_v * q_v
+        y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
+        key_t = _order_key(y_t).to(tl.int64)
+        kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
+        _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                        log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+        tl.store(thr_ptr + row, _key_value(v_key))
+        tl.store(tie_ptr + row, tie)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,24 +1092,44 @@ def choose_splits(rows: int, n_blocks: int, num_warps: int, device: torch.device
     return math.ceil(n_blocks / per_split), per_split
 
 
-def _transform_args(temperature: float, softcap: Optional[float], logit_scale: float) -> dict:
+def _transform_args(temperature: float, softcap: Optional[float], logit_scale: float,
+                    temperature_rows: Optional[torch.Tensor] = None) -> dict:
     """Kernel arguments of the logit transform ``softcap * tanh(logit_scale * x / softcap) / T``.
 
     Without a cap the logit scale folds into the temperature (``c = log2(e) * scale / T``) and the
     kernels compile exactly as without it; with one, ``cap_k = scale / softcap`` and ``cap``.
+    ``c_ln = c ln 2`` (the slope in nats) is formed here in float64, once. ``temperature_rows`` (one
+    temperature per row, any float dtype): the factors ``(c, c ln 2, 1 / T)`` per row, a float32 [rows, 3]
+    tensor (``t_rows``) formed in float64 by the very expressions of the float case, so a row's factors
+    equal the float's bitwise (a float argument reaches a kernel as float32); ``PER_ROW_T`` tells the
+    kernels to load them.
     """
+    scale = logit_scale if softcap is None else 1.0
+    if temperature_rows is None:
+        c = _LOG2E.value * scale / temperature
+        args = dict(c=c, c_ln=c * _LN2.value, inv_temperature=scale / temperature, PER_ROW_T=False, t_rows=None)
+    else:
+        t = temperature_rows.detach().double().reshape(-1)
+        c = (_LOG2E.value * scale) / t
+        args = dict(c=1.0, c_ln=1.0, inv_temperature=1.0, PER_ROW_T=True,
+                    t_rows=torch.stack((c, c * _LN2.value, scale / t), -1).float().contiguous())
     if softcap is None:
-        return dict(c=_LOG2E.value * logit_scale / temperature, inv_temperature=logit_scale / temperature,
-                    cap_k=0.0, cap=1.0, SOFTCAP=False)
-    return dict(c=_LOG2E.value / temperature, inv_temperature=1.0 / temperature, cap_k=logit_scale / softcap,
-                cap=float(softcap), SOFTCAP=True)
+        return dict(args, cap_k=0.0, cap=1.0, SOFTCAP=False)
+    return dict(args, cap_k=logit_scale / softcap, cap=float(softcap), SOFTCAP=True)
+
+
+def _per_row_pointer(tf: dict, stand_in: torch.Tensor) -> torch.Tensor:
+    """The per-row factors of a launch (``t_rows``), or a never-read stand-in."""
+    return stand_in if tf["t_rows"] is None else tf["t_rows"]
 
 
 def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: float, softcap: Optional[float],
-                   logit_scale: float) -> torch.Tensor:
+                   logit_scale: float, temperature_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``log sum_j exp(z_j)`` in nats from this module's ``row_max`` (raw or capped logits) and
     ``log_sum`` (bits): ``ln 2 * (row_max * c + log2 s)``."""
-    return (row_max * _transform_args(temperature, softcap, logit_scale)["c"] + log_sum) * _LN2.value
+    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    c = tf["c"] if tf["t_rows"] is None else tf["t_rows"][:, 0].view(row_max.shape)
+    return (row_max * c + log_sum) * _LN2.value
 
 
 def shift_log_sum(log_sum: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -653,7 +1157,7 @@ def fuses_objective(loss_type: Optional[str], loss_mode: Optional[str]) -> bool:
     return loss_mode in _VERL_OBJECTIVES if loss_mode is not None else loss_type in _OBJECTIVES
 
 
-def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps):
+def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entropy, block, vec, num_warps, t_rows=None):
     """Launch the split-vocabulary partial kernel when rows are few; returns the merge arguments."""
     b, t, v = logits.shape
     rows = b * t
@@ -665,8 +1169,9 @@ def _partials(logits, targets, c, cap_k, cap, SOFTCAP, ignore_index, with_entrop
     row_stats_partial_kernel[(rows, splits)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, part[0], part[1], part[2],
-        v, c, cap_k, cap, ignore_index, splits, per_split,
-        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=SOFTCAP, num_warps=num_warps,
+        v, c, cap_k, cap, ignore_index, splits, per_split, part if t_rows is None else t_rows,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=SOFTCAP, PER_ROW_T=t_rows is not None,
+        num_warps=num_warps,
     )
     return dict(part_m_ptr=part[0], part_s_ptr=part[1], part_u_ptr=part[2], num_splits=splits, SPLIT=True,
                 SPLITS_PAD=triton.next_power_of_2(splits))
@@ -680,11 +1185,13 @@ def forward_rows(
     with_entropy: bool = True,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    temperature_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> (logp, entropy, row_max, log_sum).
 
     All fp32 [B, T], of ``softmax(softcap * tanh(logit_scale * logits / softcap) / temperature)``
-    (no tanh without ``softcap``). ``row_max`` (the largest, soft-capped, logit of the row) and
+    (no tanh without ``softcap``); ``temperature_rows`` [B, T] (or None): a temperature per row instead
+    of ``temperature``. ``row_max`` (the largest, soft-capped, logit of the row) and
     ``log_sum`` (``log2 sum 2^((x - row_max) c)``) are what ``backward_rows`` needs to recompute the
     softmax; they are private to this module (``torch_rows`` keeps its own).
     """
@@ -697,15 +1204,16 @@ def forward_rows(
     if b * t == 0:
         return logp, entropy, row_max, log_sum
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
-    tf = _transform_args(temperature, softcap, logit_scale)
+    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    t_rows = _per_row_pointer(tf, logp)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, with_entropy,
-                      block, vec, num_warps)
+                      block, vec, num_warps, tf["t_rows"])
     token_logprobs_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, logp, entropy, row_max, log_sum,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index,
-        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=tf["SOFTCAP"],
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, t_rows,
+        BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, SOFTCAP=tf["SOFTCAP"], PER_ROW_T=tf["PER_ROW_T"],
         num_warps=1 if split["SPLIT"] else num_warps, **split,
     )
     return logp, entropy, row_max, log_sum
@@ -736,6 +1244,7 @@ def grpo_forward_rows(
     kl_loss_type: Optional[str] = None,
     dro_beta: float = 0.0,
     kl_weights: Optional[torch.Tensor] = None,
+    temperature_rows: Optional[torch.Tensor] = None,
 ) -> GRPORows:
     """One pass of the token-level GRPO loss; per-token inputs are [B], [B, 1] or [B, T].
 
@@ -786,19 +1295,20 @@ def grpo_forward_rows(
         objective_code, kl_code, straight_through, clamp_log_ratio = _OBJECTIVES[loss_type], 0, False, False
     kl_apart = kl_weights is not None and ref_logps is not None
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
-    tf = _transform_args(temperature, softcap, logit_scale)
+    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    t_rows = _per_row_pointer(tf, weights)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, True,
-                      block, vec, num_warps)
+                      block, vec, num_warps, tf["t_rows"])
     grpo_loss_fwd_kernel[(b * t,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, per_token(advantages), weights, per_token(kl_weights if kl_apart else None),
         per_token(old_logps), per_token(ref_logps), per_token(is_ratio),
         logp, entropy, row_max, log_sum, loss, coef_logp, coef_entropy, kl, clip,
         split.pop("part_m_ptr"), split.pop("part_s_ptr"), split.pop("part_u_ptr"), split.pop("num_splits"),
-        v, tf["c"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, eps_low, eps_high,
         float("inf") if delta is None else delta, beta, entropy_coef, sapo_temperature_pos, sapo_temperature_neg,
-        float(dro_beta),
-        BLOCK_V=block, VEC=vec, HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
+        float(dro_beta), t_rows,
+        BLOCK_V=block, VEC=vec, PER_ROW_T=tf["PER_ROW_T"], HAS_OLD=old_logps is not None, HAS_REF=ref_logps is not None,
         HAS_IS_RATIO=is_ratio is not None, SOFTCAP=tf["SOFTCAP"], OBJECTIVE=objective_code,
         BIAS_CORRECTED_KL=bool(use_bias_correction_kl), CLAMP_LOG_RATIO=clamp_log_ratio, KL_ESTIMATOR=kl_code,
         KL_STRAIGHT_THROUGH=straight_through, KL_WEIGHTED_APART=kl_apart,
@@ -820,23 +1330,108 @@ def backward_rows(
     out: torch.Tensor,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
+    temperature_rows: Optional[torch.Tensor] = None,
+    threshold: Optional[torch.Tensor] = None,
+    tie_index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it."""
+    """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
+
+    ``temperature_rows``: as in :func:`forward_rows`; ``threshold`` / ``tie_index`` [B, T]: the kept set
+    of :func:`forward_rows_sampled` (its distribution's gradient; None: the whole softmax)."""
     b, t, v = logits.shape
     if b * t == 0:
         return out
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
     splits, per_split = choose_splits(b * t, triton.cdiv(v, block), num_warps, logits.device)
-    tf = _transform_args(temperature, softcap, logit_scale)
+    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
     dummy = row_max  # stands in for an absent gradient; never read (the constexpr flag is off)
+    t_rows = _per_row_pointer(tf, dummy)
+    truncated = threshold is not None
     token_logprobs_bwd_kernel[(b * t, splits)](
         logits, logits.stride(0), logits.stride(1), t,
         out, out.stride(0), out.stride(1),
         targets.contiguous(), row_max.contiguous(), log_sum.contiguous(), entropy.contiguous(),
         dummy if grad_logp is None else grad_logp.float().contiguous(),
         dummy if grad_entropy is None else grad_entropy.float().contiguous(),
-        v, tf["c"], tf["inv_temperature"], tf["cap_k"], tf["cap"], ignore_index, per_split,
+        v, tf["c"], tf["inv_temperature"], tf["cap_k"], tf["cap"], ignore_index, per_split, t_rows,
+        threshold.contiguous() if truncated else dummy, tie_index.contiguous() if truncated else dummy,
         BLOCK_V=block, VEC=vec, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        SOFTCAP=tf["SOFTCAP"], num_warps=num_warps,
+        SOFTCAP=tf["SOFTCAP"], PER_ROW_T=tf["PER_ROW_T"], TRUNCATED=truncated, num_warps=num_warps,
     )
     return out
+
+
+# Tests set this to force a small candidate scratch (a power of 2): the fallback then runs on tiny rows.
+SAMPLING_CAPACITY_OVERRIDE: Optional[int] = None
+# candidates per thread (registers while the thresholds are searched; scratch of CAP * 8 bytes per row)
+_CANDIDATES_PER_THREAD = 4
+
+# forward_rows_sampled's outputs: logp, entropy, row_max, log_sum, sum_sq, threshold (fp32), tie_index (int32)
+SAMPLED_ROWS_OUTPUTS = 7
+
+
+def sampling_capacity(num_warps: int) -> int:
+    """Candidates a row of :func:`forward_rows_sampled` holds (its scratch, CAP, a power of 2)."""
+    if SAMPLING_CAPACITY_OVERRIDE is not None:
+        return int(SAMPLING_CAPACITY_OVERRIDE)
+    return _CANDIDATES_PER_THREAD * 32 * num_warps
+
+
+def forward_rows_sampled(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool = True,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    temperature_rows: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    with_sum_sq: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, T, V], targets [B, T] -> (logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index)
+    [B, T] of the distribution a vLLM sampler draws from (``sampled_logprobs_fwd_kernel``, then
+    ``sampled_logprobs_fallback_kernel`` for the rows it flags): the transform of :func:`forward_rows`,
+    then ``top_k`` (None, or < V) and ``top_p`` (None, or < 1), renormalised. ``logp`` is -inf for a
+    target outside the kept set; ``sum_sq`` (sum of squared probabilities; zeros unless
+    ``with_sum_sq``) and ``threshold`` (float32) / ``tie_index`` (int32: the kept set, for
+    :func:`backward_rows`; zeros without a truncation) come last. ``row_max`` and ``log_sum`` (of the
+    kept set) are :func:`backward_rows`' as in :func:`forward_rows`.
+    """
+    b, t, v = logits.shape
+    device = logits.device
+    targets = targets.contiguous()
+    has_top_k = top_k is not None and 0 < top_k < v
+    has_top_p = top_p is not None and top_p < 1.0
+    truncates = has_top_k or has_top_p
+    # every row of what is asked is written (torch.empty); what is not asked is zeros
+    written = (True, with_entropy, True, True, with_sum_sq, truncates, truncates)
+    outputs = [(torch.empty if w else torch.zeros)(b, t, dtype=torch.int32 if i == SAMPLED_ROWS_OUTPUTS - 1 else
+                                                  torch.float32, device=device) for i, w in enumerate(written)]
+    rows = b * t
+    if rows == 0:
+        return tuple(outputs)
+    logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index = outputs
+    block, vec, num_warps = launch_config(v, logits.dtype, rows, _sm_count(device))
+    cap_n = sampling_capacity(num_warps)
+    scratch = torch.empty(rows * cap_n if truncates else 1, dtype=torch.int64, device=device)
+    overflow = torch.empty(rows if truncates else 1, dtype=torch.int8, device=device)
+    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    t_rows = _per_row_pointer(tf, logp)
+    shared = dict(BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
+                  PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, num_warps=num_warps)
+    k_arg, p_arg = int(top_k) if has_top_k else v, float(top_p) if has_top_p else 1.0
+    sampled_logprobs_fwd_kernel[(rows,)](
+        logits, logits.stride(0), logits.stride(1), t,
+        targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
+        scratch, t_rows,
+        v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, k_arg, p_arg, CAP=cap_n, **shared,
+    )
+    if truncates:  # (launched always: no host synchronisation; a row not flagged returns at once)
+        sampled_logprobs_fallback_kernel[(rows,)](
+            logits, logits.stride(0), logits.stride(1), t,
+            targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
+            t_rows, v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
+        )
+    return logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index
