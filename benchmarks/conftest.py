@@ -1,19 +1,13 @@
-"""pytest-benchmark set-up for ``pytest benchmarks/ --benchmark-only`` (``make bench``; docs/benchmarks.md).
-
-- ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``).
-- The set: ``--bench-set cpu|gpu|smoke|auto`` or ``GRPO_BENCH_SET`` (default ``auto``: ``gpu`` with
-  CUDA, else ``cpu``), printed with the reason at the start; cases come from ``benchmarks/kernels.py``.
-- Each case: its agreement check with ``grpo_kernels.reference`` first (not for the reference itself;
-  ``GRPO_BENCH_CHECK=0`` turns it off), then one memory run, then the timed rounds. A case that cannot
-  run here is skipped with the reason; a disagreement fails it.
-- A progress line per case with an ETA; ``GRPO_BENCH_BUDGET_S`` skips the cases that would start later.
+"""pytest-benchmark set-up of ``pytest benchmarks/ --benchmark-only`` (``make bench``): the set chosen and
+why, the time budget, a progress line per case with an ETA, a case's check, memory run and timed rounds
+(benchmarks/README.md). ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -21,7 +15,15 @@ import torch
 from benchmarks import harness as H
 from benchmarks import kernels as K
 
-_START, _LOAD_START = time.monotonic(), round(os.getloadavg()[0], 2)
+def cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the long-context steps' fresh processes)."""
+    return sum(os.times()[:4])
+
+
+_START, _CPU_START, _LOAD_START = time.monotonic(), cpu_s(), H.load()
+# The cpu set's default GRPO_BENCH_BUDGET_S: with the imports and the report, `make bench` ends within 15
+# minutes on 2 cores even when other jobs slow it 2-3x (the set is ~8 CPU-minutes).
+CPU_BUDGET_S = 600.0
 STATE: dict = {"results": [], "skipped": [], "disagreed": [], "ceilings": {}, "done": 0.0, "total": 0.0, "count": 0}
 
 
@@ -37,7 +39,11 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
-def bench_set(config) -> tuple:
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bench_set(config) -> Tuple[str, str]:
     """(the set, why it was chosen)."""
     given = config.getoption("--bench-set") or os.environ.get("GRPO_BENCH_SET", "auto")
     if given != "auto":
@@ -47,8 +53,32 @@ def bench_set(config) -> tuple:
     return "cpu", "auto: no CUDA, the set sized for 2 CPU cores (GRPO_BENCH_SET=gpu for the full shapes)"
 
 
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def budget(config) -> Tuple[Optional[float], str]:
+    """(seconds after the start past which no case starts, why): ``GRPO_BENCH_BUDGET_S`` (empty or 0: none),
+    else ``CPU_BUDGET_S`` for the cpu set."""
+    value = os.environ.get("GRPO_BENCH_BUDGET_S")
+    if value is None:
+        return (CPU_BUDGET_S, "the cpu set's default") if bench_set(config)[0] == "cpu" else (None, "none")
+    try:
+        return float(value) or None, "GRPO_BENCH_BUDGET_S"
+    except ValueError:
+        raise pytest.UsageError(f"GRPO_BENCH_BUDGET_S must be a number of seconds, got {value!r}") from None
+
+
+def pytest_configure(config):
+    budget(config)  # a malformed budget is a usage error before anything runs
+
+
+def pytest_report_header(config):
+    (name, why), (seconds, whose) = bench_set(config), budget(config)
+    return (f"benchmark set: {name} ({why}); time budget: " + (f"{seconds:.0f} s ({whose}; GRPO_BENCH_BUDGET_S=0 for none): "
+            "a case that would start after it is skipped" if seconds else "none"))
+
+
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter and reporter.verbosity < 0:  # -q hides the header
+        reporter.write_line(pytest_report_header(session.config))
 
 
 def pytest_generate_tests(metafunc):
@@ -74,63 +104,37 @@ def _params(item) -> dict:
     return getattr(getattr(item, "callspec", None), "params", {})
 
 
-def _cost(item) -> float:
-    """The work of an item in the units of ``Case.cost`` (a module may define ``cost(params)``), for the ETA."""
+def _case(item) -> Optional[K.Case]:
     case = _params(item).get("case")
-    if isinstance(case, K.Case):
-        return case.cost
-    return getattr(item.module, "cost", lambda params: 1e9)(_params(item))
+    return case if isinstance(case, K.Case) else None
 
 
 def pytest_collection_modifyitems(config, items):
-    case = lambda item: _params(item).get("case")  # noqa: E731
-    items.sort(key=lambda item: case(item).priority if isinstance(case(item), K.Case) else 100)  # stable within a priority
-    STATE["costs"] = {item.nodeid: _cost(item) for item in items}
+    """Lowest priority first (stable); each item's work in ``Case.cost``'s units (a module may define
+    ``cost(params)``) for the ETA and the budget."""
+    items.sort(key=lambda item: _case(item).priority if _case(item) else 100)
+    STATE["costs"] = {item.nodeid: _case(item).cost if _case(item) else getattr(item.module, "cost", lambda p: 1e9)(_params(item))
+                      for item in items}
     STATE["total"], STATE["items"] = sum(STATE["costs"].values()), len(items)
 
 
-def pytest_report_header(config):
-    name, why = bench_set(config)
-    return f"benchmark set: {name} ({why})"
-
-
-def pytest_sessionstart(session):
-    name, why = bench_set(session.config)
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter and reporter.verbosity < 0:  # -q hides the header
-        reporter.write_line(f"benchmark set: {name} ({why})")
+def pytest_runtest_setup(item):
+    seconds, elapsed = budget(item.config)[0], time.monotonic() - _START
+    if seconds is not None and elapsed > seconds:
+        STATE["skipped"].append((item.name, f"time budget spent ({elapsed:.0f} s of {seconds:.0f} s)"))
+        pytest.skip(f"GRPO_BENCH_BUDGET_S spent ({elapsed:.0f} s of {seconds:.0f} s)")
 
 
 def pytest_runtest_logreport(report):
-    """One progress line per finished case, with an ETA from the cost of the cases still to run."""
+    """One progress line per finished case: elapsed wall and CPU time, ETA from the cost of the cases to run."""
     if report.when != "call" and not (report.when == "setup" and report.skipped):
         return
     STATE["count"] += 1
     STATE["done"] += STATE.get("costs", {}).get(report.nodeid, 0.0)
     elapsed = time.monotonic() - _START
-    eta = elapsed * (STATE["total"] - STATE["done"]) / STATE["done"] if STATE["done"] else None
-    print(f"\n[bench {STATE['count']}/{STATE.get('items', '?')} +{elapsed:.0f}s ETA "
-          f"{'?' if eta is None else f'{eta:.0f}s'}] {report.nodeid.split('::')[-1]} {report.outcome} "
-          f"({report.duration:.1f} s)", flush=True)
-
-
-def _budget_s() -> Optional[float]:
-    value = os.environ.get("GRPO_BENCH_BUDGET_S")
-    try:
-        return float(value) if value else None
-    except ValueError:
-        raise pytest.UsageError(f"GRPO_BENCH_BUDGET_S must be a number of seconds, got {value!r}") from None
-
-
-def pytest_configure(config):
-    _budget_s()  # a malformed budget is a usage error before anything runs
-
-
-def pytest_runtest_setup(item):
-    budget = _budget_s()
-    if budget is not None and time.monotonic() - _START > budget:
-        STATE["skipped"].append((item.name, "time budget spent"))
-        pytest.skip("GRPO_BENCH_BUDGET_S spent")
+    eta = f"{elapsed * (STATE['total'] - STATE['done']) / STATE['done']:.0f}s" if STATE["done"] else "?"
+    print(f"\n[bench {STATE['count']}/{STATE.get('items', '?')} +{elapsed:.0f}s cpu {cpu_s() - _CPU_START:.0f}s "
+          f"ETA {eta}] {report.nodeid.split('::')[-1]} {report.outcome} ({report.duration:.1f} s)", flush=True)
 
 
 @pytest.fixture(scope="session")
@@ -158,7 +162,7 @@ def run_case(benchmark, ceilings):
             STATE["disagreed"].append(str(exc))
             pytest.fail(f"disagrees with the reference: {exc}", pytrace=False)
         except Exception as exc:
-            if not isinstance(exc, K.Unavailable) and not K.is_oom(exc) and case.impl in ("reference", "torch", "triton"):
+            if not isinstance(exc, K.Unavailable) and not K.is_oom(exc) and case.impl in K.OURS:
                 raise
             reason = str(exc) if isinstance(exc, K.Unavailable) else "out of memory" if K.is_oom(exc) else \
                 f"{case.impl} failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -181,26 +185,26 @@ def run_case(benchmark, ceilings):
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    name, why = bench_set(config)
-    machine_info["grpo_bench"] = H.conditions(bench_set=name, bench_set_reason=why, note=os.environ.get("GRPO_BENCH_NOTE", ""),
-                                              load_1m=_LOAD_START, wall_s=round(time.monotonic() - _START))
+    (name, why), (seconds, _) = bench_set(config), budget(config)
+    machine_info["grpo_bench"] = H.conditions(bench_set=name, bench_set_reason=why, budget_s=seconds, load_1m=_LOAD_START,
+                                              note=os.environ.get("GRPO_BENCH_NOTE", ""))
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json.setdefault("machine_info", {}).setdefault("grpo_bench", {}).update(
-        STATE["ceilings"], load_end_1m=round(os.getloadavg()[0], 2))
+        STATE["ceilings"], load_end_1m=H.load(), wall_s=round(time.monotonic() - _START), cpu_s=round(cpu_s() - _CPU_START))
     output_json["grpo_memory_checks"] = K.memory_checks(STATE["results"])
     output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in STATE["skipped"]]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     checks = K.memory_checks(STATE["results"])
-    sections = [("fused-linear peak memory checks", K.checks_lines(checks) if checks else []),
-                ("benchmark cases that disagree with the reference", STATE["disagreed"]),
-                ("benchmark cases not run", [f"{c}: {r}" for c, r in STATE["skipped"]])]
-    for title, lines in sections:
+    for title, lines in (("fused-linear peak memory checks", K.checks_lines(checks) if checks else []),
+                         ("benchmark cases that disagree with the reference", STATE["disagreed"]),
+                         ("benchmark cases not run", [f"{c}: {r}" for c, r in STATE["skipped"]])):
         if lines:
             terminalreporter.section(title)
             for line in lines:
                 terminalreporter.write_line(line)
-    terminalreporter.write_line(f"benchmark session wall time: {time.monotonic() - _START:.0f} s")
+    terminalreporter.write_line(f"benchmark session: {time.monotonic() - _START:.0f} s wall, "
+                                f"{cpu_s() - _CPU_START:.0f} s CPU (this process and its children)")

