@@ -73,7 +73,7 @@ test: install
 	if [ $$(( installed & 2 )) -ne 0 ]; then cat $(VERL_VENV).log; echo "make install-verl failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py \
-		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[rollout_speed-vllm]"
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[trainer_step-vllm]"
 	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory bench-ci
 

@@ -82,22 +82,22 @@ def pytest_sessionstart(session):
 
 
 def pytest_generate_tests(metafunc):
-    """One parameter per case of the set for the module's ``OP``; none here gives one skipped item saying why."""
+    """One parameter per case of the set; an operation without a case here gives one skipped item saying why."""
     if "case" not in metafunc.fixturenames:
         return
-    op, name = metafunc.module.OP, bench_set(metafunc.config)[0]
+    name, dev = bench_set(metafunc.config)[0], device().type
     try:
-        selected = [c for c in K.cases(name, device().type) if c.op == op]
-        reason = (f"the {name!r} set has no {op} case on {device().type} (implementations here: "
-                  f"{', '.join(K.implementations(device().type)) or 'none'})")
+        selected, unknown = K.cases(name, dev), None
     except ValueError as exc:  # an unknown set name
-        selected, reason = [], str(exc)
-    if not selected:
-        STATE["skipped"].append((op, reason))
-        metafunc.parametrize("case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["no-case"])
-        return
-    metafunc.parametrize("case", selected, ids=[c.id.replace(op + "-", "") for c in selected])
-    STATE["skipped"] += [(f"{op} {impl}", why) for impl, why in K.skipped_peers(op, device().type).items()]
+        selected, unknown = [], str(exc)
+    params = []
+    for op in K.OPS:
+        mine = [pytest.param(c, id=c.id) for c in selected if c.op == op]
+        reason = unknown or (f"the {name!r} set has no {op} case on {dev} (implementations here: "
+                             f"{', '.join(K.implementations(dev)) or 'none'})")
+        params += mine or [pytest.param(None, marks=pytest.mark.skip(reason=reason), id=f"{op}-no-case")]
+        STATE["skipped"] += [(f"{op} {i}", why) for i, why in K.skipped_peers(op, dev).items()] if mine else [(op, reason)]
+    metafunc.parametrize("case", params)
 
 
 def _params(item) -> dict:

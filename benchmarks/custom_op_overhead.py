@@ -1,13 +1,8 @@
-"""Eager cost of calling the Triton launchers through their torch.library custom ops (issue 27).
+"""Eager cost of calling the Triton launchers through their torch.library custom ops (issue 27): ``grpo_loss``
+forward + backward with the launchers called directly (as shipped), through ``torch.ops.grpo_kernels.*``, and
+the torch backend for scale; the dispatch alone timed apart (benchmarks/README.md).
 
-``backends.TritonBackend`` calls ``kernels.triton_ops`` (the custom ops) only while torch.compile traces,
-and the launchers directly otherwise. Sides, one eager ``grpo_loss`` forward + backward each:
-``launchers`` (as shipped), ``custom_ops`` (every launch through ``torch.ops.grpo_kernels.*``), ``torch``
-(no Triton, for scale). Without CUDA the kernels run in Triton's interpreter, whose run time hides
-microseconds, so the dispatch is also timed apart: a custom op with ``forward_rows``' schema whose body
-only allocates its outputs, against the same function called directly. A ``grpo_loss`` call makes two launches.
-
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.custom_op_overhead [--rounds 15 --reps 5] [--out FILE.md]
+    python -m benchmarks.custom_op_overhead [--rounds 15 --reps 5] [--out FILE.md]
 """
 
 from __future__ import annotations

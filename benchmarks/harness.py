@@ -436,9 +436,11 @@ def plot(path: str, title: str, panels: Sequence[Tuple[str, Dict[str, List[Tuple
 
 
 def parser(description: Optional[str] = None, rounds: Optional[int] = 3, **kwargs: Any) -> argparse.ArgumentParser:
-    """The flags every script shares: ``--rounds``, ``--out`` (the report's ``.md``; its ``.json`` beside it)."""
+    """The flags every script shares: ``--rounds`` (unless ``rounds`` is None), ``--out`` (the report's ``.md``;
+    its ``.json`` beside it)."""
     p = argparse.ArgumentParser(description=description, **kwargs)
-    p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
     p.add_argument("--out", default=None, help="write the report to FILE.md and its records to FILE.json")
     return p
 

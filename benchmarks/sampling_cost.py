@@ -1,25 +1,9 @@
-"""What the sampler's truncation costs: log-probs of the plain softmax against top-k, top-p and both (issue 34).
+"""What the sampler's truncation costs: log-probs of the plain softmax against top-k, top-p and both (issue
+34): CPU ratios measured (the torch rows), and the H200 time of the Triton launches predicted by the SASS
+model (``--sass-model``); benchmarks/README.md. The GPU set times them on a GPU (``kernels.SAMPLINGS``).
 
-Two measurements, each written to the report:
-
-1. **CPU, measured** (``backend="torch"``, the chunked PyTorch rows): ``token_logprobs`` with the entropy,
-   forward only, on ``[rows, V]`` logits ``3 N(0, 1)`` at T = 0.7 (a flat distribution: a nucleus of
-   thousands of tokens, the candidate search's worst case), in four modes (the script's
-   ``harness.Sides``): plain, ``top_k``, ``top_p``, ``top_k`` + ``top_p``. Rounds alternate the modes' order; each
-   round times one call per mode (``harness.interleave``, registered as ``harness.Sides``); the report
-   gives each mode's median and the median of the per-round ratios to plain, with the conditions
-   (load at the start and at the end: ``harness.Report``). Timings are ratios measured interleaved in
-   one process: nothing else here is comparable across runs.
-   The Triton kernels are not timed: on a CPU they run in Triton's interpreter, whose time says
-   nothing about a GPU's.
-2. **H200, predicted** (``--sass-model PATH``, the shared SASS model ``sass_model.py``): the plain
-   forward launch against the sampled ones (``forward_rows_sampled``: its main kernel, whose bytes are
-   two reads of the row, and the fallback kernel, which only flagged rows run), compiled for sm_90a
-   from meta tensors; the model's predicted time and its bandwidth-only time per launch. Without a
-   path this part is skipped (CI runs the script tiny, without it).
-
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.sampling_cost --out benchmarks/results/cpu-sampling_cost.md \
-        [--rows 256 --vocab 32000 151936 --rounds 7] [--sass-model ../shared/tools/sass_model.py]
+    python -m benchmarks.sampling_cost --out benchmarks/results/cpu-sampling_cost.md [--rows 256 --vocab 32000 151936]
+        [--sass-model ../shared/tools/sass_model.py]
 """
 
 from __future__ import annotations
@@ -33,24 +17,24 @@ import torch
 
 import grpo_kernels as gk
 from benchmarks import harness as H
+from benchmarks.kernels import SAMPLINGS
 
 # the sides: token_logprobs with the entropy under each truncation (plain first: the ratios' base)
 SIDES = H.Sides()
-MODES = {"plain": {}, "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),
-         "top_k=20,top_p=0.9": dict(top_k=20, top_p=0.9)}
+MODES = {"plain": {}, **SAMPLINGS}
 for _mode, _kw in MODES.items():
     SIDES.register(_mode, f"token_logprobs(return_entropy=True, backend='torch', {', '.join(f'{k}={v}' for k, v in _kw.items()) or 'no truncation'})")(
         lambda logits, targets, _kw=_kw: (lambda: gk.token_logprobs(logits, targets, temperature=0.7,
                                                                     return_entropy=True, backend="torch", **_kw)))
 
 
-def cpu_ratios(rows: int, vocab: int, rounds: int, seed: int = 0) -> Dict[str, Dict[str, Optional[float]]]:
-    """mode -> {"seconds": median per call, "ratio": median of per-round ratios to plain} (harness.interleave)."""
+def cpu_times(rows: int, vocab: int, rounds: int, seed: int = 0) -> Dict[str, List[float]]:
+    """mode -> seconds per round (``harness.interleave``) on ``[rows, vocab]`` logits ``3 N(0, 1)`` at T 0.7 (a
+    flat distribution: a nucleus of thousands of tokens, the candidate search's worst case), argmax targets."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, rows, vocab, generator=g) * 3.0
     targets = logits.argmax(-1)
-    times = H.interleave({name: side.make(logits, targets) for name, side in SIDES.items()}, rounds)
-    return {name: dict(seconds=H.median(times[name]), ratio=H.ratio(times, name, "plain")) for name in SIDES}
+    return H.interleave({name: side.make(logits, targets) for name, side in SIDES.items()}, rounds)
 
 
 def predicted(sass_model: str, vocab: int, rows: int = 16384) -> List[dict]:
@@ -94,12 +78,10 @@ def main(argv=None) -> int:
                f"{a.rows} rows, temperature 0.7, logits 3 x N(0, 1) (a flat distribution: a nucleus of thousands of "
                f"tokens); medians of {a.rounds} interleaved rounds (harness.interleave), ratios the median of the "
                f"per-round ratios to plain", "")
-    rows = []
     for v in a.vocab:
-        for mode, r in cpu_ratios(a.rows, v, a.rounds).items():
-            rows.append((v, mode, H.fmt_time(r["seconds"]), H.fmt_ratio(r["ratio"])))
-            report.records.append(dict(kind="cpu", vocab=v, mode=mode, rows=a.rows, **r))
-    report.add(*H.table(("V", "mode", "median", "x plain"), rows), "")
+        times = cpu_times(a.rows, v, a.rounds)
+        report.records += [dict(kind="cpu", vocab=v, mode=mode, rows=a.rows, seconds=t) for mode, t in times.items()]
+        report.add(f"### V = {v:,}", "", *H.timing_table(times, "plain"), "")
     if a.sass_model:
         report.add("## H200, predicted by the SASS model (sm_90a, bf16, N = 16,384 rows)", "",
                    "t_bw: bytes read / (0.9 x 4.8 TB/s); row reads: passes over the row from HBM (the fallback "

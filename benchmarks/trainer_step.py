@@ -1,27 +1,9 @@
-"""One full GRPO step, end to end: our trainer against TRL's ``GRPOTrainer``, side by side.
+"""One full GRPO step, end to end: our trainer against TRL's ``GRPOTrainer``, side by side (benchmarks/README.md).
 
     python -m benchmarks.trainer_step                  # CPU: shapes tiny and qwen-vocab, 3 rounds, every side
-    python -m benchmarks.trainer_step --quick          # CI: shape tiny, 1 round, < 1 minute
-    python -m benchmarks.trainer_step --shapes qwen-vocab --sides ours trl trl+patch --rounds 2 --threads 1
+    python -m benchmarks.trainer_step --quick          # CI: shape tiny, 1 round, this interpreter's sides
+    python -m benchmarks.trainer_step --shapes qwen-vocab --sides ours trl trl+patch ours+vllm --rounds 2 --threads 1
     python -m benchmarks.trainer_step --list           # the shapes and sides, and why a side cannot run here
-
-A step is everything between two batches of prompts: rollout, rewards, advantages, reference log-probs
-(beta > 0), the loss forward and backward, clipping and the AdamW step. Every side gets the same
-Qwen2-shaped model (seeded, fp32; bf16 autocast on CUDA), tokenizer, prompts, reward and options
-(:data:`OPTIONS`); completions are forced to ``max_new_tokens`` tokens. One warm-up step, then the measured one.
-
-Sides (:data:`SIDES`): ``ours`` (``grpo.trainer``, fused loss), ``ours-reference`` (the plain-PyTorch
-loss), ``trl`` (``GRPOTrainer`` as shipped), ``trl+patch`` (after ``grpo_kernels.integrations.trl.patch()``),
-``ours+vllm`` (ours with ``VLLMRollout``; run by the vLLM venv's interpreter when this one has no vLLM:
-``GRPO_VLLM_PYTHON``, or ``.venv-vllm`` next to this venv).
-
-Each (side, round) runs in a fresh process (``harness.fresh``); rounds interleave the sides (the order
-rotates); the tables give medians and the median per-round ratio to ``ours``, with the load average.
-Phases: generation, scoring, old/ref log-probs, loss+backward, optimizer (torch's optimizer hooks),
-other. Memory: the step's peak RSS (``harness.RSS``) and on CUDA ``max_memory_allocated``.
-Results: ``benchmarks/results/trainer_step-<device>-<date>[-quick].md`` (+ ``.json``, and ``.jsonl``
-written as the records come: ``--report JSONL`` renders a stopped run). Exit 1 when a side that can
-run here failed.
 """
 
 from __future__ import annotations
@@ -32,23 +14,20 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Optional
+from typing import Optional
 
 from benchmarks import harness as H
 
 WARMUP_STEPS = 1
+PHASES = ("generation", "scoring", "logps", "loss+backward", "optimizer", "other")
 
 
-# --------------------------------------------------------------------------------------------------
-# what every side shares: model, tokenizer, prompts, reward, options
-# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """A Qwen2-shaped model and the step's batch: ``prompts_per_step * num_generations`` completions
-    of exactly ``max_new_tokens`` tokens after prompts of ``prompt_tokens`` tokens."""
+    """A Qwen2-shaped model and the step's batch: ``prompts_per_step * num_generations`` completions of
+    exactly ``max_new_tokens`` tokens after prompts of ``prompt_tokens`` tokens."""
 
     vocab_size: int
     hidden_size: int
@@ -68,58 +47,37 @@ class Shape:
 
 
 SHAPES = {
-    # CI's: seconds per side
-    "tiny": Shape(4096, 64, 128, 2, 2, 1, prompts_per_step=2, num_generations=4, max_new_tokens=16, prompt_tokens=12),
+    "tiny": Shape(4096, 64, 128, 2, 2, 1, prompts_per_step=2, num_generations=4, max_new_tokens=16, prompt_tokens=12),  # CI's
     # the real Qwen2/2.5 vocabulary on a small body (benchmarks/long_context.py's model): the head dominates
-    "qwen-vocab": Shape(151936, 256, 1024, 4, 4, 2, prompts_per_step=2, num_generations=4, max_new_tokens=32,
-                        prompt_tokens=32),
+    "qwen-vocab": Shape(151936, 256, 1024, 4, 4, 2, prompts_per_step=2, num_generations=4, max_new_tokens=32, prompt_tokens=32),
     # Qwen2.5-0.5B's shape (24 layers, H 896, V 151,936), random weights: the GPU set's
     "qwen2.5-0.5b": Shape(151936, 896, 4864, 24, 14, 2, prompts_per_step=4, num_generations=8, max_new_tokens=128,
                           prompt_tokens=64),
 }
-
-# The options every side runs with, in TRL's names. beta > 0: the reference log-probs are part of the step;
-# epsilon: ours eps_low = eps_high; top_k off on both; a constant learning rate; scale_rewards "group": ours
-# advantage_std="unbiased"; num_iterations 1: on-policy, no old log-probs pass on either side.
+# Every side's options, in TRL's names. beta > 0: the reference log-probs are part of the step; epsilon: ours
+# eps_low = eps_high; top_k off; a constant learning rate; scale_rewards "group": ours advantage_std
+# "unbiased"; num_iterations 1: on-policy, no old log-probs pass unless a vLLM rollout is corrected for.
 OPTIONS = dict(beta=0.04, loss_type="dapo", epsilon=0.2, temperature=1.0, top_p=1.0, learning_rate=1e-6, adam_beta1=0.9,
                adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, scale_rewards="group", num_iterations=1, seed=0)
-
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?."
 
 
 def build_model(shape: Shape):
-    """The Qwen2-shaped policy: seeded random weights, fp32, untied ``lm_head``, EOS = 1, pad = 0;
-    ``min_new_tokens = max_new_tokens`` in its generation config (no completion stops early)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(OPTIONS["seed"])
-    config = Qwen2Config(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-        bos_token_id=None, max_position_embeddings=max(1024, shape.prompt_tokens + shape.max_new_tokens),
-    )
-    model = Qwen2ForCausalLM(config).float()
+    """The policy: seeded random weights, fp32, EOS 1, pad 0; ``min_new_tokens = max_new_tokens`` in its
+    generation config (no completion stops early)."""
+    model = H.qwen2({f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)[:6]} | dict(
+        pad_token_id=0, eos_token_id=1, bos_token_id=None), shape.prompt_tokens + shape.max_new_tokens, seed=OPTIONS["seed"])
     model.generation_config.update(min_new_tokens=shape.max_new_tokens, eos_token_id=1, pad_token_id=0)
     return model
 
 
 def build_tokenizer(vocab_size: int):
-    """A word-level tokenizer of exactly ``vocab_size`` ids, made in code: ``<pad>`` 0, ``<eos>`` 1,
-    ``<unk>`` 2, one id per character of :data:`CHARS`, then filler tokens ``<tN>`` (which a random
-    model samples as often as any other); prompts pad on the left."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A character tokenizer of exactly ``vocab_size`` ids (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then
+    :data:`CHARS` and CJK-range characters, which a random model samples as often as any other)."""
+    from grpo.tokenizer import char_tokenizer
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    vocab.update({c: len(vocab) + i for i, c in enumerate(CHARS)})
-    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                   padding_side="left", clean_up_tokenization_spaces=False)
+    more = (chr(c) for c in range(0x4E00, 0x30000) if not 0xD800 <= c < 0xE000)
+    return char_tokenizer(CHARS + "".join(next(more) for _ in range(vocab_size - 3 - len(CHARS))))
 
 
 def prompts(shape: Shape, count: int = 32) -> list[str]:
@@ -135,129 +93,100 @@ def checksum_reward(prompts, completions, **kwargs) -> list[float]:
     return [float(sum(map(ord, c)) % 101) / 100 for c in completions]
 
 
-# --------------------------------------------------------------------------------------------------
-# measuring a step inside a side's process
-# --------------------------------------------------------------------------------------------------
-class StepMeter:
-    """Wall time and peak memory of the measured step, and the optimizer's time inside it (torch's
-    global optimizer hooks fire for ours and for the one inside TRL's accelerate wrapper)."""
+class Meter:
+    """The measured step: wall and thread CPU seconds per phase (``harness.Phases``; the optimizer's through
+    torch's global optimizer hooks, which fire for ours and inside TRL's accelerate wrapper), peak RSS, CUDA peak."""
 
     def __init__(self, device) -> None:
-        import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self.torch, self.device, self.rss = torch, device, H.RSS()
-        self.optimizer_s, self._opt_start = 0.0, None
-        register_optimizer_step_pre_hook(lambda *_: setattr(self, "_opt_start", self.now()))
-        register_optimizer_step_post_hook(lambda *_: setattr(self, "optimizer_s", self.optimizer_s + self.now() - self._opt_start))
-
-    def now(self) -> float:
-        H.sync(self.device)
-        return time.perf_counter()
+        self.device, self.phases, self.rss = device, H.Phases(device), H.RSS()
+        self.hooks = [register_optimizer_step_pre_hook(lambda *_: self.phases.start("optimizer")),
+                      register_optimizer_step_post_hook(lambda *_: self.phases.stop("optimizer"))]
 
     def begin(self) -> None:
-        self.optimizer_s = 0.0
+        import torch
+
+        self.phases.clear()
         self.rss.start()
         if self.device.type == "cuda":
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-        self.start = self.now()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.phases.start("step")
 
-    def end(self) -> dict:
-        out = {"step_s": self.now() - self.start, "optimizer_s": self.optimizer_s, **self.rss.stop()}
+    def end(self, outer: str, inner: str) -> dict:
+        """The step's record; loss+backward is the phase ``outer`` less ``inner`` (the optimizer's or the
+        generation's, scoring's and log-probs' inside it)."""
+        import torch
+
+        self.phases.stop("step")
+        out = self.rss.stop()
         if self.device.type == "cuda":
-            out["cuda_peak_allocated_mib"] = self.torch.cuda.max_memory_allocated(self.device) / 2**20
+            out["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        for suffix, clock in (("", self.phases.wall), ("_cpu", self.phases.cpu)):
+            phases = {p: clock.get(p, 0.0) for p in ("generation", "scoring", "logps", "optimizer")}
+            phases["loss+backward"] = clock.get(outer, 0.0) - clock.get(inner, 0.0)
+            out[f"step{suffix}_s"], out[f"phases{suffix}"] = clock["step"], phases_with_other(clock["step"], phases)
         return out
+
+    def close(self) -> None:
+        self.phases.restore()
+        for hook in self.hooks:
+            hook.remove()
 
 
 def phases_with_other(step_s: float, phases: dict) -> dict:
-    """``phases`` plus ``other``: the part of the step no phase accounts for."""
-    return {**phases, "other": max(0.0, step_s - sum(phases.values()))}
+    """``phases`` in :data:`PHASES`' order, with ``other``: the part of the step no phase accounts for."""
+    return {p: phases[p] for p in PHASES[:-1]} | {"other": max(0.0, step_s - sum(phases.values()))}
 
 
-# --------------------------------------------------------------------------------------------------
-# the sides
-# --------------------------------------------------------------------------------------------------
+# -- the sides -------------------------------------------------------------------------------------------
 SIDES = H.Sides()
 
 
-def _our_config(shape: Shape, backend: str, output_dir: str):
+def run_ours(shape: Shape, device, backend: str = "auto", **config) -> dict:
+    """Our trainer's step: ``grpo.trainer.train_step`` after the set-up ``grpo.train`` does (seed, the policy,
+    its frozen reference copy, the optimizer, the rollout engine: ``default_rollout``), without its logging
+    and checkpoints. ``config``: more ``GRPOConfig`` fields (``use_vllm``, ...)."""
+    from grpo import trainer as tr
     from grpo.config import GRPOConfig
 
-    return GRPOConfig(
-        output_dir=output_dir, seed=OPTIONS["seed"], num_steps=WARMUP_STEPS + 1, prompts_per_step=shape.prompts_per_step,
-        num_generations=shape.num_generations, max_new_tokens=shape.max_new_tokens, temperature=OPTIONS["temperature"],
-        top_p=OPTIONS["top_p"], advantage_std="unbiased", scale_rewards=OPTIONS["scale_rewards"], beta=OPTIONS["beta"],
-        loss_type=OPTIONS["loss_type"], eps_low=OPTIONS["epsilon"], num_iterations=OPTIONS["num_iterations"],
-        backend=backend, learning_rate=OPTIONS["learning_rate"], weight_decay=OPTIONS["weight_decay"],
-        adam_beta1=OPTIONS["adam_beta1"], adam_beta2=OPTIONS["adam_beta2"], max_grad_norm=OPTIONS["max_grad_norm"],
-        progress=False, plot=False,
-    )
-
-
-def run_ours(shape: Shape, device, backend: str = "auto", rollout_factory: Optional[Callable] = None) -> dict:
-    """Our trainer's step: ``grpo.trainer.train_step`` after the set-up ``grpo.train`` does (seed, the
-    policy, its frozen reference copy, AdamW, the rollout engine), without its logging and checkpoints."""
-    from grpo import trainer as tr
-
-    model, tokenizer = build_model(shape), build_tokenizer(shape.vocab_size)
-    rows = [{"prompt": p} for p in prompts(shape)]
+    model, tokenizer, rows, meter = build_model(shape), build_tokenizer(shape.vocab_size), [{"prompt": p} for p in prompts(shape)], Meter(device)
     with tempfile.TemporaryDirectory() as out:
-        cfg = _our_config(shape, backend, out)
+        cfg = GRPOConfig(
+            output_dir=out, num_steps=WARMUP_STEPS + 1, prompts_per_step=shape.prompts_per_step, num_generations=shape.num_generations,
+            max_new_tokens=shape.max_new_tokens, advantage_std="unbiased", eps_low=OPTIONS["epsilon"], backend=backend,
+            progress=False, plot=False, **{k: OPTIONS[k] for k in ("seed", "temperature", "top_p", "scale_rewards", "beta", "loss_type",
+                                                                   "num_iterations", "learning_rate", "weight_decay", "adam_beta1",
+                                                                   "adam_beta2", "max_grad_norm")}, **config)
         tr.set_seed(cfg.seed)
         model, policy, ref_policy, optimizer = tr.setup_training(model, cfg, device)
-        rollout = rollout_factory(model, tokenizer, cfg, out) if rollout_factory else tr.default_rollout(model, tokenizer, cfg)
-        reward_fns = tr.as_named([checksum_reward])
-        meter = StepMeter(device)
-        for step in range(WARMUP_STEPS + 1):
-            meter.begin()
-            record = tr.train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device)
-            measured = meter.end()
-    phases = {
-        "generation": record["time/generate"],
-        "scoring": record["time/score"],
-        "logps": record["time/logps"],
-        "loss+backward": record["time/update"] - measured["optimizer_s"],
-        "optimizer": measured["optimizer_s"],
-    }
-    batch = shape.prompts_per_step * shape.num_generations
-    weights = str(next(model.parameters()).dtype).replace("torch.", "")
-    return {**measured, "phases": phases_with_other(measured["step_s"], phases), "weights": weights,
-            "completion_tokens": round(record["completion_length/mean"] * batch), "loss": record.get("loss"),
-            "reward": record.get("reward"), "kl": record.get("kl")}
-
-
-def _trl_unavailable() -> Optional[str]:
-    return H.missing("trl", "datasets")
+        rollout = tr.default_rollout(model, tokenizer, cfg)
+        for fn, phase in (("sample", "generation"), ("score_rollout", "scoring"), ("add_denominators", "logps"), ("update", "update")):
+            meter.phases.patch(tr, fn, phase)
+        try:
+            for step in range(WARMUP_STEPS + 1):
+                meter.begin()
+                record = tr.train_step(step, policy, ref_policy, rollout, optimizer, rows, tr.as_named([checksum_reward]), cfg, device)
+                measured = meter.end("update", "optimizer")
+        finally:
+            meter.close()
+    return {**measured, "weights": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "completion_tokens": round(record["completion_length/mean"] * shape.prompts_per_step * shape.num_generations),
+            "loss": record.get("loss"), "reward": record.get("reward"), "kl": record.get("kl")}
 
 
 def _patch_unavailable() -> Optional[str]:
-    reason = _trl_unavailable()
-    if reason:
-        return reason
+    reason = H.missing("trl", "datasets")
     try:
         import grpo_kernels.integrations.trl  # noqa: F401  (raises for a TRL it does not support)
     except Exception as exc:
-        return f"grpo_kernels.integrations.trl does not import: {type(exc).__name__}: {exc}"
-    return None
+        reason = reason or f"grpo_kernels.integrations.trl does not import: {type(exc).__name__}: {exc}"
+    return reason
 
 
 def run_trl(shape: Shape, device, patched: bool = False) -> dict:
-    """TRL's ``GRPOTrainer.train()`` for the warm-up and the measured step, same model, data and options.
-
-    Phases come from a subclass (overrides that time TRL's own methods around ``super()``) and the
-    step's bounds from a ``TrainerCallback`` (``on_step_begin`` / ``on_step_end``)."""
-    from grpo_kernels.integrations import trl as gk_trl
-
-    if patched:
-        gk_trl.patch()
-    try:
-        return _run_trl(shape, device, patched)
-    finally:
-        if patched:
-            gk_trl.unpatch()  # (--quick runs the next side in this process)
-
-
-def _run_trl(shape: Shape, device, patched: bool) -> dict:
+    """TRL's ``GRPOTrainer.train()`` for the warm-up and the measured step, same model, data and options;
+    its phases timed around TRL's own methods (a subclass), the step between ``on_step_begin`` and ``on_step_end``."""
     import warnings
 
     import torch
@@ -265,93 +194,58 @@ def _run_trl(shape: Shape, device, patched: bool) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    meter = StepMeter(device)
-    phase_s: dict[str, float] = {}
+    from grpo_kernels.integrations import trl as gk_trl
 
-    def timed(method: str, phase: Callable[[], Optional[str]]):
-        """An override of ``method`` that adds its time to ``phase()`` (None: not timed) around ``super()``."""
-        def override(self, *args, **kwargs):
-            name, start = phase(), meter.now()
-            try:
-                return getattr(super(TimedGRPOTrainer, self), method)(*args, **kwargs)
-            finally:
-                if name:
-                    phase_s[name] = phase_s.get(name, 0.0) + meter.now() - start
-        return override
+    meter, measured = Meter(device), {}
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
         pass
 
     # the no-grad log-prob calls are the old / reference log-probs; the loss's own forward is in loss+backward
     for method, phase in (("_generate", "generation"), ("_calculate_rewards", "scoring"), ("_prepare_inputs", "prepare_inputs"),
-                          ("training_step", "training_step"), ("_get_per_token_logps_and_entropies", None)):
-        setattr(TimedGRPOTrainer, method, timed(method, (lambda p=phase: p) if phase else
-                                                (lambda: None if torch.is_grad_enabled() else "logps")))
-
-    measured: dict = {}
+                          ("training_step", "training_step"),
+                          ("_get_per_token_logps_and_entropies", lambda: None if torch.is_grad_enabled() else "logps")):
+        meter.phases.patch(TimedGRPOTrainer, method, phase)
 
     class MeasureStep(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == WARMUP_STEPS:
-                phase_s.clear()
                 meter.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == WARMUP_STEPS + 1:
-                measured.update(meter.end(), phase_s=dict(phase_s))
+                measured.update(meter.end("training_step", "prepare_inputs"))  # (advantages, bookkeeping: "other")
 
     P, G, T = shape.prompts_per_step, shape.num_generations, shape.max_new_tokens
     model, tokenizer = build_model(shape), build_tokenizer(shape.vocab_size)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # TRL loads its reference model from the policy's path: the same weights, saved
-        model_dir = os.path.join(out, "policy")
-        model.save_pretrained(model_dir)
-        del model
-        args = trl.GRPOConfig(
-            output_dir=out, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
-            max_completion_length=T, max_steps=WARMUP_STEPS + 1, learning_rate=OPTIONS["learning_rate"],
-            lr_scheduler_type="constant", beta=OPTIONS["beta"], loss_type=OPTIONS["loss_type"], epsilon=OPTIONS["epsilon"],
-            temperature=OPTIONS["temperature"], top_p=OPTIONS["top_p"], top_k=0, adam_beta1=OPTIONS["adam_beta1"],
-            adam_beta2=OPTIONS["adam_beta2"], weight_decay=OPTIONS["weight_decay"], max_grad_norm=OPTIONS["max_grad_norm"],
-            scale_rewards=OPTIONS["scale_rewards"], num_iterations=OPTIONS["num_iterations"], seed=OPTIONS["seed"],
-            generation_kwargs={"min_new_tokens": T}, report_to=[], save_strategy="no", logging_steps=1,
-            disable_tqdm=True, use_cpu=device.type != "cuda", bf16=device.type == "cuda", dataloader_num_workers=0,
-        )
-        trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=checksum_reward, args=args, processing_class=tokenizer,
-                                   train_dataset=Dataset.from_dict({"prompt": prompts(shape)}), callbacks=[MeasureStep()])
-        trainer.train()
+    if patched:
+        gk_trl.patch()
+    try:
+        with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model_dir = os.path.join(out, "policy")  # TRL loads its reference model from the policy's path: the same weights
+            model.save_pretrained(model_dir)
+            del model
+            args = trl.GRPOConfig(
+                output_dir=out, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+                max_completion_length=T, max_steps=WARMUP_STEPS + 1, lr_scheduler_type="constant", top_k=0,
+                generation_kwargs={"min_new_tokens": T}, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+                use_cpu=device.type != "cuda", bf16=device.type == "cuda", dataloader_num_workers=0, **OPTIONS)
+            trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=checksum_reward, args=args, processing_class=tokenizer,
+                                       train_dataset=Dataset.from_dict({"prompt": prompts(shape)}), callbacks=[MeasureStep()])
+            trainer.train()
+    finally:
+        meter.close()
+        if patched:
+            gk_trl.unpatch()  # (--quick runs the next side in this process)
     forward = getattr(trainer.model, "_original_forward", trainer.model.forward)
     head = "grpo_kernels" if getattr(forward, "__grpo_kernels__", False) else "trl"
     if head != ("grpo_kernels" if patched else "trl"):
         raise RuntimeError(f"the policy's log-prob head is {head}'s, expected the other ({patched=})")
     logged = next((e for e in trainer.state.log_history if e.get("step") == WARMUP_STEPS + 1 and "loss" in e), {})
-    ps = measured.pop("phase_s")
-    inside = ps.get("prepare_inputs", 0.0)
-    phases = {
-        "generation": ps.get("generation", 0.0),
-        "scoring": ps.get("scoring", 0.0),
-        "logps": ps.get("logps", 0.0),
-        "loss+backward": ps.get("training_step", 0.0) - inside,
-        "optimizer": measured["optimizer_s"],
-    }
-    # what _prepare_inputs does besides the three phases (advantages, bookkeeping) is in "other"
-    weights = str(next(trainer.model.parameters()).dtype).replace("torch.", "")
-    return {**measured, "phases": phases_with_other(measured["step_s"], phases), "log_prob_head": head, "weights": weights,
+    return {**measured, "log_prob_head": head, "weights": str(next(trainer.model.parameters()).dtype).replace("torch.", ""),
             "completion_tokens": round(logged.get("completions/mean_length", float("nan")) * P * G),
             "loss": logged.get("loss"), "reward": logged.get("reward"), "kl": logged.get("kl")}
-
-
-def _vllm_rollout(model, tokenizer, cfg, out_dir):
-    """A ``VLLMRollout`` on the policy saved to ``out_dir`` (the engine loads weights from a path)."""
-    from grpo.rollout import VLLMRollout
-
-    path = os.path.join(out_dir, "policy")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    dtype = "bfloat16" if next(model.parameters()).is_cuda and cfg.bf16 else "float32"  # as the trainer's autocast
-    return VLLMRollout(path, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       dtype=dtype, seed=cfg.seed, eos_token_id=1)
 
 
 def vllm_python() -> Optional[str]:
@@ -367,11 +261,15 @@ def _vllm_unavailable() -> Optional[str]:
 SIDES.register("ours", "grpo.trainer, fused loss (backend auto)")(run_ours)
 SIDES.register("ours-reference", "grpo.trainer, plain-PyTorch reference loss (backend reference)")(
     lambda shape, device: run_ours(shape, device, backend="reference"))
-SIDES.register("trl", "trl.GRPOTrainer, stock", _trl_unavailable)(run_trl)
+SIDES.register("trl", "trl.GRPOTrainer, stock", lambda: H.missing("trl", "datasets"))(run_trl)
 SIDES.register("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()", _patch_unavailable)(
     lambda shape, device: run_trl(shape, device, patched=True))
-SIDES.register("ours+vllm", "grpo.trainer, fused loss, VLLMRollout for generation (the vLLM venv's interpreter)",
-               _vllm_unavailable, vllm_python)(lambda shape, device: run_ours(shape, device, rollout_factory=_vllm_rollout))
+SIDES.register("ours+vllm", "grpo.trainer, fused loss, use_vllm (the engine as the trainer builds it, in the vLLM venv's "
+               "interpreter) with TRL's default importance-sampling correction", _vllm_unavailable, vllm_python)(
+    lambda shape, device: run_ours(shape, device, use_vllm=True))
+SIDES.register("ours+vllm-uncorrected", "the same engine, vllm_importance_sampling_correction off (no old log-probs pass, "
+               "a token-local loss): the engine's cost without the correction's", _vllm_unavailable, vllm_python)(
+    lambda shape, device: run_ours(shape, device, use_vllm=True, vllm_importance_sampling_correction=False))
 
 
 def child(shape_name: str, *side_names: str) -> int:
@@ -390,14 +288,11 @@ def child(shape_name: str, *side_names: str) -> int:
         except Exception as exc:
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        H.emit({"side": name, "python": sys.executable, "transformers": H.version("transformers"),
-                "load_1m": round(os.getloadavg()[0], 2), **result})
+        H.emit({"side": name, "python": sys.executable, "transformers": H.version("transformers"), "load_1m": H.load(), **result})
     return 0
 
 
-# --------------------------------------------------------------------------------------------------
-# the driver: fresh processes, interleaved rounds, tables
-# --------------------------------------------------------------------------------------------------
+# -- the driver: fresh processes, interleaved rounds, tables -------------------------------------------
 def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[int]) -> list[dict]:
     """``sides`` one after the other in one fresh process (their interpreter's); one result per side."""
     results = H.fresh(["benchmarks.trainer_step", "child", shape, *sides], python=SIDES[sides[0]].python(),
@@ -408,8 +303,8 @@ def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[
 
 
 def summarise(records: list[dict], baseline: str = "ours") -> list[dict]:
-    """Per side: medians over rounds, and the median per-round ratio of step time and step peak RSS
-    to ``baseline``'s in the same round."""
+    """Per side: medians over rounds, and the median per-round ratio of step time, step CPU time and step
+    peak RSS to ``baseline``'s in the same round."""
     ok = [r for r in records if "error" not in r]
     rows = []
     for side in dict.fromkeys(r["side"] for r in records):
@@ -417,36 +312,33 @@ def summarise(records: list[dict], baseline: str = "ours") -> list[dict]:
         if not mine:
             rows.append({"side": side, "error": next(r["error"] for r in records if r["side"] == side)})
             continue
-        row = {"side": side, "rounds": len(mine), "phases": {p: H.median([r["phases"][p] for r in mine]) for p in mine[0]["phases"]}}
-        for key in ("step_s", "peak_rss_mib", "cuda_peak_allocated_mib", "completion_tokens", "load_1m"):
+        row = {"side": side, "rounds": len(mine)}
+        for key in ("phases", "phases_cpu"):
+            row[key] = {p: H.median([r.get(key, {}).get(p) for r in mine]) for p in PHASES}
+        for key in ("step_s", "step_cpu_s", "peak_rss_mib", "cuda_peak_allocated_mib", "completion_tokens", "load_1m"):
             row[key] = H.median([r.get(key) for r in mine])
-        for key, name in (("step_s", "time_ratio"), ("peak_rss_mib", "rss_ratio"), ("cuda_peak_allocated_mib", "cuda_ratio")):
-            per_round = {side: [], baseline: []}
-            for rnd in sorted({r["round"] for r in mine}):
-                pair = {r["side"]: r.get(key) for r in ok if r["round"] == rnd and r["side"] in (side, baseline)}
-                for s in per_round:
-                    per_round[s].append(pair.get(s))
-            row[name] = H.ratio(per_round, side, baseline)
+            per_round = {s: [next((r.get(key) for r in ok if r["round"] == rnd and r["side"] == s), None)
+                             for rnd in sorted({r["round"] for r in mine})] for s in (side, baseline)}
+            row[key + "_ratio"] = H.ratio(per_round, side, baseline)
         rows.append(row)
     return rows
-
-
-PHASES = ("generation", "scoring", "logps", "loss+backward", "optimizer", "other")
 
 
 def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, str]) -> list[str]:
     cuda = any(r.get("cuda_peak_allocated_mib") for r in rows)
     x = lambda v: "" if v is None else f"{v:.2f}×"  # noqa: E731
-    cells = []
+    share = lambda r, key, p: "" if r[key].get(p) is None else f"{r[key][p]:.2f} s ({100 * r[key][p] / r['step' + key[6:] + '_s']:.0f}%)"  # noqa: E731
+    wall, cpu = [], []
     for r in rows:
         if "error" in r:
-            cells.append([r["side"], f"failed: {r['error'].splitlines()[-1][:120]}"])
+            wall.append([r["side"], f"failed: {r['error'].splitlines()[-1][:120]}"])
             continue
-        cells.append([r["side"], f"{r['step_s']:.2f} s", x(r["time_ratio"]), f"{r['peak_rss_mib']:,.0f} MiB", x(r["rss_ratio"])]
-                     + ([f"{r['cuda_peak_allocated_mib'] or 0:,.0f} MiB", x(r["cuda_ratio"])] if cuda else [])
-                     + ["" if r["phases"].get(p) is None else f"{r['phases'][p]:.2f} s ({100 * r['phases'][p] / r['step_s']:.0f}%)"
-                        for p in PHASES] + [f"{r['completion_tokens']:.0f}", f"{r['load_1m']:.2f}"])
-    cells += [[side, f"skipped: {reason}"] for side, reason in skipped.items()]
+        wall.append([r["side"], f"{r['step_s']:.2f} s", x(r["step_s_ratio"]), f"{r['peak_rss_mib']:,.0f} MiB", x(r["peak_rss_mib_ratio"])]
+                    + ([f"{r['cuda_peak_allocated_mib'] or 0:,.0f} MiB", x(r["cuda_peak_allocated_mib_ratio"])] if cuda else [])
+                    + [share(r, "phases", p) for p in PHASES] + [f"{r['completion_tokens']:.0f}", f"{r['load_1m']:.2f}"])
+        if r.get("step_cpu_s") is not None:
+            cpu.append([r["side"], f"{r['step_cpu_s']:.2f} s", x(r["step_cpu_s_ratio"])] + [share(r, "phases_cpu", p) for p in PHASES])
+    wall += [[side, f"skipped: {reason}"] for side, reason in skipped.items()]
     return [f"## `{shape_name}`: {SHAPES[shape_name].describe()}", "",
             f"{cond['rounds']} interleaved round(s), " + ("each side in a fresh process" if cond["process_per_side"] else
                                                            "the sides of a round in one process")
@@ -454,7 +346,11 @@ def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, s
             "the measured one; medians; ratios are per-round ratios to `ours`, medianed.", "",
             *H.table(["side", "step", "× ours", "step peak RSS", "× ours"] + (["CUDA peak", "× ours"] if cuda else [])
                      + ["generation", "scoring", "old/ref log-probs", "loss+backward", "optimizer", "other", "completion tokens",
-                        "load (1 min)"], cells), ""]
+                        "load (1 min)"], wall), "",
+            "Thread CPU time of the same steps (the main thread's `time.thread_time`, which a loaded machine does not "
+            "stretch; all of torch's work with --threads 1):", "",
+            *H.table(["side", "step CPU", "× ours", "generation", "scoring", "old/ref log-probs", "loss+backward", "optimizer",
+                      "other"], cpu), ""]
 
 
 def report(records: list[dict], cond: dict, skipped: dict[str, str], out: Optional[str]) -> H.Report:
@@ -533,8 +429,9 @@ def main(argv=None) -> int:
                         jsonl.write(json.dumps({**records[-1], "conditions": cond}) + "\n")
                         jsonl.flush()
                         print(f"[trainer_step] {shape} round {rnd} {side}: " + (f"FAILED {result['error']}" if "error" in result else
-                              f"step {result['step_s']:.2f} s, step peak RSS {result['peak_rss_mib']:,.0f} MiB, "
-                              f"{result['completion_tokens']} completion tokens, load {result.get('load_1m')}"), flush=True)
+                              f"step {result['step_s']:.2f} s ({result['step_cpu_s']:.2f} s CPU), step peak RSS "
+                              f"{result['peak_rss_mib']:,.0f} MiB, {result['completion_tokens']} completion tokens, load "
+                              f"{result.get('load_1m')}"), flush=True)
     report(records, cond, skipped, stem + ".md")
     print(f"[trainer_step] wrote {stem}.md, .json and .jsonl", flush=True)
     return 1 if any("error" in r for r in records) else 0

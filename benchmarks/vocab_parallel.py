@@ -1,21 +1,7 @@
-"""Vocabulary-parallel GRPO loss against gathering the vocabulary: bytes communicated and time, gloo.
+"""Vocabulary-parallel GRPO loss against gathering the vocabulary: time and bytes through every collective,
+W gloo processes on this machine (benchmarks/README.md).
 
-W processes on this machine (gloo over 127.0.0.1), each holding a contiguous shard of the vocabulary.
-Four implementations of one GRPO step (forward + backward), interleaved round by round:
-
-- ``vp_logits``: ``grpo_loss(logits_shard, ..., process_group=group)`` (this library, ``vocab_parallel``);
-- ``gather_logits``: ``all_gather`` the logits shards into ``[B, T, V]``, ``grpo_loss`` on them, keep
-  this rank's slice of the gradient (what a framework does without a vocabulary-parallel loss);
-- ``vp_linear``: ``fused_linear_grpo_loss(hidden, weight_shard, ..., process_group=group)``;
-- ``gather_weight``: ``all_gather`` the ``[V_r, H]`` weight shards, ``fused_linear_grpo_loss`` on the
-  whole head, this rank's slice of ``d W``.
-
-Every collective is counted (bytes each rank puts in, seconds inside it). Reported per implementation:
-median step time (``harness.interleave``), the median per-round ratio to the gathering counterpart,
-bytes per token communicated, and the median time inside collectives.
-
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.vocab_parallel [--world 2] [--tokens 1024] [--vocab 32000]
-        [--hidden 256] [--rounds 5] [--out benchmarks/results/cpu-DATE-vocab_parallel.md]
+    python -m benchmarks.vocab_parallel [--world 2] [--tokens 1024] [--vocab 32000] [--hidden 256] [--rounds 5] [--out FILE.md]
 """
 
 from __future__ import annotations

@@ -49,8 +49,23 @@ def test_report_writes_markdown_and_json_with_the_load(tmp_path):
     assert data["records"] == [{"a": 1}] and "load_1m" in data["conditions"] and "load_end_1m" in data["conditions"]
 
 
+def test_phases_sum_wall_and_cpu_per_phase_and_put_patched_functions_back():
+    import types
+
+    owner = types.SimpleNamespace(work=lambda n: sum(i * i for i in range(n)))
+    phases = H.Phases()
+    phases.patch(owner, "work", "work")
+    with phases("outer"):
+        owner.work(200_000)
+        owner.work(200_000)
+    phases.restore()
+    assert set(phases.wall) == set(phases.cpu) == {"work", "outer"} and owner.work(3) == 5
+    assert 0 < phases.wall["work"] <= phases.wall["outer"] and 0 < phases.cpu["work"] <= phases.cpu["outer"] + 1e-3
+    assert owner.work.__name__ == "<lambda>"  # the original again, not the wrapper
+
+
 def test_trainer_step_registry_and_tables():
-    assert set(TS.SIDES) == {"ours", "ours-reference", "trl", "trl+patch", "ours+vllm"}
+    assert set(TS.SIDES) == {"ours", "ours-reference", "trl", "trl+patch", "ours+vllm", "ours+vllm-uncorrected"}
     reason = TS.SIDES["ours+vllm"].unavailable()
     assert reason is None and TS.SIDES["ours+vllm"].python() or "vllm" in reason
     phases = {"generation": 1.0, "scoring": 0.1, "logps": 0.5, "loss+backward": 2.0, "optimizer": 0.4}
@@ -58,15 +73,18 @@ def test_trainer_step_registry_and_tables():
     for rnd in range(3):
         for side, scale in (("ours", 1.0), ("trl", 1.5 + rnd)):  # trl: 1.5, 2.5, 3.5 x ours -> median 2.5
             step = 4.0 * scale * (1 + rnd)
-            records.append({"side": side, "round": rnd, "step_s": step, "peak_rss_mib": 1000.0 * scale, "load_1m": 1.0,
-                            "phases": TS.phases_with_other(step, {k: v * scale for k, v in phases.items()}),
+            records.append({"side": side, "round": rnd, "step_s": step, "step_cpu_s": step / 2, "peak_rss_mib": 1000.0 * scale,
+                            "load_1m": 1.0, "phases": TS.phases_with_other(step, {k: v * scale for k, v in phases.items()}),
+                            "phases_cpu": TS.phases_with_other(step / 2, {k: v * scale / 2 for k, v in phases.items()}),
                             "completion_tokens": 128})
     records.append({"side": "trl+patch", "round": 0, "error": "exit 1: boom"})
     rows = {r["side"]: r for r in TS.summarise(records)}
-    assert rows["ours"]["time_ratio"] == 1.0 and rows["trl"]["time_ratio"] == pytest.approx(2.5)
-    assert rows["trl"]["rss_ratio"] == pytest.approx(2.5) and rows["trl+patch"]["error"] == "exit 1: boom"
+    assert rows["ours"]["step_s_ratio"] == 1.0 and rows["trl"]["step_s_ratio"] == pytest.approx(2.5)
+    assert rows["trl"]["step_cpu_s_ratio"] == pytest.approx(2.5) and rows["trl"]["peak_rss_mib_ratio"] == pytest.approx(2.5)
+    assert rows["trl+patch"]["error"] == "exit 1: boom"
     assert rows["ours"]["phases"]["other"] == pytest.approx(8.0 - 4.0)  # median step 8 s, phases 4 s
+    assert list(rows["ours"]["phases_cpu"]) == list(TS.PHASES) and rows["ours"]["phases_cpu"]["other"] == pytest.approx(2.0)
     md = "\n".join(TS.markdown("tiny", TS.summarise(records), {"rounds": 3, "process_per_side": True, "dtype": "fp32"},
                                {"ours+vllm": "no vllm"}))
-    assert "| ours | 8.00 s | 1.00× | 1,000 MiB | 1.00× | 1.00 s (12%)" in md
+    assert "| ours | 8.00 s | 1.00× | 1,000 MiB | 1.00× | 1.00 s (12%)" in md and "| ours | 4.00 s | 1.00× | 0.50 s (12%)" in md
     assert "| trl+patch | failed: exit 1: boom |" in md and "| ours+vllm | skipped: no vllm |" in md

@@ -85,8 +85,9 @@ def test_a_set_without_a_case_skips_with_the_reason():
     """The regression of issue 26: an empty parametrisation crashed the session (INTERNALERROR)."""
     reason = "has no fused_linear_token_logprobs case on cpu"
     env = {**os.environ, "GRPO_BENCH_SET": "cpu", "GRPO_BENCH_IMPLS": "reference", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/bench_fused_linear_logprobs.py", "--benchmark-only",
-                           "-q", "-p", "no:cacheprovider", "-rs"], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/bench_kernels.py", "-k", "fused_linear_token_logprobs",
+                           "--benchmark-only", "-q", "-p", "no:cacheprovider", "-rs"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "INTERNALERROR" not in out and "1 skipped" in out and reason in out and "benchmark set: cpu" in out, out

@@ -9,8 +9,8 @@ exists and is not empty, and that no record of its JSON is an error: a script th
 Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py`` only in
 ``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick``, ``harness machine``
 and ``kernels report`` run in ``make bench-ci``. A script that needs a package this interpreter lacks is
-skipped with its name; ``rollout_speed`` runs its Hugging Face sides everywhere (``rollout_speed-hf``)
-and the vLLM ones too in ``rollout_speed-vllm`` (``make test`` runs it with the vLLM venv).
+skipped with its name: ``trainer_step-vllm`` (the ``ours+vllm`` side) runs where vLLM is (``make test``
+runs it with the vLLM venv).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Script(NamedTuple):
     module: str  # benchmarks.<module>
     args: Tuple[str, ...]  # "{out}" is the test's temporary directory
-    writes: Tuple[str, ...]  # files under {out} that must exist and be non-empty
+    writes: Tuple[str, ...]  # files (glob patterns) under {out} that must exist and be non-empty
     needs: Tuple[str, ...] = ()  # importable packages, else skipped
 
 
@@ -52,21 +52,15 @@ SCRIPTS = {
         "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
                          "--out", "{out}/frozen_head.md"), ("frozen_head.md", "frozen_head.json"), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
-                              ("rewards_hostile.md",)),
+                              ("rewards_hostile.md", "rewards_hostile.json")),
     "optimizer_step": Script(
         "optimizer_step", ("--vocab", "512", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
-                           "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.jsonl")),
+                           "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.json")),
     "sampling_cost": Script("sampling_cost", ("--rows", "4", "--vocab", "257", "--rounds", "1",
-                                              "--out", "{out}/sampling_cost.md"), ("sampling_cost.md",)),
+                                              "--out", "{out}/sampling_cost.md"), ("sampling_cost.md", "sampling_cost.json")),
+    "trainer_step-vllm": Script("trainer_step", ("--quick", "--sides", "ours+vllm", "--out-dir", "{out}"),
+                                ("trainer_step-*-quick.md", "trainer_step-*-quick.json"), ("vllm",)),
 }
-ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
-                      "--rounds", "1", "--out", "{out}/rollout_speed.md")
-# the main venv: Hugging Face generate only (the script skips vLLM, saying why); the vLLM venv
-# (`make test` runs this case there): both engines
-SCRIPTS["rollout_speed-hf"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md", "rollout_speed.json"),
-                                     ("transformers",))
-SCRIPTS["rollout_speed-vllm"] = Script("rollout_speed", ROLLOUT_SPEED_ARGS, ("rollout_speed.md", "rollout_speed.json"),
-                                       ("transformers", "vllm"))
 
 
 def _missing(script: Script) -> list:
@@ -116,9 +110,9 @@ def test_benchmark_script_runs_and_writes(name: str, started) -> None:
         raise
     output = (out_dir / "stdout+stderr.log").read_text()
     assert returncode == 0, f"{cmd} exited {returncode}\n--- output\n{output[-6000:]}"
-    for path in script.writes:
-        out = out_dir / path
-        assert out.is_file() and out.stat().st_size > 0, f"{cmd} did not write {out}"
-        if out.suffix == ".json" and path != "rewards_hostile.json":  # the harness's report: no record is an error
-            records = json.loads(out.read_text())["records"]
+    for pattern in script.writes:
+        found = sorted(out_dir.glob(pattern))
+        assert found and all(f.stat().st_size > 0 for f in found), f"{cmd} did not write {out_dir / pattern}"
+        if pattern.endswith(".json"):  # the harness's report: no record is an error
+            records = json.loads(found[0].read_text())["records"]
             assert records and not [r for r in records if "error" in r], f"{cmd}: {records}"
