@@ -51,7 +51,7 @@ class Unavailable(Exception):
 
 
 class Disagrees(Exception):
-    """The implementation's outputs differ from the reference's beyond the dtype's tolerance."""
+    """The outputs differ from the reference's beyond the dtype's tolerance."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class Case:
         return self.N * self.V * (2 * (self.H or 0) + 200) * passes * (self.rounds + 2)
 
     def info(self) -> dict:
-        return {"op": self.op, "impl": self.impl, "N": self.N, "B": self.B, "T": self.T, "V": self.V, "H": self.H,
-                "dtype": self.dtype, "pass": self.pass_, "sweep": self.sweep, "chunk": self.chunk, "sampling": self.sampling}
+        return {**dataclasses.asdict(self), "pass": self.pass_, "B": self.B}
 
 
 def unavailable(impl: str, op: str, device: str, installed: bool = True) -> Optional[str]:
