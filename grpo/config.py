@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 from grpo_kernels.options import BACKENDS, OPTION_NAMES, ROLLOUT_CORRECTIONS, GRPOOptions
 
+from .activations import MIN_CHUNK_TOKENS
+from .activations import check_settings as check_activation_settings
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
@@ -192,6 +194,13 @@ class GRPOConfig:
     micro_batch_size: Optional[int] = option(None, "padded steps (padding_free off): completions per forward/backward "
                                              "(None: the whole batch)", bounds=at_least(1))
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    activation_offload: bool = option(
+        False, "gradient_checkpointing: keep each checkpointed layer input in host memory (pinned) between the forward "
+        "and its recompute, copied on a side stream with one layer prefetched; on a CPU a no-op (grpo.activations)")
+    mlp_chunk_tokens: Optional[int] = option(
+        None, "run each decoder layer's MLP over chunks of this many tokens (forward, recompute and backward), so its "
+        "intermediate activations exist one chunk at a time (None: whole micro-batches; grpo.activations)",
+        bounds=at_least(MIN_CHUNK_TOKENS))
     model_dtype: str = option("float32", "the dtype the policy's weights are held in; bfloat16: the frozen weights in "
                               "bf16, trainable ones with fp32 AdamW master copies (LoRA adapters stay fp32)",
                               choices=MODEL_DTYPES)
@@ -252,6 +261,8 @@ class GRPOConfig:
             self.grpo_options()
         except (TypeError, ValueError) as e:
             raise type(e)(f"GRPOConfig: {e}") from None
+        check_activation_settings(self.mlp_chunk_tokens, self.activation_offload, self.gradient_checkpointing,
+                                  spell=lambda name: f"GRPOConfig.{name}")
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})")
         if not self.lora_target_modules.replace(",", "").strip():
