@@ -28,6 +28,7 @@ Activations, per token (``a`` = the activations' bytes, ``b``; what an adapted l
   (and its normalised input ``aH`` when its weight trains); the projections' input ``aH`` when q/k/v
   train; Qwen3's q/k norms ``4q + 4 heads + 4kv + 4 kv_heads`` (+ ``a(q + kv)`` when they train);
   flash-attn's q, k, v, output and log-sum-exp ``a(2q + 2kv) + 4 heads`` (the output is o_proj's input).
+- fp32 weights under bf16 autocast: every linear keeps a bf16 copy of its weight (``2 in out`` a layer).
 - its MLP saves: the norm as above, the gate/up input ``aH`` when they train, gate, act and up outputs
   ``3aI``, and their product ``aI`` when down_proj trains. Its backward adds ``3aI`` at once (the
   gradients of the product, the act and up). With ``mlp_chunk_tokens`` = c (< N), the MLP keeps only its
@@ -91,6 +92,7 @@ ATTENTION_LINEARS, MLP_LINEARS = LINEAR_NAMES[:4], LINEAR_NAMES[4:]
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text")  # per-head q/k RMSNorms
 GPU_MEMORY = above(0)  # --gpu-memory's bound (bytes)
 MAX_SEARCH_TOKENS = 2**31  # the largest token count the plan's search tries
+TIGHT = 0.95  # a step that fits above this share of the device is reported as leaving no headroom
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -266,7 +268,9 @@ class MemoryPlan:
             lines.append(f"  host memory: {name:<21} {gib(value):>9}  (pinned, not on the device)")
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it)")
+            tight = (": under 5% left for the CUDA context and the allocator's rounding, which the plan does not count"
+                     if self.fits and self.peak > TIGHT * self.gpu_memory else "")
+            lines.append(f"  {verdict} in {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it{tight})")
             if self.largest_tokens is not None:
                 most = (f">= {self.largest_tokens}" if self.largest_tokens >= MAX_SEARCH_TOKENS else str(self.largest_tokens))
                 lines.append(f"  largest token count per micro-batch that fits: {most}"
@@ -358,9 +362,13 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
         saved_mlp = N * (norm + gate_up_input + 3 * b * I + product + lora_mlp)
     gqa = 2 * b * q if kv_heads != heads else 0
     workspace = 4 * q + 4 * heads + b * (q + 2 * kv) + gqa + b * q
-    return {"attention": N * attention, "lora_attention": N * lora_attention, "mlp": mlp, "lora_mlp": lora_mlp_bytes,
-            "mlp_chunk": mlp_chunk, "workspace": N * workspace, "gradients": N * 2 * b * H,
-            "saved": N * (attention + lora_attention) + saved_mlp}
+    # fp32 weights under bf16 autocast: each linear casts its weight to bf16 and keeps the copy for its
+    # input's gradient (frozen or not), a per-layer constant (the MLP's once, chunked or not)
+    copies = {block: sum(2 * i * o for n, (i, o) in shape.linears().items() if n in names) if autocast and b == 4 else 0
+              for block, names in (("attention", ATTENTION_LINEARS), ("mlp", MLP_LINEARS))}
+    return {"attention": N * attention + copies["attention"], "lora_attention": N * lora_attention,
+            "mlp": mlp + copies["mlp"], "lora_mlp": lora_mlp_bytes, "mlp_chunk": mlp_chunk, "workspace": N * workspace,
+            "gradients": N * 2 * b * H, "saved": N * (attention + lora_attention) + saved_mlp + sum(copies.values())}
 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
@@ -430,8 +438,9 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
     layer = layer_terms(shape, N, b, full=not use_peft, targets=targets, lora_r=lora_r, lora_dropout=lora_dropout,
                         device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens)
     inputs = L * N * H * b
+    offloaded = activation_offload and device == "cuda"  # (on a CPU the trainer's offload is a no-op)
     if gradient_checkpointing:
-        on_device = 2 * N * H * b if activation_offload else inputs
+        on_device = 2 * N * H * b if offloaded else inputs
         others = 0
     else:
         on_device, others = 0, (L - 1) * layer["saved"]
@@ -469,7 +478,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
         "checkpointed layer inputs": (
             "checkpointing off: none kept (every layer keeps its saved tensors)" if not gradient_checkpointing else
             f"offloaded: 2 layers on the device (recomputed + prefetched) of {L} x N x H x {b} B in host memory"
-            if activation_offload else f"{L} layers x N x H x {b} B on the device"),
+            if offloaded else f"{L} layers x N x H x {b} B on the device"
+            + (" (activation_offload: a no-op on a CPU)" if activation_offload else "")),
         "saved by the other layers": "checkpointing on: recomputed one layer at a time" if gradient_checkpointing else
         f"{L - 1} layers x their saved tensors (no checkpointing)",
         "layer: attention": "norm, q/k/v" + (" + q/k norms" if shape.qk_norm else "") + ", flash-attn's q k v out lse",
@@ -485,7 +495,7 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
         "loss chunk": f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else ""),
         "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",
     }
-    host = {"checkpointed layer inputs": inputs} if gradient_checkpointing and activation_offload else {}
+    host = {"checkpointed layer inputs": inputs} if gradient_checkpointing and offloaded else {}
     settings = dict(parameters=P, tokens=tokens, use_peft=use_peft, lora_r=lora_r,
                     lora_target_modules=lora_target_modules, lora_dropout=lora_dropout, model_dtype=model_dtype,
                     gradient_checkpointing=gradient_checkpointing, beta=beta, device=device, chunk_rows=chunk,

@@ -101,6 +101,29 @@ def test_offload_survives_a_second_backward_and_a_deep_copy():
     assert offload.copies_in == 2 * offload.copies_out == 2 * SHAPE["num_hidden_layers"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_offload_on_cuda_gives_bitwise_gradients_with_pinned_copies_on_a_side_stream(family):
+    """The CUDA path (pinned buffers, the side stream, events, one layer prefetched): bitwise gradients,
+    the device's peak lower by the layers' inputs, every copy through pinned memory."""
+    ids = ids_for().cuda()
+
+    def run(offload: bool):
+        model = tiny(family, torch.bfloat16, checkpointing=True).cuda()
+        hooks = activations.offload_checkpointed_inputs(model, torch.device("cuda")) if offload else None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        grads = gradients(model, ids)
+        torch.cuda.synchronize()
+        return grads, torch.cuda.max_memory_allocated(), hooks
+
+    expected, _, _ = run(False)
+    got, _, hooks = run(True)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert hooks.copies_out == hooks.copies_in == SHAPE["num_hidden_layers"] and hooks.host_bytes == 0
+    assert hooks.peak_host_bytes == SHAPE["num_hidden_layers"] * ids.numel() * SHAPE["hidden_size"] * 2
+
+
 def test_offload_needs_checkpointing():
     with pytest.raises(ValueError, match="activation_offload.*gradient checkpointing"):
         activations.ActivationOffload("cpu").attach(tiny("qwen2"))

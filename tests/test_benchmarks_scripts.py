@@ -59,6 +59,8 @@ SCRIPTS = {
                          "--out", "{out}/frozen_head.jsonl"), ("frozen_head.jsonl",), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md",)),
+    "long_context_options": Script("long_context_options", ("--smoke", "--out", "{out}/long_context_options.md"),
+                                   ("long_context_options.md", "long_context_options.jsonl"), ("transformers",)),
 }
 ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
                       "--rounds", "1", "--steps", "2", "--out", "{out}/rollout_speed.md")
