@@ -18,11 +18,12 @@ Variants (each in a fresh process, so that its peak is its own):
   checkpointed input into a separate host buffer and back (the GPU path's bookkeeping and copies,
   without pinning, streams or overlap): an upper bound on what the copies cost a CPU, not the GPU's cost.
 
-CPU (default): peak RSS (``ru_maxrss``, with glibc's mmap threshold fixed at 128 KiB: see :func:`fresh`) and the step's time of each variant, ``--rounds`` interleaved
-rounds (times: medians; each variant's time as a ratio to ``base``'s, measured in the same rounds), and
-``grpo.plan``'s peak for the same settings (device "cpu"): the measured drop ``base - chunks`` against the
-plan's ``base - chunks`` (the MLP term). ``--device cuda`` (a GPU check): the same step at ``--tokens``
-(default 32,768) with ``torch.cuda.max_memory_allocated`` instead of RSS, offload on and off.
+CPU (default): peak RSS (``ru_maxrss``, with glibc's mmap threshold fixed at 128 KiB: see :func:`fresh`)
+and the step's time of each variant, ``--rounds`` interleaved rounds (times: medians; each variant's
+time as a ratio to ``base``'s, measured in the same rounds), and ``grpo.plan``'s peak for the same
+settings (device "cpu"): the measured drop ``base - chunks`` against the plan's (its MLP term).
+``--device cuda`` (a GPU check): the same step at ``--tokens`` (default 32,768) with
+``torch.cuda.max_memory_allocated`` instead of RSS, offload on and off.
 
     python -m benchmarks.long_context_options --out benchmarks/results/cpu-DATE-long_context_options.md
     python -m benchmarks.long_context_options --device cuda --tokens 32768 --out gpu-long_context_options.md
@@ -118,6 +119,56 @@ def step_in_this_process(variant: str, tokens: int, chunk: int, device: str, smo
     return out
 
 
+def timing_in_this_process(tokens: int, chunk: int, rounds: int, smoke: bool) -> dict:
+    """Each CPU variant's step time as a ratio to ``base``'s, in one process on one model: ``rounds``
+    rounds, each variant once a round in turn (chunks toggled by the MLPs' chunk size, the offload's
+    copies by its checkpoint wrappers); per-round ratios, then their median. (A lighter load on the
+    measurement than fresh processes: the same model, warm, more rounds.)"""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks.long_context import make_batch
+    from grpo import activations, trainer
+    from grpo.models import unwrap
+
+    dev = torch.device("cpu")
+    cfg = trainer.GRPOConfig(output_dir=tempfile.mkdtemp(), beta=0.0, gradient_checkpointing=True, padding_free=True,
+                             backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=tokens,
+                             mlp_chunk_tokens=chunk)
+    torch.manual_seed(0)
+    config = Qwen2Config(**(SMOKE_SHAPE if smoke else SHAPE), max_position_embeddings=max(tokens, 1024))
+    config._attn_implementation = "sdpa"
+    model, policy, _, optimizer = trainer.setup_training(Qwen2ForCausalLM(config), cfg, dev)
+    inner = unwrap(policy)
+    checkpoint_fns = {m: m._gradient_checkpointing_func for m in inner.modules()
+                      if m.__dict__.get("_gradient_checkpointing_func") is not None}
+    offload = activations.ActivationOffload(dev)
+    fields = vars(make_batch([tokens], PROMPT_TOKENS, config.vocab_size))
+    batch = trainer.UpdateBatch(**{k: fields[k] for k in ("input_ids", "attention_mask", "prompt_len", "completion_ids",
+                                                          "loss_mask", "advantages")})
+    policy.train()
+
+    def step(variant: str) -> float:
+        activations.chunk_mlps(inner, chunk if variant == "chunks" else tokens)  # (tokens: one chunk, the module as is)
+        for m, fn in checkpoint_fns.items():
+            m._gradient_checkpointing_func = fn
+        if variant == "offload-copies":
+            offload.attach(inner)
+        t0 = time.perf_counter()
+        trainer.update(policy, optimizer, batch, cfg, dev)
+        return time.perf_counter() - t0
+
+    variants = ("base", "chunks", "offload-copies")
+    for v in variants:  # warm-up
+        step(v)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            times[v].append(step(v))
+    ratios = {v: median([t / b for t, b in zip(times[v], times["base"])]) for v in variants}
+    return {"tokens": tokens, "mlp_chunk_tokens": chunk, "rounds": rounds, "times_s": times, "ratio_to_base": ratios,
+            "threads": torch.get_num_threads()}
+
+
 def fresh(variant: str, tokens: int, chunk: int, device: str, smoke: bool) -> dict:
     """:func:`step_in_this_process` in a fresh process (JSON on its last line); ``{"error": ...}`` if it fails."""
     cmd = [sys.executable, "-m", "benchmarks.long_context_options", "--run", variant, "--tokens", str(tokens),
@@ -182,10 +233,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--chunk", type=int, default=512, help="mlp_chunk_tokens of the 'chunks' variant")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
-                   help="default: all on a CPU; base, offload, chunks on CUDA")
+                   help="default: all on a CPU (--smoke: base, chunks, offload-copies); base, offload, chunks on CUDA")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each variant once a round)")
-    p.add_argument("--smoke", action="store_true", help="a tiny model and 96 tokens, one round (CI)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and 96 tokens, one round, three variants (CI)")
     p.add_argument("--out", default=None, help="write the markdown report here (and the JSON lines beside it)")
+    p.add_argument("--timing", action="store_true", help="CPU: the variants' time ratios in one process, interleaved "
+                   "rounds on one warm model (no memory); --rounds of them")
     p.add_argument("--run", choices=list(VARIANTS), default=None, help=argparse.SUPPRESS)  # one step, this process
     args = p.parse_args(argv)
     tokens = args.tokens or (96 if args.smoke else 32768 if args.device == "cuda" else 4096)
@@ -194,7 +247,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
         print(json.dumps(step_in_this_process(args.run, tokens, chunk, args.device, args.smoke)))
         return
-    variants = args.variants or (list(VARIANTS) if args.device == "cpu" else ["base", "offload", "chunks"])
+    if args.timing:
+        start_load = loadavg()
+        result = timing_in_this_process(tokens, chunk, 1 if args.smoke else args.rounds, args.smoke)
+        result["load_start_end"] = [start_load, loadavg()]
+        text = (f"Step time / base's, one process, {result['rounds']} interleaved rounds on one warm model, {tokens} tokens, "
+                f"mlp_chunk_tokens {chunk}; load average at the start / end: {start_load} / {result['load_start_end'][1]}.\n\n"
+                "| variant | median step s | time / base (median of per-round ratios) |\n|---|---|---|\n"
+                + "".join(f"| {v} | {median(ts):.2f} | {result['ratio_to_base'][v]:.2f} |\n" for v, ts in result["times_s"].items()))
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+            with open(os.path.splitext(args.out)[0] + ".jsonl", "w") as f:
+                f.write(json.dumps(result) + "\n")
+        return
+    variants = args.variants or (["base", "chunks", "offload-copies"] if args.smoke else list(VARIANTS)
+                                 if args.device == "cpu" else ["base", "offload", "chunks"])
     if "base" not in variants:
         variants = ["base", *variants]
     rounds = 1 if args.smoke else args.rounds

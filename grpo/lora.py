@@ -13,6 +13,13 @@ The fused loss reads ``lm_head.weight`` itself, so an adapter on ``lm_head`` wou
 targeting ``lm_head`` is refused, as is targeting the embeddings of a model whose ``lm_head`` is tied
 to them. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
 target names against the model's modules, built on the meta device from its config).
+
+What an adapter costs in activations (``grpo.plan.adapter_bytes`` derives it; ``docs/memory.md``):
+peft's ``lora.Linear`` computes ``B(A(dropout(x.to(fp32))))``, so each adapted linear keeps, per token,
+its dropout mask (a bool on CUDA, fp32 noise on a CPU) and ``A``'s input, a copy of ``x`` (fp32, or
+bf16 under autocast), besides the base layer, which keeps nothing when frozen. ``lora_dropout=0``
+drops the mask; the copy stays unless the activations are fp32 and not autocast. Inside a decoder
+layer's MLP, ``mlp_chunk_tokens`` (``grpo.activations``) limits both to one chunk of tokens.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .activations import check_settings as check_activation_settings
-from .config import Bounds, above
+from .config import above
 
 # Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-* and Qwen/Qwen3-8B; parameter
 # counts from the model cards: 0.49B, 1.54B, 7.61B, 8.2B), so a plan needs no hub access. docs/shapes/
@@ -255,7 +255,8 @@ class MemoryPlan:
         lines = [f"memory plan (predicted) of one step: {s['model']}, {s['parameters'] / 1e9:.3f}B parameters, "
                  f"{s['tokens']} tokens/micro-batch, {'LoRA r=' + str(s['lora_r']) if s['use_peft'] else 'full fine-tuning'}, "
                  f"{s['model_dtype']} weights{', bf16 autocast' if s['autocast'] else ''}, checkpointing "
-                 f"{'on' if s['gradient_checkpointing'] else 'off'}, activation offload {'on' if s['activation_offload'] else 'off'}, "
+                 f"{'on' if s['gradient_checkpointing'] else 'off'}, activation offload "
+                 f"{'on' if s['activation_offload'] else 'off'}, "
                  f"MLP chunks {chunk if chunk else 'off'}, beta {s['beta']}, {s['device']}"]
         for name, value in self.terms.items():
             note = self.notes.get(name, "")
