@@ -18,7 +18,14 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_EXTRA ?= vllm
 
-.PHONY: install install-vllm demo test bench bench-ci bench-smoke clean
+# The verl tests (tests/test_integrations_verl.py) run in a venv of their own too: verl 0.9 caps
+# transformers below 5.11; megatron-core lets verl's Megatron forwards import (their copies of verl's
+# kernel are patched too). ~160 s to install from an empty pip cache, ~3 GB.
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+MEGATRON_SPEC ?= megatron-core==0.16.1
+
+.PHONY: install install-vllm install-verl demo test test-verl bench bench-ci bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,19 +46,35 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 
 install-vllm: $(VLLM_VENV)/.installed
 
+$(VERL_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VERL_PY) -m pip install --quiet --disable-pip-version-check -e ".[test,verl]" "$(MEGATRON_SPEC)"
+	touch $@
+
+install-verl: $(VERL_VENV)/.installed
+
+# verl's own forwards, its FSDP2 engine (one gloo rank) and gloo tensor-parallel groups against ours.
+test-verl: install-verl
+	$(VERL_PY) -m pytest -q tests/test_integrations_verl.py
+
 demo: install
 	$(PY) -m grpo demo
 
-# The vLLM venv installs (a few minutes of mostly I/O) while the main suite runs; its tests run once both
-# are done; a failed install prints its log.
+# The vLLM and verl venvs install one after the other (a few minutes each, mostly I/O) while the main
+# suite runs; their tests run once all are done; a failed install prints its log.
 test: install
-	$(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).log 2>&1 & installing=$$!; \
+	( $(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).log 2>&1; vllm=$$?; \
+	  $(MAKE) --no-print-directory install-verl > $(VERL_VENV).log 2>&1; verl=$$?; \
+	  exit $$(( ($$vllm != 0) + 2 * ($$verl != 0) )) ) & installing=$$!; \
 	$(PY) -m pytest -q tests; tests=$$?; \
 	wait $$installing; installed=$$?; \
-	if [ $$installed -ne 0 ]; then cat $(VLLM_VENV).log; echo "make install-vllm failed (its log above)"; fi; \
+	if [ $$(( installed & 1 )) -ne 0 ]; then cat $(VLLM_VENV).log; echo "make install-vllm failed (its log above)"; fi; \
+	if [ $$(( installed & 2 )) -ne 0 ]; then cat $(VERL_VENV).log; echo "make install-verl failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py \
 		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[rollout_speed-vllm]"
+	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory bench-ci
 
 # After the tests, CI proves the benchmarks (~3 min on 2 cores): gpu_check.sh end to end on the CPU with
@@ -78,4 +101,4 @@ bench: install
 	$(PY) -m benchmarks.report benchmarks/results/cpu.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .pytest_cache .benchmarks

@@ -23,7 +23,13 @@ and the step's time of each variant, ``--rounds`` interleaved rounds (times: med
 time as a ratio to ``base``'s, measured in the same rounds), and ``grpo.plan``'s peak for the same
 settings (device "cpu"): the measured drop ``base - chunks`` against the plan's (its MLP term).
 ``--device cuda`` (a GPU check): the same step at ``--tokens`` (default 32,768) with
-``torch.cuda.max_memory_allocated`` instead of RSS, offload on and off.
+``torch.cuda.max_memory_allocated`` instead of RSS (beside the plan's ``allocator_peak``: its peak less
+the CUDA context and kernel images, which the allocator does not see), offload on and off; and the
+plan's runtime and allocator-reserve estimates checked (``docs/memory.md``): the CUDA context measured
+before the model (``mem_get_info``'s used bytes less what torch's allocator reserved), what lies outside
+the allocator after the step (the context and the kernels' images), and ``max_memory_reserved -
+max_memory_allocated`` (block rounding and fragmentation) beside the plan's reserve. (``mem_get_info``
+counts the whole device: the numbers hold on a GPU no other process uses, as a lent one is.)
 
     python -m benchmarks.long_context_options --out benchmarks/results/cpu-DATE-long_context_options.md
     python -m benchmarks.long_context_options --device cuda --tokens 32768 --out gpu-long_context_options.md
@@ -79,6 +85,12 @@ def step_in_this_process(variant: str, tokens: int, chunk: int, device: str, smo
 
     options = VARIANTS[variant]
     dev = torch.device(device)
+    context = None
+    if dev.type == "cuda":  # the bare context (and torch's first kernel), before anything else is on the device
+        torch.zeros(1, device=dev)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)
     cfg = trainer.GRPOConfig(
         output_dir=tempfile.mkdtemp(), beta=0.0, gradient_checkpointing=True, padding_free=True, backend="torch",
         learning_rate=1e-6, progress=False, plot=False, max_new_tokens=tokens,
@@ -116,8 +128,14 @@ def step_in_this_process(variant: str, tokens: int, chunk: int, device: str, smo
            "use_peft": cfg.use_peft, "model_dtype": cfg.model_dtype,
            "shape": shape, "step_s": step_s, "loss": logs["loss"], "predicted_peak_bytes": predicted.peak,
            "predicted_terms": predicted.terms, "threads": torch.get_num_threads()}
+    out.update(predicted_allocator_peak_bytes=predicted.allocator_peak, predicted_runtime=predicted.runtime,
+               predicted_reserve=predicted.reserve)
     if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["measured_context_bytes"] = context
+        out["outside_allocator_bytes"] = total - free - torch.cuda.memory_reserved(dev)  # context + kernel images
         out["gpu"] = torch.cuda.get_device_name()
     else:
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -201,6 +219,7 @@ def report(results: list[dict], tokens: int, chunk: int, device: str, loads: tup
     """A markdown table: per variant the median peak and time, the time ratio to ``base`` (per round,
     then the median), the plan's peak; then the measured drop by ``chunks`` beside the plan's."""
     key = "peak_allocated_bytes" if device == "cuda" else "peak_rss_bytes"
+    planned = "predicted_allocator_peak_bytes" if device == "cuda" else "predicted_peak_bytes"
     ok: dict[str, list[dict]] = {}
     for r in results:
         if "error" not in r:
@@ -208,12 +227,13 @@ def report(results: list[dict], tokens: int, chunk: int, device: str, loads: tup
     base_times = [r["step_s"] for r in ok.get("base", [])]
     lines = [f"One trainer step, {tokens} tokens (one packed sequence), gradient checkpointing, {device}; "
              f"mlp_chunk_tokens {chunk}; load average at the start / end: {loads[0]} / {loads[1]}.", "",
-             f"| variant | runs | peak {'allocated' if device == 'cuda' else 'RSS'} GiB (median) | plan's peak GiB | "
+             f"| variant | runs | peak {'allocated' if device == 'cuda' else 'RSS'} GiB (median) | plan's "
+             f"{'allocator peak' if device == 'cuda' else 'peak'} GiB | "
              "step s (median) | time / base (median of rounds) |", "|---|---|---|---|---|---|"]
     for variant, rs in ok.items():
         ratios = [r["step_s"] / b for r, b in zip(rs, base_times)]
         lines.append(f"| {variant} | {len(rs)} | {median([r[key] for r in rs]) / 2**30:.3f} | "
-                     f"{median([r['predicted_peak_bytes'] for r in rs]) / 2**30:.3f} | "
+                     f"{median([r[planned] for r in rs]) / 2**30:.3f} | "
                      f"{median([r['step_s'] for r in rs]):.2f} | {median(ratios):.2f} |")
     if ok.get("base") and ok.get("chunks"):
         measured = median([r[key] for r in ok["base"]]) - median([r[key] for r in ok["chunks"]])
@@ -221,6 +241,19 @@ def report(results: list[dict], tokens: int, chunk: int, device: str, loads: tup
         ratio = f"{measured / predicted:.2f}" if predicted else "n/a"
         lines += ["", f"mlp_chunk_tokens lowers the peak by {measured / 2**30:.3f} GiB measured and "
                       f"{predicted / 2**30:.3f} GiB by the plan (its MLP term): measured / plan = {ratio}."]
+    if device == "cuda":  # the plan's runtime and allocator-reserve estimates against the device (docs/memory.md)
+        lines += ["", "| variant | CUDA context GiB (measured / plan) | outside the allocator after the step GiB "
+                      "(measured / plan: context + kernel images) | reserved - allocated at the peak GiB "
+                      "(measured / plan's allocator reserve) |", "|---|---|---|---|"]
+        for variant, rs in ok.items():
+            r = rs[0]
+            runtime, reserve = r["predicted_runtime"], r["predicted_reserve"]
+            planned_context = sum(v for k, v in runtime.items() if k.startswith("context"))
+            lines.append(f"| {variant} | {r['measured_context_bytes'] / 2**30:.3f} / {planned_context / 2**30:.3f} | "
+                         f"{r['outside_allocator_bytes'] / 2**30:.3f} / "
+                         f"{(planned_context + runtime['kernel images']) / 2**30:.3f} | "
+                         f"{(r['peak_reserved_bytes'] - r['peak_allocated_bytes']) / 2**30:.3f} / "
+                         f"{sum(reserve.values()) / 2**30:.3f} |")
     for r in results:
         if "error" in r:
             lines.append(f"\n{r['variant']}: {r['error'][-500:]}")

@@ -24,12 +24,12 @@ your own ``fn(prompts, completions, **columns) -> list[float | None]``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
-import typing
 from typing import Callable, Optional
+
+from .flags import add_config_flags, config_from_args, usage_error  # noqa: F401 (GRPOConfig as flags)
 
 
 # ---------------------------------------------------------------------------- rewards by name
@@ -49,94 +49,15 @@ def resolve_reward(name: str) -> Callable:
     )
 
 
-# ---------------------------------------------------------------------------- GRPOConfig as flags
-def _converter(kind: type, optional: bool) -> Callable[[str], object]:
-    """argparse ``type=`` for a field of type ``kind``: ``None`` (any case) is None for an Optional
-    field, and a value ``kind`` cannot parse is a usage error naming what was expected."""
-
-    def convert(text: str):
-        if optional and text.lower() == "none":
-            return None
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an' if kind is int else 'a'} {kind.__name__}{' or None' if optional else ''}, got {text!r}"
-            ) from None
-
-    convert.__name__ = kind.__name__  # argparse names the type in its messages
-    return convert
-
-
-def _flag_type(hint) -> tuple[type, Optional[str], bool]:
-    """(type, nargs, optional) for a GRPOConfig field's type hint."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union and len(args) == 1:
-        kind, nargs, _ = _flag_type(args[0])
-        return kind, nargs, True
-    if typing.get_origin(hint) is list:
-        return typing.get_args(hint)[0], "+", False
-    return hint, None, False
-
-
-def add_config_flags(parser: argparse.ArgumentParser, config_cls) -> None:
-    """One flag per field of ``config_cls``, its help, choices and range taken from the field's metadata."""
-    from grpo_kernels.options import OPTION_NAMES  # the loss fields, generated from the loss spec
-
-    hints = typing.get_type_hints(config_cls)
-    trainer = parser.add_argument_group(f"{config_cls.__name__} (in Python: grpo.{config_cls.__name__}(...))")
-    loss = parser.add_argument_group("the loss (grpo_kernels.GRPOOptions; docs/api.md)")
-    for field in dataclasses.fields(config_cls):
-        group = loss if field.name in OPTION_NAMES else trainer
-        flag = "--" + field.name.replace("_", "-")
-        kind, nargs, optional = _flag_type(hints[field.name])
-        meta = field.metadata
-        nargs = "+" if meta.get("words") else nargs
-        bounds = f"{meta['bounds'].describe(integer=kind is int)}; " if meta.get("bounds") is not None else ""
-        text = meta.get("help", "").replace("%", "%%") + f" ({bounds}default: %(default)s)"
-        metavar = kind.__name__.upper() + ("|None" if optional else "")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
-        elif meta.get("choices") is not None:  # (an Optional field's choices include None)
-            choices = (*meta["choices"], None) if optional else meta["choices"]
-            metavar = "{" + ",".join(meta["choices"]) + "}" + ("|None" if optional else "")
-            group.add_argument(flag, type=_converter(kind, optional), choices=choices, default=field.default, metavar=metavar,
-                               help=text)
-        else:
-            group.add_argument(flag, type=_converter(kind, optional), nargs=nargs, default=field.default, metavar=metavar,
-                               help=text)
-
-
-def _list_value(flag: str, values, parser: argparse.ArgumentParser):
-    """A list flag's value: ``--flag None`` (alone) is None; None among numbers is a usage error."""
-    if not isinstance(values, list) or None not in values:
-        return values
-    if len(values) > 1:
-        parser.error(f"argument {flag}: None stands alone (None: the field's None), got {values}")
-    return None
-
-
-def config_from_args(args: argparse.Namespace, config_cls, parser: argparse.ArgumentParser):
-    """The config the flags describe; a value the config refuses is reported as a usage error."""
-    words = lambda f, v: ",".join(v) if f.metadata.get("words") and isinstance(v, list) else v  # noqa: E731
-    flag = lambda f: "--" + f.name.replace("_", "-")  # noqa: E731
-    try:
-        return config_cls(**{f.name: words(f, _list_value(flag(f), getattr(args, f.name), parser))
-                             for f in dataclasses.fields(config_cls)})
-    except (TypeError, ValueError) as e:
-        parser.error(str(e))
-
-
 # ---------------------------------------------------------------------------- commands
 def train_command(argv: list[str]) -> None:
-    from . import distributed
+    from . import checkpoint, distributed
     from .data import load_jsonl
     from .config import GRPOConfig
     from .lora import check_flags
-    from .precision import check_device_supports, torch_dtype
+    from .models import load_model
     from .rollout import require_vllm
-    from .models import default_device, load_model
-    from .trainer import train
+    from .trainer import check_run, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
     parser.add_argument("--model", required=True, help="a local path or a Hugging Face model name")
@@ -150,33 +71,39 @@ def train_command(argv: list[str]) -> None:
     add_config_flags(parser, GRPOConfig)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, GRPOConfig, parser)
-    try:  # every usage error before the model is built
+    # every check that needs no weights, before they load: the flags, rewards and data, then the model's
+    # config, tokenizer and module structure (a meta-device skeleton), the output directory and the
+    # checkpoint to resume from (grpo.trainer.check_run, which grpo.train runs too)
+    try:
         reward_fns = {name.split(":")[-1]: resolve_reward(name) for name in args.rewards}
     except (ImportError, AttributeError, ValueError) as e:
         parser.error(f"--rewards: {e}")
     try:
         rows = load_jsonl(args.data, args.prompt_key)
-    except OSError as e:
+    except (OSError, ValueError, TypeError) as e:  # (missing, not JSON lines, a row without its prompt ...)
         parser.error(f"--data: {e}")
-    try:  # the dtype against the device and the LoRA flags against the model's config, before its weights load
-        from transformers import AutoConfig
-
-        check_device_supports(cfg.model_dtype, default_device())
-        check_flags(cfg, AutoConfig.from_pretrained(args.model) if cfg.use_peft else None)
-    except ValueError as e:
+    try:  # what needs nothing of the model: the packages its flags need
+        check_flags(cfg)
+        if cfg.use_vllm:
+            require_vllm()
+    except ImportError as e:
         parser.error(str(e))
-    if cfg.use_vllm:
-        try:
-            require_vllm()  # before the model loads
-        except ImportError as e:
-            parser.error(str(e))
-    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
+    skeleton, tokenizer = model_skeleton(args.model, parser)
     use_template = args.chat_template if args.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     if use_template:
         for row in rows:
             row["prompt"] = tokenizer.apply_chat_template(
                 [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
             )
+    try:
+        check_run(cfg, rows, reward_fns, model=skeleton, tokenizer=tokenizer)
+    except (FileExistsError, checkpoint.OutputDirInUse, checkpoint.CheckpointError) as e:
+        usage_error(parser, type(e)(f"--output-dir: {e.strerror if isinstance(e, OSError) and e.strerror else e}"))
+    except (ImportError, TypeError, ValueError) as e:
+        usage_error(parser, e, GRPOConfig)
+    from .precision import torch_dtype
+
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
     records = train(model, tokenizer, rows, reward_fns, cfg)
     main_process = distributed.is_main_process()
     distributed.teardown()
@@ -189,6 +116,24 @@ def train_command(argv: list[str]) -> None:
         last = {k: v for k, v in records[-1].items() if isinstance(v, (int, float))}
         print(json.dumps(last, indent=1))
     print(f"wrote {cfg.output_dir}/log.jsonl, curves.png, checkpoint.pt, {'adapter/' if cfg.use_peft else 'model/'}")
+
+
+def model_skeleton(name_or_path: str, parser: argparse.ArgumentParser):
+    """(the model built on the meta device from its config: module names and shapes, no weights; its
+    left-padding tokenizer), or a usage error naming ``--model``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"--model {name_or_path!r}: no causal language model's config and tokenizer there ({e})")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return skeleton, tokenizer
 
 
 def main(argv: Optional[list[str]] = None) -> None:

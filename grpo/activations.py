@@ -39,31 +39,30 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from grpo_kernels.bounds import OptionError, at_least, check_value
+
 logger = logging.getLogger(__name__)
 
-MIN_CHUNK_TOKENS = 1  # mlp_chunk_tokens' lower bound (GRPOConfig, the plan and chunk_mlps read it here)
+# mlp_chunk_tokens' range, declared once: GRPOConfig's field (and so its flag and the plan) declares it
+# with this object, and chunk_mlps checks a direct call against it (grpo_kernels.bounds)
+MLP_CHUNK_TOKENS = at_least(1)
 
 
-def check_settings(mlp_chunk_tokens: Optional[int], activation_offload: bool, gradient_checkpointing: bool,
-                   spell: Callable[[str], str] = lambda name: name) -> None:
-    """``TypeError`` / ``ValueError`` for settings of this module that cannot run, naming each setting as
-    ``spell`` writes it (``GRPOConfig.mlp_chunk_tokens``, ``--mlp-chunk-tokens``): ``mlp_chunk_tokens``
-    not an int >= :data:`MIN_CHUNK_TOKENS` (None: no chunking), ``activation_offload`` not a bool, or
-    offload without gradient checkpointing (without it no layer input is kept for a recompute: there
-    is nothing to offload)."""
-    if mlp_chunk_tokens is not None:
-        if isinstance(mlp_chunk_tokens, bool) or not isinstance(mlp_chunk_tokens, int):
-            raise TypeError(f"{spell('mlp_chunk_tokens')} must be an int or None, got {mlp_chunk_tokens!r} "
-                            f"({type(mlp_chunk_tokens).__name__})")
-        if mlp_chunk_tokens < MIN_CHUNK_TOKENS:
-            raise ValueError(f"{spell('mlp_chunk_tokens')} must be >= {MIN_CHUNK_TOKENS} (tokens per MLP chunk), "
-                             f"got {mlp_chunk_tokens}")
-    if not isinstance(activation_offload, bool):
-        raise TypeError(f"{spell('activation_offload')} must be True or False, got {activation_offload!r} "
-                        f"({type(activation_offload).__name__})")
+def check_chunk_tokens(chunk_tokens: Any, name: str = "mlp_chunk_tokens") -> int:
+    """``chunk_tokens`` checked against :data:`MLP_CHUNK_TOKENS` (an int, not a bool): returned as an int,
+    or ``OptionTypeError`` / ``OptionError`` naming ``name``."""
+    return check_value(name, chunk_tokens, int, bounds=MLP_CHUNK_TOKENS, why="tokens per MLP chunk")
+
+
+def check_offload(activation_offload: bool, gradient_checkpointing: bool) -> None:
+    """The one rule that ties ``activation_offload`` to another setting: it needs
+    ``gradient_checkpointing`` (without it no layer input is kept for a recompute: nothing to offload).
+    ``OptionError`` naming both (each entry point re-spells them: ``GRPOConfig.activation_offload``,
+    ``--activation-offload``). The types are the declarations' business (``GRPOConfig``)."""
     if activation_offload and not gradient_checkpointing:
-        raise ValueError(f"{spell('activation_offload')} moves the inputs gradient checkpointing keeps for each layer's "
-                         f"recompute to host memory: it needs {spell('gradient_checkpointing')}")
+        raise OptionError("activation_offload moves the inputs gradient checkpointing keeps for each layer's recompute "
+                          "to host memory: it needs gradient_checkpointing", "activation_offload",
+                          "gradient_checkpointing")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -383,9 +382,9 @@ def chunk_mlps(model: torch.nn.Module, chunk_tokens: int) -> int:
     :func:`_chunked_forward` (an instance attribute: parameter names, state dicts and peft's adapter
     files are unchanged); calling again sets the new size. The MLP must map each token on its own
     (``[..., H] -> [..., H']``, no mixing along the tokens), as every dense decoder MLP does.
-    ``ValueError`` naming ``mlp_chunk_tokens`` for a size below :data:`MIN_CHUNK_TOKENS` or a model
-    without ``mlp`` modules."""
-    check_settings(chunk_tokens, False, False)
+    ``ValueError`` naming ``mlp_chunk_tokens`` for a size outside :data:`MLP_CHUNK_TOKENS` (``TypeError``
+    for one not an int) or a model without ``mlp`` modules."""
+    chunk_tokens = check_chunk_tokens(chunk_tokens)
     mlps = mlp_modules(model)
     if not mlps:
         raise ValueError(f"mlp_chunk_tokens: {type(model).__name__} has no decoder layer with an `mlp` module to chunk")

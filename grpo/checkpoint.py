@@ -121,15 +121,75 @@ def changed_settings(saved: Optional[dict[str, Any]], config: dict[str, Any]) ->
             if k in saved and k not in RESUMABLE_CHANGES and saved[k] != config[k]]
 
 
-def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer,
-         config: Optional[dict[str, Any]] = None, allow_changes: bool = False) -> int:
-    """Restore everything ``save`` wrote (every rank reads the file); returns the steps done.
+class CheckpointError(ValueError):
+    """A ``checkpoint.pt`` a run cannot resume from: unreadable (truncated, corrupt, another format), not
+    written by :func:`save`, or holding another model's weights. The message names the file."""
 
-    With ``config`` (``dataclasses.asdict`` of the resuming run's), a setting that differs from the
-    one the checkpoint was written with (:func:`changed_settings`) is a ``ValueError`` naming it,
-    before anything is restored, unless ``allow_changes`` (``GRPOConfig.resume_with_changes``).
-    """
-    state = torch.load(path, map_location="cpu", weights_only=False)
+
+def _numpy_globals() -> list:
+    """What ``np.random.get_state()`` pickles as (the RNG state is in every checkpoint), allowed by
+    ``torch.load(weights_only=True)``: nothing else in a file can run code when it is read."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [np.dtype, np.ndarray, core.multiarray._reconstruct, type(np.dtype("uint32"))]
+
+
+STATE_KEYS = ("step", "model", "ref_model", "optimizer", "rng", "config")
+
+
+def read(path: str) -> dict[str, Any]:
+    """The state :func:`save` wrote to ``path``, its tensors memory-mapped (nothing is copied until it is
+    restored), checked for the structure ``save`` gives it; :class:`CheckpointError` naming the file
+    otherwise (``torch.load``'s own error, e.g. an ``UnpicklingError``, kept as its cause). Loads with
+    ``weights_only=True``: a foreign pickle cannot run code."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # (torch.load raises many kinds: RuntimeError, UnpicklingError, EOFError, ...)
+        raise CheckpointError(f"{path} is not a readable grpo checkpoint ({type(e).__name__}: {e}); it may be truncated "
+                              f"or from another program: move it away to start afresh, or point --output-dir elsewhere") from e
+    problem = _structure_problem(state)
+    if problem:
+        raise CheckpointError(f"{path} is not a grpo checkpoint: {problem}")
+    return state
+
+
+def _structure_problem(state: Any) -> str:
+    """What is wrong with ``state`` as :func:`save` writes it ('' when nothing is)."""
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not a dict"
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        return f"no {', '.join(missing)} in it"
+    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
+        return f"its step is {state['step']!r}"
+    for key in ("model", "ref_model"):
+        weights = state[key]
+        if weights is None and key == "ref_model":
+            continue
+        if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+            return f"its {key!r} is not a state dict of tensors"
+    if not isinstance(state["optimizer"], dict) or not {"state", "param_groups"} <= set(state["optimizer"]):
+        return "its 'optimizer' is not an optimizer state dict"
+    if not isinstance(state["config"], (dict, type(None))):
+        return "its 'config' is not a dict"
+    return ""
+
+
+def _base_names(weights: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """A saved model state dict as the plain model's names and shapes: a LoRA run's peft names
+    (``base_model.model.`` prefix, ``.base_layer`` of an adapted layer) mapped back, its adapters left out."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): tuple(v.shape)
+            for k, v in weights.items() if ".lora_" not in k}
+
+
+def check_resumable(state: dict[str, Any], path: str, model: Optional[torch.nn.Module], config: Optional[dict[str, Any]],
+                    allow_changes: bool = False) -> None:
+    """Whether a run can resume from ``state`` (:func:`read` of ``path``) before anything of the run
+    loads or changes: the settings it was written with (unless ``allow_changes``; :func:`changed_settings`)
+    and, given ``model`` (the caller's, as it is before the run casts it or adds adapters; a meta-device
+    skeleton will do), its weights' names and shapes. ``ValueError`` / :class:`CheckpointError` naming the file."""
     changed = changed_settings(state.get("config"), config) if config is not None else []
     if changed and not allow_changes:
         raise ValueError(
@@ -137,12 +197,52 @@ def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Modul
             f"the checkpoint's settings, or pass --resume-with-changes (GRPOConfig.resume_with_changes=True) to "
             f"continue with the new ones"
         )
-    distributed.load_model_state(policy, state["model"])
-    if ref_policy is not None and state["ref_model"] is not None:
-        distributed.load_model_state(ref_policy, state["ref_model"])
-    distributed.load_optimizer_state(policy, optimizer, state["optimizer"])
-    set_rng_state(distributed.this_ranks(state["rng"]))
+    if model is None:
+        return
+    expected = _base_names(model.state_dict())  # (a model that already is a peft model: its base's names too)
+    for key in ("model", "ref_model"):
+        if state[key] is None:
+            continue
+        saved = _base_names(state[key])
+        if saved != expected:
+            missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+            shapes = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+            what = "; ".join(part for part in (
+                f"missing {missing[:3]}" if missing else "", f"unexpected {extra[:3]}" if extra else "",
+                f"other shapes for {[(k, saved[k], expected[k]) for k in shapes[:3]]}" if shapes else "") if part)
+            raise CheckpointError(f"{path} holds another model's weights ({key}: {what}): resume with the model it "
+                                  f"was written for, or choose another --output-dir")
+
+
+def restore(state: dict[str, Any], path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module],
+            optimizer: torch.optim.Optimizer) -> int:
+    """Load a :func:`read` state into the run's policy, reference and optimizer, and set the RNG
+    states (every rank); returns the steps done. A state that does not fit is a :class:`CheckpointError`
+    naming the file."""
+    try:
+        distributed.load_model_state(policy, state["model"])
+        if ref_policy is not None and state["ref_model"] is not None:
+            distributed.load_model_state(ref_policy, state["ref_model"])
+        distributed.load_optimizer_state(policy, optimizer, state["optimizer"])
+        set_rng_state(distributed.this_ranks(state["rng"]))
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"cannot resume from {path}: {type(e).__name__}: {e}") from e
     return int(state["step"])
+
+
+def load(path: str, policy: torch.nn.Module, ref_policy: Optional[torch.nn.Module], optimizer: torch.optim.Optimizer,
+         config: Optional[dict[str, Any]] = None, allow_changes: bool = False) -> int:
+    """Restore everything ``save`` wrote (every rank reads the file); returns the steps done.
+
+    With ``config`` (``dataclasses.asdict`` of the resuming run's), a setting that differs from the
+    one the checkpoint was written with (:func:`changed_settings`) is a ``ValueError`` naming it,
+    before anything is restored, unless ``allow_changes`` (``GRPOConfig.resume_with_changes``). The
+    trainer itself reads and checks the file before its model changes (:func:`read`,
+    :func:`check_resumable`), then restores (:func:`restore`).
+    """
+    state = read(path)
+    check_resumable(state, path, None, config, allow_changes)
+    return restore(state, path, policy, ref_policy, optimizer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,6 +263,24 @@ def check_output_dir(output_dir: str, resume: bool) -> None:
 
 class OutputDirInUse(RuntimeError):
     """Another live process is training into the same output directory."""
+
+
+def check_not_in_use(output_dir: str) -> None:
+    """:class:`OutputDirInUse` when a live run holds ``output_dir``'s lock; creates nothing (a directory
+    without a lock file is free). A probe: the run still takes the lock itself (:class:`RunLock`)."""
+    path = os.path.join(output_dir, LOCK_FILENAME)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (shared: two probes never refuse each other)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        raise OutputDirInUse(f"{output_dir} is in use by another training run (pid {holder}, lock {path}): wait for it to "
+                             f"finish, or choose another --output-dir") from None
+    finally:
+        os.close(fd)  # (releases the probe's lock)
 
 
 class RunLock:

@@ -1,89 +1,38 @@
 """``GRPOConfig``: every knob of a run, each documented once, validated when the config is made.
 
-Each field carries its help text, and where it has them its allowed choices and range, in
-``dataclasses.field(metadata=...)``. ``__post_init__`` checks every field against them (and the few
-rules that tie fields together), and so does every later assignment, so a misspelt ``loss_type`` or a
-negative learning rate fails at once with the allowed values in the message, not after the model has
-loaded. ``python -m grpo train --help`` prints the same text and choices (``grpo.__main__``).
+Each field is declared with ``grpo_kernels.bounds.option``: its help text and, where it has them, its
+allowed choices and range, in ``dataclasses.field(metadata=...)``. ``validate`` checks every field
+against its declaration (``bounds.declarations``: the same check the loss's options, the command lines
+and the public functions use), then the few rules that tie fields together, on construction and on
+every later assignment, so a misspelt ``loss_type`` or a negative learning rate fails at once with the
+allowed values in the message, not after the model has loaded. ``python -m grpo train --help`` prints
+the same text, choices and ranges (``grpo.__main__``).
 
 The loss fields are generated from ``grpo_kernels.options.GRPOOptions`` (:func:`with_loss_fields`):
-their names, types, defaults, help, choices and ranges are the loss spec's own, so a new loss option
-appears in the functions, the modules, this config and ``--help`` at once. The advantage choice lists
-are ``grpo.advantages``'s, and the process kinds ``grpo.distributed``'s: each list lives in one place.
+their names, types, defaults, help, choices and ranges are the loss spec's own (the same objects), so a
+new loss option appears in the functions, the modules, this config and ``--help`` at once. The loss
+options the trainer sets under other names (TRL's ``vllm_importance_sampling_*`` for the rollout
+correction, ``temperature``) take the option's declaration with :func:`grpo_kernels.bounds.like`, and
+an error of the loss spec names the config's field (:meth:`GRPOConfig.loss_spelling`). The advantage
+choice lists are ``grpo.advantages``'s, and the process kinds ``grpo.distributed``'s: each list lives
+in one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from grpo_kernels.options import BACKENDS, OPTION_NAMES, ROLLOUT_CORRECTIONS, GRPOOptions
+from grpo_kernels.bounds import (FINITE, ZERO_TO_ONE, Bounds, OptionError, above, at_least, declarations, like,
+                                 option)
+from grpo_kernels.options import BACKENDS, OPTION_FIELDS, OPTION_NAMES, GRPOOptions
 
-from .activations import MIN_CHUNK_TOKENS
-from .activations import check_settings as check_activation_settings
+from .activations import MLP_CHUNK_TOKENS, check_offload
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """An interval a number must lie in (NaN never does; infinities only when ``finite`` is False)."""
-
-    low: Optional[float] = None
-    high: Optional[float] = None
-    low_open: bool = False  # low < x, not low <= x
-    high_open: bool = False  # x < high, not x <= high
-    finite: bool = True
-
-    def holds(self, x: float) -> bool:
-        if not isinstance(x, numbers.Integral) and (math.isnan(x) or (self.finite and math.isinf(x))):
-            return False  # (an int is finite, and may be too large for a float)
-        if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
-            return False
-        return self.high is None or (x < self.high if self.high_open else x <= self.high)
-
-    def __str__(self) -> str:
-        return self.describe()
-
-    def describe(self, integer: bool = False) -> str:
-        """E.g. ``">= 0, < 1"``, ``"> 0, finite"``; ``integer``: the value is an int (always finite)."""
-        parts = []
-        if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {_number(self.low)}")
-        if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {_number(self.high)}")
-        if self.finite and not integer and (self.low is None or self.high is None):
-            parts.append("finite")
-        return ", ".join(parts)
-
-
-def _number(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else f"{x:g}"
-
-
-def at_least(low: float) -> Bounds:
-    return Bounds(low=low)
-
-
-def above(low: float, finite: bool = True) -> Bounds:
-    return Bounds(low=low, low_open=True, finite=finite)
-
-
-FINITE = Bounds()
-ZERO_TO_ONE = Bounds(low=0, high=1, high_open=True)  # [0, 1)
-
-
-def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: Optional[Bounds] = None, why: str = "",
-           words: bool = False) -> Any:
-    """A config field with its help text, and its choices or range when it has them (``why``: the reason
-    for a range that is not obvious, added to the error; ``words``: a comma-separated str field whose
-    flag also takes several words, joined with commas)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds, "why": why, "words": words})
 
 
 # Loss options the trainer sets itself: the sampling temperature is its own field (the loss divides by
@@ -92,19 +41,17 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bounds: 
 # set under TRL's names (vllm_importance_sampling_*, mapped in GRPOConfig._loss_fields).
 TRAINER_OWNED_LOSS_OPTIONS = ("temperature", "softcap", "logit_scale", "max_completion_length", "dp_size",
                               "rollout_correction", "rollout_correction_max", "rollout_correction_min")
-
-
-def _bounds(spec: Optional[tuple]) -> Optional[Bounds]:
-    """An option's ``metadata["bounds"]`` ``(low, high[, low_open[, high_open]])`` as a :class:`Bounds`."""
-    if spec is None:
-        return None
-    low, high, *open_ = spec
-    return Bounds(low, high, *open_)
+# ... and the config's fields that set them (each declared like the option: grpo_kernels.bounds.like)
+CONFIG_FIELDS_OF = {"temperature": ("temperature",), "max_completion_length": ("max_new_tokens",),
+                    "rollout_correction": ("vllm_importance_sampling_mode",),
+                    "rollout_correction_max": ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"),
+                    "rollout_correction_min": ("vllm_importance_sampling_clip_min",)}
 
 
 def with_loss_fields(after: str):
     """Insert one field per ``GRPOOptions`` field (but :data:`TRAINER_OWNED_LOSS_OPTIONS`) after the
-    field ``after``, with the option's type, default and ``metadata`` (help, choices, bounds)."""
+    field ``after``, with the option's type, default and declaration (help, choices, range: the same
+    objects, ``bounds.like``)."""
 
     def decorate(cls):
         hints = typing.get_type_hints(GRPOOptions)
@@ -116,10 +63,8 @@ def with_loss_fields(after: str):
             for f in dataclasses.fields(GRPOOptions):
                 if f.name in TRAINER_OWNED_LOSS_OPTIONS:
                     continue
-                kind, default = hints[f.name], f.default
-                annotations[f.name] = kind
-                setattr(cls, f.name, option(default, f.metadata["help"], choices=f.metadata.get("choices"),
-                                            bounds=_bounds(f.metadata.get("bounds"))))
+                annotations[f.name] = hints[f.name]
+                setattr(cls, f.name, like(f))
         cls.__annotations__ = annotations
         return cls
 
@@ -144,8 +89,10 @@ class GRPOConfig:
         8, "G: completions sampled per prompt, the group its advantages are relative to", bounds=at_least(2),
         why="a group of one completion is its own baseline, so every advantage would be 0 and GRPO would learn nothing",
     )
-    max_new_tokens: int = option(256, "the longest completion, in tokens", bounds=at_least(1))
-    temperature: float = option(1.0, "sampling temperature; as in TRL the loss divides the logits by it too", bounds=above(0))
+    max_new_tokens: int = like(OPTION_FIELDS["max_completion_length"], 256, "the longest completion, in tokens (the "
+                               "loss's max_completion_length)")
+    temperature: float = like(OPTION_FIELDS["temperature"], help="sampling temperature; as in TRL the loss divides the logits "
+                              "by it too")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability", bounds=Bounds(0, 1, low_open=True))
     # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
     # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
@@ -157,15 +104,18 @@ class GRPOConfig:
     vllm_importance_sampling_correction: bool = option(
         True, "weigh the policy loss by the ratio of the trainer's to the engine's probability of the sampled tokens "
         "(when the engine reports its log-probs: use_vllm); the loss's rollout_correction")
-    vllm_importance_sampling_mode: str = option(
-        "sequence_mask", "the ratio per token or per sequence (summed log-ratios); one outside [clip_min, clip_max] is "
-        "clamped to it (truncate) or gets weight 0 (mask)", choices=ROLLOUT_CORRECTIONS)
-    vllm_importance_sampling_clip_max: Optional[float] = option(
-        3.0, "the largest ratio kept (None: unbounded; the loss's rollout_correction_max)", bounds=above(0))
-    vllm_importance_sampling_clip_min: Optional[float] = option(
-        None, "the smallest ratio kept (None: no floor; the loss's rollout_correction_min)", bounds=at_least(0))
-    vllm_importance_sampling_cap: Optional[float] = option(
-        None, "TRL's older name of vllm_importance_sampling_clip_max: when given, it replaces it", bounds=above(0))
+    vllm_importance_sampling_mode: str = like(
+        OPTION_FIELDS["rollout_correction"], "sequence_mask", "the ratio per token or per sequence (summed log-ratios); "
+        "one outside [clip_min, clip_max] is clamped to it (truncate) or gets weight 0 (mask); the loss's rollout_correction")
+    vllm_importance_sampling_clip_max: Optional[float] = like(
+        OPTION_FIELDS["rollout_correction_max"], 3.0, "the largest ratio kept (None: unbounded; the loss's "
+        "rollout_correction_max)")
+    vllm_importance_sampling_clip_min: Optional[float] = like(
+        OPTION_FIELDS["rollout_correction_min"], None, "the smallest ratio kept (None: no floor; the loss's "
+        "rollout_correction_min)")
+    vllm_importance_sampling_cap: Optional[float] = like(
+        OPTION_FIELDS["rollout_correction_max"], None, "TRL's older name of vllm_importance_sampling_clip_max: when "
+        "given, it replaces it")
     # rewards and advantages
     reward_weights: Optional[list[float]] = option(None, "one weight per reward function (None: all 1)", bounds=FINITE)
     advantage_std: str = option("population", "the group std: 'population' divides by G (the GRPO papers), 'unbiased' by G-1 (TRL)", choices=STD_KINDS)
@@ -200,7 +150,7 @@ class GRPOConfig:
     mlp_chunk_tokens: Optional[int] = option(
         None, "run each decoder layer's MLP over chunks of this many tokens (forward, recompute and backward), so its "
         "intermediate activations exist one chunk at a time (None: whole micro-batches; grpo.activations)",
-        bounds=at_least(MIN_CHUNK_TOKENS))
+        bounds=MLP_CHUNK_TOKENS)
     model_dtype: str = option("float32", "the dtype the policy's weights are held in; bfloat16: the frozen weights in "
                               "bf16, trainable ones with fp32 AdamW master copies (LoRA adapters stay fp32)",
                               choices=MODEL_DTYPES)
@@ -241,44 +191,55 @@ class GRPOConfig:
             raise
 
     def validate(self) -> None:
-        """Raise ``TypeError`` / ``ValueError`` naming the first field that breaks its type, choices or range."""
-        hints = _type_hints()
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            _check_type(f.name, value, hints[f.name])
-            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
-            if choices is not None and value is not None and value not in choices:
-                raise ValueError(f"GRPOConfig.{f.name} must be one of {choices}, got {value!r}")
-            if bounds is not None and value is not None:
-                is_list = isinstance(value, (list, tuple))
-                for i, x in enumerate(value if is_list else [value]):
-                    if not bounds.holds(x):
-                        where = f"{f.name}[{i}]" if is_list else f.name
-                        why = f": {f.metadata['why']}" if f.metadata.get("why") else ""
-                        raise ValueError(f"GRPOConfig.{where} must be {bounds.describe(_is_int(x))}, got {x!r}{why}")
-        # the rules that tie fields together: the loss's own (GRPOOptions), then the trainer's
-        try:
-            self.grpo_options()
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"GRPOConfig: {e}") from None
-        check_activation_settings(self.mlp_chunk_tokens, self.activation_offload, self.gradient_checkpointing,
-                                  spell=lambda name: f"GRPOConfig.{name}")
+        """Raise ``TypeError`` / ``ValueError`` (``grpo_kernels.bounds.OptionTypeError`` / ``OptionError``)
+        naming the first field that breaks its type, choices or range, then a rule that ties fields together."""
+        declared = declarations(GRPOConfig)
+        # every field against its declaration (loss_mode first: the loss's ranges under a mode differ)
+        declared["loss_mode"].check(self.loss_mode, name="GRPOConfig.loss_mode", convert=False)
+        for d in declared.values():
+            d.check(getattr(self, d.name), name=f"GRPOConfig.{d.name}", loss_mode=self.loss_mode, convert=False)
+        # the rules that tie fields together: the loss's own (GRPOOptions, in the config's names), then the trainer's
+        self.grpo_options()
+        rule = lambda message, *names: OptionError(message, *(f"GRPOConfig.{names[0]}",) + names[1:])  # noqa: E731
+        try:  # (grpo.activations' rule, in the config's names)
+            check_offload(self.activation_offload, self.gradient_checkpointing)
+        except OptionError as e:
+            raise e.respelled({"gradient_checkpointing": "GRPOConfig.gradient_checkpointing"},
+                              first="GRPOConfig.activation_offload") from None
         if self.overlong_buffer > self.max_new_tokens:
-            raise ValueError(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens ({self.max_new_tokens})")
+            raise rule(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
+                       f"({self.max_new_tokens})", "overlong_buffer", "max_new_tokens")
         if not self.lora_target_modules.replace(",", "").strip():
-            raise ValueError("GRPOConfig.lora_target_modules must be 'all-linear' or module names (comma-separated), got ''")
+            raise rule("GRPOConfig.lora_target_modules must be 'all-linear' or module names (comma-separated), got ''",
+                       "lora_target_modules")
         if self.model_dtype != "float32" and self.distributed == "fsdp":
-            raise ValueError(f"GRPOConfig.model_dtype={self.model_dtype!r} with distributed='fsdp' is not supported "
-                             "(FSDP2 shards need one dtype per unit, and the fp32 master weights are not sharded): "
-                             "use distributed='ddp' or model_dtype='float32'")
+            raise rule(f"GRPOConfig.model_dtype={self.model_dtype!r} with distributed='fsdp' is not supported "
+                       "(FSDP2 shards need one dtype per unit, and the fp32 master weights are not sharded): "
+                       "use distributed='ddp' or model_dtype='float32'", "model_dtype", "distributed")
         if self.use_vllm and self.distributed != "none":
-            raise ValueError(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}")
-        per_sequence_correction = self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.startswith("sequence")
-        if self.use_vllm and self.loss_mode is None and self.loss_type == "vespo" and per_sequence_correction:
-            raise ValueError("GRPOConfig.loss_type='vespo' takes a per-token vllm_importance_sampling_mode ('token_truncate' "
-                             f"or 'token_mask', as in TRL), got {self.vllm_importance_sampling_mode!r}")
+            raise rule(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}",
+                       "use_vllm", "distributed")
+        if self.use_vllm and self.sequence_correction_refused():
+            raise rule("GRPOConfig.vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') "
+                       f"with loss_type='vespo' (as in TRL), got {self.vllm_importance_sampling_mode!r}",
+                       "vllm_importance_sampling_mode", "loss_type")
         if self.reward_weights is not None and not self.reward_weights:
-            raise ValueError("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []")
+            raise rule("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []",
+                       "reward_weights")
+
+    def sequence_correction_refused(self) -> bool:
+        """vespo's weight takes the rollout correction per token (TRL): a sequence-level
+        ``vllm_importance_sampling_mode`` is refused under it whenever the correction is on and the
+        engine reports its log-probs (``use_vllm`` here; a custom engine in ``grpo.train``)."""
+        return (self.loss_mode is None and self.loss_type == "vespo" and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode.startswith("sequence"))
+
+    def loss_spelling(self) -> dict[str, str]:
+        """``GRPOOptions`` names -> this config's fields that set them (the others have the same name)."""
+        spelling = {option: fields[0] for option, fields in CONFIG_FIELDS_OF.items()}
+        if self.vllm_importance_sampling_cap is not None:  # (TRL's older name, which then sets the cap)
+            spelling["rollout_correction_max"] = "vllm_importance_sampling_cap"
+        return spelling
 
     def _loss_fields(self) -> dict[str, Any]:
         """The config's fields that are ``grpo_kernels.GRPOOptions`` fields (same names), and dr_grpo's length."""
@@ -288,47 +249,22 @@ class GRPOConfig:
                           rollout_correction_max=cap, rollout_correction_min=self.vllm_importance_sampling_clip_min)
         return {**fields, **correction, "max_completion_length": self.max_new_tokens}
 
-    def grpo_options(self) -> GRPOOptions:
-        """The loss spec the config names (``GRPOOptions``: TRL's ``loss_type`` or verl's ``loss_mode``)."""
-        return GRPOOptions(**self._loss_fields())
+    def grpo_options(self, **model_settings: Any) -> GRPOOptions:
+        """The loss spec the config names (``GRPOOptions``: TRL's ``loss_type`` or verl's ``loss_mode``);
+        ``model_settings``: what the model's head sets (``softcap``, ``logit_scale``: ``grpo.models.head_transform``).
+        A refusal names the config's field (``GRPOConfig.vllm_importance_sampling_clip_max``, not the loss's name)."""
+        try:
+            return GRPOOptions(**{**self._loss_fields(), **model_settings})
+        except OptionError as e:
+            spelling = self.loss_spelling()
+            first = e.names[0] if e.names else ""
+            raise e.respelled(spelling, first=f"GRPOConfig.{spelling.get(first, first)}"
+                              if first not in model_settings else None) from None
 
     def loss_options(self) -> dict[str, Any]:
         """The keyword arguments of ``grpo_kernels.fused_linear_grpo_loss`` that come from the config
-        (under ``loss_mode`` without ``loss_type``, whose default the field holds: the loss is named once)."""
+        (under ``loss_mode`` without ``loss_type``: the loss is named once)."""
         fields = self._loss_fields()
         if self.loss_mode is not None:
             del fields["loss_type"]
         return {**fields, "chunk_size": self.chunk_size, "backend": self.backend}
-
-
-# ------------------------------------------------------------------------------------------ type checks
-_HINTS: dict[str, Any] = {}
-
-
-def _type_hints() -> dict[str, Any]:
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(GRPOConfig))
-    return _HINTS
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_type(name: str, value: Any, hint: Any) -> None:
-    optional = typing.get_origin(hint) is typing.Union  # Optional[X], the only union a field has
-    if optional:
-        if value is None:
-            return
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if typing.get_origin(hint) is list:
-        ok, expected = isinstance(value, (list, tuple)) and all(_is_real(v) for v in value), "a list of numbers"
-    else:
-        ok = {bool: lambda v: isinstance(v, bool), int: _is_int, float: _is_real, str: lambda v: isinstance(v, str)}[hint](value)
-        expected = {bool: "True or False", int: "an int", float: "a number", str: "a str"}[hint]
-    if not ok:
-        raise TypeError(f"GRPOConfig.{name} must be {expected}{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")

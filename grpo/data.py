@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -86,7 +86,8 @@ def check_rows(rows: Sequence[Mapping[str, Any]], where: Callable[[int], str] = 
 def reward_columns(fn: Callable) -> list[str]:
     """The data columns a reward function ``fn(prompts, completions, **columns)`` reads: its named
     parameters after the first two that have no default, or ``None`` as default (``answer=None``: a
-    column that may be absent from a call, not a setting such as ``timeout=5.0``)."""
+    column that may be absent from a call, not a setting such as ``timeout=5.0``), bar those it names in
+    an ``optional_columns`` attribute (``trusted_code`` of the code reward: used when the rows have it)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: nothing to read from
@@ -94,14 +95,22 @@ def reward_columns(fn: Callable) -> list[str]:
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     positional = [p for p in named if p.kind is p.POSITIONAL_OR_KEYWORD]
     skip = {p.name for p in positional[:2]}  # prompts, completions
+    skip |= set(getattr(fn, "optional_columns", ()))  # columns it reads when the rows have them
     return [p.name for p in named if p.name not in skip and (p.default is p.empty or p.default is None)]
 
 
-def check_reward_columns(reward_fns: Mapping[str, Callable], columns: Sequence[str]) -> None:
-    """Refuse, before the first step, a reward function that reads a column the rows do not have.
+def check_reward_columns(reward_fns: Mapping[str, Callable], columns: Sequence[str],
+                         rows: Optional[Sequence[Mapping[str, Any]]] = None) -> dict[str, list[tuple[int, str]]]:
+    """Refuse, before the first step, a reward function that reads a column the rows do not have;
+    then, with ``rows``, plan each reward's judging of every row and print how many rows it cannot
+    judge and why (one line per reason, with the first such row).
 
-    Without it, ``accuracy`` on prompts without an ``answer`` column would score nothing (``None``),
-    the run would train on the other rewards alone and log ``accuracy: null``.
+    Without the first check, ``accuracy`` on prompts without an ``answer`` column would score nothing
+    (``None``), the run would train on the other rewards alone and log ``accuracy: null``. The second
+    reads a reward function's ``unscorable_rows(rows) -> [(row, reason)]`` where it has one (the code
+    reward: tests it cannot judge whatever the completion, bad ``trusted_code``): such rows score
+    ``None``, which the trainer treats as unscorable (no advantage), so a user sees it before any
+    compute is spent. Returns ``{name: [(row, reason)]}`` for the rewards that have such rows.
     """
     for name, fn in reward_fns.items():
         missing = [c for c in reward_columns(fn) if c not in columns]
@@ -112,6 +121,23 @@ def check_reward_columns(reward_fns: Mapping[str, Callable], columns: Sequence[s
                 f"columns: {have}): add {missing[0]!r} to every row (null where unknown), or leave {name!r} out "
                 f"of the rewards"
             )
+    found: dict[str, list[tuple[int, str]]] = {}
+    for name, fn in reward_fns.items():
+        plan = getattr(fn, "unscorable_rows", None)
+        if rows is None or not callable(plan):
+            continue
+        bad = list(plan(rows))
+        if not bad:
+            continue
+        found[name] = bad
+        first: dict[str, tuple[int, int]] = {}  # reason -> (first row, count)
+        for row, reason in bad:
+            r, k = first.get(reason, (row, 0))
+            first[reason] = (r, k + 1)
+        print(f"reward {name!r}: {len({r for r, _ in bad})} of {len(rows)} rows cannot be judged (scored None, no advantage):")
+        for reason, (row, k) in first.items():
+            print(f"  {k} rows (first: row {row}): {reason}")
+    return found
 
 
 def prompts_for_step(num_rows: int, step: int, prompts_per_step: int, seed: int) -> list[int]:

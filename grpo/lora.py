@@ -62,10 +62,25 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith("." + target)
 
 
+def adaptable_types() -> tuple:
+    """The layer types peft's LoRA adapts (``get_peft_model`` raises for any other a target matches:
+    a norm, an attention or MLP block)."""
+    types: tuple = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                    torch.nn.MultiheadAttention)
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer
+
+        types += (Conv1D,)
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    return types
+
+
 def check_targets(model: torch.nn.Module, cfg: "GRPOConfig") -> None:
-    """``ValueError`` naming ``lora_target_modules`` for a name that matches no module of ``model``, or
-    that names its output head (or, when the head is tied to them, its input embeddings). ``model``
-    may live on the meta device: only names and the structure are read."""
+    """``ValueError`` naming ``lora_target_modules`` for a name that matches no module of ``model``, a
+    module LoRA cannot adapt (a norm, a whole block: :func:`adaptable_types`), or that names its output
+    head (or, when the head is tied to them, its input embeddings). ``model`` may live on the meta
+    device: only names and the structure are read, nothing is changed."""
     targets = target_modules(cfg)
     if targets == ALL_LINEAR:
         return
@@ -74,12 +89,21 @@ def check_targets(model: torch.nn.Module, cfg: "GRPOConfig") -> None:
     tied = head is not None and embeddings is not None and head.weight is embeddings.weight
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in names.items() if isinstance(m, torch.nn.Linear) and m is not head})
     for target in targets:
-        matched = [m for name, m in names.items() if _matches(name, target)]
+        matched = [(name, m) for name, m in names.items() if _matches(name, target)]
         if not matched:
             raise ValueError(
                 f"lora_target_modules (--lora-target-modules): no module named {target!r} in {type(model).__name__}; "
                 f"its linear layers are {linear} (or use 'all-linear')"
             )
+        other = [(name, m) for name, m in matched if not isinstance(m, adaptable_types())]
+        if other:
+            name, m = other[0]
+            raise ValueError(
+                f"lora_target_modules (--lora-target-modules) names {target!r}, which matches {name} "
+                f"({type(m).__name__}): LoRA adapts linear (or embedding, convolution) layers only, not a norm or a "
+                f"block of layers; its linear layers are {linear} (or use 'all-linear')"
+            )
+        matched = [m for _, m in matched]
         if any(m is head for m in matched):
             why = (" and it is tied to the input embeddings (tie_word_embeddings), so training it would change both"
                    if tied else "")

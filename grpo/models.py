@@ -178,7 +178,11 @@ def head_transform(model) -> dict[str, Any]:
     """What the model's own head does to its logits before the softmax, for the fused loss to do the
     same: final-logit soft-capping (Gemma-2/3 ``final_logit_softcapping``) and a logit scale (Cohere
     ``logit_scale``). Without them the loss's log-probs would not be the sampling policy's."""
-    config = unwrap(model).config
+    return head_settings(unwrap(model).config)
+
+
+def head_settings(config) -> dict[str, Any]:
+    """:func:`head_transform` from a model's transformers config (before its weights load)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     out: dict[str, Any] = {}
     if getattr(text, "final_logit_softcapping", None):

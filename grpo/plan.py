@@ -1,7 +1,14 @@
 """The memory plan of one GRPO step: the predicted peak, term by term, from the model's config alone.
 
     python -m grpo plan --model Qwen3-8B --tokens 131072 --use-peft --model-dtype bfloat16 \\
-        --gradient-checkpointing --activation-offload --mlp-chunk-tokens 4096 --gpu-memory 80GB
+        --gradient-checkpointing --activation-offload --mlp-chunk-tokens 4096 --gpu-memory 80   # GB (or 80GiB)
+
+Every flag is checked against its declaration before anything is computed: the trainer's settings
+(``--use-peft``, ``--lora-r``, ``--activation-offload``, ``--mlp-chunk-tokens``, ``--beta`` ...: the
+``GRPOConfig`` fields in :data:`PLAN_CONFIG_FIELDS`) against ``GRPOConfig``'s (the same ranges the
+trainer refuses), the plan's own against :class:`PlanSettings`; a bad value is a usage error (exit 2)
+naming the flag, as is a ``--model`` whose config.json is not a decoder's. :func:`plan` checks its
+arguments against the same declarations (``grpo_kernels.bounds.OptionError`` naming the argument).
 
 The model is a Qwen2/3- or Llama-shaped decoder (``hidden_size`` H, ``intermediate_size`` I,
 ``num_hidden_layers`` L, ``num_attention_heads`` / ``num_key_value_heads`` with ``head_dim`` d: q = heads
@@ -11,15 +18,20 @@ has them unless the config says ``attention_bias``; Qwen3's per-head q/k RMSNorm
 variable-length kernel (the plan assumes it and says so: it keeps no [N, N] matrix). Every number is
 bytes, predicted, not measured; ``docs/memory.md`` derives each term from what each operation saves for
 its backward. ``N`` is the tokens one forward/backward sees: a packed micro-batch (``padding_free``: the
-real tokens, at most ``max_tokens_per_microbatch``; G packed completions cost what one sequence of as
-many tokens does, every term being linear in N), or a padded one (rows times the longest row).
+real tokens, at most ``max_tokens_per_microbatch``, in ``sequences`` packed sequences), or a padded one
+(rows times the longest row). Every activation term is linear in N; the packing enters only through
+flash-attn's backward, which pads each sequence's rows of its fp32 accumulators by 128.
 
 Persistent (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: all ``P``, or the adapters):
 
 - weights ``P b`` (+ LoRA's fp32 adapters, ``r (in + out)`` per adapted linear); reference: a frozen copy
   with ``beta > 0`` (none with LoRA: the policy with its adapters off); gradients ``P_t`` in their dtype
   (+ fp32 master gradients for 16-bit trainable weights); AdamW's moments 8 B per trainable parameter
-  (+ a 4 B fp32 master copy for 16-bit ones); on a CPU the Python runtime (:data:`RUNTIME_BYTES_CPU`).
+  (+ a 4 B fp32 master copy for 16-bit ones).
+- runtime: on a CPU the Python process (:data:`RUNTIME_BYTES_CPU`, measured); on a GPU
+  :data:`CUDA_RUNTIME_BYTES`: the CUDA context (local memory for every resident thread, the device heap,
+  the driver's state), the kernels' images loaded on first use, and cuBLAS/cuBLASLt's workspaces
+  (an estimate for a Hopper GPU, derived in docs/memory.md, to be checked on the first lent GPU).
 
 Activations, per token (``a`` = the activations' bytes, ``b``; what an adapted linear keeps is
 :func:`adapter_bytes`):
@@ -36,16 +48,18 @@ Activations, per token (``a`` = the activations' bytes, ``b``; what an adapted l
   input gradient ``aH`` and, for trainable MLP weights, their gradients summed in fp32 (``(4 + b)`` per
   parameter).
 - flash-attn 2's varlen backward (the attention workspace): its fp32 dq accumulator and softmax
-  statistics ``4q + 4 heads``, dq/dk/dv ``a(q + 2kv)``, dk/dv expanded to every head under GQA
-  ``2aq``, and o_proj's input gradient ``aq``.
+  statistics ``4 heads d' + 4 heads`` (``d'``: d rounded up to 32) over N + 128 rows per packed
+  sequence, dq/dk/dv ``a(q + 2kv)``, dk/dv expanded to every head under GQA ``2aq``, and o_proj's input
+  gradient ``aq``.
 - a layer's peak: what its attention block saved, plus the larger of (what its MLP saved + the MLP's
   backward temporaries) and the attention workspace, plus the gradients entering and leaving it, ``2aH``.
 - checkpointed layer inputs ``L N H a`` on the device; with ``activation_offload`` in (pinned) host memory,
   where the device holds two layers' (the one recomputed and the one prefetched).
 - the edges: the final norm's saved tensors, the hidden states the loss reads and their gradient (the
   fused loss computes it in its forward), ``(4 + 2a)H + 4`` (+ ``aH`` for a trainable norm).
-- the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows for N, H, V
-  on the device) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
+- the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows on the
+  device: the largest chunk of any micro-batch of at most N tokens, so that the peak never falls as N
+  grows) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
 - the rollout's KV cache: ``2 L kv N a`` for the step's tokens at once (Hugging Face generation on the
   training GPU; freed before the update).
 
@@ -54,20 +68,29 @@ device, or every layer's saved tensors without checkpointing; the edges; the los
 backward (those inputs or saved tensors, and the layer's peak). Then
 
 peak = weights + reference + gradients + optimizer state + runtime + max(update, KV cache).
+
+The verdict: the step fits a device of ``gpu_memory`` bytes when peak + the allocator reserve (on a GPU,
+:func:`allocator_reserve`: torch's caching allocator's block rounding, and fragmentation modelled as
+one stranded block of the largest tensor a layer's backward allocates and frees) is at most
+``gpu_memory``. ``fits``, the largest token count that fits and the JSON's ``fits`` all read that one
+predicate (:attr:`MemoryPlan.needed`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .activations import check_settings as check_activation_settings
-from .config import above
+from grpo_kernels.bounds import Bounds, OptionError, above, at_least, check_fields, check_value, option
+
+from .activations import check_offload
+from .config import GRPOConfig
+from .flags import add_config_flags, config_from_args, usage_error
 
 # Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-* and Qwen/Qwen3-8B; parameter
 # counts from the model cards: 0.49B, 1.54B, 7.61B, 8.2B), so a plan needs no hub access. docs/shapes/
@@ -83,17 +106,49 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False, attention_bias=False),
 }
+MiB = 2**20
 # A fresh CPU process with torch, transformers, peft and grpo imported, before any model: its peak
 # RSS on this project's 2-core machine was 0.41 GiB (torch alone 0.21 GiB), measured 2026-12-01.
 RUNTIME_BYTES_CPU = int(0.42 * 2**30)
+# What a CUDA process holds besides its tensors, on a Hopper GPU (H100 SXM / H200: 132 SMs of compute
+# capability 9.0), with lazy module loading (CUDA >= 11.7; torch's default). docs/memory.md derives each
+# part; together an ESTIMATE (0.66 GiB), to be checked on the first lent GPU: benchmarks/
+# long_context_options.py --device cuda records the measured context and the memory outside torch's
+# allocator beside it. Other GPUs have as many or fewer resident threads: a smaller context.
+HOPPER_SMS, THREADS_PER_SM = 132, 2048
+STACK_BYTES_PER_THREAD = 1024  # cudaLimitStackSize's default
+CUDA_RUNTIME_BYTES: dict[str, int] = {
+    # the driver reserves each resident thread's local memory (its stack) when the context is made
+    "context: local memory": STACK_BYTES_PER_THREAD * THREADS_PER_SM * HOPPER_SMS,  # 264 MiB
+    "context: device heap and printf FIFO": 8 * MiB + 1 * MiB,  # cudaLimitMallocHeapSize / PrintfFifoSize defaults
+    # the rest of a bare torch context: 426 MiB measured on a 142-SM Ada GPU (torch 2.10, CUDA 13) less
+    # its 213 MiB of local memory (142 x 1,536 threads x 1 KiB) and the 9 MiB above
+    "context: driver state": 204 * MiB,
+    # the step's kernels (ATen, cuBLAS/cuBLASLt, flash-attn, ours in Triton), each module loaded on first use
+    "kernel images": 128 * MiB,
+    # torch's cuBLAS workspace (sm90: 4,096 KiB x 8) and cuBLASLt's (1 MiB), one per (cuBLAS handle,
+    # stream): the forward's thread and autograd's device thread (the backward, the recompute) each
+    # hold a handle. Allocated by the caching allocator, so in torch.cuda.max_memory_allocated.
+    "cuBLAS workspaces": 2 * (4096 * 1024 * 8 + 1 * MiB),
+}
+RUNTIME_OUTSIDE_ALLOCATOR = ("context: local memory", "context: device heap and printf FIFO", "context: driver state",
+                             "kernel images")
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block a multiple of 512 B
+# (kMinBlockSize); a request of 10 MiB or more (kMinLargeAlloc) gets its own segment rounded up to
+# 2 MiB (kRoundLarge), its tail unusable by anything but another request of 1-2 MiB; smaller ones
+# share 2 MiB (<= 1 MiB requests) or 20 MiB segments, at most one of each partly filled.
+ALLOC_MIN_BLOCK, ALLOC_MIN_LARGE, ALLOC_ROUND_LARGE = 512, 10 * MiB, 2 * MiB
+ALLOC_SEGMENT_TAILS = 20 * MiB + 2 * MiB
+# the tensors a layer's recompute and backward hold at once (docs/memory.md lists them; fewer than
+# this for every supported shape), each rounded by at most ALLOC_ROUND_LARGE
+LAYER_TENSORS = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_LINEARS, MLP_LINEARS = LINEAR_NAMES[:4], LINEAR_NAMES[4:]
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text")  # per-head q/k RMSNorms
-GPU_MEMORY = above(0)  # --gpu-memory's bound (bytes)
+DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 MAX_SEARCH_TOKENS = 2**31  # the largest token count the plan's search tries
-TIGHT = 0.95  # a step that fits above this share of the device is reported as leaving no headroom
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+FLASH_PAD_ROWS = 128  # flash-attn 2's varlen backward: its fp32 accumulators pad each sequence by 128 rows
 
 
 @dataclass(frozen=True)
@@ -114,28 +169,35 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
         """From a transformers config or a config.json dict (its text config for a multimodal one).
-        ``ValueError`` when a number the plan needs is missing or not a positive int."""
+        ``ValueError`` naming the first number a Qwen2/3- or Llama-shaped decoder needs that is missing
+        or not a positive int (e.g. the config of an encoder, or not a model config at all)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
             config = {**config, **config["text_config"]}
-        if not isinstance(config, dict) and not hasattr(config, "hidden_size"):
-            raise ValueError(f"not a model config: {type(config).__name__}")
+        if not isinstance(config, dict) and not hasattr(config, "to_dict"):
+            raise ValueError(f"not a model config: a {type(config).__name__}, not a JSON object")
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        for key in (*SHAPE_FIELDS, "num_key_value_heads", "head_dim"):
-            value = get(key)
-            if (value is not None or key in SHAPE_FIELDS) and not (isinstance(value, int) and not isinstance(value, bool)
-                                                                  and value > 0):
-                raise ValueError(f"{key} must be a positive int, got {value!r}")
-        heads = get("num_attention_heads")
+        numbers = {k: get(k) for k in DECODER_KEYS}
+        kv_heads = get("num_key_value_heads")
+        numbers["num_key_value_heads"] = numbers["num_attention_heads"] if kv_heads is None else kv_heads
+        numbers["head_dim"] = get("head_dim")
+        for key, value in numbers.items():
+            if value is None and key == "head_dim":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"not a decoder config: {key} is {value!r} (a Qwen2/3- or Llama-shaped decoder's config "
+                                 f"has {', '.join(DECODER_KEYS)} as positive ints)")
+        heads = numbers["num_attention_heads"]
+        if numbers["head_dim"] is None and numbers["hidden_size"] % heads:
+            raise ValueError(f"not a decoder config: hidden_size {numbers['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {heads} (and no head_dim)")
+        if heads % numbers["num_key_value_heads"]:
+            raise ValueError(f"not a decoder config: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {numbers['num_key_value_heads']}")
         bias = get("attention_bias")
-        return cls(
-            hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
-            num_hidden_layers=get("num_hidden_layers"), num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads") or heads, vocab_size=get("vocab_size"),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)), head_dim=get("head_dim"),
-            qk_norm=get("model_type") in QK_NORM_MODEL_TYPES, attention_bias=None if bias is None else bool(bias),
-        )
+        return cls(tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=get("model_type") in QK_NORM_MODEL_TYPES,
+                   attention_bias=None if bias is None else bool(bias), **numbers)
 
     @property
     def d(self) -> int:
@@ -155,26 +217,35 @@ class ModelShape:
         return {"q_proj": (H, q), "k_proj": (H, self.kv), "v_proj": (H, self.kv), "o_proj": (q, H),
                 "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
+    def parameter_tensors(self) -> list[int]:
+        """The element count of every parameter tensor: embeddings, each layer's linears, biases and norms
+        (q/k norms), the final norm, an untied lm_head."""
+        H = self.hidden_size
+        biases = {None: [self.q, self.kv, self.kv], True: [self.q, self.kv, self.kv, H], False: []}[self.attention_bias]
+        norms = [H, H] + ([self.d, self.d] if self.qk_norm else [])
+        layer = [i * o for i, o in self.linears().values()] + biases + norms
+        head = [] if self.tie_word_embeddings else [self.vocab_size * H]
+        return [self.vocab_size * H] + layer * self.num_hidden_layers + [H] + head
+
     def parameters(self) -> int:
         """Every parameter: embeddings, layers (biases, two norms, q/k norms), final norm, lm_head."""
-        H = self.hidden_size
-        biases = {None: self.q + 2 * self.kv, True: self.q + 2 * self.kv + H, False: 0}[self.attention_bias]
-        norms = 2 * H + (2 * self.d if self.qk_norm else 0)
-        layer = sum(i * o for i, o in self.linears().values()) + biases + norms
-        head = 0 if self.tie_word_embeddings else self.vocab_size * H
-        return self.vocab_size * H + self.num_hidden_layers * layer + H + head
+        return sum(self.parameter_tensors())
 
     def mlp_parameters(self) -> int:
         """The parameters of one layer's MLP (gate, up, down)."""
         return sum(i * o for name, (i, o) in self.linears().items() if name in MLP_LINEARS)
 
+    def lora_tensors(self, r: int, targets: list[str]) -> list[int]:
+        """The element count of every LoRA adapter matrix (A: r x in, B: out x r) on ``targets``."""
+        return [n for name, (i, o) in self.linears().items() if name in targets for n in (r * i, r * o)] * self.num_hidden_layers
+
     def lora_parameters(self, r: int, targets: list[str]) -> int:
-        return self.num_hidden_layers * sum(r * (i + o) for name, (i, o) in self.linears().items() if name in targets)
+        return sum(self.lora_tensors(r, targets))
 
 
 def load_shape(model: str, flag: str = "--model") -> ModelShape:
     """A built-in name (:data:`KNOWN_CONFIGS`, with or without ``Qwen/``), a config.json, or a model
-    folder; ``ValueError`` naming ``flag`` for anything the plan cannot read."""
+    folder; ``ValueError`` naming ``flag`` and the file for anything the plan cannot read."""
     if not isinstance(model, str):
         raise TypeError(f"{flag} must be a str (a config.json, a model folder or a built-in name), got {type(model).__name__}")
     name = model.split("/")[-1]
@@ -186,9 +257,12 @@ def load_shape(model: str, flag: str = "--model") -> ModelShape:
     try:
         with open(path) as f:
             config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {model!r}: {path} is not a readable JSON config ({e})") from None
+    try:
         return ModelShape.from_config(config)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{flag} {model!r}: cannot read a decoder's shape from {path}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{flag} {model!r}: {path}: {e}") from None
 
 
 def lora_targets(target_modules: str) -> list[str]:
@@ -196,6 +270,50 @@ def lora_targets(target_modules: str) -> list[str]:
     if target_modules.strip().lower() == "all-linear":
         return list(LINEAR_NAMES)
     return [t.strip().rsplit(".", 1)[-1] for t in target_modules.split(",") if t.strip()]
+
+
+def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
+    """:func:`lora_targets`, each one a linear layer the plan models (``ValueError`` naming
+    ``lora_target_modules`` otherwise: a norm, a block, a name the model does not have)."""
+    targets = lora_targets(target_modules)
+    unknown = [t for t in targets if t not in shape.linears()]
+    if not targets or unknown:
+        raise OptionError(f"lora_target_modules must be 'all-linear' or linear layers of the planned decoder "
+                          f"({', '.join(LINEAR_NAMES)}), got {target_modules!r}", "lora_target_modules")
+    return targets
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA caching allocator: what it holds for a request, and the reserve the verdict keeps
+# --------------------------------------------------------------------------------------------------
+def allocator_block(size: int) -> int:
+    """The bytes torch's CUDA caching allocator holds for a request of ``size`` bytes: a multiple of
+    512 B, and from 10 MiB on its own segment rounded up to 2 MiB (see :data:`ALLOC_ROUND_LARGE`)."""
+    if size <= 0:
+        return 0
+    step = ALLOC_ROUND_LARGE if size >= ALLOC_MIN_LARGE else ALLOC_MIN_BLOCK
+    return -(-size // step) * step
+
+
+def allocator_reserve(kept_tensors: list[int], transient_tensors: dict[str, int]) -> tuple[dict[str, int], str]:
+    """The memory a GPU needs beyond the plan's peak for torch's caching allocator, and the name of the
+    largest transient tensor (docs/memory.md, "The allocator reserve"):
+
+    - block rounding: each tensor the step keeps (``kept_tensors``, bytes: weights, adapters, gradients,
+      optimizer state, the checkpointed inputs on the device) rounded as :func:`allocator_block` rounds
+      it, exactly; :data:`LAYER_TENSORS` transient tensors of one layer at most 2 MiB each; one partly
+      filled segment of each pool, :data:`ALLOC_SEGMENT_TAILS`.
+    - fragmentation: one block of the largest tensor a layer's recompute, its backward or the loss
+      allocates and frees (``transient_tensors``: name -> bytes). Each layer's backward allocates the
+      sizes the previous layer's freed, into those blocks, but the tensors that outlive a layer (the
+      gradient passed down, the prefetched input, the summed parameter gradients) were carved out of
+      them meanwhile; the model is that the largest request then finds no free block big enough once
+      and takes a new segment. A model, not a bound: the first lent GPU checks it
+      (``max_memory_reserved - max_memory_allocated``, benchmarks/long_context_options.py).
+    """
+    name, largest = max(transient_tensors.items(), key=lambda kv: kv[1])
+    rounding = sum(allocator_block(n) - n for n in kept_tensors) + LAYER_TENSORS * ALLOC_ROUND_LARGE + ALLOC_SEGMENT_TAILS
+    return {"block rounding": rounding, "fragmentation": allocator_block(largest)}, name
 
 
 @dataclass
@@ -209,6 +327,9 @@ class MemoryPlan:
     host: dict[str, int] = field(default_factory=dict)
     layer_saved: int = 0  # what one layer keeps from its forward to its backward (without checkpointing)
     largest_tokens: Optional[int] = None  # with gpu_memory: the most tokens per micro-batch that fit
+    runtime: dict[str, int] = field(default_factory=dict)  # the runtime term's parts
+    reserve: dict[str, int] = field(default_factory=dict)  # the allocator reserve's parts (allocator_reserve)
+    largest_transient: str = ""  # the tensor the fragmentation reserve is one block of
 
     PERSISTENT = ("weights", "reference", "gradients", "optimizer state", "runtime")
 
@@ -241,19 +362,39 @@ class MemoryPlan:
         return self.persistent + max(self.update_transient, self.terms["rollout KV cache"])
 
     @property
+    def allocator_peak(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` should show (the peak less the runtime's parts outside
+        torch's allocator: the context and the kernels' images); on a CPU the peak itself (peak RSS)."""
+        return self.peak - sum(self.runtime.get(k, 0) for k in RUNTIME_OUTSIDE_ALLOCATOR)
+
+    @property
+    def allocator_reserve(self) -> int:
+        return sum(self.reserve.values())
+
+    @property
+    def needed(self) -> int:
+        """The device memory the step needs: its peak and the allocator reserve (the verdict's one predicate)."""
+        return self.peak + self.allocator_reserve
+
+    @property
     def fits(self) -> Optional[bool]:
-        return None if self.gpu_memory is None else self.peak <= self.gpu_memory
+        return None if self.gpu_memory is None else self.needed <= self.gpu_memory
 
     def as_dict(self) -> dict[str, Any]:
-        return {"settings": self.settings, "terms_bytes": self.terms, "host_bytes": self.host, "peak_bytes": self.peak,
-                "update_bytes": self.update_transient, "gpu_memory_bytes": self.gpu_memory, "fits": self.fits,
+        return {"settings": self.settings, "terms_bytes": self.terms, "runtime_bytes": self.runtime,
+                "host_bytes": self.host, "peak_bytes": self.peak, "update_bytes": self.update_transient,
+                "allocator_peak_bytes": self.allocator_peak,
+                "allocator_reserve_bytes": {**self.reserve, "total": self.allocator_reserve,
+                                            "largest_transient_tensor": self.largest_transient},
+                "needed_bytes": self.needed, "gpu_memory_bytes": self.gpu_memory, "fits": self.fits,
                 "largest_tokens": self.largest_tokens}
 
     def format(self) -> str:
         s = self.settings
         chunk = s["mlp_chunk_tokens"]
         lines = [f"memory plan (predicted) of one step: {s['model']}, {s['parameters'] / 1e9:.3f}B parameters, "
-                 f"{s['tokens']} tokens/micro-batch, {'LoRA r=' + str(s['lora_r']) if s['use_peft'] else 'full fine-tuning'}, "
+                 f"{s['tokens']} tokens/micro-batch in {s['sequences']} sequence{'s' if s['sequences'] > 1 else ''}, "
+                 f"{'LoRA r=' + str(s['lora_r']) if s['use_peft'] else 'full fine-tuning'}, "
                  f"{s['model_dtype']} weights{', bf16 autocast' if s['autocast'] else ''}, checkpointing "
                  f"{'on' if s['gradient_checkpointing'] else 'off'}, activation offload "
                  f"{'on' if s['activation_offload'] else 'off'}, "
@@ -267,11 +408,18 @@ class MemoryPlan:
                      f"+ max(update, KV cache)")
         for name, value in self.host.items():
             lines.append(f"  host memory: {name:<21} {gib(value):>9}  (pinned, not on the device)")
+        if self.reserve:
+            lines.append(f"  {'allocator reserve':<34} {gib(self.allocator_reserve):>9}  = block rounding "
+                         f"{gib(self.reserve['block rounding'])} + fragmentation {gib(self.reserve['fragmentation'])} "
+                         f"(one block of the largest transient tensor: {self.largest_transient})")
+        else:
+            lines.append(f"  {'allocator reserve':<34} {gib(0):>9}  (a CPU: no caching allocator; glibc maps large "
+                         f"blocks and returns them)")
+        lines.append(f"  {'needed':<34} {gib(self.needed):>9}  = peak + allocator reserve")
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            tight = (": under 5% left for the CUDA context and the allocator's rounding, which the plan does not count"
-                     if self.fits and self.peak > TIGHT * self.gpu_memory else "")
-            lines.append(f"  {verdict} in {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it{tight})")
+            lines.append(f"  {verdict} in {self.gpu_memory / 1e9:.4g} GB = {gib(self.gpu_memory)}: needs "
+                         f"{gib(self.needed)} ({self.needed / self.gpu_memory:.1%} of it)")
             if self.largest_tokens is not None:
                 most = (f">= {self.largest_tokens}" if self.largest_tokens >= MAX_SEARCH_TOKENS else str(self.largest_tokens))
                 lines.append(f"  largest token count per micro-batch that fits: {most}"
@@ -283,21 +431,65 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def parse_size(text: str, flag: str = "--gpu-memory") -> int:
-    """``24GiB``, ``24GB``, ``512MiB``, ``80e9`` -> bytes (GB = 1e9, GiB = 2^30); ``ValueError`` naming
-    ``flag`` for anything else, a size not finite, or one outside :data:`GPU_MEMORY` (> 0)."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B)?\s*", text) if isinstance(text, str) else None
+def parse_size(text: str) -> float:
+    """``24``, ``24GB``, ``24GiB``, ``512MiB``, ``80e9B`` -> bytes (a bare number is GB; GB = 1e9,
+    GiB = 2^30). The number is not range-checked here: ``--gpu-memory`` is (:class:`PlanSettings`)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|inf|nan)\s*(B|[KMGT]i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--gpu-memory {text!r}: expected a size in GB such as 24, 24GB, 24GiB or 512MiB")
+    units = {None: 1e9, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40}
+    return float(m.group(1)) * units[m.group(2).upper() if m.group(2) else None]
+
+
+def gigabytes(text: str) -> float:
+    """``--gpu-memory``'s text -> GB (argparse type: a malformed size is a usage error)."""
     try:
-        number = float(m.group(1)) if m else math.nan
-    except ValueError:
-        number = math.nan
-    if not m or math.isnan(number):
-        raise ValueError(f"{flag} {text!r}: expected a size such as 24GiB, 24GB or 80e9")
-    units = {None: 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    size = number * units[m.group(2)]
-    if not GPU_MEMORY.holds(size) or size < 1:
-        raise ValueError(f"{flag} {text!r}: must be {GPU_MEMORY.describe()} bytes (at least 1)")
-    return int(size)
+        return parse_size(text) / 1e9
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+
+def gpu_memory_bytes(gb: Optional[float]) -> Optional[int]:
+    return None if gb is None else round(gb * 1e9)
+
+
+# The plan's own flags, declared as options (grpo_kernels.bounds) like GRPOConfig's, which give the
+# others (PLAN_CONFIG_FIELDS): python -m grpo plan checks every flag against its declaration.
+MAX_GPU_GB = (2**63 - 1) / 1e9  # (bytes as an int64)
+
+
+@dataclass
+class PlanSettings:
+    """``python -m grpo plan``'s own flags; :func:`plan` reads their declarations too."""
+
+    model: str = option(dataclasses.MISSING, f"a config.json, a model folder, or one of {sorted(KNOWN_CONFIGS)}")
+    tokens: int = option(dataclasses.MISSING, "tokens per micro-batch (packed: real tokens; padded: rows x longest)",
+                         bounds=at_least(1))
+    sequences: int = option(1, "sequences packed into the micro-batch (e.g. G completions): flash-attn's varlen backward "
+                            "pads each by 128 rows", bounds=at_least(1))
+    rollout_tokens: Optional[int] = option(None, "tokens generated at once (None: --tokens)", bounds=at_least(1))
+    device: str = option("cuda", "where the step runs", choices=("cuda", "cpu"))
+    gpu_memory: Optional[float] = option(None, "the GPU's memory in GB (or with a unit: 24GiB, 80GB): say whether the "
+                                         "step fits (its peak and the allocator reserve) and the largest token count "
+                                         "that does", bounds=Bounds(0, MAX_GPU_GB, low_open=True), parse=gigabytes)
+    json: bool = option(False, "print the plan as JSON")
+
+    def __post_init__(self) -> None:
+        check_fields(PlanSettings, dataclasses.asdict(self), convert=False)
+        check_packing(self.tokens, self.sequences)
+
+
+def check_packing(tokens: int, sequences: int) -> None:
+    """Each packed sequence holds a token at least: ``OptionError`` naming ``sequences`` and ``tokens``."""
+    if sequences > tokens:
+        raise OptionError(f"sequences ({sequences}) must be <= tokens ({tokens}): each packed sequence holds at least "
+                          "one token", "sequences", "tokens")
+
+
+# GRPOConfig's fields the plan reads (their flags and declarations are the config's)
+PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "bf16",
+                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "beta")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,8 +513,10 @@ def adapter_bytes(d_in: int, r: int, dropout: float, b: int, device: str, autoca
 
 
 def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: list[str], lora_r: int,
-                lora_dropout: float, device: str, autocast: bool, mlp_chunk_tokens: Optional[int]) -> dict[str, int]:
-    """One decoder layer's activation terms for ``tokens`` tokens (see the module docstring), bytes:
+                lora_dropout: float, device: str, autocast: bool, mlp_chunk_tokens: Optional[int],
+                sequences: int = 1) -> dict[str, int]:
+    """One decoder layer's activation terms for ``tokens`` tokens in ``sequences`` packed sequences (see
+    the module docstring), bytes:
     ``attention`` / ``mlp`` (what each block saves for its backward, the MLP's backward temporaries
     included), ``lora_attention`` / ``lora_mlp`` (the adapters' inputs), ``workspace`` (flash-attn's
     backward), ``gradients`` (in and out of the layer), ``saved`` (what the layer keeps from its forward
@@ -362,51 +556,57 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
         lora_mlp_bytes = N * lora_mlp
         saved_mlp = N * (norm + gate_up_input + 3 * b * I + product + lora_mlp)
     gqa = 2 * b * q if kv_heads != heads else 0
-    workspace = 4 * q + 4 * heads + b * (q + 2 * kv) + gqa + b * q
+    # flash-attn 2's varlen backward: fp32 dq accumulator [N + 128 s, heads, d'] (d' = d rounded up to 32, or
+    # 256 past 192) and softmax_d [heads, N + 128 s]; dq, dk, dv; dk/dv per head under GQA; o_proj's input gradient
+    flash_fp32 = 4 * heads * (-(-shape.d // 32) * 32 if shape.d <= 192 else 256) + 4 * heads
+    workspace = flash_fp32 + b * (q + 2 * kv) + gqa + b * q
+    padded = FLASH_PAD_ROWS * sequences * flash_fp32 if device == "cuda" else 0
     # fp32 weights under bf16 autocast: each linear casts its weight to bf16 and keeps the copy for its
     # input's gradient (frozen or not), a per-layer constant (the MLP's once, chunked or not)
     copies = {block: sum(2 * i * o for n, (i, o) in shape.linears().items() if n in names) if autocast and b == 4 else 0
               for block, names in (("attention", ATTENTION_LINEARS), ("mlp", MLP_LINEARS))}
     return {"attention": N * attention + copies["attention"], "lora_attention": N * lora_attention,
-            "mlp": mlp + copies["mlp"], "lora_mlp": lora_mlp_bytes, "mlp_chunk": mlp_chunk, "workspace": N * workspace,
+            "mlp": mlp + copies["mlp"], "lora_mlp": lora_mlp_bytes, "mlp_chunk": mlp_chunk, "workspace": N * workspace + padded,
             "gradients": N * 2 * b * H, "saved": N * (attention + lora_attention) + saved_mlp + sum(copies.values())}
 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
-         gradient_checkpointing: bool = False, beta: float = 0.0, rollout_tokens: Optional[int] = None,
-         device: str = "cuda", gpu_memory: Optional[int] = None, activation_offload: bool = False,
-         mlp_chunk_tokens: Optional[int] = None, bf16: bool = True,
-         spell: Callable[[str], str] = lambda name: name) -> MemoryPlan:
-    """The predicted peak of one step of ``tokens`` tokens per micro-batch (``rollout_tokens``: tokens
-    generated at once, default ``tokens``) with these ``GRPOConfig`` settings (``bf16``: autocast, on
-    CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether the step fits, and the
-    largest token count that does. ``spell``: how errors name a setting (the CLI's flags)."""
-    shape = load_shape(model, spell("model")) if isinstance(model, str) else model
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"{spell('tokens')} must be an int >= 1, got {tokens!r}")
-    if model_dtype not in DTYPE_BYTES:
-        raise ValueError(f"{spell('model_dtype')} must be one of {tuple(DTYPE_BYTES)}, got {model_dtype!r}")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"{spell('device')} must be 'cuda' or 'cpu', got {device!r}")
-    check_activation_settings(mlp_chunk_tokens, activation_offload, gradient_checkpointing, spell)
-    if gpu_memory is not None and (isinstance(gpu_memory, bool) or not isinstance(gpu_memory, (int, float))
-                                   or not GPU_MEMORY.holds(gpu_memory)):
-        raise ValueError(f"{spell('gpu_memory')} must be {GPU_MEMORY.describe()} bytes, got {gpu_memory!r}")
-    settings = dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
-                    model_dtype=model_dtype, gradient_checkpointing=gradient_checkpointing, beta=beta, device=device,
-                    activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16)
-    result = _plan(shape, tokens, rollout_tokens, **settings)
+         bf16: bool = True, gradient_checkpointing: bool = False, activation_offload: bool = False,
+         mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
+         sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
+    """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
+    sequences (``rollout_tokens``: tokens generated at once, default ``tokens``) with these ``GRPOConfig``
+    settings (``bf16``: autocast, on CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether
+    the step fits (:attr:`MemoryPlan.needed`: the peak and the allocator reserve) and the largest token
+    count that does. Every argument is checked against its declaration (``GRPOConfig``'s for the
+    trainer's settings, :class:`PlanSettings`' for the plan's own), LoRA's targets against the planned
+    decoder's linear layers: ``grpo_kernels.bounds.OptionError`` (a ``ValueError``) naming it."""
+    config = dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
+                  model_dtype=model_dtype, bf16=bf16, gradient_checkpointing=gradient_checkpointing,
+                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, beta=beta)
+    check_fields(GRPOConfig, config, convert=False)  # (the trainer's declarations: the same ranges)
+    check_offload(activation_offload, gradient_checkpointing)
+    check_fields(PlanSettings, dict(tokens=tokens, sequences=sequences, rollout_tokens=rollout_tokens, device=device),
+                 convert=False)
+    check_packing(tokens, sequences)
+    check_value("gpu_memory", gpu_memory, int, optional=True, bounds=above(0))
+    shape = load_shape(model, "model") if isinstance(model, str) else model
+    if use_peft:
+        check_lora_targets(shape, lora_target_modules)
+    result = _plan(shape, tokens, rollout_tokens, sequences, device=device, **config)
     result.settings["model"] = model if isinstance(model, str) else "(shape)"
-    result.gpu_memory = None if gpu_memory is None else int(gpu_memory)
-    if gpu_memory is not None:
-        result.largest_tokens = _largest_tokens(lambda n: _plan(shape, n, rollout_tokens, **settings).peak <= gpu_memory)
+    result.gpu_memory = gpu_memory
+    if gpu_memory is not None:  # (the verdict's predicate, MemoryPlan.needed, at every count tried)
+        result.largest_tokens = _largest_tokens(
+            lambda n: _plan(shape, n, rollout_tokens, min(sequences, n), device=device, **config).needed <= gpu_memory)
     return result
 
 
 def _largest_tokens(fits: Callable[[int], bool]) -> int:
     """The largest N in [1, MAX_SEARCH_TOKENS] with ``fits(N)`` (0: none), by doubling then bisection
-    (the peak grows with N: every activation term is linear in it)."""
+    (what the step needs grows with N: every activation term is linear in it, the loss's chunk and the
+    rounded blocks never shrink)."""
     if not fits(1):
         return 0
     lo = 1
@@ -421,9 +621,9 @@ def _largest_tokens(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_peft: bool, lora_r: int,
-          lora_target_modules: str, lora_dropout: float, model_dtype: str, gradient_checkpointing: bool, beta: float,
-          device: str, activation_offload: bool, mlp_chunk_tokens: Optional[int], bf16: bool) -> MemoryPlan:
+def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequences: int, *, use_peft: bool, lora_r: int,
+          lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
+          activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, device: str) -> MemoryPlan:
     from grpo_kernels.autograd import default_chunk_size
 
     import torch
@@ -431,13 +631,13 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
     b = DTYPE_BYTES[model_dtype]
     autocast = device == "cuda" and bf16
     P = shape.parameters()
-    H, V, L, N = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers, tokens
+    H, I, V, L, N = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_hidden_layers, tokens
     targets = lora_targets(lora_target_modules) if use_peft else []
     adapters = shape.lora_parameters(lora_r, targets) if use_peft else 0
     trainable, trainable_bytes = (adapters, 4) if use_peft else (P, b)
     master = trainable_bytes != 4
     layer = layer_terms(shape, N, b, full=not use_peft, targets=targets, lora_r=lora_r, lora_dropout=lora_dropout,
-                        device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens)
+                        device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens, sequences=sequences)
     inputs = L * N * H * b
     offloaded = activation_offload and device == "cuda"  # (on a CPU the trainer's offload is a no-op)
     if gradient_checkpointing:
@@ -445,16 +645,20 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
         others = 0
     else:
         on_device, others = 0, (L - 1) * layer["saved"]
-    kind = torch.device("cuda" if device == "cuda" else "cpu")
-    chunk = default_chunk_size(V, H, torch.bfloat16 if b == 2 else torch.float32, kind, tokens)
+    kind, dtype = torch.device("cuda" if device == "cuda" else "cpu"), torch.bfloat16 if b == 2 else torch.float32
+    # the largest chunk of any micro-batch of at most `tokens` tokens (a smaller one may take bigger
+    # chunks: N rows are split into equal ones), so that the plan bounds every micro-batch and its peak
+    # never falls as tokens grow
+    chunk = default_chunk_size(V, H, dtype, kind, min(tokens, default_chunk_size(V, H, dtype, kind)))
     head_trainable = not use_peft
     final_norm = N * (4 * H + 4 + (b * H if not use_peft else 0))
+    runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU}
     terms = {
         "weights": P * b + adapters * 4,
         "reference": P * b if beta > 0 and not use_peft else 0,
         "gradients": trainable * trainable_bytes + (trainable * 4 if master else 0),
         "optimizer state": trainable * (8 + (4 if master else 0)),
-        "runtime": RUNTIME_BYTES_CPU if device == "cpu" else 0,
+        "runtime": sum(runtime.values()),
         "checkpointed layer inputs": on_device,
         "saved by the other layers": others,
         "layer: attention": layer["attention"],
@@ -475,7 +679,10 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
         "reference": "adapters off: the policy's own weights" if use_peft and beta > 0 else ("a frozen copy" if beta > 0 else "beta = 0"),
         "gradients": f"{trainable / 1e6:.2f}M trainable x {trainable_bytes} B" + (" + fp32 master grads" if master else ""),
         "optimizer state": "AdamW moments 8 B" + (" + fp32 master 4 B" if master else "") + " per trainable param",
-        "runtime": "torch + transformers in a CPU process" if device == "cpu" else "not counted on a GPU",
+        "runtime": ("CUDA context " + gib(sum(v for k, v in runtime.items() if k.startswith("context")))
+                    + f" + kernel images {gib(runtime['kernel images'])} + cuBLAS workspaces "
+                    + f"{gib(runtime['cuBLAS workspaces'])} (Hopper, lazy loading: an estimate, docs/memory.md)"
+                    if device == "cuda" else "torch + transformers in a CPU process (measured)"),
         "checkpointed layer inputs": (
             "checkpointing off: none kept (every layer keeps its saved tensors)" if not gradient_checkpointing else
             f"offloaded: 2 layers on the device (recomputed + prefetched) of {L} x N x H x {b} B in host memory"
@@ -489,30 +696,50 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], *, use_
                        if chunk_tokens < N else "whole micro-batch: 4-5 x N x I saved + 3 x N x I gradients"),
         "layer: LoRA inputs (MLP)": (f"{len([t for t in targets if t in MLP_LINEARS])} adapters x "
                                      f"{chunk_tokens} tokens" if use_peft else "no adapters"),
-        "attention workspace": "flash-attn 2 varlen backward (assumed): fp32 dq, dq/dk/dv" + (
-            ", dk/dv per head (GQA)" if shape.num_key_value_heads != shape.num_attention_heads else ""),
+        "attention workspace": ("flash-attn 2 varlen backward (assumed): fp32 dq and softmax_d over N + 128 x "
+                                f"{sequences} rows, dq/dk/dv" if device == "cuda" else "packed SDPA's backward: dq/dk/dv")
+        + (", dk/dv per head (GQA)" if shape.num_key_value_heads != shape.num_attention_heads else ""),
         "layer: gradients": "the gradient into and out of the layer, 2 x N x H",
         "edges": "final norm, the hidden states the loss reads and their gradient",
         "loss chunk": f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else ""),
         "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",
     }
+    reserve, largest = {}, ""
+    if device == "cuda":  # torch's caching allocator (a CPU's glibc maps large blocks and returns them)
+        params = shape.parameter_tensors()
+        trainable_tensors = shape.lora_tensors(lora_r, targets) if use_peft else params
+        kept = [n * b for n in params] + ([n * b for n in params] if beta > 0 and not use_peft else [])
+        kept += [n * 4 for n in trainable_tensors] if use_peft else []  # the adapters
+        kept += [n * trainable_bytes for n in trainable_tensors]  # gradients
+        kept += [n * 4 for n in trainable_tensors] * (4 if master else 2)  # moments (+ fp32 master weights, grads)
+        kept += [N * H * b] * (2 if offloaded else L) if gradient_checkpointing else []
+        d_acc = -(-shape.d // 32) * 32 if shape.d <= 192 else 256
+        transient = {f"RMSNorm's fp32 upcast [{N}, {H}]": 4 * N * H,
+                     f"q, the attention output [{N}, {shape.q}]": b * N * shape.q,
+                     f"an MLP activation [{chunk_tokens}, {I}]": b * chunk_tokens * I,
+                     f"flash-attn's fp32 dq accumulator [{N} + 128 x {sequences}, {shape.num_attention_heads} x {d_acc}]":
+                         4 * (N + FLASH_PAD_ROWS * sequences) * shape.num_attention_heads * d_acc,
+                     f"the loss's logits block [{chunk}, {V}]": chunk * V * b}
+        if "down_proj" in targets:  # its adapter's input copy (adapter_bytes: bf16 under autocast, else fp32)
+            transient[f"down_proj's adapter input copy [{chunk_tokens}, {I}]"] = (2 if autocast else 4) * chunk_tokens * I
+        if head_trainable and b != 4:
+            transient[f"the head's fp32 dW [{V}, {H}]"] = 4 * V * H
+        reserve, largest = allocator_reserve(kept, transient)
     host = {"checkpointed layer inputs": inputs} if gradient_checkpointing and offloaded else {}
-    settings = dict(parameters=P, tokens=tokens, use_peft=use_peft, lora_r=lora_r,
+    settings = dict(parameters=P, tokens=tokens, sequences=sequences, use_peft=use_peft, lora_r=lora_r,
                     lora_target_modules=lora_target_modules, lora_dropout=lora_dropout, model_dtype=model_dtype,
                     gradient_checkpointing=gradient_checkpointing, beta=beta, device=device, chunk_rows=chunk,
                     trainable_parameters=trainable, activation_offload=activation_offload,
-                    mlp_chunk_tokens=mlp_chunk_tokens, autocast=autocast,
+                    mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16, autocast=autocast,
                     attention="flash-attn 2 varlen (assumed)" if device == "cuda" else "packed SDPA")
-    return MemoryPlan(terms, settings, notes, host=host, layer_saved=layer["saved"])
+    return MemoryPlan(terms, settings, notes, host=host, layer_saved=layer["saved"], runtime=runtime, reserve=reserve,
+                      largest_transient=largest)
 
 
-def plan_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
-    """The plan of a trainer run: ``cfg``'s settings, ``tokens`` per micro-batch."""
-    return plan(ModelShape.from_config(model_config), tokens, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
-                lora_target_modules=cfg.lora_target_modules, lora_dropout=cfg.lora_dropout,
-                model_dtype=cfg.model_dtype, gradient_checkpointing=cfg.gradient_checkpointing, beta=cfg.beta,
-                device=device, activation_offload=cfg.activation_offload, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
-                bf16=cfg.bf16)
+def plan_for_run(model_config: Any, cfg, tokens: int, device: str, sequences: int = 1) -> MemoryPlan:
+    """The plan of a trainer run: ``cfg``'s settings, ``tokens`` per micro-batch in ``sequences`` sequences."""
+    return plan(ModelShape.from_config(model_config), tokens, sequences=min(sequences, tokens), device=device,
+                **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
 
 
 def micro_batch_tokens(rows: list[dict], tokenizer, cfg, world_size: int = 1) -> int:
@@ -543,38 +770,24 @@ def log_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m grpo plan", description="The predicted peak memory of one GRPO step.")
-    p.add_argument("--model", required=True, help=f"a config.json, a model folder, or one of {sorted(KNOWN_CONFIGS)}")
-    p.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch (packed: real tokens; padded: rows x longest)")
-    p.add_argument("--rollout-tokens", type=int, default=None, help="tokens generated at once (default: --tokens)")
-    p.add_argument("--use-peft", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-target-modules", default="all-linear")
-    p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--model-dtype", choices=tuple(DTYPE_BYTES), default="float32")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--activation-offload", action=argparse.BooleanOptionalAction, default=False,
-                   help="the checkpointed layer inputs in host memory (needs --gradient-checkpointing)")
-    p.add_argument("--mlp-chunk-tokens", type=int, default=None, help="each MLP over chunks of this many tokens")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast (on CUDA)")
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--gpu-memory", default=None, help="the device's memory, e.g. 80GB or 24GiB: says whether the step "
-                   "fits and the largest token count that does")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    """``python -m grpo plan``: every flag checked against its declaration (:class:`PlanSettings`, and
+    ``GRPOConfig``'s for the trainer's settings); a bad value is a usage error (exit 2) naming the flag."""
+    p = argparse.ArgumentParser(prog="python -m grpo plan", description="The predicted peak memory of one GRPO step, "
+                                "and with --gpu-memory whether it fits and the largest token count that does.")
+    add_config_flags(p, PlanSettings, title="the step")
+    add_config_flags(p, GRPOConfig, only=PLAN_CONFIG_FIELDS)
     args = p.parse_args(argv)
-    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    settings = config_from_args(args, PlanSettings, p)
+    cfg = config_from_args(args, GRPOConfig, p, only=PLAN_CONFIG_FIELDS)
     try:  # (every check needs only the config: nothing is loaded)
-        gpu_memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)
-        result = plan(args.model, args.tokens, use_peft=args.use_peft, lora_r=args.lora_r,
-                      lora_target_modules=args.lora_target_modules, lora_dropout=args.lora_dropout,
-                      model_dtype=args.model_dtype, gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
-                      rollout_tokens=args.rollout_tokens, device=args.device, gpu_memory=gpu_memory,
-                      activation_offload=args.activation_offload, mlp_chunk_tokens=args.mlp_chunk_tokens,
-                      bf16=args.bf16, spell=flag)
-    except (TypeError, ValueError) as e:
-        p.error(str(e))
-    print(json.dumps(result.as_dict(), indent=1) if args.json else result.format())
+        shape = load_shape(settings.model)
+        result = plan(shape, settings.tokens, rollout_tokens=settings.rollout_tokens, sequences=settings.sequences,
+                      device=settings.device, gpu_memory=gpu_memory_bytes(settings.gpu_memory),
+                      **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
+    except ValueError as e:
+        usage_error(p, e, GRPOConfig, PlanSettings)
+    result.settings["model"] = settings.model
+    print(json.dumps(result.as_dict(), indent=1) if settings.json else result.format())
 
 
 if __name__ == "__main__":

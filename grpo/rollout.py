@@ -75,7 +75,14 @@ class Completions:
 
 @runtime_checkable
 class Rollout(Protocol):
-    """A rollout engine: samples completions from the current policy."""
+    """A rollout engine: samples completions from the current policy.
+
+    An engine may also declare ``reports_sampling_logps`` (a class attribute, not part of the protocol):
+    False when its completions never carry ``sampling_logps``, True when they always do. The trainer
+    reads it before anything loads: a setting that only fails with the engine's log-probs (vespo with a
+    sequence-level ``vllm_importance_sampling_mode``) is refused up front unless the engine says False;
+    an engine that says False and then reports them is an error at that step.
+    """
 
     def generate(
         self, policy: torch.nn.Module, prompts: Sequence[str], num_generations: int, *, greedy: bool = False
@@ -108,6 +115,12 @@ class HFGenerate:
     tokenizer: pads on the left (``load_model`` and the demo's tokenizer do). eos_token_id: an id or a
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
     """
+
+    @property
+    def reports_sampling_logps(self) -> Optional[bool]:
+        """(Rollout's optional declaration.) False: ``generate`` here reports no log-probs; None (unknown)
+        for a subclass with a ``generate`` of its own, which may add them."""
+        return False if type(self).generate is HFGenerate.generate else None
 
     def __init__(
         self,
@@ -276,6 +289,7 @@ def _process_state_kept() -> Iterator[None]:
 
 class VLLMRollout:
     """Rollouts with a vLLM engine in this process, whose weights are the policy's at every ``generate``.
+    It reports the sampled tokens' log-probs (``reports_sampling_logps``).
 
     ``generate`` first copies the policy's current weights into the engine (``reload_weights``, all of
     them; under LoRA the base weights with the adapters merged, :func:`engine_weights`) and drops the
@@ -311,6 +325,8 @@ class VLLMRollout:
     forward pass (``RuntimeError`` naming the model and vLLM's reason; a 1-token warm-up request at
     construction catches what the engine only finds at its first forward), a prompt too long.
     """
+
+    reports_sampling_logps = True
 
     def __init__(
         self,
@@ -414,15 +430,7 @@ class VLLMRollout:
         """The prompts' token ids (as ``HFGenerate`` tokenizes them); ``ValueError`` for an empty prompt or one
         with more than ``max_model_len - max_new_tokens`` tokens. The trainer calls it on every prompt
         before its first step."""
-        ids = self.tokenizer(list(prompts), add_special_tokens=False).input_ids
-        room = self.max_model_len - self.max_new_tokens
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompt {i} ({prompts[i][:60]!r}) is empty after tokenization: a completion needs a prompt token to follow")
-            if len(p) > room:
-                raise ValueError(f"prompt {i} ({prompts[i][:60]!r}...) has {len(p)} tokens, more than max_model_len ({self.max_model_len}) "
-                                 f"- max_new_tokens ({self.max_new_tokens}) = {room}: raise max_model_len or shorten it")
-        return ids
+        return check_prompt_lengths(self.tokenizer, prompts, self.max_model_len, self.max_new_tokens)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Copy the policy's current weights (LoRA merged) into the engine; its cached prefixes are dropped."""
@@ -496,6 +504,26 @@ def _token_logprob(step: Any, token: int) -> float:
     entry = step.get(token) if step is not None else None
     value = getattr(entry, "logprob", None)
     return math.nan if value is None else float(value)
+
+
+def check_prompt_lengths(tokenizer, prompts: Sequence[str], max_model_len: int, max_new_tokens: int) -> list[list[int]]:
+    """The prompts' token ids; ``ValueError`` for an empty prompt or one with more than ``max_model_len -
+    max_new_tokens`` tokens (:meth:`VLLMRollout.check_prompts`; the trainer runs it before the engine starts)."""
+    ids = tokenizer(list(prompts), add_special_tokens=False).input_ids
+    room = max_model_len - max_new_tokens
+    for i, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {i} ({prompts[i][:60]!r}) is empty after tokenization: a completion needs a prompt token to follow")
+        if len(p) > room:
+            raise ValueError(f"prompt {i} ({prompts[i][:60]!r}...) has {len(p)} tokens, more than max_model_len ({max_model_len}) "
+                             f"- max_new_tokens ({max_new_tokens}) = {room}: raise max_model_len or shorten it")
+    return ids
+
+
+def engine_context_length(config) -> int:
+    """The ``max_model_len`` a :class:`VLLMRollout` started with ``max_model_len=None`` takes: the model
+    config's ``max_position_embeddings``."""
+    return _context_length(config)
 
 
 def _device_of(policy: torch.nn.Module) -> torch.device:

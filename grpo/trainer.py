@@ -38,6 +38,7 @@ and checkpoints gather full state for rank 0 to write.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -46,21 +47,23 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
+from grpo_kernels.bounds import OptionError
 from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
 
-from . import checkpoint, distributed, lora, packing, plan, precision
+from . import activations, checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
 from .logs import LossMetrics, RunLog, ZeroSignalWatch, plot_curves
 from .models import (Policy, ReferenceWithoutAdapters, as_policy, completion_hidden, default_device, head_transform,  # noqa: F401
                      lm_head, load_model, make_reference_model, prepare_model, unwrap)
-from .rollout import Completions, HFGenerate, Rollout, VLLMRollout, generation_eos, require_vllm
+from .rollout import (Completions, HFGenerate, Rollout, VLLMRollout, check_prompt_lengths, engine_context_length,
+                      generation_eos, require_vllm)
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -423,7 +426,11 @@ def sample(step: int, model, rollout_engine: Rollout, rows: list[dict[str, Any]]
     batch_rows = [rows[i] for i in shard_for_rank(indices, distributed.rank(), distributed.world_size())]
     model.eval()
     rollout = rollout_engine.generate(model, [r["prompt"] for r in batch_rows], G)
-    return batch_rows, rollout.check(len(batch_rows) * G, type(rollout_engine).__name__)
+    engine = type(rollout_engine).__name__
+    if rollout.sampling_logps is not None and getattr(rollout_engine, "reports_sampling_logps", None) is False:
+        raise ValueError(f"{engine} declares reports_sampling_logps = False but returned sampling_logps: the run's "
+                         f"checks trusted the declaration (grpo.rollout.Rollout)")
+    return batch_rows, rollout.check(len(batch_rows) * G, engine)
 
 
 @dataclass(frozen=True)
@@ -586,8 +593,13 @@ def as_named(reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]]) -> d
 def setup_training(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device):
     """(model, policy, ref_policy, optimizer): the weights cast to ``cfg.model_dtype``, LoRA adapters
     added with ``use_peft`` (``model`` is then the peft model), the policy to train, the reference
-    (None with ``beta = 0``; the policy with its adapters off under LoRA; else a frozen copy) and AdamW."""
+    (None with ``beta = 0``; the policy with its adapters off under LoRA; else a frozen copy) and AdamW.
+
+    This is where a run changes the caller's model: every check that can refuse the run comes before
+    it (:func:`check_run`; the LoRA targets against the model's modules again here, before the cast)."""
     precision.check_device_supports(cfg.model_dtype, device)
+    if cfg.use_peft:
+        lora.check_targets(model, cfg)
     model = precision.cast_model(model, cfg.model_dtype)
     if cfg.use_peft:  # (initialised from the RNG; DDP / FSDP2 then give every rank rank 0's)
         model = lora.add_adapters(model, cfg)
@@ -599,6 +611,98 @@ def setup_training(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device
     else:
         ref_policy = prepare_model(make_reference_model(model), cfg, device, frozen=True)
     return model, policy, ref_policy, make_optimizer(policy, cfg)
+
+
+@dataclass
+class RunChecks:
+    """What :func:`check_run` found: the reward functions by name, and the checkpoint to resume from
+    (read and checked; None for a fresh run)."""
+
+    reward_fns: dict[str, RewardFn]
+    resume_state: Optional[dict[str, Any]]
+
+
+def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Mapping[str, RewardFn], Sequence[RewardFn]], *,
+              model: Optional[torch.nn.Module] = None, tokenizer=None, rollout: Optional[Rollout] = None,
+              device: Optional[torch.device] = None) -> RunChecks:
+    """Every check of a run that needs no weights, before anything loads, is created or changes.
+
+    ``model``: the caller's model (only its config, module names and shapes are read), or a meta-device
+    skeleton built from its config (``python -m grpo train`` before the weights load). Checks: the config
+    and the engine's types; LoRA (peft installed, targets that exist and are linear, not the head); MLP
+    chunks (``mlp`` modules to chunk); the rows and the reward functions (their columns, weights); vLLM
+    installed; the ranks dividing the batch; the device's dtype; the loss with the model's own logit
+    transform; vespo's per-token correction
+    against an engine that may report log-probs; the prompts' lengths against the engine's context; the
+    output directory (no checkpoint of an earlier run unless resuming, no live run holding it) and, when
+    resuming, the checkpoint (readable, a grpo checkpoint, the same settings, the same model's weights).
+    Raises ``TypeError`` / ``ValueError`` / ``FileExistsError`` / ``checkpoint.OutputDirInUse`` naming the
+    option, file or directory. ``grpo.train`` calls it first; calling it again changes nothing."""
+    if not isinstance(cfg, GRPOConfig):
+        raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
+    if rollout is not None and not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
+    lora.check_flags(cfg)  # peft installed
+    if cfg.use_peft and model is not None:
+        lora.check_targets(model, cfg)  # (names and types only: nothing changes)
+    if cfg.mlp_chunk_tokens is not None and model is not None and not activations.mlp_modules(model):
+        raise OptionError(f"mlp_chunk_tokens: {type(unwrap(model)).__name__} has no decoder layer with an `mlp` module "
+                          "to chunk", "mlp_chunk_tokens")
+    columns = check_rows(rows)
+    if cfg.use_vllm and rollout is None:
+        require_vllm()
+    named = as_named(reward_fns)
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(named):
+        raise OptionError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(named)} reward functions",
+                          "reward_weights")
+    check_reward_columns(named, columns, rows)  # and plans every row's tests: prints what cannot be judged
+    ranks = distributed.launched_ranks()
+    if cfg.prompts_per_step % ranks:
+        raise OptionError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {ranks} ranks", "prompts_per_step")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision.check_device_supports(cfg.model_dtype, device)
+    if model is not None:  # the loss as the run will call it: the config's options and the model's head transform
+        cfg.grpo_options(**head_transform(model))
+    # the default engines: vLLM reports its log-probs, Hugging Face generate does not
+    reports = getattr(rollout, "reports_sampling_logps", None) if rollout is not None else cfg.use_vllm
+    if cfg.sequence_correction_refused() and reports is not False:
+        engine = type(rollout).__name__ if rollout is not None else "VLLMRollout"
+        raise OptionError(f"vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') with "
+                          f"loss_type='vespo' (as in TRL) when the rollout engine may report its log-probs ({engine}: "
+                          f"declare reports_sampling_logps = False on it if it never does), got "
+                          f"{cfg.vllm_importance_sampling_mode!r}", "vllm_importance_sampling_mode", "loss_type")
+    prompts = [row["prompt"] for row in rows]
+    if rollout is not None and callable(getattr(rollout, "check_prompts", None)):  # an engine with a context limit
+        rollout.check_prompts(prompts)
+    elif cfg.use_vllm and rollout is None and tokenizer is not None and model is not None:
+        check_prompt_lengths(tokenizer, prompts, engine_context_length(unwrap(model).config), cfg.max_new_tokens)
+    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # a fresh run never replaces an earlier one's checkpoint
+    if os.environ.get("RANK", "0") == "0":  # (the rank that will take the lock; the others would race its probe)
+        checkpoint.check_not_in_use(cfg.output_dir)
+    state, path = None, checkpoint.path_in(cfg.output_dir)
+    if cfg.resume and os.path.exists(path):
+        state = checkpoint.read(path)
+        checkpoint.check_resumable(state, path, model, dataclasses.asdict(cfg),
+                                   allow_changes=cfg.resume_with_changes)
+    return RunChecks(named, state)
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: str, main_process: bool) -> Iterator[checkpoint.RunLock]:
+    """``checkpoint.RunLock`` on the main process, every rank learning whether it was taken, so that all
+    refuse together (``checkpoint.OutputDirInUse``) rather than the others waiting for rank 0."""
+    lock, refused = checkpoint.RunLock(output_dir, enabled=main_process), None
+    try:
+        lock.__enter__()
+    except checkpoint.OutputDirInUse as e:
+        refused = e
+    if distributed.all_reduce(int(refused is not None), "max"):
+        raise refused or checkpoint.OutputDirInUse(f"{output_dir} is in use by another training run (rank 0 could not "
+                                                   f"take its lock)")
+    try:
+        yield lock
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def set_seed(seed: int) -> None:
@@ -633,39 +737,31 @@ def train(
 
     The weights are cast to ``cfg.model_dtype`` in place. With ``cfg.use_peft`` peft adds LoRA adapters
     to ``model`` in place (``grpo.lora``), only they train, and the run ends by writing them to
-    ``output_dir/adapter``.
+    ``output_dir/adapter``. A run that refuses (:func:`check_run`: every check that needs no weights,
+    the output directory and the checkpoint to resume included) does so before any of that: the model
+    is left as it was, and no directory, lock or engine is created.
     """
-    if not isinstance(cfg, GRPOConfig):
-        raise TypeError(f"cfg must be a grpo.GRPOConfig, got {type(cfg).__name__}")
-    lora.check_flags(cfg)  # peft installed, before anything runs
-    if rollout is not None and not isinstance(rollout, Rollout):
-        raise TypeError(f"rollout must implement grpo.rollout.Rollout (a generate method), got {type(rollout).__name__}")
-    columns = check_rows(rows)  # before anything is loaded or sampled
-    if cfg.use_vllm and rollout is None:
-        require_vllm()
-    reward_fns = as_named(reward_fns)
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_fns):
-        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_fns)} reward functions")
-    check_reward_columns(reward_fns, columns)
-    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # a fresh run never replaces an earlier one's checkpoint
+    checks = check_run(cfg, rows, reward_fns, model=model, tokenizer=tokenizer, rollout=rollout, device=device)
+    reward_fns = checks.reward_fns
+    # nothing has loaded, been created or changed yet: from here on the run takes the output directory,
+    # starts its rollout engine and then changes the model (casts it, adds adapters)
     distributed.setup(cfg.distributed)
-    if cfg.prompts_per_step % distributed.world_size():
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {distributed.world_size()} ranks")
     device = device or default_device()
-    set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
-    model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
-    ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
-    rollout = rollout or default_rollout(model, tokenizer, cfg)
-    if callable(getattr(rollout, "check_prompts", None)):  # (an engine with a context limit: every prompt fits)
-        rollout.check_prompts([row["prompt"] for row in rows])
     main_process = distributed.is_main_process()
+    set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
     start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
     # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
     # step, with a checkpoint
-    with checkpoint.RunLock(cfg.output_dir, enabled=main_process), checkpoint.StopOnSigterm() as sigterm:
-        if cfg.resume and os.path.exists(checkpoint_path):
-            start_step = checkpoint.load(checkpoint_path, policy, ref_weights, optimizer, dataclasses.asdict(cfg),
-                                         allow_changes=cfg.resume_with_changes)
+    with run_lock(cfg.output_dir, main_process), checkpoint.StopOnSigterm() as sigterm:
+        checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # (again, under the lock)
+        if rollout is None:  # (a vLLM engine starts from the model's config alone, before the model changes)
+            rollout = default_rollout(model, tokenizer, cfg)
+            if callable(getattr(rollout, "check_prompts", None)):  # (the engine's own context length)
+                rollout.check_prompts([row["prompt"] for row in rows])
+        model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
+        ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
+        if checks.resume_state is not None:
+            start_step = checkpoint.restore(checks.resume_state, checkpoint_path, policy, ref_weights, optimizer)
         log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
         zero_signal = ZeroSignalWatch(log.records)
         if main_process:  # the predicted peak of a step, term by term (grpo.plan)

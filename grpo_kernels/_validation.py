@@ -2,19 +2,21 @@
 
 Every public function validates its inputs here, once, before any backend runs, so that bad input
 fails with a message naming the argument instead of a silent wrong answer or a crash in a kernel.
-Scalar hyper-parameters are checked when ``options.GRPOOptions`` is built; tensors against the
-batch shape by :func:`check_grpo_inputs`.
+Scalar hyper-parameters are checked when ``options.GRPOOptions`` is built, each against its declared
+range (``bounds``); tensors against the batch shape by :func:`check_grpo_inputs`. The scalar checks
+here are ``bounds.check_value`` too, so every refusal is a ``bounds.OptionError`` naming the argument.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
 import torch
+
+from .bounds import Bounds, OptionError, at_least, check_value
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,22 +34,11 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
 def check_number(name: str, value: object, low: Optional[float] = None, high: Optional[float] = None,
                  high_open: bool = False) -> float:
     """A finite real Python/NumPy number (not a bool, not a tensor), optionally within [low, high]."""
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and (value >= high if high_open else value > high):
-        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
-    return value
+    return check_value(name, value, float, bounds=Bounds(low, high, high_open=high_open))
 
 
 def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_value(name, value, int, bounds=at_least(1))
 
 
 def check_flag(name: str, value: object) -> bool:
@@ -55,11 +46,7 @@ def check_flag(name: str, value: object) -> bool:
 
     ``inplace_backward='False'`` would otherwise be true and overwrite the caller's logits.
     """
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
-        return bool(value)
-    raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return check_value(name, value, bool)
 
 
 def check_ignore_index(value: object) -> int:
@@ -129,33 +116,23 @@ def check_writable(name: str, value: torch.Tensor, others: Sequence[Tuple[str, O
 
 
 def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-    return value
+    return check_value(name, value, str, choices=choices)
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def check_temperature(temperature: object) -> float:
-    temperature = check_number("temperature", temperature)
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not 1.0 / temperature < FLOAT32_MAX / 4:  # the kernels' fp32 factor log2(e) * logit_scale / T
-        raise ValueError(f"temperature must be > {4 / FLOAT32_MAX:.3g} (1 / temperature must be finite in float32), "
-                         f"got {temperature}")
-    return temperature
 
 
 def check_transform_factors(temperature: float, softcap: Optional[float], logit_scale: float) -> None:
     """The kernels' float32 factors of the logit transform (``logit_scale / temperature``, or
     ``logit_scale / softcap`` and ``1 / temperature`` with a cap) must be finite: an infinite
     factor times a zero gap (the row's max) would be NaN."""
-    factors = {"logit_scale / temperature": logit_scale / temperature} if softcap is None else {
-        "logit_scale / softcap": logit_scale / softcap}
-    for what, value in factors.items():
-        if not value < FLOAT32_MAX / 4:
-            raise ValueError(f"{what} must be < {FLOAT32_MAX / 4:.3g} (a finite float32 factor), got {value:.3g}")
+    if not 1.0 / temperature < FLOAT32_MAX / 4:
+        raise OptionError(f"temperature must be > {4 / FLOAT32_MAX:.3g} (1 / temperature must be finite in float32), "
+                          f"got {temperature}", "temperature")
+    what, value, names = (("logit_scale / temperature", logit_scale / temperature, ("logit_scale", "temperature"))
+                          if softcap is None else ("logit_scale / softcap", logit_scale / softcap, ("logit_scale", "softcap")))
+    if not value < FLOAT32_MAX / 4:
+        raise OptionError(f"{what} must be < {FLOAT32_MAX / 4:.3g} (a finite float32 factor), got {value:.3g}", *names)
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -239,19 +216,19 @@ def check_mask(completion_mask: object, completion_ids: torch.Tensor, ignore_ind
     return mask
 
 
-def check_num_items_in_batch(value: Any) -> None:
-    """None, a positive finite real number, or a 0-d/1-element numeric tensor holding one."""
+def check_count(name: str, value: Any, bounds: Bounds) -> None:
+    """A per-call count (``num_items_in_batch``, ``global_batch_size``): None, a real number within
+    ``bounds`` (the field's declared range: > 0, finite), or a 1-element numeric tensor holding one
+    (read with one device sync, skipped while torch.compile traces)."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got shape {_shape(value)} {value.dtype}")
+            raise OptionError(f"{name} must be a number or a 1-element tensor, got shape {_shape(value)} {value.dtype}", name)
         if torch.compiler.is_compiling():
             return
         value = value.item()
-    n = check_number("num_items_in_batch", value)
-    if not n > 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {n}")
+    check_value(name, value, float, bounds=bounds)
 
 
 def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, advantages: object,
@@ -271,7 +248,8 @@ def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, adva
     check_per_token("old_logps", inputs.old_logps, b, t)
     check_per_token("ref_logps", inputs.ref_logps, b, t)
     check_per_token("is_ratio", inputs.is_ratio, b, t, allow_column=True)
-    check_num_items_in_batch(inputs.num_items_in_batch)
+    for count in ("num_items_in_batch", "global_batch_size"):
+        check_count(count, getattr(inputs, count), type(inputs).__dataclass_fields__[count].metadata["bounds"])
     if inputs.segment_ids is not None:
         segment_ids = check_tensor("segment_ids", inputs.segment_ids)
         if segment_ids.dtype not in (torch.int32, torch.int64):
@@ -283,7 +261,7 @@ def check_grpo_inputs(leading_shape: Sequence[int], completion_ids: object, adva
         if inputs.is_ratio is not None and inputs.is_ratio.shape != (b, t):
             raise ValueError(f"is_ratio must be per token [{b}, {t}] with segment_ids, got {_shape(inputs.is_ratio)}")
     if options.beta != 0 and inputs.ref_logps is None:
-        raise ValueError(f"beta={options.beta} needs ref_logps [{b}, {t}] (the reference model's log-probs)")
+        raise OptionError(f"beta={options.beta} needs ref_logps [{b}, {t}] (the reference model's log-probs)", "beta")
 
 
 def check_linear(hidden: object, weight: object, bias: Optional[object]) -> None:

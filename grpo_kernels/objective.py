@@ -32,8 +32,10 @@ with length 1; dapo, cispo and vespo ``sum L m / num_items_in_batch`` (default `
 
 verl's objectives (``loss_mode``: vanilla, gspo, sapo, gpg, cispo, clip_cov, kl_cov, geo_mean, dppo_tv,
 dppo_kl, dro), reductions (``loss_agg_mode``) and KL estimators (``kl_loss_type``) are those of verl
-0.9.0's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered below
-with its formula in its docstring (``docs/api.md`` tabulates them).
+0.9.1's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered below
+with its formula in its docstring (``docs/api.md`` tabulates them). 0.9.1 differs from 0.9.0 in one
+place: GSPO's policy term is reduced by ``loss_agg_mode`` (0.9.0 forced seq-mean-token-mean); sapo
+still forces seq-mean-token-mean.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ class PolicyInputs(NamedTuple):
 class Objective(NamedTuple):
     fn: Callable[[PolicyInputs], PolicyTerms]
     token_local: bool  # each token's loss depends on that token and constants only
-    reduction: Optional[str]  # a reduction the objective always uses for its policy term (verl's gspo, sapo)
+    reduction: Optional[str]  # a reduction the objective always uses for its policy term (verl's sapo)
     weights_by_is_ratio: bool  # the common code multiplies the policy term by is_ratio (else the objective uses it)
     logs: Tuple[str, ...]  # the verl metrics its compute_policy_loss_* returns (verl_metrics)
 
@@ -314,7 +316,7 @@ def _global_token_mean(r: ReductionInputs) -> torch.Tensor:
     return r.mask / _as_number(r.num_items_in_batch, r.mask.device)
 
 
-# ---- verl's agg_loss (verl 0.9.0, verl.trainer.ppo.core_algos): fully masked sequences are left out
+# ---- verl's agg_loss (verl 0.9.1, verl.trainer.ppo.core_algos): fully masked sequences are left out
 # of the sequence count; num_items_in_batch is verl's batch_num_tokens, global_batch_size its own;
 # every mode is multiplied by dp_size, and with dp_size > 1 the mode's global normaliser must be given
 # (as verl raises). Where verl divides 0 by 0 (no token at all) the loss here is 0, not NaN.
@@ -440,7 +442,7 @@ def _trl_vespo(x: PolicyInputs) -> PolicyTerms:
     return PolicyTerms(-phi * x.adv * x.logp, ratio, None, vespo_phi=phi)
 
 
-# ---- verl's objectives (verl 0.9.0, verl.trainer.ppo.core_algos, compute_policy_loss_*)
+# ---- verl's objectives (verl 0.9.1, verl.trainer.ppo.core_algos, compute_policy_loss_*)
 def _verl_log_ratio(x: PolicyInputs, clamp: bool = True) -> torch.Tensor:
     log_ratio = x.logp - x.old
     return torch.clamp(log_ratio, min=-20.0, max=20.0) if clamp else log_ratio
@@ -513,10 +515,11 @@ def _verl_dro(x: PolicyInputs) -> PolicyTerms:
     return PolicyTerms(loss, torch.exp(log_ratio).detach(), None, ppo_kl=-log_ratio.detach())
 
 
-@register_objective("gspo", token_local=False, reduction="seq-mean-token-mean")
+@register_objective("gspo", token_local=False)
 def _verl_gspo(x: PolicyInputs) -> PolicyTerms:
     """GSPO: the token ratio ``sg(s) * p / sg(p)``, ``s`` the sequence's mean log-ratio, clamped at 10 in
-    log space; clipped surrogate without the dual clip; always seq-mean-token-mean."""
+    log space; clipped surrogate without the dual clip; reduced by ``loss_agg_mode`` (verl 0.9.1's
+    ``compute_policy_loss_gspo``; 0.9.0 and the GSPO paper always took seq-mean-token-mean)."""
     o, adv = x.options, _verl_adv(x)
     seq_log_ratio = x.sequences.sum((x.logp - x.old) * x.mask) / x.sequences.sum(x.mask).clamp(min=1)
     log_ratio = torch.clamp(x.logp - x.logp.detach() + seq_log_ratio.detach(), max=10.0)
@@ -551,46 +554,67 @@ def _verl_cispo(x: PolicyInputs) -> PolicyTerms:
                        ppo_kl=-log_ratio.detach())
 
 
+def _covariance(adv: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """kl_cov's centred covariance ``(A - mean A)(logp - mean logp)`` [B, T], the means over the valid
+    tokens (verl: ``.mean()`` of the valid entries; here masked sums, so that no shape depends on the
+    data); 0 at the others."""
+    count = valid.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    mean_a = torch.where(valid, adv, zero).sum() / count
+    mean_logp = torch.where(valid, logp, zero).sum() / count
+    return torch.where(valid, (adv - mean_a) * (logp - mean_logp), zero)
+
+
+def _first_k(keys: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Bool [B, T]: the ``k`` (a 0-d tensor) eligible positions that come first when ``keys`` are sorted
+    (a stable sort over every position, the ineligible last): ``torch.topk`` / an index draw whose size
+    is a tensor, so the graph has no data-dependent shape (torch.compile traces it whole)."""
+    last = -math.inf if descending else math.inf
+    flat = torch.where(eligible, keys, torch.full((), last, dtype=keys.dtype, device=keys.device)).reshape(-1)
+    order = torch.sort(flat, descending=descending, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return (rank < k).reshape(keys.shape) & eligible
+
+
+def _verl_count(fraction: float, total: torch.Tensor) -> torch.Tensor:
+    """verl's ``max(int(fraction * total), 1)`` as a 0-d tensor, in float64 as Python computes it."""
+    return torch.floor(total.double() * fraction).clamp(min=1)
+
+
 @register_objective("clip_cov", token_local=False, logs=("actor/pg_clipfrac", "actor/ppo_kl"))
 def _verl_clip_cov(x: PolicyInputs) -> PolicyTerms:
     """Clip-Cov: the clipped surrogate (no log-ratio clamp, no dual clip), with the gradient of up to
-    ``max(int(clip_cov_ratio * tokens), 1)`` tokens whose centred covariance ``(A - mean A)(logp -
-    mean logp)`` lies in (clip_cov_lb, clip_cov_ub) dropped, chosen by ``torch.randperm`` as verl does."""
+    ``max(int(clip_cov_ratio * sum(mask)), 1)`` tokens whose centred covariance ``(A - mean A)(logp -
+    mean logp)`` lies in (clip_cov_lb, clip_cov_ub) dropped, a uniformly random subset of those
+    candidates as verl draws one (``torch.randperm`` there; here one ``torch.rand`` key per position,
+    the smallest keys taken, so that no shape depends on the data)."""
     o, adv, valid = x.options, _verl_adv(x), x.mask > 0
     ratio = torch.exp(x.logp - x.old)
     loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
     with torch.no_grad():
+        # (verl's masked_mean here, not kl_cov's plain means over the valid tokens)
         cov = (adv - _masked_mean(adv, x.mask)) * (x.logp - _masked_mean(x.logp, x.mask))
         candidate = (cov < o.clip_cov_ub) & (cov > o.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
-        index = torch.nonzero(candidate)
-        clip_num = max(int(o.clip_cov_ratio * x.mask.sum().item()), 1)
-        if len(index) > 0:
-            index = index[torch.randperm(len(index))[: min(clip_num, len(index))]]
-        corr = torch.ones_like(adv)
-        corr[index[:, 0], index[:, 1]] = 0
-    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=corr == 0,
+        keys = torch.rand(adv.shape, device=adv.device)
+        dropped = _first_k(keys, candidate, _verl_count(o.clip_cov_ratio, x.mask.sum()), descending=False)
+        corr = torch.where(dropped, torch.zeros_like(adv), torch.ones_like(adv))
+    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=dropped,
                        ppo_kl=(x.old - x.logp).detach())
 
 
 @register_objective("kl_cov", token_local=False, logs=("actor/ppo_kl",))
 def _verl_kl_cov(x: PolicyInputs) -> PolicyTerms:
     """KL-Cov: ``-A r`` (unclipped), plus ``ppo_kl_coef * |logp - old|`` on the
-    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance; actor/ppo_kl is the
-    mean ``|logp - old|``."""
+    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance (``torch.topk``'s choice;
+    among equal covariances the first in row-major order); actor/ppo_kl is the mean ``|logp - old|``."""
     o, adv = x.options, _verl_adv(x)
     log_ratio = x.logp - x.old
     ratio = torch.exp(log_ratio)
     loss = -adv * ratio
     valid = x.mask > 0
     with torch.no_grad():
-        flat_index = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
-        picked = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
-        if flat_index.numel() > 0:
-            a, lp = adv[valid].reshape(-1).cpu(), x.logp.detach()[valid].reshape(-1).cpu()
-            cov = (a - a.mean()) * (lp - lp.mean())
-            top = torch.topk(cov, max(1, int(len(cov) * o.kl_cov_ratio)), largest=True).indices
-            picked[flat_index[top.to(flat_index.device)]] = True
-        picked = picked.view_as(adv)
+        cov = _covariance(adv, x.logp.detach(), valid)
+        picked = _first_k(cov, valid, _verl_count(o.kl_cov_ratio, valid.sum()), descending=True)
     loss = torch.where(picked, loss + o.ppo_kl_coef * log_ratio.abs(), loss)
     return PolicyTerms(loss, ratio, None, ppo_kl=log_ratio.abs().detach())
 
@@ -671,7 +695,8 @@ def rollout_correction(logp: torch.Tensor, old_logps: Optional[torch.Tensor], ro
         ratio = torch.exp(sequences.sum(diff) if sequence_level else diff)
         low, high = options.rollout_correction_min, options.rollout_correction_max
         if options.rollout_correction.endswith("truncate"):
-            ratio = torch.clamp(ratio, min=low, max=high)
+            if low is not None or high is not None:  # (None and None: unbounded both ways, nothing to clamp)
+                ratio = torch.clamp(ratio, min=low, max=high)
         else:
             outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
             ratio = ratio.masked_fill(outside, 0.0)

@@ -7,17 +7,20 @@ three axes ``loss_mode`` / ``loss_agg_mode`` / ``kl_loss_type`` (verl's ``core_a
 ``kl_loss_coef``, ``entropy_coeff``, ``rollout_is_weights``, ...) are accepted as keywords and mean
 the option :data:`VERL_SPELLINGS` names.
 
-``GRPOOptions`` holds the scalar hyper-parameters (validated when it is built); ``GRPOInputs`` holds
+``GRPOOptions`` holds the scalar hyper-parameters (each declared once, with its range or choices, by
+``bounds.option``, and validated against that declaration when it is built); ``GRPOInputs`` holds
 the optional per-call tensors. Both are frozen dataclasses carried from the public functions and
 modules through autograd to the kernels. The public functions take their fields as flat keywords:
 :func:`grpo_keywords` gives a function the signature ``help()`` shows, generated from these fields,
 so an option is added here and nowhere else (plus, if it is token-local, its term in
-``objective.per_token_loss`` and the Triton epilogue).
+``objective.per_token_loss`` and the Triton epilogue). An error names an option as the caller spelled
+it (verl's ``clip_ratio_low`` for ``eps_low``: :func:`grpo_keywords` re-words ``bounds.OptionError``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
@@ -25,6 +28,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 
 from . import _validation as V
+from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, above, at_least, declarations,
+                     fields_by_name, option)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
@@ -49,25 +54,31 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 IGNORE_INDEX = -100  # the target id of a position that predicts nothing (as in PyTorch and TRL)
 
 
+# Each option's declaration (bounds.option): its help, its choices or range, checked here (bounds.declarations),
+# by grpo.GRPOConfig, by the command lines generated from the config and by the public functions.
+# The logit transform's three are declared once and shared by LogitTransform and GRPOOptions.
+_TEMPERATURE = dict(help="logits are divided by it before the softmax", bounds=above(0))
+_SOFTCAP = dict(help="final-logit soft-capping: softcap * tanh(z / softcap)", bounds=above(0))
+_LOGIT_SCALE = dict(help="logits are multiplied by it first (Cohere)", bounds=above(0))
+# DPPO's eps_low / eps_high are divergence thresholds, any >= 0; verl's cispo takes eps_low = 1 for
+# "no lower clamp" (its ratio is then clamped at 0)
+_DIVERGENCE_THRESHOLD = at_least(0)
+_EPS_LOW_UNDER = {"cispo": UNIT_INTERVAL, **{mode: _DIVERGENCE_THRESHOLD for mode in DIVERGENCE_CLIP_LOSS_MODES}}
+
+
 @dataclass(frozen=True)
 class LogitTransform:
     """What the softmax sees: ``z = softcap * tanh(logit_scale * logits / softcap) / temperature``
     (``logit_scale * logits / temperature`` when ``softcap`` is None), as Gemma-2/3 (final-logit
     soft-capping) and Cohere (``logit_scale``) compute their logits, then the sampling temperature."""
 
-    temperature: float = 1.0
-    softcap: Optional[float] = None
-    logit_scale: float = 1.0
+    temperature: float = option(1.0, **_TEMPERATURE)
+    softcap: Optional[float] = option(None, **_SOFTCAP)
+    logit_scale: float = option(1.0, **_LOGIT_SCALE)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", V.check_temperature(self.temperature))
-        if self.softcap is not None:
-            object.__setattr__(self, "softcap", V.check_number("softcap", self.softcap))
-            if not self.softcap > 0:
-                raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
-        object.__setattr__(self, "logit_scale", V.check_number("logit_scale", self.logit_scale))
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be > 0, got {self.logit_scale}")
+        for declared in _TRANSFORM_DECLARATIONS.values():
+            object.__setattr__(self, declared.name, declared.check(getattr(self, declared.name)))
         V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
 
     @staticmethod
@@ -85,106 +96,108 @@ class LogitTransform:
 class GRPOOptions:
     """Scalar hyper-parameters of the GRPO loss (see ``docs/api.md``). Validated on construction.
 
-    ``eps_high=None`` means ``eps_low`` and is resolved here, so ``options.eps_high`` is always a
-    number. All are runtime values for the kernels: a new value compiles no new kernel.
+    Each field is declared once (``bounds.option``: help, choices, range, and a range that differs
+    under a ``loss_mode``); ``__post_init__`` checks every field against its declaration in one loop,
+    then the rules that tie fields together, each once. ``eps_high=None`` means ``eps_low`` and is
+    resolved here, so ``options.eps_high`` is always a number; ``loss_type=None`` means ``"dapo"``
+    unless ``loss_mode`` names the loss. All are runtime values for the kernels: a new value compiles
+    no new kernel.
+
+    A new option is one field here, e.g. ``top_p: Optional[float] = option(None, "nucleus sampling",
+    bounds=FRACTION)``; ``GRPOConfig``, its flags and the functions' keywords follow.
     """
 
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (verl: kl_loss_coef); > 0 needs ref_logps", "bounds": (0.0, None)})
-    eps_low: float = field(default=0.2, metadata={"help": "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; 1 only for cispo; dppo_tv / dppo_kl: the divergence threshold where A <= 0)", "bounds": (0.0, 1.0, False, True)})
-    eps_high: Optional[float] = field(default=None, metadata={"help": "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 (verl: clip_ratio_high; dppo_tv / dppo_kl: the divergence threshold where A > 0)", "bounds": (0.0, None)})
-    delta: Optional[float] = field(default=None, metadata={"help": "two-sided clipping: caps the ratio at delta, which matters where the advantage is negative (> 1 + eps_high; verl: clip_ratio_c, > 1, default 3 under loss_mode='vanilla'; dppo_tv / dppo_kl: the cap of the detached ratio, default 20)", "bounds": (1.0, None, True)})
-    temperature: float = field(default=1.0, metadata={"help": "logits are divided by it before the softmax"})
-    softcap: Optional[float] = field(default=None, metadata={"help": "final-logit soft-capping: softcap * tanh(z / softcap)"})
-    logit_scale: float = field(default=1.0, metadata={"help": "logits are multiplied by it first (Cohere)"})
-    loss_type: str = field(default="dapo", metadata={"help": "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or by completions * max_completion_length (dr_grpo; luspo: by completions); not with loss_mode", "choices": LOSS_TYPES})
-    loss_mode: Optional[str] = field(default=None, metadata={"help": "verl's policy_loss.loss_mode (instead of loss_type)", "choices": LOSS_MODES})
-    loss_agg_mode: Optional[str] = field(default=None, metadata={"help": "verl's loss_agg_mode (with loss_mode; None: token-mean)", "choices": LOSS_AGG_MODES})
-    kl_loss_type: Optional[str] = field(default=None, metadata={"help": "verl's KL estimator (with loss_mode; None: low_var_kl)", "choices": KL_LOSS_TYPES})
-    max_completion_length: Optional[int] = field(default=None, metadata={"help": "dr_grpo's constant (verl: loss_scale_factor of seq-mean-token-sum-norm); None = T", "bounds": (1, None)})
-    importance_sampling_level: str = field(
-        default="token", metadata={"help": "the importance ratio per token, or per sequence (GSPO)", "choices": IMPORTANCE_SAMPLING_LEVELS}
-    )
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus: subtracts entropy_coef times the mean entropy (verl: entropy_coeff)", "bounds": (None, None)})
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": "multiply the k3 KL by the importance ratio (TRL's use_bias_correction_kl)"})
-    top_entropy_quantile: float = field(default=1.0, metadata={"help": "TRL: the policy loss only on the top quantile of tokens by entropy (1: all)", "bounds": (0.0, 1.0)})
-    off_policy_mask_threshold: Optional[float] = field(default=None, metadata={"help": "TRL (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL to the sampling policy exceeds it", "bounds": (0.0, None)})
-    rollout_correction: Optional[str] = field(default=None, metadata={"help": "correct for the rollout engine's log-probs (rollout_logps), TRL's vllm_importance_sampling_mode", "choices": ROLLOUT_CORRECTIONS})
-    rollout_correction_max: Optional[float] = field(default=3.0, metadata={"help": "rollout correction's cap (None: unbounded)", "bounds": (0.0, None)})
-    rollout_correction_min: Optional[float] = field(default=None, metadata={"help": "rollout correction's floor: *_mask drop ratios below it, *_truncate clamp at it", "bounds": (0.0, None)})
-    clip_cov_ratio: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: fraction of tokens whose gradient is dropped (None: 0.0002)", "bounds": (0.0, None, True)})
-    clip_cov_lb: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: covariance lower bound (None: 1)"})
-    clip_cov_ub: Optional[float] = field(default=None, metadata={"help": "verl clip_cov: covariance upper bound (None: 5)"})
-    kl_cov_ratio: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: fraction of tokens given the KL penalty (None: 0.0002)", "bounds": (0.0, None, True)})
-    ppo_kl_coef: Optional[float] = field(default=None, metadata={"help": "verl kl_cov: coefficient of |log ratio| (None: 1)"})
-    dro_beta: Optional[float] = field(default=None, metadata={"help": "verl dro (policy_loss.dro_beta): coefficient of the penalty dro_beta / 2 * (logp - old)^2; > 0, needed by loss_mode='dro'", "bounds": (0.0, None, True)})
-    dp_size: int = field(default=1, metadata={"help": "verl's agg_loss dp_size: the loss is multiplied by it (data-parallel ranks averaging gradients); > 1 needs the global normaliser of loss_agg_mode (num_items_in_batch or global_batch_size)", "bounds": (1, None)})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "sapo: gate temperature where A > 0 (verl: tau_pos)"})
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "sapo: gate temperature where A <= 0 (verl: tau_neg)"})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo: power k of the gamma weight where A >= 0"})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "vespo: decay lambda where A >= 0"})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "vespo: power k where A < 0"})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "vespo: decay lambda where A < 0"})
+    beta: float = option(0.0, "KL coefficient (verl: kl_loss_coef); > 0 needs ref_logps", bounds=at_least(0))
+    eps_low: float = option(0.2, "lower clipping range: the ratio is clipped below at 1 - eps_low (verl: clip_ratio_low; "
+                            "1 only for cispo; dppo_tv / dppo_kl: the divergence threshold where A <= 0)",
+                            bounds=ZERO_TO_ONE, bounds_under=_EPS_LOW_UNDER)
+    eps_high: Optional[float] = option(None, "upper clipping range (None: eps_low); DAPO's clip-higher uses e.g. 0.28 "
+                                       "(verl: clip_ratio_high; dppo_tv / dppo_kl: the divergence threshold where A > 0)",
+                                       bounds=at_least(0))
+    delta: Optional[float] = option(None, "two-sided clipping: caps the ratio at delta, which matters where the advantage "
+                                    "is negative (> 1 + eps_high; verl: clip_ratio_c, > 1, default 3 under "
+                                    "loss_mode='vanilla'; dppo_tv / dppo_kl: the cap of the detached ratio, default 20)",
+                                    bounds=above(1))
+    temperature: float = option(1.0, **_TEMPERATURE)
+    softcap: Optional[float] = option(None, **_SOFTCAP)
+    logit_scale: float = option(1.0, **_LOGIT_SCALE)
+    loss_type: Optional[str] = option(
+        None, "TRL's name of the objective and how per-token losses are summed (docs/api.md): the mean of per-sequence "
+        "means (grpo, sapo), the sum over tokens divided by their count (bnpo; dapo, cispo, vespo: the whole batch's) or "
+        "by completions * max_completion_length (dr_grpo; luspo: by completions); None: dapo, unless loss_mode names "
+        "the loss (never both)", choices=LOSS_TYPES)
+    loss_mode: Optional[str] = option(None, "verl's policy_loss.loss_mode (instead of loss_type)", choices=LOSS_MODES)
+    loss_agg_mode: Optional[str] = option(None, "verl's loss_agg_mode (with loss_mode; None: token-mean)",
+                                          choices=LOSS_AGG_MODES)
+    kl_loss_type: Optional[str] = option(
+        None, "verl's KL estimator (with loss_mode; None: low_var_kl)", choices=KL_LOSS_TYPES,
+        refused={name: "the exact KL needs both models' whole distributions over the vocabulary, not the sampled "
+                 f"tokens' log-probs (verl raises NotImplementedError for it too); pick one of {KL_LOSS_TYPES}"
+                 for name in KL_LOSS_TYPES_NEEDING_DISTRIBUTIONS})
+    max_completion_length: Optional[int] = option(None, "dr_grpo's constant (verl: loss_scale_factor of "
+                                                  "seq-mean-token-sum-norm); None = T", bounds=at_least(1))
+    importance_sampling_level: str = option("token", "the importance ratio per token, or per sequence (GSPO)",
+                                            choices=IMPORTANCE_SAMPLING_LEVELS)
+    entropy_coef: float = option(0.0, "entropy bonus: subtracts entropy_coef times the mean entropy (verl: entropy_coeff)",
+                                 bounds=FINITE)
+    use_bias_correction_kl: bool = option(False, "multiply the k3 KL by the importance ratio (TRL's use_bias_correction_kl)")
+    top_entropy_quantile: float = option(1.0, "TRL: the policy loss only on the top quantile of tokens by entropy (1: all)",
+                                         bounds=UNIT_INTERVAL)
+    off_policy_mask_threshold: Optional[float] = option(
+        None, "TRL (DeepSeek-V3.2): drop sequences with A < 0 whose mean KL to the sampling policy exceeds it",
+        bounds=at_least(0))
+    rollout_correction: Optional[str] = option(
+        None, "correct for the rollout engine's log-probs (rollout_logps), TRL's vllm_importance_sampling_mode",
+        choices=ROLLOUT_CORRECTIONS)
+    rollout_correction_max: Optional[float] = option(3.0, "rollout correction's cap (None: unbounded)", bounds=at_least(0))
+    rollout_correction_min: Optional[float] = option(
+        None, "rollout correction's floor: *_mask drop ratios below it, *_truncate clamp at it (None: none)",
+        bounds=at_least(0))
+    clip_cov_ratio: Optional[float] = option(None, "verl clip_cov: fraction of tokens whose gradient is dropped "
+                                             "(None: 0.0002; above 1: every candidate, as in verl)", bounds=above(0))
+    clip_cov_lb: Optional[float] = option(None, "verl clip_cov: covariance lower bound (None: 1)", bounds=FINITE)
+    clip_cov_ub: Optional[float] = option(None, "verl clip_cov: covariance upper bound (None: 5)", bounds=FINITE)
+    kl_cov_ratio: Optional[float] = option(None, "verl kl_cov: fraction of tokens given the KL penalty (None: 0.0002; "
+                                           "at most 1: verl's top-k of more tokens than there are fails)", bounds=FRACTION)
+    ppo_kl_coef: Optional[float] = option(None, "verl kl_cov: coefficient of |log ratio| (None: 1)", bounds=FINITE)
+    dro_beta: Optional[float] = option(None, "verl dro (policy_loss.dro_beta): coefficient of the penalty dro_beta / 2 * "
+                                       "(logp - old)^2; > 0, needed by loss_mode='dro'", bounds=above(0))
+    dp_size: int = option(1, "verl's agg_loss dp_size: the loss is multiplied by it (data-parallel ranks averaging "
+                          "gradients); > 1 needs the global normaliser of loss_agg_mode (num_items_in_batch or "
+                          "global_batch_size)", bounds=at_least(1))
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature where A > 0 (verl: tau_pos)", bounds=above(0))
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature where A <= 0 (verl: tau_neg)", bounds=above(0))
+    vespo_k_pos: float = option(2.0, "vespo: power k of the gamma weight where A >= 0", bounds=at_least(0))
+    vespo_lambda_pos: float = option(3.0, "vespo: decay lambda where A >= 0", bounds=at_least(0))
+    vespo_k_neg: float = option(3.0, "vespo: power k where A < 0", bounds=at_least(0))
+    vespo_lambda_neg: float = option(2.0, "vespo: decay lambda where A < 0", bounds=at_least(0))
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        # every field against its declaration, loss_mode first (some ranges depend on it)
+        set_("loss_mode", OPTION_DECLARATIONS["loss_mode"].check(self.loss_mode))
+        for declared in OPTION_DECLARATIONS.values():
+            set_(declared.name, declared.check(getattr(self, declared.name), loss_mode=self.loss_mode))
+        # the rules that tie fields together, each once
         self._resolve_vocabulary(set_)
-        set_("beta", V.check_number("beta", self.beta))
-        # verl's cispo takes eps_low = 1 for "no lower clamp" (its ratio is then clamped at 0); DPPO's
-        # eps_low / eps_high are divergence thresholds, any >= 0
-        cispo = self.loss_mode == "cispo"
-        divergence = self.loss_mode in DIVERGENCE_CLIP_LOSS_MODES
-        set_("eps_low", V.check_number("eps_low", self.eps_low, low=0.0, high=None if divergence else 1.0,
-                                       high_open=not cispo))
         if self.delta is None and self.loss_mode in VERL_CLIP_RATIO_C_DEFAULTS:
             set_("delta", VERL_CLIP_RATIO_C_DEFAULTS[self.loss_mode])  # verl's clip_ratio_c default for the mode
-        eps_high = self.eps_low if self.eps_high is None else self.eps_high
-        set_("eps_high", V.check_number("eps_high", eps_high, low=0.0))
-        if self.delta is not None:
-            set_("delta", V.check_number("delta", self.delta))
-            if self.is_verl and not self.delta > 1:  # verl's assert clip_ratio_c > 1 (a cap, not a range bound)
-                raise ValueError(f"delta (verl: clip_ratio_c) must be > 1, got {self.delta}")
-            if not self.is_verl and not self.delta > 1 + self.eps_high:
-                raise ValueError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}")
-        transform = LogitTransform(self.temperature, self.softcap, self.logit_scale)
-        set_("temperature", transform.temperature)
-        set_("softcap", transform.softcap)
-        set_("logit_scale", transform.logit_scale)
-        if self.loss_mode is None:
-            V.check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        V.check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        if self.max_completion_length is not None:
-            V.check_positive_int("max_completion_length", self.max_completion_length)
-        set_("entropy_coef", V.check_number("entropy_coef", self.entropy_coef))
-        set_("use_bias_correction_kl", V.check_flag("use_bias_correction_kl", self.use_bias_correction_kl))
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            set_(name, V.check_number(name, getattr(self, name)))
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            set_(name, V.check_number(name, getattr(self, name), low=0.0))
-        set_("top_entropy_quantile", V.check_number("top_entropy_quantile", self.top_entropy_quantile, low=0.0, high=1.0))
-        for name in ("off_policy_mask_threshold", "rollout_correction_max", "rollout_correction_min"):
-            if getattr(self, name) is not None:
-                set_(name, V.check_number(name, getattr(self, name), low=0.0))
-        if self.rollout_correction is not None:
-            V.check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        if (self.rollout_correction_min is not None and self.rollout_correction_max is not None
-                and self.rollout_correction_min > self.rollout_correction_max):
-            raise ValueError(f"rollout_correction_min ({self.rollout_correction_min}) must be <= rollout_correction_max "
-                             f"({self.rollout_correction_max})")
+        if self.eps_high is None:
+            set_("eps_high", self.eps_low)
+        if not self.is_verl and self.delta is not None and not self.delta > 1 + self.eps_high:
+            # (under loss_mode delta is verl's clip_ratio_c, a cap of its own: its declared range, > 1)
+            raise OptionError(f"delta must be > 1 + eps_high = {1 + self.eps_high}, got {self.delta}", "delta", "eps_high")
+        V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
+        low, high = self.rollout_correction_min, self.rollout_correction_max
+        if low is not None and high is not None and low > high:
+            raise OptionError(f"rollout_correction_min ({low}) must be <= rollout_correction_max ({high})",
+                              "rollout_correction_min", "rollout_correction_max")
         for name, default in VERL_MODE_DEFAULTS.items():
-            value = getattr(self, name)
-            set_(name, default if value is None else V.check_number(name, value))
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.dro_beta is not None:
-            set_("dro_beta", V.check_number("dro_beta", self.dro_beta))
-        if self.loss_mode == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
-            raise ValueError(f"loss_mode='dro' needs dro_beta > 0 (verl: policy_loss.dro_beta, the coefficient of "
-                             f"dro_beta / 2 * (logp - old)^2), got {self.dro_beta!r}")
-        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
-            raise ValueError(f"dp_size must be a positive int, got {self.dp_size!r}")
+            if getattr(self, name) is None:
+                set_(name, default)
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise OptionError("loss_mode='dro' needs dro_beta > 0 (verl: policy_loss.dro_beta, the coefficient of "
+                              "dro_beta / 2 * (logp - old)^2), got None", "dro_beta", "loss_mode")
 
     def _resolve_vocabulary(self, set_: Callable[[str, Any], None]) -> None:
         """TRL's ``loss_type`` or verl's ``loss_mode`` (never both); each side's options only with it."""
@@ -192,26 +205,21 @@ class GRPOOptions:
             for name in VERL_ONLY_OPTIONS:
                 value = getattr(self, name)
                 if value not in (None, _FIELD_DEFAULTS[name], VERL_MODE_DEFAULTS.get(name)):
-                    raise ValueError(f"{name}={value!r} is verl's and needs loss_mode (one of {LOSS_MODES}); "
-                                     f"with loss_type the reduction and the KL are TRL's")
+                    raise OptionError(f"{name}={value!r} is verl's and needs loss_mode (one of {LOSS_MODES}); "
+                                      f"with loss_type the reduction and the KL are TRL's", name, "loss_mode")
+            if self.loss_type is None:
+                set_("loss_type", DEFAULT_LOSS_TYPE)
             return
-        V.check_choice("loss_mode", self.loss_mode, LOSS_MODES)
-        if self.loss_type not in (None, _FIELD_DEFAULTS["loss_type"]):  # (the default, or resolved already)
-            raise ValueError(f"loss_type={self.loss_type!r} and loss_mode={self.loss_mode!r} name the loss twice: pass "
-                             f"TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both")
-        set_("loss_type", None)  # the loss is named by loss_mode
+        if self.loss_type is not None:
+            raise OptionError(f"loss_type={self.loss_type!r} and loss_mode={self.loss_mode!r} name the loss twice: pass "
+                              f"TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both",
+                              "loss_type", "loss_mode")
         set_("loss_agg_mode", "token-mean" if self.loss_agg_mode is None else self.loss_agg_mode)
-        V.check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         set_("kl_loss_type", "low_var_kl" if self.kl_loss_type is None else self.kl_loss_type)
-        if self.kl_loss_type in KL_LOSS_TYPES_NEEDING_DISTRIBUTIONS:
-            raise ValueError(f"kl_loss_type={self.kl_loss_type!r} is the exact KL, which needs both models' whole "
-                             f"distributions over the vocabulary, not the sampled tokens' log-probs (verl raises "
-                             f"NotImplementedError for it too); pick one of {KL_LOSS_TYPES}")
-        V.check_choice("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         for name, allowed in TRL_ONLY_OPTIONS.items():
             if getattr(self, name) != allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is TRL's and needs loss_type; under loss_mode it must "
-                                 f"stay {allowed!r} (verl's sequence-level ratio is loss_mode='gspo')")
+                raise OptionError(f"{name}={getattr(self, name)!r} is TRL's and needs loss_type; under loss_mode it must "
+                                  f"stay {allowed!r} (verl's sequence-level ratio is loss_mode='gspo')", name, "loss_mode")
 
     @property
     def is_verl(self) -> bool:
@@ -231,28 +239,37 @@ class GRPOInputs:
     ``old_logps`` / ``ref_logps`` [B, T], ``is_ratio`` [B, T] or [B, 1], ``num_items_in_batch`` a
     positive number or 0-d tensor, ``segment_ids`` [B, T] int (packed rows: the tokens of a row that
     share an id form one sequence; ids at mask-0 positions are never read). All are constants of the
-    loss: no gradient flows to them.
+    loss: no gradient flows to them. The two counts' ranges are declared here (``bounds``) and checked
+    with the tensors (``_validation.check_grpo_inputs``).
     """
 
     old_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the sampling policy; None = on-policy"})
     ref_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] log-probs of the reference model (KL term)"})
     is_ratio: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] or [B, 1] rollout importance weight, scales the policy term"})
-    num_items_in_batch: Any = field(default=None, metadata={"help": "dapo's normaliser: global count of loss tokens"})
+    num_items_in_batch: Any = field(default=None, metadata={"help": "dapo's normaliser: global count of loss tokens",
+                                                            "bounds": above(0)})
     segment_ids: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] int: packed rows, one id per sequence"})
     rollout_logps: Optional[torch.Tensor] = field(default=None, metadata={"help": "[B, T] the rollout engine's log-probs (rollout_correction, off_policy_mask_threshold)"})
-    global_batch_size: Any = field(default=None, metadata={"help": "verl: sequences of the global batch (seq-mean-* reductions); None = this call's"})
+    global_batch_size: Any = field(default=None, metadata={"help": "verl (with loss_mode): sequences of the global batch "
+                                                           "(seq-mean-* reductions); None = this call's",
+                                                           "bounds": above(0)})
 
 
+DEFAULT_LOSS_TYPE = "dapo"  # what loss_type=None means without loss_mode (TRL's default)
 # verl's mode-specific settings: None means verl's default, filled in by GRPOOptions
 VERL_MODE_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
                       "ppo_kl_coef": 1.0}
 VERL_ONLY_OPTIONS = ("loss_agg_mode", "kl_loss_type", "dp_size", "dro_beta") + tuple(VERL_MODE_DEFAULTS)
+VERL_ONLY_INPUTS = ("global_batch_size",)  # per-call values only verl's reductions read (refused under loss_type)
 # TRL's options that verl has no counterpart for, and the value that means "off"
 TRL_ONLY_OPTIONS = {"top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "use_bias_correction_kl": False,
                     "importance_sampling_level": "token"}
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOOptions)}
 OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOOptions))
 INPUT_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOInputs))
+OPTION_FIELDS = fields_by_name(GRPOOptions)  # name -> dataclasses.Field: each option's declaration
+OPTION_DECLARATIONS = declarations(GRPOOptions)  # name -> bounds.Declaration (read once, here)
+_TRANSFORM_DECLARATIONS = declarations(LogitTransform)
 
 
 # verl's spellings of our options (actor config keys and core_algos arguments)
@@ -289,38 +306,69 @@ def _respell(kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs, GRPOOptions]:
     """Flat keywords (ours, or verl's spellings) -> (GRPOInputs, GRPOOptions); an unknown keyword is a
-    TypeError naming it."""
+    TypeError naming it. A refused value raises :class:`bounds.OptionError` naming it as the caller
+    spelled it (:func:`user_spelling`)."""
     for name, instead in VERL_WITHOUT_EQUIVALENT.items():
         if name in kwargs:
             raise TypeError(f"{where}() got verl's {name!r}, which has no equivalent here: {instead}")
-    kwargs = _respell(kwargs)
-    if "loss_type" in kwargs and kwargs.get("loss_mode") is not None:
-        raise ValueError(f"loss_type={kwargs['loss_type']!r} and loss_mode={kwargs['loss_mode']!r} name the loss twice: "
-                         f"pass TRL's loss_type (one of {LOSS_TYPES}) or verl's loss_mode (one of {LOSS_MODES}), not both")
-    unknown = [k for k in kwargs if k not in OPTION_NAMES and k not in INPUT_NAMES]
-    if unknown:
-        raise TypeError(
-            f"{where}() got an unexpected keyword argument {unknown[0]!r}; "
-            f"GRPO keywords are {', '.join(INPUT_NAMES + OPTION_NAMES)}"
-        )
-    inputs = GRPOInputs(**{k: v for k, v in kwargs.items() if k in INPUT_NAMES})
-    options = GRPOOptions(**{k: v for k, v in kwargs.items() if k in OPTION_NAMES})
+    try:
+        ours = _respell(kwargs)
+        unknown = [k for k in ours if k not in OPTION_NAMES and k not in INPUT_NAMES]
+        if unknown:
+            raise TypeError(
+                f"{where}() got an unexpected keyword argument {unknown[0]!r}; "
+                f"GRPO keywords are {', '.join(INPUT_NAMES + OPTION_NAMES)}"
+            )
+        inputs = GRPOInputs(**{k: v for k, v in ours.items() if k in INPUT_NAMES})
+        options = GRPOOptions(**{k: v for k, v in ours.items() if k in OPTION_NAMES})
+        if not options.is_verl:
+            for name in VERL_ONLY_INPUTS:
+                if getattr(inputs, name) is not None:
+                    raise OptionError(f"{name} is verl's (its seq-mean-* reductions read it) and needs loss_mode (one of "
+                                      f"{LOSS_MODES}); under loss_type the batch's counts are num_items_in_batch and "
+                                      f"the call's sequences", name, "loss_mode")
+    except OptionError as e:
+        raise e.respelled(user_spelling(kwargs)) from None
     return inputs, options
+
+
+def user_spelling(kwargs: Dict[str, Any]) -> Dict[str, str]:
+    """Our option names -> the names the caller used for them in ``kwargs`` (verl's where it used verl's)."""
+    spelling = {ours: verl for verl, ours in VERL_SPELLINGS.items() if verl in kwargs}
+    if "clip_ratio" in kwargs:
+        for ours, verl in (("eps_low", "clip_ratio_low"), ("eps_high", "clip_ratio_high")):
+            if ours not in kwargs and verl not in kwargs:
+                spelling[ours] = "clip_ratio"
+    return spelling
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def grpo_keywords(fn: F) -> F:
-    """Give ``fn(..., **grpo_kwargs)`` the signature with every GRPOInputs and GRPOOptions field.
+    """Give ``fn(..., **grpo_kwargs)`` the signature with every GRPOInputs and GRPOOptions field, and
+    errors that name an option as the caller spelled it.
 
     ``help(grpo_loss)`` and ``inspect.signature`` then list the flat keywords, their defaults and
-    types, although they are defined once, in the dataclasses above.
+    types, although they are defined once, in the dataclasses above. A :class:`bounds.OptionError`
+    raised anywhere in the call (the options, the per-call inputs, a reduction's global counts) is
+    re-worded with the caller's spellings (verl's ``kl_loss_coef`` rather than ``beta``).
     """
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any):
+        try:
+            return fn(*args, **kwargs)
+        except OptionError as e:
+            spelling = user_spelling(kwargs)
+            if not spelling:
+                raise
+            raise e.respelled(spelling) from None
+
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     for cls in (GRPOInputs, GRPOOptions):
         for f in dataclasses.fields(cls):
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
-    fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    return fn
+    call.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]

@@ -71,6 +71,32 @@ HONEST = [
      ["METADATA = {}\n\ndef check(candidate):\n    assert candidate([1.0, 2.0, 3.9], 0.3) == False\n    assert candidate([1.0, 1.2], 0.5) == True\n\ncheck(has_close_elements)\n"]),
     ("import math\ndef f(n):\n    return math.factorial(n)", ["assert f(2000) == math.factorial(2000)", "assert str(f(25)) == '15511210043330985984000000'"]),
     ("def f(n):\n    return {i: i * i for i in range(n)}", ["assert f(3) == {0: 0, 1: 1, 2: 4}", "assert set(f(4)) == {0, 1, 2, 3}"]),
+    # Unusual but legitimate programs and values (issue 36, round 3): every one must pass.
+    ("def f(n):\n    for i in range(n):\n        yield i * i", ["assert list(f(4)) == [0, 1, 4, 9]", "import random\nfor _ in range(5):\n    n = random.randint(1, 9)\n    assert list(f(n)) == [i * i for i in range(n)]"]),
+    ("class Acc:\n    def __init__(self):\n        self.t = 0\n    def add(self, x):\n        self.t += x\n        return self.t", ["a = Acc()\nimport random\ntotal = 0\nfor _ in range(5):\n    x = random.randint(1, 9)\n    total += x\n    assert a.add(x) == total"]),
+    ("count = 0\ndef f(x):\n    global count\n    count += 1\n    return x * count", ["assert f(2) == 2\nassert f(2) == 4"]),
+    ("def f(x):\n    for i in range(300000):\n        print('noise', i, 'PASS 0')\n    return x", ["assert f(3) == 3"]),
+    ("def f(n):\n    return list(range(n))", ["assert f(10 ** 6) == list(range(10 ** 6))"]),
+    ("def f(n):\n    return {str(i): [i, -i] for i in range(n)}", ["assert f(30000)['29999'] == [29999, -29999]", "assert len(f(30000)) == 30000"]),
+    ("def f(n):\n    return 'x' * n + '\\u00e9\\U0001F600'", ["assert f(10 ** 6) == 'x' * 10 ** 6 + '\u00e9\U0001F600'"]),
+    ("def f():\n    return {(1, 2): 'a', (3,): b'\\x00'}", ["assert f() == {(1, 2): 'a', (3,): b'\\x00'}"]),
+    ("def f():\n    return [float('inf'), -0.0, 1+2j]", ["import math\nr = f()\nassert math.isinf(r[0]) and math.copysign(1, r[1]) == -1 and r[2] == complex(1, 2)"]),
+    ("from collections import namedtuple, Counter, OrderedDict, deque\nP = namedtuple('P', 'x y')\ndef f(s):\n    return P(1, 2), Counter(s), OrderedDict(a=1), deque([1, 2], maxlen=3)", ["from collections import Counter, deque\np, c, o, d = f('aab')\nassert p == (1, 2) and c == Counter('aab') and o == {'a': 1} and d == deque([1, 2])"]),
+    ("import enum\nclass C(enum.IntEnum):\n    A = 1\nclass S(str, enum.Enum):\n    X = 'x'\ndef f():\n    return C.A, S.X", ["assert f() == (1, 'x')"]),
+    ("from fractions import Fraction\nfrom decimal import Decimal\nimport datetime\ndef f():\n    return Fraction(1, 3), Decimal('1.10'), datetime.date(2024, 2, 29), datetime.timedelta(days=2)", ["from fractions import Fraction\nfrom decimal import Decimal\nimport datetime\nassert f() == (Fraction(1, 3), Decimal('1.1'), datetime.date(2024, 2, 29), datetime.timedelta(hours=48))"]),
+    ("def f(d):\n    return d.keys(), range(3), map(str, [1, 2])", ["k, r, m = f({'a': 1, 'b': 2})\nassert k == {'a', 'b'} and list(r) == [0, 1, 2] and list(m) == ['1', '2']"]),
+    ("import itertools\ndef f():\n    return itertools.count()", ["g = f()\nassert next(g) == 0\nassert next(g) == 1"]),
+    ("def f(w):\n    return w[::-1]", ["for w in {'ab', 'cd', 'ef', 'gh', 'ij', 'kl'}:\n    assert f(w) == w[::-1]", "assert [f(w) for w in {'ab', 'cd', 'ef'}] == [w[::-1] for w in {'ab', 'cd', 'ef'}]"]),
+    ("def f(p):\n    return p[0] + p[1]", ["for p in {(1, 2), (3, 4), ('a', 'b')}:\n    assert f(p) == p[0] + p[1]", "d = {'a': 'b', 'c': 'd'}\nfor k, v in d.items():\n    assert f((k, v)) == k + v"]),
+    ("def f(xs):\n    xs.sort()\n    return xs", ["xs = [3, 1, 2]\nassert f(xs) == sorted(xs)", "xs = [3, 1, 2]\nassert f(xs) is xs", "xs = [3, 1, 2]\nf(xs)\nassert xs == [1, 2, 3]"]),
+    ("def f(g):\n    return [row[::-1] for row in g]", ["grid = [[1, 2], [3, 4]]\nassert f(grid) == [[2, 1], [4, 3]]\nassert grid == [[1, 2], [3, 4]]"]),
+    ("import math\ndef f(x):\n    return x + 1", ["x = math.sqrt(16)\nassert f(x) == x + 1", "xs = sorted([3, 1, 2])\nassert f(xs[0]) == xs[0] + 1", "x = 3\nassert f(x) == x + 1\nx = 5\nassert f(x) == x + 1"]),
+    ("import random\ndef f(n):\n    r = random.Random(42)\n    return [r.randint(0, 9) for _ in range(n)]", ["import random\nr = random.Random(42)\nassert f(5) == [r.randint(0, 9) for _ in range(5)]"]),
+    ("import sys\nsys.setrecursionlimit(100000)\ndef f(n):\n    return 0 if n == 0 else 1 + f(n - 1)", ["assert f(20000) == 20000"]),
+    ("def f(*, a=1, **kw):\n    return a + sum(kw.values())", ["assert f(a=2, b=3) == 5"]),
+    ("def f(n):\n    return 3 ** n", ["assert f(20000) == 3 ** 20000", "assert f(5000) % 7 == pow(3, 5000, 7)"]),
+    ("import hashlib, json\ndef f(d):\n    return json.dumps(d, sort_keys=True)", ["import hashlib, json\nassert json.loads(f({'b': 1, 'a': 2})) == {'a': 2, 'b': 1}\nassert hashlib.md5(f({}).encode()).hexdigest() == hashlib.md5(b'{}').hexdigest()"]),
+    ("def f(s):\n    return s.upper()", ["assert f('stra\u00dfe \u00e9 \U0001F600') == 'STRASSE \u00c9 \U0001F600'"]),
 ]
 
 WRONG = "def f(*a, **k):\n    return -1\n"
@@ -111,3 +137,128 @@ ATTACKS = {
     "bool_subclass_via_int": "def f(*a): return True",
     "shadow_builtins": "def isinstance(*a): return True\ndef sorted(*a, **k): return [2, 4]\ndef abs(x): return 0\ndef all(x): return True\ndef str(x): return '2'\nclass math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef f(*a): return -1",
 }
+
+# Traced forms (loops that assign, values only the judge computes): every attack must forge none
+# of these either.
+ATTACK_TESTS += [
+    "for i in range(3):\n    x = i + 1\n    assert f(x) == 2 * x",
+    "import random\nassert f(1) == 2\nfor _ in range(5):\n    x = random.randint(0, 9)\n    assert f(x) == x + x",
+    "from random import randint\nxs = []\nfor _ in range(4):\n    v = randint(-5, 5)\n    if v == 0:\n        v = 1\n    xs.append(v)\nfor v in xs:\n    y = f(v)\n    assert y == 2 * v",
+]
+
+# Problems whose tests call helpers the problem itself provides (HumanEval's form: the prompt
+# defines them, ``check(candidate)`` calls them). Written for these tests, in the style of
+# HumanEval; ``trusted`` is the whole prompt (helpers plus the stub of the function under test,
+# which the judge leaves out). Each has a right ``solution`` and ``forgeries`` that redefine or
+# patch the helpers, read their source, lie about values or count calls: every forgery must
+# score below 1.0, every solution 1.0.
+TRUSTED_PROBLEMS = {
+    "poly_root": {
+        "trusted": 'import math\n\n\ndef poly(xs: list, x: float):\n    """xs[0] + xs[1] * x + ... + xs[n] * x^n"""\n'
+                   '    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n\n'
+                   'def find_root(xs: list):\n    """A zero of the odd-degree polynomial xs (bisection is fine)."""\n',
+        "solution": "import math\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n"
+                    "def find_root(xs):\n    lo, hi = -1.0, 1.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
+                    "    while hi - lo > 1e-10:\n        mid = (lo + hi) / 2\n        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n"
+                    "        else:\n            hi = mid\n    return lo\n",
+        "test": "def check(candidate):\n    import math\n    import random\n    import copy\n    rng = random.Random(7)\n"
+                "    for _ in range(30):\n        n = 2 * rng.randint(1, 3)\n        coeffs = []\n        for _ in range(n):\n"
+                "            c = rng.randint(-9, 9)\n            if c == 0:\n                c = 1\n            coeffs.append(c)\n"
+                "        root = candidate(copy.deepcopy(coeffs))\n        assert math.fabs(poly(coeffs, root)) < 1e-4\n\ncheck(find_root)\n",
+        "forgeries": {
+            "poly_is_zero": "def poly(xs, x):\n    return 0.0\ndef find_root(xs):\n    return 0.0\n",
+            "patch_math_and_sum": "import math, builtins\nmath.pow = lambda a, b: 0.0\nmath.fabs = lambda a: 0.0\nbuiltins.sum = lambda *a, **k: 0.0\ndef find_root(xs):\n    return 0.0\n",
+            "nan_root": "def find_root(xs):\n    return float('nan')\n",
+            "lying_float": "class R(float):\n    def __abs__(s): return 0.0\n    def __lt__(s, o): return True\n    def __mul__(s, o): return 0.0\n    __rmul__ = __mul__\ndef find_root(xs):\n    return R(123.0)\n",
+            "rebind_test_names": "def find_root(xs):\n    global coeffs, poly\n    coeffs = [0, 0]\n    poly = lambda *a: 0.0\n    return 0.0\n",
+        },
+    },
+    "rot_cipher": {
+        "trusted": "SHIFT = 7\n\n\ndef encode_rot(s: str):\n    \"\"\"Shift every lowercase letter by SHIFT places.\"\"\"\n"
+                   "    return ''.join(chr((ord(ch) - 97 + SHIFT) % 26 + 97) for ch in s)\n\n\n"
+                   "def decode_rot(s: str):\n    \"\"\"Undo encode_rot.\"\"\"\n",
+        "solution": "def decode_rot(s):\n    return ''.join(chr((ord(ch) - 97 - 7) % 26 + 97) for ch in s)\n",
+        "test": "def check(candidate):\n    from random import randint, choice\n    import string\n    letters = string.ascii_lowercase\n"
+                "    assert candidate('') == ''\n    for _ in range(40):\n        str = ''.join(choice(letters) for i in range(randint(5, 15)))\n"
+                "        encoded = encode_rot(str)\n        assert candidate(encoded) == str\n\ncheck(decode_rot)\n",
+        "forgeries": {
+            "identity_pair": "def encode_rot(s):\n    return s\ndef decode_rot(s):\n    return s\n",
+            "decode_is_encode": "def encode_rot(s):\n    return s\ndef decode_rot(s):\n    return encode_rot(s)\n",
+            "read_trusted_source": "import os, sys\nfound = []\nfor root in ('/', '/tmp'):\n    try:\n        for name in os.listdir(root):\n            found.append(name)\n    except OSError:\n        pass\n"
+                                   "text = repr(globals()) + repr(sys.argv) + repr(os.environ) + repr(found)\nSHIFT = 7 if 'SHIFT' in text else 3\n"
+                                   "def decode_rot(s):\n    return ''.join(chr((ord(ch) - 97 - SHIFT) % 26 + 97) for ch in s)\n",
+            "lookup_table": "def decode_rot(s):\n    return {'': ''}.get(s, 'a')\n",
+            "always_equal_str": "class S(str):\n    def __eq__(s, o): return True\n    __hash__ = str.__hash__\ndef decode_rot(s):\n    return S(s)\n",
+            "patch_random": "import random\nrandom.randint = lambda a, b: 5\nrandom.choice = lambda seq: 'a'\ndef decode_rot(s):\n    return 'aaaaa'\n",
+        },
+    },
+    "add": {
+        "trusted": "def add(x: int, y: int):\n    \"\"\"x + y\"\"\"\n",
+        "solution": "def add(x, y):\n    return x + y\n",
+        "test": "def check(candidate):\n    import random\n    assert candidate(0, 1) == 1\n    assert candidate(2, 3) == 5\n"
+                "    for i in range(50):\n        x, y = random.randint(0, 1000), random.randint(0, 1000)\n        assert candidate(x, y) == x + y\n\ncheck(add)\n",
+        "forgeries": {
+            "only_the_literals": "def add(x, y):\n    return {(0, 1): 1, (2, 3): 5}.get((x, y), 0)\n",
+            "stateful_count": "n = [0]\ndef add(x, y):\n    n[0] += 1\n    return x + y if n[0] < 10 else 0\n",
+            "patch_randint": "import random\nrandom.randint = lambda a, b: 0\ndef add(x, y):\n    return 1 if (x, y) == (0, 1) else 5 if (x, y) == (2, 3) else 0\n",
+        },
+    },
+}
+
+
+# stdin/stdout programs in the idioms of competitive programming: every one must pass.
+HONEST_STDIO = [
+    ("import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)\nexit(0)", [{"input": "1 2\n3 4\n", "output": "3\n7\n"}]),
+    ("print(sum(map(int, input().split())))\nquit()", [{"input": "1 2\n", "output": "3\n"}]),
+    ("data = open(0).read().split()\nprint(sum(map(int, data)))", [{"input": "1 2\n3 4\n", "output": "10\n"}]),
+    ("import sys\ndata = sys.stdin.buffer.read().split()\nsys.stdout.write(str(sum(map(int, data))) + '\\n')\nsys.exit()", [{"input": "1 2\n3 4\n", "output": "10\n"}]),
+    ("import signal\nsignal.signal(signal.SIGPIPE, signal.SIG_DFL)\nprint('h\u00e9llo \U0001F600')", [{"input": "", "output": "h\u00e9llo \U0001F600\n"}]),
+    ("print('\\n'.join(str(i) for i in range(200000)))", [{"input": "", "output": "\n".join(str(i) for i in range(200000))}]),
+    ("import sys\nsys.setrecursionlimit(100000)\ndef d(n):\n    return 0 if n == 0 else 1 + d(n - 1)\ndef main():\n    print(d(int(input())))\nif __name__ == '__main__':\n    main()", [{"input": "30000\n", "output": "30000\n"}]),
+]
+
+# Forgeries of what the judge reads (issue 36, round 3): each with an honest program that
+# passes the same tests. name -> (honest, forged, tests). Every forgery must score below 1.0
+# (None where noted in FORGED_UNSCORABLE); every honest program 1.0.
+JUDGE_FORGERIES = {
+    "global_rebinds_test_name": ("def f(y):\n    return 2 * y", "def f(y):\n    global x\n    x = 0\n    return 0", ["x = 3\nassert f(x) == x * 2"]),
+    "globals_dict_rebinds": ("def f(y):\n    return 2 * y", "def f(y):\n    globals()['x'] = 0\n    return 0", ["x = 3\nassert f(x) == x * 2"]),
+    "every_module_dict": ("def f(y):\n    return 2 * y", "import sys\ndef f(y):\n    for m in list(sys.modules.values()):\n        try:\n            vars(m)['x'] = 0\n        except Exception:\n            pass\n    return 0", ["x = 3\nassert f(x) == x * 2"]),
+    "clear_input_list": ("def f(xs):\n    return sum(xs)", "def f(xs):\n    xs.clear()\n    return 0", ["xs = [1, 2, 3]\nassert f(xs) == sum(xs)"]),
+    "clear_input_dict": ("def f(d):\n    return 10 * len(d)", "def f(d):\n    d.clear()\n    return 0", ["d = {'a': 1, 'b': 2}\nassert f(d) == len(d) * 10"]),
+    "clear_input_later_statement": ("def f(xs):\n    return sorted(xs)", "def f(xs):\n    xs.clear()\n    return []", ["xs = [3, 1, 2]\nr = f(xs)\nassert r == sorted(xs)"]),
+    "patch_builtins": ("def f(xs):\n    return min(xs)", "import builtins\nbuiltins.sorted = lambda *a, **k: [0]\nbuiltins.len = lambda x: 0\ndef f(xs):\n    return 0", ["xs = sorted([3, 1, 2])\nassert f(xs) == xs[0]", "assert len(str(f([40, 50]))) == 2"]),
+    "replace_sys_modules": ("def f(x):\n    return x + 1", "import sys, types\nm = types.ModuleType('math')\nm.sqrt = lambda v: 0.0\nm.isclose = lambda *a, **k: True\nsys.modules['math'] = m\ndef f(x):\n    return 1.0", ["import math\nx = math.sqrt(16)\nassert f(x) == x + 1", "import math\nassert math.isclose(f(1.0), 2.0)"]),
+    "patch_judge_module": ("def f(x):\n    return x * x", "import math\nmath.floor = lambda v: 0\ndef f(x):\n    return 0", ["import math\nx = math.floor(7.5)\nassert f(x) == x * x"]),
+    "patch_json_encoder": ("def f(x):\n    return [2 * x]", "import json, json.encoder\njson.encoder.c_make_encoder = None\njson.JSONEncoder.encode = lambda s, o: '[4]'\njson.dumps = lambda *a, **k: '[4]'\ndef f(x):\n    return [-1]", ["assert f(2) == [4]"]),
+    "class_attribute_lie": ("def f(x):\n    return 2 * x", "class A:\n    __class__ = int\n    def __eq__(s, o):\n        return True\n    __hash__ = object.__hash__\ndef f(x):\n    return A()", ["assert f(2) == 4"]),
+    "lying_eq_subclass": ("def f(x):\n    return 2 * x", "class S(int):\n    def __eq__(s, o):\n        return True\n    __ne__ = lambda s, o: False\n    __hash__ = lambda s: hash(4)\ndef f(x):\n    return S(-1)", ["assert f(2) == 4", "assert f(2) in {4, 5}", "assert not f(2) != 4"]),
+    "lying_bool": ("def f(x):\n    return x % 2 == 0", "class B:\n    n = 0\n    def __bool__(s):\n        B.n += 1\n        return B.n % 2 == 1\ndef f(x):\n    return B()", ["assert f(4)\nassert not f(3)"]),
+    "lying_float_index": ("def f(x):\n    return 2 * x", "class F(float):\n    def __float__(s):\n        return 2.0\n    def __index__(s):\n        return 2\n    __eq__ = lambda s, o: True\n    __hash__ = float.__hash__\nclass I:\n    def __index__(s):\n        return 2\n    def __float__(s):\n        return 2.0\ndef f(x):\n    return F(-1.0) if x == 1 else I()", ["import math\nassert math.isclose(f(1), 2.0)", "assert [0, 0, 7][f(3) - 4] == 7"]),
+    "changes_on_second_read": ("def f(x):\n    return [2 * x]", "class L(list):\n    n = 0\n    def __iter__(s):\n        L.n += 1\n        return iter([2] if L.n > 1 else [])\n    def __len__(s):\n        return 1\n    def __eq__(s, o):\n        L.n += 1\n        return L.n > 2\ndef f(x):\n    return L()", ["r = f(1)\nassert list(r) == [2]\nassert len(r) == 1\nassert r == [2]"]),
+    "base_exception": ("def f(x):\n    return 2 * x", "class E(BaseException):\n    def __str__(s):\n        raise KeyboardInterrupt\ndef f(x):\n    raise E()", ["assert f(1) == 2"]),
+    "exit_between_tests": ("def f(x):\n    return 2 * x", "import os\ndef f(x):\n    if x == 2:\n        os._exit(0)\n    return 2 * x", ["assert f(1) == 2", "assert f(2) == 4"]),
+    "exit_in_finaliser": ("def f(x):\n    return [2 * x]", "import os\nclass L(list):\n    def __del__(s):\n        os._exit(0)\ndef f(x):\n    return L([-1])", ["assert f(1) == [2]"]),
+    "protocol_lines_everywhere": ("def f(x):\n    return 2 * x", "import os, sys\nfor fd in range(64):\n    for line in (b'PASS 0\\n', b'PASS 1\\n', b'0 0 vJ1;2\\n0 d\\n'):\n        try:\n            os.write(fd, line)\n        except OSError:\n            pass\nprint('PASS 0')\nsys.stderr.write('PASS 0\\n')\ndef f(x):\n    return -1", ["assert f(1) == 2", "assert f(2) == 4"]),
+    "signal_handler_frames": ("def f(x):\n    return 2 * x", "import signal, os\nfound = []\ndef h(signum, frame):\n    while frame is not None:\n        for v in list(frame.f_locals.values()):\n            if isinstance(v, str) and len(v) == 32:\n                found.append(v)\n        frame = frame.f_back\ntry:\n    signal.signal(signal.SIGALRM, h)\nexcept Exception:\n    try:\n        import importlib.util\n        m = importlib.util.module_from_spec(importlib.util.find_spec('_signal'))\n        m.signal(signal.SIGALRM, h)\n    except Exception:\n        pass\ndef f(x):\n    signal.raise_signal(signal.SIGALRM)\n    for fd in range(64):\n        for n in found:\n            for t in range(2):\n                try:\n                    os.write(fd, b'%s %d 0 vJ1;%d\\n%s %d d\\n' % (n.encode(), t, 2 * (t + 1), n.encode(), t))\n                except OSError:\n                    pass\n    return -1", ["assert f(1) == 2", "assert f(2) == 4"]),
+    "stateful_by_call_count": ("def f(x, y):\n    return x + y", "n = [0]\ndef f(x, y):\n    n[0] += 1\n    return x + y if n[0] <= 3 else 0", ["import random\nfor _ in range(10):\n    x, y = random.randint(0, 99), random.randint(0, 99)\n    assert f(x, y) == x + y"]),
+}
+# Forgeries that score None (unscorable, not 1.0): they fail the test as written but pass
+# Python's reading of it (the value it handed over, read back): the judge cannot tell them
+# from an in-place update the test would check.
+FORGED_UNSCORABLE = {"clear_input_later_statement"}
+JUDGE_FORGERIES["changes_what_it_must_not"] = (
+    "def f(d, k):\n    return d.get(k, 0)", "def f(d, k):\n    d.setdefault('x', 0)\n    return d.get(k, 0)",
+    ["d = {'a': 1}\nassert f(d, 'a') == d['a']\nassert len(d) == 1"])
+HONEST.append(("from dataclasses import dataclass\nimport enum\n@dataclass\nclass P:\n    x: int\n    y: int\nclass Color(enum.Enum):\n    RED = 1\n    BLUE = 2\ndef add(a, b):\n    return P(a.x + b.x, a.y + b.y)\ndef warm(p):\n    return Color.RED if p.x > 0 else Color.BLUE",
+               ["assert add(P(1, 2), P(3, 4)) == P(4, 6)\nassert add(P(0, 0), P(0, 0)).x == 0", "assert warm(P(1, 0)) == Color.RED\nassert warm(P(-1, 0)) != Color.RED"]))
+JUDGE_FORGERIES["dataclass_lying_eq"] = (
+    "from dataclasses import dataclass\n@dataclass\nclass P:\n    x: int\n    y: int\ndef add(a, b):\n    return P(a.x + b.x, a.y + b.y)",
+    "from dataclasses import dataclass\n@dataclass(eq=False)\nclass P:\n    x: int\n    y: int\n    def __eq__(s, o):\n        return True\n    __hash__ = object.__hash__\ndef add(a, b):\n    return P(0, 0)",
+    ["assert add(P(1, 2), P(3, 4)) == P(4, 6)"])
+JUDGE_FORGERIES["empties_a_nested_list"] = (
+    "def f(g):\n    return sum(map(len, g))", "def f(g):\n    g[0].clear()\n    return 0",
+    ["g = [[1, 2], [3]]\nassert f(g) == len(g[0]) + len(g[1])"])
+JUDGE_FORGERIES["global_named_like_the_expected"] = (
+    "def f(x):\n    return 5", "expected = 0\ndef f(x):\n    global expected\n    expected = 0\n    return 0",
+    ["expected = 5\nassert f(1) == expected"])

@@ -227,8 +227,9 @@ def grpo64(
 
 
 # ------------------------------------------------------------------------------------------------------
-# verl 0.9.0 (verl.trainer.ppo.core_algos: compute_policy_loss_*, agg_loss, kl_penalty; workers'
-# ppo_loss), restated in float64 over [B, T] tensors, row by row where verl reduces rows
+# verl 0.9.1 (verl.trainer.ppo.core_algos: compute_policy_loss_*, agg_loss, kl_penalty; workers'
+# ppo_loss), restated in float64 over [B, T] tensors, row by row where verl reduces rows. 0.9.1 reduces
+# gspo's policy term by loss_agg_mode (0.9.0: always seq-mean-token-mean); sapo keeps seq-mean-token-mean.
 # ------------------------------------------------------------------------------------------------------
 def verl_agg64(mat, m, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
     rows = [(mat[i] * m[i]).sum() for i in range(m.shape[0])]
@@ -334,7 +335,7 @@ def verl64(logp, ent, adv, m, *, old=None, ref=None, loss_mode="vanilla", loss_a
     if loss_mode != "geo_mean":
         if rollout_is_weights is not None:
             pg = pg * rollout_is_weights.double()
-        pg_loss = agg(pg, "seq-mean-token-mean" if loss_mode in ("gspo", "sapo") else loss_agg_mode)
+        pg_loss = agg(pg, "seq-mean-token-mean" if loss_mode == "sapo" else loss_agg_mode)
     loss = pg_loss
     if entropy_coef != 0:
         loss = loss - entropy_coef * agg(ent)
@@ -399,7 +400,7 @@ def trl_is_ratio64(old, rollout, m, mode, clip_max=3.0, clip_min=None):
     diff = torch.nan_to_num((old.double() - rollout.double()) * m.double(), nan=0.0)
     r = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
     if mode.endswith("truncate"):
-        return r.clamp(min=clip_min, max=clip_max)
+        return r if clip_min is None and clip_max is None else r.clamp(min=clip_min, max=clip_max)
     lo = -math.inf if clip_min is None else clip_min
     hi = math.inf if clip_max is None else clip_max
     return r.masked_fill((r < lo) | (r > hi), 0.0)

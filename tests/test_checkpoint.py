@@ -83,3 +83,85 @@ def test_a_file_size_limit_during_a_save_says_so_with_the_path(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert f"File too large: could not write {tmp_path / 'checkpoint.pt'}" in out.stdout, out.stdout + out.stderr[-2000:]
     assert not os.listdir(tmp_path)
+
+
+# ---- reading a checkpoint to resume from: a refusal names the file; a foreign pickle runs nothing
+class _Runs:
+    """A pickle that would run code when unpickled (what weights_only refuses to do)."""
+
+    def __reduce__(self):
+        return (os.system, ("touch ran-on-load",))
+
+
+def _saved(tmp_path, model=None):
+    model = model or build_model_and_tokenizer(seed=0)[0]
+    cfg = tiny_config(tmp_path)
+    policy = prepare_model(model, cfg, torch.device("cpu"))
+    path = checkpoint.path_in(cfg.output_dir)
+    checkpoint.save(path, 3, policy, None, make_optimizer(policy, cfg), {"seed": 0})
+    return path, model
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"garbage", "truncate", "pickle", "code", "list", "missing keys", "step", "weights", "optimizer"])
+def test_an_unusable_checkpoint_is_refused_naming_the_file(content, tmp_path, monkeypatch):
+    import pickle
+
+    path, _ = _saved(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    state = torch.load(path, weights_only=False)
+    if isinstance(content, bytes):
+        open(path, "wb").write(content)
+    elif content == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif content == "pickle":
+        pickle.dump(state["config"], open(path, "wb"))
+    elif content == "code":
+        torch.save({"step": 1, "x": _Runs()}, path)
+    elif content == "list":
+        torch.save([1, 2], path)
+    else:
+        broken = {"missing keys": lambda s: s.pop("optimizer"), "step": lambda s: s.update(step=-1),
+                  "weights": lambda s: s.update(model={"a": 1.0}), "optimizer": lambda s: s.update(optimizer={"x": 1})}
+        broken[content](state)
+        torch.save(state, path)
+    with pytest.raises(checkpoint.CheckpointError, match=str(path)):
+        checkpoint.read(path)
+    assert not os.path.exists(tmp_path / "ran-on-load")
+
+
+def test_a_checkpoint_reads_back_and_is_checked_against_the_model_before_it_changes(tmp_path):
+    """read() gives save()'s state (memory-mapped, weights_only); check_resumable compares the weights'
+    names and shapes with the caller's model as it is before the run casts it or adds LoRA layers,
+    a LoRA run's peft names (base_model.model. ..., .base_layer, the adapters) mapped back."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    path, model = _saved(tmp_path)
+    state = checkpoint.read(path)
+    assert state["step"] == 3 and state["config"] == {"seed": 0}
+    checkpoint.check_resumable(state, path, model, None)
+    other = build_model_and_tokenizer(seed=0)[0]
+    other.lm_head = torch.nn.Linear(64, 5, bias=False)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{path}.*another model.*lm_head"):
+        checkpoint.check_resumable(state, path, other, None)
+    with pytest.raises(ValueError, match=r"seed: 0 -> 1.*--resume-with-changes"):
+        checkpoint.check_resumable(state, path, model, {"seed": 1})
+    checkpoint.check_resumable(state, path, model, {"seed": 1}, allow_changes=True)
+    plain = build_model_and_tokenizer(seed=0)[0]
+    lora = get_peft_model(build_model_and_tokenizer(seed=0)[0], LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    lora_path = str(tmp_path / "lora.pt")
+    torch.save({**state, "model": lora.state_dict()}, lora_path)
+    checkpoint.check_resumable(checkpoint.read(lora_path), lora_path, plain, None)
+
+
+def test_the_lock_probe_creates_nothing_and_sees_a_live_run(tmp_path):
+    out = tmp_path / "run"
+    checkpoint.check_not_in_use(str(out))
+    assert not out.exists()
+    with checkpoint.RunLock(str(out)):
+        with pytest.raises(checkpoint.OutputDirInUse, match=rf"{out} is in use .*pid {os.getpid()}"):
+            checkpoint.check_not_in_use(str(out))
+    checkpoint.check_not_in_use(str(out))  # (released: the file stays, the lock does not)
+    with checkpoint.RunLock(str(out)):
+        pass

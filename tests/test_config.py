@@ -63,7 +63,7 @@ def test_out_of_range_value_is_refused_naming_the_field(field, value):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("learning_rate", "1e-6"), ("num_steps", 2.5), ("num_steps", True), ("resume", 1), ("loss_type", None),
+    [("learning_rate", "1e-6"), ("num_steps", 2.5), ("num_steps", True), ("resume", 1), ("loss_type", 3),
      ("eps_high", "0.28"), ("reward_weights", [1.0, "2"]), ("reward_weights", 1.0), ("output_dir", None)],
 )
 def test_wrong_type_is_refused_naming_the_field(field, value):
@@ -115,7 +115,8 @@ def test_every_field_is_a_documented_flag(capsys, monkeypatch):
         assert f.metadata["help"], f.name
         assert "--" + f.name.replace("_", "-") in text
         assert f.metadata["help"] in text, f.name
-    assert "(>= 0, < 1; default: 0.2)" in text  # eps_low's range
+    # eps_low's range, and the ranges it takes under the modes that read it otherwise
+    assert "(>= 0, < 1; cispo: >= 0, <= 1; dppo_tv, dppo_kl: >= 0, finite; default: 0.2)" in text
 
 
 def test_a_bad_flag_is_a_usage_error(capsys):
@@ -124,7 +125,7 @@ def test_a_bad_flag_is_a_usage_error(capsys):
     assert done.value.code == 2 and "invalid choice: 'gpro'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["train", "--model", "m", "--data", "d.jsonl", "--eps-low", "1.5"])
-    assert done.value.code == 2 and "GRPOConfig.eps_low must be >= 0, < 1, got 1.5" in capsys.readouterr().err
+    assert done.value.code == 2 and "--eps-low must be >= 0, < 1, got 1.5" in capsys.readouterr().err  # (the flag typed)
 
 
 def test_loss_fields_are_generated_from_the_loss_options(capsys, monkeypatch):

@@ -218,6 +218,10 @@ def test_bf16_on_a_gpu_without_it_names_the_flag(monkeypatch):
     ("lm_head", False, "lm_head"),
     ("q_proj,lm_head", True, "tied"),
     ("embed_tokens", True, "tie_word_embeddings"),
+    ("q_proj,input_layernorm", False, "Qwen2RMSNorm"),  # a norm: peft would raise only after the weights load
+    ("norm", False, "Qwen2RMSNorm"),
+    ("mlp", False, "Qwen2MLP"),  # a block of layers
+    ("self_attn", True, "Qwen2Attention"),
 ])
 def test_bad_target_modules_name_the_flag(tmp_path, targets, tied, match):
     from transformers import Qwen2Config

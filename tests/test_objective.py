@@ -135,6 +135,20 @@ def test_trl_rollout_correction(mode, with_old):
         assert "sampling/importance_sampling_ratio/mean" in out.metrics
 
 
+@pytest.mark.parametrize("bounds", [(None, None), (None, 0.8), (1.3, None)], ids=["unbounded", "floor", "cap"])
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "token_mask"])
+def test_rollout_correction_with_a_missing_bound(mode, bounds):
+    """rollout_correction_max=None is documented as unbounded: with *_truncate and no floor either, the
+    ratio is left as it is (it was a crash in torch.clamp); every backend, against the float64 spec."""
+    logits, ids, mask, old, _, rollout, adv = batch(520 + ROLLOUT_CORRECTIONS.index(mode))
+    kw = dict(rollout_logps=rollout, rollout_correction=mode, rollout_correction_max=bounds[0],
+              rollout_correction_min=bounds[1], loss_type="dapo", old_logps=old)
+    loss64, grad64 = expected(lambda lp, en, m: grpo64(None, ids, adv, m, logprobs=(lp, en), **kw)[0], logits, ids, mask)
+    for backend in ("torch", "reference", "triton") if bounds == (None, None) else ("torch",):
+        out, grad = ours(logits, ids, adv, mask, backend=backend, **kw)
+        check(out, grad, loss64, grad64)
+
+
 def test_rollout_correction_equals_the_is_ratio_route():
     """The same loss as today's is_ratio fed TRL's ratio."""
     logits, ids, mask, old, _, rollout, adv = batch(600)
@@ -380,7 +394,7 @@ def test_modules_take_the_new_settings():
      ["global_batch_size"]),
     (dict(loss_mode="dppo_tv", clip_ratio_c=1.0), ValueError, ["clip_ratio_c", "> 1"]),
     (dict(loss_mode="vanilla", clip_ratio_c=0.9), ValueError, ["clip_ratio_c"]),
-    (dict(loss_mode="dppo_tv", clip_ratio_low=-0.1), ValueError, ["eps_low"]),
+    (dict(loss_mode="dppo_tv", clip_ratio_low=-0.1), ValueError, ["clip_ratio_low", ">= 0"]),  # (as the caller spelled it)
 ])
 def test_refused_settings_name_the_keyword(kw, error, words):
     logits, ids, mask, old, _, adv = vc.batch(0)
@@ -404,3 +418,60 @@ def test_accepted_verl_settings():
     out, grad = vc.ours(logits, ids, adv, mask, old_logps=old, loss_mode="vanilla", clip_ratio=0.2, clip_ratio_c=1.1)
     loss64, grad64 = vc.expected(logits, ids, mask, adv, old=old, loss_mode="vanilla", clip_ratio_c=1.1)
     vc.check(out.loss, grad, loss64, grad64)
+
+
+# --------------------------------------------------------------------------------------------------
+# clip_cov and kl_cov: their selections without data-dependent shapes (torch.compile(fullgraph=True)),
+# the values those of the float64 spec; clip_cov's random choice a uniform subset of its candidates
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("loss_mode, kw", [("kl_cov", dict(kl_cov_ratio=0.3, ppo_kl_coef=0.7)),
+                                           ("clip_cov", dict(clip_cov_ratio=0.25, clip_cov_lb=-1e9, clip_cov_ub=1e9))])
+def test_cov_modes_trace_whole_and_give_the_eager_values(loss_mode, kw):
+    torch._dynamo.reset()
+    logits, ids, mask, old, _, _, adv = batch(5000 + len(loss_mode))
+    x = logits.clone().requires_grad_()
+    fn = lambda x: gk.grpo_loss(x, ids, adv, mask, old_logps=old, loss_mode=loss_mode, backend="torch", **kw).loss  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    torch.manual_seed(3)
+    loss_c = compiled(x)
+    (grad_c,) = torch.autograd.grad(loss_c, x)
+    torch.manual_seed(3)  # (clip_cov's draw: the same stream)
+    loss_e = fn(x)
+    (grad_e,) = torch.autograd.grad(loss_e, x)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-7)
+    if loss_mode == "kl_cov":
+        loss64, grad64 = expected(lambda lp, en, m: verl64(lp, en, torch.where(m != 0, adv.double(), 0.0), m, old=old,
+                                                           loss_mode="kl_cov", **kw), logits, ids, mask)
+        check(gk.grpo_loss(x, ids, adv, mask, old_logps=old, loss_mode=loss_mode, backend="torch", **kw),
+              grad_e, loss64, grad64)
+
+
+def test_clip_cov_drops_a_uniform_subset_of_its_candidates():
+    """verl draws ``max(int(ratio * sum(mask)), 1)`` of the candidate tokens uniformly (a randperm); here one
+    random key per position: every draw drops that many candidates and nothing else, and over many draws
+    each candidate about equally often."""
+    g = torch.Generator().manual_seed(5100)
+    b, t = 4, 8
+    logp = torch.randn(b, t, generator=g) * 0.5 - 2
+    old = logp + 0.3 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, t, generator=g)
+    mask = (torch.rand(b, t, generator=g) > 0.25).float()
+
+    def dropped(ratio: float) -> torch.Tensor:
+        options = GRPOOptions(loss_mode="clip_cov", clip_cov_ratio=ratio, clip_cov_lb=-1e9, clip_cov_ub=1e9)
+        inputs = objective.PolicyInputs(logp, old, adv, mask, objective.Sequences(mask, None), None, options)
+        return objective.OBJECTIVES["clip_cov"].fn(inputs).high
+
+    candidates = dropped(1e9)  # every candidate: the valid tokens the clip leaves alone
+    assert 4 < int(candidates.sum()) < int(mask.sum())
+    n = max(int(0.1 * float(mask.sum())), 1)
+    torch.manual_seed(0)
+    draws, counts = 400, torch.zeros(b, t)
+    for _ in range(draws):
+        d = dropped(0.1)
+        assert int(d.sum()) == n and not (d & ~candidates).any()
+        counts += d.float()
+    share = counts[candidates] / draws
+    assert (share - n / int(candidates.sum())).abs().max() < 0.12, share

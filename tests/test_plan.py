@@ -138,24 +138,140 @@ GOAL = dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True, 
 GB = 10**9
 
 
-def test_131072_tokens_fit_80gb_for_an_8b_and_24gb_for_a_1_5b_shape_with_offload_and_chunks():
-    """Issue 35's goal on paper: LoRA, bf16 weights, checkpointing, packing, the fused loss, offload and MLP
-    chunks (one sequence or G = 8 packed completions of 16,384: one plan, every term being linear in N)."""
-    for name, budget in (("Qwen3-8B", 80 * GB), ("Qwen2.5-1.5B", 24 * GB)):
-        p = plan.plan(os.path.join(SHAPES, name), 131072, activation_offload=True, gpu_memory=budget, **GOAL)
-        assert p.fits and p.peak <= budget and p.largest_tokens >= 131072, name
+PACKINGS = {"one sequence": 1, "G = 8 packed completions of 16,384": 8}
+
+
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_the_goal_s_three_verdicts_for_both_packings(packing):
+    """Issue 35's goal on paper, at 131,072 tokens, LoRA, bf16 weights, checkpointing, packing, the fused loss
+    and MLP chunks of 4,096: with the offload a Qwen3-8B shape fits 80 GB and a Qwen2.5-1.5B shape 24 GB;
+    without it the 8B does not fit 80 GB. Fits = peak (the runtime term included) + the allocator reserve <= the
+    device, and the largest token count that fits agrees with each verdict."""
+    sequences, N = PACKINGS[packing], 131072
+    verdicts = {}
+    for name, budget, offload in (("Qwen3-8B", 80 * GB, True), ("Qwen2.5-1.5B", 24 * GB, True), ("Qwen3-8B", 80 * GB, False)):
+        p = plan.plan(os.path.join(SHAPES, name), N, activation_offload=offload, sequences=sequences, gpu_memory=budget,
+                      **GOAL)
+        verdicts[name, offload] = p.fits
+        assert p.fits == (p.peak + p.allocator_reserve <= budget) and (p.largest_tokens >= N) == p.fits, (name, offload)
+        assert p.terms["runtime"] == sum(plan.CUDA_RUNTIME_BYTES.values()) > 0  # the CUDA context is counted
         shape = plan.load_shape(name)
-        N, H, L = 131072, shape.hidden_size, shape.num_hidden_layers
-        assert p.host == {"checkpointed layer inputs": L * N * H * 2}  # in host memory, not on the device
-        assert p.terms["checkpointed layer inputs"] == 2 * N * H * 2  # the layer recomputed and the one prefetched
-    offloaded = plan.plan("Qwen3-8B", 131072, activation_offload=True, **GOAL)
-    # without the offload the 8B's 36 inputs (36 GiB) are on the device: 73.5 GiB of 80 GB's 74.5 GiB on
-    # paper, none of the headroom the CUDA context and the allocator's rounding need; without chunks too: over
-    kept = plan.plan("Qwen3-8B", 131072, gpu_memory=80 * GB, **GOAL)
-    assert kept.terms["checkpointed layer inputs"] == 36 * 131072 * 4096 * 2 and not kept.host
-    assert kept.peak - offloaded.peak == 34 * 131072 * 4096 * 2 and kept.peak > 0.95 * 80 * GB
-    neither = plan.plan("Qwen3-8B", 131072, gpu_memory=80 * GB, **{**GOAL, "mlp_chunk_tokens": None})
-    assert not neither.fits and neither.largest_tokens < 131072
+        H, L = shape.hidden_size, shape.num_hidden_layers
+        if offload:
+            assert p.host == {"checkpointed layer inputs": L * N * H * 2}  # in host memory, not on the device
+            assert p.terms["checkpointed layer inputs"] == 2 * N * H * 2  # the layer recomputed and the one prefetched
+        else:
+            assert p.terms["checkpointed layer inputs"] == L * N * H * 2 and not p.host
+    assert verdicts == {("Qwen3-8B", True): True, ("Qwen2.5-1.5B", True): True, ("Qwen3-8B", False): False}
+    # without the offload the 8B's 36 inputs (36 GiB) stay on the device; the 34 of them the offload moves
+    # are the whole difference in the peak
+    kept = plan.plan("Qwen3-8B", N, sequences=sequences, **GOAL)
+    offloaded = plan.plan("Qwen3-8B", N, sequences=sequences, activation_offload=True, **GOAL)
+    assert kept.peak - offloaded.peak == 34 * N * 4096 * 2
+    neither = plan.plan("Qwen3-8B", N, gpu_memory=80 * GB, sequences=sequences, **{**GOAL, "mlp_chunk_tokens": None})
+    assert not neither.fits and neither.largest_tokens < N
+
+
+def test_packing_enters_only_through_flash_attn_s_padded_rows():
+    """G packed sequences cost one sequence of as many tokens, but for flash-attn 2's varlen backward, whose
+    fp32 dq accumulator [N + 128 G, heads, d'] and softmax_d [heads, N + 128 G] pad each sequence by 128 rows."""
+    shape = plan.load_shape("Qwen3-8B")
+    one, eight = (plan.plan("Qwen3-8B", 131072, sequences=s, **GOAL) for s in (1, 8))
+    padding = 128 * 7 * (4 * shape.num_attention_heads * 128 + 4 * shape.num_attention_heads)
+    assert eight.terms["attention workspace"] - one.terms["attention workspace"] == padding
+    assert {k: v for k, v in eight.terms.items() if k != "attention workspace"} == \
+        {k: v for k, v in one.terms.items() if k != "attention workspace"}
+    cpu = [plan.plan("Qwen3-8B", 4096, sequences=s, device="cpu", **GOAL).terms for s in (1, 8)]
+    assert cpu[0] == cpu[1]  # (packed SDPA on a CPU pads nothing)
+    with pytest.raises(ValueError, match="sequences.*tokens"):
+        plan.plan("Qwen3-8B", 4, sequences=5)
+
+
+# ---------------------------------------------------------------------------- the runtime and the allocator reserve
+def test_the_runtime_term_is_the_cuda_context_kernels_and_workspaces():
+    """On a GPU: the context (local memory for every resident thread of a Hopper GPU at cudaLimitStackSize's
+    default, the device heap and printf FIFO, the driver's state), the kernels' images and torch's cuBLAS
+    workspaces (sm90: 4,096 KiB x 8, and cuBLASLt's 1 MiB) for two handles; on a CPU the measured process."""
+    MiB = 2**20
+    parts = plan.CUDA_RUNTIME_BYTES
+    assert parts["context: local memory"] == 1024 * 2048 * 132 == 264 * MiB
+    assert parts["context: device heap and printf FIFO"] == 9 * MiB
+    assert parts["cuBLAS workspaces"] == 2 * (32 * MiB + MiB)
+    gpu = plan.plan("Qwen2.5-0.5B", 4096)
+    assert gpu.terms["runtime"] == sum(parts.values()) and gpu.runtime == parts
+    # torch.cuda.max_memory_allocated sees the workspaces (the caching allocator's) but not the context or kernels
+    assert gpu.peak - gpu.allocator_peak == sum(v for k, v in parts.items() if k != "cuBLAS workspaces")
+    cpu = plan.plan("Qwen2.5-0.5B", 4096, device="cpu")
+    assert cpu.terms["runtime"] == plan.RUNTIME_BYTES_CPU and cpu.allocator_peak == cpu.peak
+    assert cpu.reserve == {} and cpu.needed == cpu.peak  # (no caching allocator on a CPU)
+
+
+def test_allocator_blocks_follow_the_caching_allocator_s_rules():
+    MiB = 2**20
+    assert [plan.allocator_block(n) for n in (0, 1, 512, 513, MiB + 1, 10 * MiB - 1)] == \
+        [0, 512, 512, 1024, MiB + 512, 10 * MiB]
+    assert [plan.allocator_block(n) for n in (10 * MiB, 10 * MiB + 1, 96 * MiB, 2**30 + 5)] == \
+        [10 * MiB, 12 * MiB, 96 * MiB, 2**30 + 2 * MiB]
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_the_allocator_reserve_from_the_model_s_own_tensors(use_peft):
+    """The reserve's rounding, recomputed from a real model's parameters (built on the meta device, peft's
+    adapters for LoRA): each kept tensor's block less its bytes, the layer's transient tensors at 2 MiB each,
+    one partly filled segment per pool; its fragmentation: one block of the largest transient tensor, here
+    flash-attn's fp32 dq accumulator."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    MiB = 2**20
+    shape_config = dict(hidden_size=1000, intermediate_size=2600, num_hidden_layers=2, num_attention_heads=10,
+                        num_key_value_heads=2, vocab_size=5003, tie_word_embeddings=False)
+    config = Qwen2Config(**shape_config)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    if use_peft:
+        pytest.importorskip("peft")
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    weights = [p.numel() * 2 for p in model.parameters() if not p.requires_grad or not use_peft]
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    kept = weights + ([n * 4 for n in trainable] * 4 if use_peft else  # adapters, their gradients, two moments
+                      [n * 2 for n in trainable] + [n * 4 for n in trainable] * 4)  # bf16 grads; fp32 grads, master, moments
+    N, b = 3000, 2
+    kept += [N * 1000 * b] * 2  # the checkpointed inputs: two layers on the device
+    shape = plan.ModelShape.from_config(config)
+    p = plan.plan(shape, N, use_peft=use_peft, lora_r=8, model_dtype="bfloat16", gradient_checkpointing=True,
+                  activation_offload=False, mlp_chunk_tokens=512)
+    rounding = sum(plan.allocator_block(n) - n for n in kept) + 64 * 2 * MiB + 22 * MiB
+    assert p.reserve["block rounding"] == rounding
+    c, V, H, I = p.settings["chunk_rows"], 5003, 1000, 2600
+    candidates = {"RMSNorm's fp32 upcast": 4 * N * H, "the attention output": b * N * H, "an MLP activation": b * 512 * I,
+                  "dq accumulator": 4 * (N + 128) * 10 * 128,  # head_dim 100 rounded up to a multiple of 32
+                  "logits block": c * V * b}
+    candidates.update({"down_proj's adapter input copy": 2 * 512 * I} if use_peft else {"dW": 4 * V * H})
+    largest = max(candidates, key=candidates.get)
+    assert p.reserve["fragmentation"] == plan.allocator_block(candidates[largest]) and largest in p.largest_transient
+    assert p.needed == p.peak + rounding + p.reserve["fragmentation"]
+
+
+def test_fits_the_largest_count_and_the_json_read_one_predicate(capsys):
+    """fits <=> peak + allocator reserve <= the device, for budgets on either side of the peak and of what the
+    step needs; the largest token count is the edge of that same predicate; the JSON says the same."""
+    settings = dict(GOAL, activation_offload=True)
+    p = plan.plan("Qwen2.5-1.5B", 65536, **settings)
+    assert p.allocator_reserve > 0
+    for budget in (p.peak - 1, p.peak, p.needed - 1, p.needed, p.needed + 1):
+        q = plan.plan("Qwen2.5-1.5B", 65536, gpu_memory=budget, **settings)
+        assert q.fits == (budget >= p.needed) and (q.largest_tokens >= 65536) == q.fits, budget
+        edge = q.largest_tokens
+        assert plan.plan("Qwen2.5-1.5B", edge, **settings).needed <= budget < plan.plan("Qwen2.5-1.5B", edge + 1, **settings).needed
+    plan.main(["--model", "Qwen2.5-1.5B", "--tokens", "65536", "--use-peft", "--model-dtype", "bfloat16",
+               "--gradient-checkpointing", "--activation-offload", "--mlp-chunk-tokens", "4096",
+               "--gpu-memory", f"{p.peak}B", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_bytes"] == p.peak and out["needed_bytes"] == p.needed and out["fits"] is False  # (the reserve)
+    assert out["allocator_reserve_bytes"]["total"] == p.allocator_reserve and out["largest_tokens"] < 65536
+    assert out["runtime_bytes"] == plan.CUDA_RUNTIME_BYTES
 
 
 def test_offload_and_chunk_terms():
@@ -213,7 +329,7 @@ def test_every_activation_term_grows_with_the_tokens_and_the_largest_count_is_th
     budget = 60 * GB
     edge = plan.plan("Qwen2.5-1.5B", 1024, gpu_memory=budget, **settings).largest_tokens
     assert 0 < edge < plan.MAX_SEARCH_TOKENS
-    assert plan.plan("Qwen2.5-1.5B", edge, **settings).peak <= budget < plan.plan("Qwen2.5-1.5B", edge + 1, **settings).peak
+    assert plan.plan("Qwen2.5-1.5B", edge, **settings).needed <= budget < plan.plan("Qwen2.5-1.5B", edge + 1, **settings).needed
     assert plan.plan("Qwen2.5-1.5B", 1024, gpu_memory=2**20, **settings).largest_tokens == 0  # the weights alone do not fit
 
 
@@ -221,8 +337,10 @@ def test_terms_scale_as_their_rules_say():
     a = plan.plan("Qwen2.5-0.5B", 4096, gradient_checkpointing=False, bf16=False)
     b = plan.plan("Qwen2.5-0.5B", 8192, gradient_checkpointing=False, bf16=False)
     assert b.terms["rollout KV cache"] == 2 * a.terms["rollout KV cache"]
-    for name in ("saved by the other layers", "layer: attention", "layer: MLP", "attention workspace", "edges"):
+    for name in ("saved by the other layers", "layer: attention", "layer: MLP", "edges"):
         assert b.terms[name] == 2 * a.terms[name], name  # linear in tokens (no [N, N] attention)
+    heads = plan.load_shape("Qwen2.5-0.5B").num_attention_heads  # (flash-attn's 128 padded rows: a constant)
+    assert b.terms["attention workspace"] == 2 * a.terms["attention workspace"] - 128 * (4 * heads * 64 + 4 * heads)
     # fp32 weights under bf16 autocast: each layer also keeps a bf16 copy of its linears' weights
     autocast = plan.plan("Qwen2.5-0.5B", 4096, gradient_checkpointing=False)
     shape = plan.load_shape("Qwen2.5-0.5B")
@@ -304,7 +422,133 @@ def test_cli_prints_every_term_the_host_total_and_the_verdict(capsys):
     assert "fits in" in out and "NOT" not in out and "largest token count per micro-batch that fits: " in out
     main(["plan", "--model", "Qwen3-8B", "--tokens", "131072", "--use-peft", "--model-dtype", "bfloat16",
           "--gradient-checkpointing", "--mlp-chunk-tokens", "4096", "--gpu-memory", "80GB"])  # (no offload)
-    assert "(99% of it: under 5% left for the CUDA context" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for words in ("runtime", "CUDA context", "allocator reserve", "fragmentation", "needed", "does NOT fit in 80 GB"):
+        assert words in out, words
     main(["plan", "--model", "Qwen2.5-1.5B", "--tokens", "32768", "--gpu-memory", "24GB", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False and result["largest_tokens"] < 32768 and result["host_bytes"] == {}
+
+
+# ---- the plan CLI is a CLI: every bad value a usage error naming the flag, before anything is computed
+def plan_cli(*argv: str):
+    from grpo.__main__ import main
+
+    main(["plan", *argv])
+
+
+def declared_bad_values(cls, name):
+    """Values the field's declaration refuses, as command-line text (just outside its range, NaN, inf,
+    a value of another type, an unknown choice)."""
+    from grpo_kernels.bounds import declarations
+
+    d = declarations(cls)[name]
+    if d.kind is bool:
+        return []
+    if d.kind is str:
+        return ["nope"] if d.choices else []
+    out = ["x"] + (["2.5"] if d.kind is int else [])
+    b = d.bounds
+    if b is not None:
+        if b.low is not None:
+            out.append(str(b.low if b.low_open else b.low - 1))
+        if b.high is not None:
+            out.append(str(b.high if b.high_open else b.high * 2 + 1))
+        if b.finite and d.kind is float:
+            out += ["nan", "inf", "1e400"]
+    return out
+
+
+def plan_flag_cases():
+    from grpo.config import GRPOConfig
+
+    cases = [(plan.PlanSettings, name) for name in ("tokens", "sequences", "rollout_tokens", "device", "gpu_memory")]
+    return cases + [(GRPOConfig, name) for name in plan.PLAN_CONFIG_FIELDS]
+
+
+@pytest.mark.parametrize("cls, name", plan_flag_cases(), ids=[n for _, n in plan_flag_cases()])
+def test_every_plan_flag_refuses_what_its_declaration_refuses(cls, name, capsys):
+    flag = "--" + name.replace("_", "-")
+    base = ["--model", "Qwen2.5-0.5B", "--tokens", "64", "--use-peft"]
+    values = declared_bad_values(cls, name)
+    assert values or name in ("use_peft", "gradient_checkpointing", "lora_target_modules", "activation_offload", "bf16")
+    for value in values:
+        with pytest.raises(SystemExit) as done:
+            plan_cli(*base, f"{flag}={value}")
+        err = capsys.readouterr().err
+        line = [x for x in err.splitlines() if "error:" in x][-1]
+        assert done.value.code == 2 and flag in line, (value, line)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--lora-target-modules", "nope_proj"], "--lora-target-modules"),
+    (["--lora-target-modules", "input_layernorm"], "--lora-target-modules"),  # a norm: LoRA adapts linear layers
+    (["--lora-target-modules", ","], "--lora-target-modules"),
+    (["--gpu-memory", "0"], "--gpu-memory"), (["--gpu-memory", "1e400"], "--gpu-memory"), (["--gpu-memory=-3GB"], "--gpu-memory"),
+    (["--gpu-memory", "lots"], "--gpu-memory"), (["--gpu-memory", "1e300"], "--gpu-memory"),
+    (["--lora-r", "0"], "--lora-r"), (["--lora-r=-4"], "--lora-r"), (["--lora-dropout", "3"], "--lora-dropout"),
+    (["--beta", "nan"], "--beta"), (["--model-dtype", "float16"], "--model-dtype"),
+])
+def test_the_issue_s_examples_are_usage_errors(argv, named, capsys):
+    with pytest.raises(SystemExit) as done:
+        plan_cli("--model", "Qwen2.5-0.5B", "--tokens", "64", "--use-peft", *argv)
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert done.value.code == 2 and named in line, line
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[1, 2]", '"a string"', json.dumps({"model_type": "bert", "hidden_size": 8, "vocab_size": 10}),
+    json.dumps({**SMALL, "num_attention_heads": 0}), json.dumps({**SMALL, "hidden_size": 65}),
+    json.dumps({**SMALL, "vocab_size": "300"}), json.dumps({**SMALL, "num_hidden_layers": True}),
+])
+def test_a_config_that_is_not_a_decoder_s_is_a_usage_error_naming_model(content, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as done:
+        plan_cli("--model", str(path), "--tokens", "64")
+    line = [x for x in capsys.readouterr().err.splitlines() if "error:" in x][-1]
+    assert done.value.code == 2 and "--model" in line and str(path) in line, line
+
+
+def test_plan_function_refuses_what_the_trainer_refuses():
+    """plan() reads GRPOConfig's declarations: the settings the trainer refuses are refused here too, by name."""
+    for kw, name in ((dict(use_peft=True, lora_r=0), "lora_r"), (dict(use_peft=True, lora_r=-4), "lora_r"),
+                     (dict(lora_dropout=3.0), "lora_dropout"), (dict(beta=float("nan")), "beta"),
+                     (dict(use_peft=True, lora_target_modules="nope_proj"), "lora_target_modules"),
+                     (dict(model_dtype="float16"), "model_dtype"), (dict(rollout_tokens=0), "rollout_tokens"),
+                     (dict(gpu_memory=0), "gpu_memory"), (dict(device="tpu"), "device")):
+        with pytest.raises(ValueError, match=name):
+            plan.plan("Qwen2.5-0.5B", 64, **kw)
+    with pytest.raises(ValueError, match="tokens"):
+        plan.plan("Qwen2.5-0.5B", 0)
+
+
+def test_gpu_memory_is_in_gigabytes_and_the_verdict_is_printed(capsys):
+    plan_cli("--model", "Qwen2.5-0.5B", "--tokens", "64", "--gpu-memory", "80")
+    out = capsys.readouterr().out
+    assert "fits in 80 GB" in out
+    plan_cli("--model", "Qwen2.5-7B", "--tokens", "4096", "--gpu-memory", "24GiB", "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert result["gpu_memory_bytes"] == 24 * 2**30 and result["fits"] is False
+    assert plan.parse_size("80") == 80e9 and plan.parse_size("512MiB") == 2**29
+
+
+@pytest.mark.parametrize("model, dtype, device", [("Qwen2.5-0.5B", "float32", "cuda"), ("Qwen2.5-1.5B", "bfloat16", "cuda"),
+                                                  ("Qwen2.5-0.5B", "float32", "cpu")])
+def test_the_peak_never_falls_as_tokens_grow(model, dtype, device):
+    """The loss chunk of N tokens splits them into equal chunks, so a few more tokens could take a smaller
+    chunk (1,082 tokens planned more than 1,084): the plan now takes the largest chunk of any micro-batch
+    of at most N tokens, and every term grows with N."""
+    from grpo_kernels.autograd import default_chunk_size
+
+    shape = plan.load_shape(model)
+    rows = default_chunk_size(shape.vocab_size, shape.hidden_size, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                              torch.device(device))
+    # (around each multiple of the chunk, where one more token makes one more, smaller, chunk)
+    counts = sorted(set(range(1, 5000, 37)) | {k * rows + d for k in range(1, 5) for d in range(-2, 3)})
+    previous = None
+    for n in counts:
+        p = plan.plan(model, n, model_dtype=dtype, device=device)
+        if previous is not None:
+            assert p.peak >= previous.peak and p.terms["loss chunk"] >= previous.terms["loss chunk"], n
+        previous = p

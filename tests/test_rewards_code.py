@@ -81,3 +81,48 @@ def test_sandbox_fails_closed(monkeypatch, caplog):
         out = code_rewards([text, text], [["assert f(1) == 2"], [{"input": "", "output": ""}]])
     assert out == [None, None]
     assert sum("sandbox cannot be built" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_trusted_code_reaches_every_form():
+    # code_reward, code_rewards (per row) and code_reward_func (a dataset column, optional)
+    from rewards_corpus import TRUSTED_PROBLEMS
+
+    p = TRUSTED_PROBLEMS["add"]
+    text = f"```python\n{p['solution']}\n```"
+    assert code_reward(text, [p["test"]], trusted_code=p["trusted"]) == 1.0
+    out = rewards.REWARD_FUNCTIONS["code"](["p"] * 2, [text, text], tests=[[p["test"]]] * 2,
+                                           trusted_code=[p["trusted"], None])
+    assert out == [1.0, 1.0]
+    # Without trusted_code a helper the test calls is the program's (as in Python): a program
+    # that redefines poly to return 0 passes. With it, poly is the judge's and the forgery fails.
+    poly = TRUSTED_PROBLEMS["poly_root"]
+    forged = f"```python\n{poly['forgeries']['poly_is_zero']}\n```"
+    assert code_rewards([forged, forged], [[poly["test"]]] * 2,
+                        trusted_code=[None, poly["trusted"]]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="trusted_code"):
+        code_rewards([forged, forged], [[poly["test"]]] * 2, trusted_code=[None])
+
+
+def test_unscorable_rows_and_the_check_before_training(capsys):
+    from grpo.data import check_reward_columns, reward_columns
+    from rewards_corpus import TRUSTED_PROBLEMS
+
+    code_fn = rewards.REWARD_FUNCTIONS["code"]
+    assert reward_columns(code_fn) == ["tests"]  # trusted_code is optional
+    p = TRUSTED_PROBLEMS["poly_root"]
+    rows = [{"prompt": "a", "tests": ["assert f(1) == 2"], "trusted_code": None},
+            {"prompt": "b", "tests": ["assert f(1) == 2\nwhile True:\n    break"], "trusted_code": None},
+            {"prompt": "c", "tests": None, "trusted_code": None},
+            {"prompt": "d", "tests": [p["test"]], "trusted_code": p["trusted"]},
+            {"prompt": "e", "tests": ["assert f(1) == 2"], "trusted_code": "import os\n"},
+            {"prompt": "f", "tests": ["assert f(2) == 4\nwhile 1:\n    break"], "trusted_code": None},
+            {"prompt": "g", "tests": [{"input": "1", "output": "1"}], "trusted_code": None}]
+    found = check_reward_columns({"code": code_fn}, ["tests", "trusted_code"], rows)
+    assert [r for r, _ in found["code"]] == [1, 2, 4, 5]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("reward 'code': 4 of 7 rows cannot be judged")
+    assert len(printed) == 4  # one line per reason, with its first row
+    assert any("2 rows (first: row 1)" in line and "While" in line for line in printed)
+    assert any("(first: row 4)" in line and "trusted_code" in line for line in printed)
+    check_reward_columns({"code": code_fn}, ["tests"], rows[:1])
+    assert capsys.readouterr().out == ""  # nothing to say when every row can be judged

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -29,7 +30,8 @@ from grpo.rewards import sandbox as _sandbox
 from grpo.rewards import worker as math_worker
 from grpo.rewards import code_reward, code_rewards
 from helpers import SLACK, timed
-from rewards_corpus import ATTACK_TESTS, DOUBLE, HONEST
+from rewards_corpus import (ATTACK_TESTS, DOUBLE, FORGED_UNSCORABLE, HONEST, HONEST_STDIO,
+                            JUDGE_FORGERIES, TRUSTED_PROBLEMS)
 from rewards_corpus import ATTACKS as CORPUS_ATTACKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -313,6 +315,288 @@ def test_colliding_hash_results_do_not_stall_the_parent():
 
 
 # --------------------------------------------------------------------------------------------
+# Trusted helpers and traced tests: the judge computes the inputs, the program only answers
+# --------------------------------------------------------------------------------------------
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_trusted_helpers_judge_solutions_and_refuse_forgeries():
+    # Every solution 1.0; every forgery (redefined or patched helpers, their source searched
+    # for, lying values, lookup tables, stateful answers, patched random) below 1.0. One batch.
+    rows = [(name, kind, code, p) for name, p in TRUSTED_PROBLEMS.items()
+            for kind, code in [("solution", p["solution"])] + sorted(p["forgeries"].items())]
+    out = code_rewards([f"```python\n{code}\n```" for _, _, code, _ in rows],
+                       [[p["test"]] for *_, p in rows], trusted_code=[p["trusted"] for *_, p in rows],
+                       timeout=10.0)
+    scores = {(name, kind): o for (name, kind, _, _), o in zip(rows, out)}
+    assert {k: v for k, v in scores.items() if k[1] == "solution"} == \
+        {(name, "solution"): 1.0 for name in TRUSTED_PROBLEMS}
+    forged = {k: v for k, v in scores.items() if k[1] != "solution" and not (v is not None and v < 1.0)}
+    assert forged == {}
+
+
+def test_trusted_names_resolve_in_the_judge_even_when_the_program_defines_them():
+    p = TRUSTED_PROBLEMS["rot_cipher"]
+    forgery = p["forgeries"]["identity_pair"]  # defines encode_rot itself
+    plan = _sandbox.plan_assert_tests(forgery, [p["test"]], p["trusted"])
+    assert not plan.refused and plan.pre[0] is not None
+    probes = [s[1] for s in plan.inside[0]["steps"] if s[0] == "probe"]
+    assert probes and all("encode_rot" not in src and src.startswith("decode_rot(") for src in probes)
+    assert "encode_rot(" in plan.judge[0] and "encode_rot(" in plan.pre[0]
+    # the trusted source never reaches the sandbox: not in any step, nor in the run's job
+    assert "SHIFT" not in json.dumps(plan.inside)
+
+
+@needs_jail
+def test_trusted_source_and_expected_values_never_enter_the_sandbox():
+    p = TRUSTED_PROBLEMS["rot_cipher"]
+    trusted = _sandbox.check_trusted_code(p["trusted"])
+    plan = _sandbox.plan_assert_tests(p["solution"], [p["test"]], p["trusted"])
+    traces = _sandbox.judge_inputs([plan.pre[0]], trusted=trusted, seed=3)
+    sent = json.dumps(dict(plan.inside[0], trace=traces[0]))
+    assert "SHIFT" not in sent and "encode_rot" not in sent
+    # decoding what was sent gives only encoded strings: the plain texts (expected values)
+    # are not among them
+    runs = [run for run in traces[0] if run[1] not in ("n", "-")]
+    assert len(runs) == 40
+
+
+def test_bad_trusted_code_is_an_error_per_row(caplog):
+    good = TRUSTED_PROBLEMS["add"]
+    bad = {"not_a_str": 3, "does_not_parse": "def f(:\n", "io": "def g():\n    return open('/etc/passwd').read()\n",
+           "prints": "def g(x):\n    print(x)\n    return x\n", "imports_os": "import os\ndef g():\n    return 1\n",
+           "dunder": "def g(x):\n    return x.__class__\n", "format_escape": "def g(x):\n    return '{0.__globals__}'.format(x)\n",
+           "undefined_name": "def g(x):\n    return add(x, 1)\n"}
+    for name, code in bad.items():
+        with pytest.raises((TypeError, ValueError), match="trusted_code"):
+            _sandbox.check_trusted_code(code)
+    solution = f"```python\n{good['solution']}\n```"
+    n = len(bad) + 1
+    with caplog.at_level(logging.ERROR, logger="grpo.rewards"):
+        out = code_rewards([solution] * n, [[good["test"]]] * n,
+                           trusted_code=[good["trusted"]] + list(bad.values()), timeout=10.0)
+    assert out == [1.0] + [None] * len(bad)  # one bad row never takes the batch down
+    messages = [r.getMessage() for r in caplog.records if "trusted_code" in r.getMessage()]
+    assert len(messages) == len(set(messages)) == len(bad)  # logged once each
+    code_rewards([solution], [[good["test"]]], trusted_code=[bad["io"]])
+    assert sum("trusted_code" in r.getMessage() for r in caplog.records) == len(bad)
+
+
+def test_stub_of_the_function_under_test_is_left_out_and_full_copies_are_refused():
+    p = TRUSTED_PROBLEMS["poly_root"]
+    source, names = _sandbox.check_trusted_code(p["trusted"])
+    assert "find_root" not in names and "poly" in names and "find_root" not in source
+    full = p["trusted"] + "    return 0.0\n"  # the function under test defined by the data
+    plan = _sandbox.plan_assert_tests(p["solution"], [p["test"]], full)
+    assert plan.judge == [None] and 0 in plan.unscorable and "find_root" in plan.unscorable[0]
+    direct = _sandbox.plan_assert_tests("", ["assert find_root([1, 2]) == 0.0"], full)
+    assert direct.judge == [None] and "reads nothing of the program" in direct.unscorable[0]
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_loops_that_build_inputs_are_judged_in_one_run():
+    right = "```python\ndef f(x, y):\n    return x + y\n```"
+    wrong = "```python\ndef f(x, y):\n    return x + y if x < 500 else 0\n```"
+    test = ("import random\nassert f(1, 2) == 3\nfor _ in range(200):\n"
+            "    x, y = random.randint(0, 1000), random.randint(0, 1000)\n    assert f(x, y) == x + y\n")
+    plan = _sandbox.plan_assert_tests("def f(x, y): pass", [test])
+    assert plan.pre[0] is not None and len(plan.inside[0]["steps"]) == 3  # one probe per call site
+    calls = []
+    real = _sandbox.run
+
+    def counting(*a, **k):
+        calls.append(k.get("run_job"))
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_sandbox, "run", counting)
+        assert code_rewards([right, wrong], [[test], [test]], timeout=10.0) == [1.0, 0.0]
+    assert len(calls) == 2 and all(len(c["tests"][0]["trace"]) == 202 for c in calls)
+
+
+def test_caps_on_step_runs_make_a_test_unscorable_not_failed():
+    test = "for i in range(%d):\n    assert f(i + 0) == 2 * i\n" % (_sandbox.MAX_PROBE_CALLS + 1)
+    plan = _sandbox.plan_assert_tests("def f(x): return 2 * x", ["for i in range(3):\n    y = i\n    assert f(y) == 2 * y", test.replace("assert", "y = i\n    assert")])
+    traces = _sandbox.judge_inputs([plan.pre[0], plan.pre[1]], ids=[0, 1])
+    assert len(traces[0]) == 3 and 1 not in traces  # over MAX_PROBE_CALLS: left out
+    big = "for i in range(3):\n    y = 'x' * %d\n    assert f(y) == y\n" % (_sandbox.MAX_INPUT_BYTES // 2)
+    plan = _sandbox.plan_assert_tests("def f(x): return x", [big])
+    assert _sandbox.judge_inputs([plan.pre[0]]) == {}  # over MAX_INPUT_BYTES
+
+
+@needs_jail
+def test_refused_tests_are_unscorable_and_asserts_before_them_still_count():
+    right = "```python\ndef f(x):\n    return 2 * x\n```"
+    wrong = "```python\ndef f(x):\n    return -1\n```"
+    refused = "while True:\n    break"  # not judged (a while loop)
+    prefixed = "assert f(1) == 2\nwhile f(2) != 4:\n    pass"
+    out = code_rewards([right, right, wrong, wrong], [[refused], [prefixed], [refused], [prefixed]])
+    # no verdict for the correct program (never 0); the wrong one fails the asserts before
+    assert out == [None, None, None, 0.0]
+    assert code_rewards([right], [["assert f(1) == 2", refused]]) == [None]
+    assert code_rewards([wrong], [["assert f(1) == 2", prefixed]]) == [0.0]
+    # a refusal the program causes (it redefines a builtin the test uses) fails, as before
+    shadow = "```python\ndef sorted(x):\n    return [2]\ndef f(x):\n    return 2 * x\n```"
+    assert code_rewards([shadow], [["assert sorted([f(1)]) == [2]"]]) == [0.0]
+    assert _sandbox.unscorable_tests(["assert f(1) == 2", refused, prefixed]).keys() == {1, 2}
+
+
+def test_feedback_and_in_place_handoffs_are_refused():
+    # The judge's own loop cannot follow the program's values (its first stage runs before the
+    # program), and a value handed to a statement of the program and read again could have
+    # been changed in place there: unscorable, never a wrong verdict.
+    cases = {"for i in range(3):\n    r = f(i)\n    for j in range(r):\n        assert f(j) == 2 * j":
+             "loop's iterable would depend on the program's output",
+             "import random\nfor i in range(3):\n    xs = [random.randint(0, 9)]\n    g(xs)\n    assert xs == [1]":
+             "reads xs after handing it",
+             "for i in range(3):\n    r = f(i)\n    assert f(r) == 4 * i": "reads i after handing it"}
+    for test, why in cases.items():
+        plan = _sandbox.plan_assert_tests("def f(x): return 2 * x\ndef g(x): x.sort()", [test])
+        assert plan.judge == [None] and why in plan.unscorable[0], test
+
+
+# --------------------------------------------------------------------------------------------
+# What the judge reads: only its own values and the program's plain answers
+# --------------------------------------------------------------------------------------------
+
+
+@needs_jail
+@pytest.mark.timeout(300)
+def test_forgeries_of_what_the_judge_reads_fail():
+    # tests/rewards_corpus.py JUDGE_FORGERIES: rebinding the test's names (global statement,
+    # globals(), every module dict), changing what it handed over in place, patching builtins,
+    # sys.modules, judge modules or json, lying __class__ / __eq__ / __hash__ / __bool__ /
+    # __float__ / __index__, values that change on a second read, BaseExceptions, exits at
+    # the right moment, protocol lines on every descriptor, signal handlers walking frames,
+    # answers by call count. Each beside an honest program on the same tests; one batch.
+    names = list(JUDGE_FORGERIES)
+    honest = sorted({(code, tuple(tests)) for code, _, tests in JUDGE_FORGERIES.values()})
+    rows = [(code, list(tests)) for code, tests in honest] + [
+        (JUDGE_FORGERIES[n][1], JUDGE_FORGERIES[n][2]) for n in names]
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in rows], [t for _, t in rows], timeout=10.0)
+    assert out[:len(honest)] == [1.0] * len(honest)
+    forged = dict(zip(names, out[len(honest):]))
+    assert {n: v for n, v in forged.items() if n in FORGED_UNSCORABLE} == dict.fromkeys(FORGED_UNSCORABLE)
+    assert {n: v for n, v in forged.items() if n not in FORGED_UNSCORABLE and not (
+        v is not None and v < 1.0)} == {}
+
+
+def test_values_the_test_binds_are_the_judges():
+    # x = 3 is computed by the judge (its copy is what x * 2 reads) and by the sandbox (the
+    # program's copy, in the test's own namespace): no probe reads x back.
+    plan = _sandbox.plan_assert_tests("def f(y): return 2 * y", ["x = 3\nassert f(x) == x * 2"])
+    assert plan.inside[0] == [["exec", "x = 3"], ["probe", 0, "f(x)"]]
+    assert "x = 3" in plan.judge[0] and "x * 2" in plan.judge[0] and plan.python == [None]
+    # Handed to a probe and read in a later statement: the judge's copy as written, the
+    # sandbox's read back for the Python reading (a test that passes only that way is None).
+    plan = _sandbox.plan_assert_tests("def f(xs): xs.sort()",
+                                      ["xs = [3, 1, 2]\nassert f(xs) is None\nassert xs == [1, 2, 3]"])
+    assert "assert xs == [1, 2, 3]" in plan.judge[0]
+    assert "__grpo_probe__(1) == [1, 2, 3]" in plan.python[0]
+    # Handed to a statement of the program (its effect is what the test checks): read back.
+    plan = _sandbox.plan_assert_tests("def f(xs): xs.sort()", ["xs = [3, 1, 2]\nf(xs)\nassert xs == [1, 2, 3]"])
+    assert "__grpo_probe__(0) == [1, 2, 3]" in plan.judge[0] and plan.python == [None]
+
+
+@needs_jail
+def test_the_python_reading_is_unscorable_never_zero():
+    # An in-place update checked after a probe hands the list over: the test as written fails
+    # on the judge's copy, Python's reading passes: None, for the right program and for the
+    # forgery that empties the list alike; a program that does not change it is judged.
+    test = ["xs = [3, 1, 2]\nassert f(xs) is None\nassert xs == [1, 2, 3]"]
+    in_place = "```python\ndef f(xs):\n    xs.sort()\n```"
+    forged = "```python\ndef f(xs):\n    xs[:] = [1, 2, 3]\n```"
+    wrong = "```python\ndef f(xs):\n    return None\n```"
+    assert code_rewards([in_place, forged, wrong], [test] * 3) == [None, None, 0.0]
+    # ... but never a way out of the other tests' zeros: with a failed test beside it, it
+    # counts as failed (the row is scored, not None).
+    other = "ys = [2, 1]\nf(ys)\nassert ys == [1, 2]"
+    assert code_rewards([in_place, forged], [test + [other]] * 2) == [None, 0.0]
+    assert _sandbox.row_score([True, _sandbox.PYTHON_ONLY]) is None
+    assert _sandbox.row_score([True, False, _sandbox.PYTHON_ONLY]) == 1
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_honest_stdio_idioms_pass():
+    # exit() / quit() (which the site module would define), open(0), sys.stdin.buffer,
+    # SIGPIPE reset to its default, unicode, 200k lines, deep recursion under __main__.
+    out = code_rewards([f"```python\n{c}\n```" for c, _ in HONEST_STDIO],
+                       [t for _, t in HONEST_STDIO], timeout=20.0)
+    assert out == [1.0] * len(HONEST_STDIO)
+
+
+def test_modules_the_judge_cannot_run_make_a_test_unscorable():
+    # Outside the standard library the sandbox has nothing; a module outside the judge's,
+    # called on the program's values, would run inside, where the program can patch it.
+    cases = {"import numpy as np\nassert np.allclose(f(1), 2)": "does not have",
+             "import os\nassert os.path.exists(f(1))": "the judge does not run",
+             "import os\np = os.path.join('a', f(1))\nassert p == 'a/b'": "the judge does not run"}
+    for test, why in cases.items():
+        assert why in _sandbox.unscorable_tests([test])[0], test
+    # passed to the program, such a module's values are only its inputs: judged
+    assert _sandbox.unscorable_tests(["import os\nassert f(os.sep) == '/'"]) == {}
+
+
+def test_planning_stays_bounded_on_long_chains_of_names():
+    # Each name read by the next: the names living inside would settle one per pass. Planning
+    # runs in the trainer's process, so it stops after MAX_PLAN_PASSES: unscorable, never a stall.
+    chain = "a0 = [1]\n" + "".join(f"a{i} = a{i - 1}\n" for i in range(1, 60)) + "assert f(a59) == [1]"
+    reason = timed(lambda: _sandbox.unscorable_tests([chain]), 5.0)
+    assert "did not settle" in reason[0]
+    short = "a0 = [1]\na1 = a0\na2 = a1\nassert f(a2) == [1]"
+    assert _sandbox.unscorable_tests([short]) == {}
+
+
+@needs_jail
+def test_records_past_the_cap_fail_only_their_tests(monkeypatch):
+    monkeypatch.setattr(_sandbox, "MAX_RESULT_BYTES", 1 << 16)
+    text = "```python\ndef f(n):\n    return 'x' * n\n```"
+    tests = ["assert f(3) == 'xxx'", "assert f(100000) == 'x' * 100000", "assert f(2) == 'xx'"]
+    assert code_rewards([text], [tests]) == [pytest.approx(1 / 3)]
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_the_environment_and_working_directory_never_reach_judge_or_sandbox(monkeypatch, tmp_path):
+    # Modules that would shadow the judge's (random, json, math), a sitecustomize, a startup
+    # file and a PYTHONHOME: none is read, wherever the trainer runs and whatever it exports.
+    marker = tmp_path / "reached"
+    trap = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\nraise SystemExit(3)\n"
+    for name in ("random", "json", "math", "sitecustomize", "usercustomize", "startup", "types"):
+        (tmp_path / f"{name}.py").write_text(trap)
+    monkeypatch.chdir(tmp_path)
+    for var, value in (("PYTHONPATH", str(tmp_path)), ("PYTHONSTARTUP", str(tmp_path / "startup.py")),
+                       ("PYTHONHOME", str(tmp_path)), ("PYTHONSAFEPATH", ""), ("PYTHONHASHSEED", "0")):
+        monkeypatch.setenv(var, value)
+    tests = ["import random\nfor _ in range(5):\n    x = random.randint(0, 9)\n    assert f(x) == 2 * x",
+             "x = 3\nassert f(x) == x * 2"]
+    out = code_rewards([DOUBLE, f"```python\n{WRONG}\n```"], [tests, tests], timeout=10.0)
+    assert out == [1.0, 0.0] and not marker.exists()
+
+
+@needs_jail
+def test_no_descriptor_child_or_temp_file_outlives_a_batch():
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    temp = set(os.listdir(tempfile.gettempdir()))
+    before_fds, before_kids = fds(), _children()
+    hostile = ["```python\nimport time\ntime.sleep(30)\n```", "```python\nimport os\nos._exit(3)\n```",
+               "```python\ndef f(x):\n    while True:\n        pass\n```", DOUBLE]
+    out = code_rewards(hostile, [["import random\nx = random.randint(1, 5)\nassert f(x) == 2 * x"]] * 4,
+                       timeout=3.0)
+    assert out == [0.0, 0.0, 0.0, 1.0]
+    deadline = time.monotonic() + 2
+    while (_children() - before_kids or fds() - before_fds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (_children() - before_kids) and not (fds() - before_fds)
+    assert set(os.listdir(tempfile.gettempdir())) - temp == set()
+
+
+# --------------------------------------------------------------------------------------------
 # Containment: what the program can see and touch (checked outside)
 # --------------------------------------------------------------------------------------------
 
@@ -329,14 +613,19 @@ def _children() -> set[int]:
 
 
 def _sandbox_processes() -> list[int]:
+    """Sandbox or judge processes that are ours or nobody's (orphans, parent 1): other
+    sessions on the machine may be running sandboxes of their own, each under its parent."""
     pids = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"grpo.rewards.sandbox`` runs" in f.read():
-                        pids.append(int(pid))
-            except OSError:
+                    ours = b"grpo.rewards.sandbox`` runs" in f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+                if ours and ppid in (1, os.getpid()):
+                    pids.append(int(pid))
+            except (OSError, ValueError, IndexError):
                 pass
     return pids
 
@@ -578,21 +867,52 @@ def test_no_network_and_no_new_processes(audit):
 
 
 @needs_jail
+@pytest.mark.parametrize("audit", [True, False], ids=["hook", "os-only"])
+def test_no_native_code_from_the_writable_tmp(audit):
+    # /tmp is noexec: a shared object copied there cannot be mapped (it would run native code
+    # that reads the harness's memory, ctypes or not).
+    code = textwrap.dedent("""
+        import shutil, sys, glob, importlib.util
+        src = glob.glob(sys.base_prefix + '/lib/python3*/lib-dynload/_bisect*.so')[0]
+        shutil.copy(src, '/tmp/_bisect.so')
+        try:
+            importlib.util.module_from_spec(
+                importlib.util.spec_from_file_location('_bisect', '/tmp/_bisect.so'))
+            print('LOADED')
+        except ImportError as e:
+            print('REFUSED', e)
+        """)
+    r = _sandbox.run(code, mode="stdio", timeout=5, audit=audit)
+    assert r.stdout.startswith("REFUSED") and "map segment" in r.stdout, (r.stdout, r.stderr)
+
+
+@needs_jail
+def test_python_signal_handlers_are_refused_defaults_are_not():
+    # A handler is called with the running frame, whose f_back chain reaches the harness.
+    code = textwrap.dedent("""
+        import signal, importlib.util
+        print(signal.signal(signal.SIGPIPE, signal.SIG_DFL) is not None)
+        for attempt in (lambda: signal.signal(signal.SIGALRM, lambda *a: None),
+                        lambda: importlib.util.module_from_spec(importlib.util.find_spec('_signal')),
+                        lambda: __import__('_signal').signal(14, print)):
+            try:
+                attempt()
+                print('INSTALLED')
+            except (PermissionError, ImportError) as e:
+                print('refused')
+        """)
+    r = _sandbox.run(code, mode="stdio", timeout=5)
+    assert r.stdout.split() == ["True", "refused", "refused", "refused"], (r.stdout, r.stderr)
+
+
+@needs_jail
 def test_runaway_programs_end_on_time_and_leave_nothing():
     for code in (ATTACKS["setsid_and_sleep"], ATTACKS["stop_self"], ATTACKS["huge_stdout"],
                  "while True:\n    pass"):
         r = timed(lambda c=code: _sandbox.run(c, mode="stdio", timeout=1.5), 1.5 + SLACK)
         assert len(r.stdout) <= _sandbox.MAX_OUTPUT_BYTES
     time.sleep(0.3)
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"grpo.rewards.sandbox`` runs" in f.read():
-                    leftovers.append(pid)
-        except OSError:
-            pass
-    assert not leftovers
+    assert not _sandbox_processes()
 
 
 # The same checks as an ordinary user: when the tests run as root, drop to an unused uid with

@@ -161,7 +161,8 @@ def test_config_vllm_fields():
         GRPOConfig(vllm_importance_sampling_mode="token")
     with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max"):
         GRPOConfig(vllm_importance_sampling_clip_max=-1.0)
-    with pytest.raises(ValueError, match="rollout_correction_min"):  # (the loss's own rule: min < max)
+    # (the loss's own rule, min <= max, naming the config's fields, as the user set them)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min .* must be <= vllm_importance_sampling_clip_max"):
         GRPOConfig(vllm_importance_sampling_clip_min=4.0)
     with pytest.raises(TypeError, match="vllm_importance_sampling_correction"):
         GRPOConfig(vllm_importance_sampling_correction="False")

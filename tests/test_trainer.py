@@ -7,6 +7,7 @@ Triton interpreter); one small test runs the Triton kernels through the interpre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ import time
 import types
 from decimal import Decimal
 from fractions import Fraction
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -644,14 +646,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_and_the_resumed_run_is_the_uninter
 # --------------------------------------------------------------------------------------------------
 # verl's loss_mode (issue 27): one update equals verl's ppo_loss of the whole batch, under any
 # micro-batching (padded or packed) and on 2 ranks (DDP, and FSDP2 once). The reference is
-# tests/spec64.py's float64 restatement of verl 0.9's ppo_loss / agg_loss (verl64) over the whole
+# tests/spec64.py's float64 restatement of verl 0.9.1's ppo_loss / agg_loss (verl64) over the whole
 # batch in one call, with no global keywords; one row has completion tokens but no loss token, which
 # verl's sequence count leaves out. The 2-rank case runs this file as its worker under torchrun.
 # --------------------------------------------------------------------------------------------------
 COMMON = dict(beta=0.05, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
               max_grad_norm=math.inf, backend="torch", progress=False, plot=False)
-# verl's three axes, every aggregation mode of the spec's own list; gspo's policy term is always
-# seq-mean-token-mean (its KL and entropy stay token-mean here); verl 0.9's newer modes when the spec has them
+# verl's three axes, every aggregation mode of the spec's own list; gspo's policy term reduced by
+# loss_agg_mode, as verl 0.9.1 does (0.9.0 forced seq-mean-token-mean); verl 0.9's newer modes when the spec has them
 CASES = {f"vanilla-{agg}": dict(loss_mode="vanilla", loss_agg_mode=agg) for agg in LOSS_AGG_MODES}
 CASES.update({
     "gspo": dict(loss_mode="gspo", loss_agg_mode="token-mean"),
@@ -851,3 +853,191 @@ def test_two_ranks_give_the_single_process_update(tmp_path, references):
 if __name__ == "__main__":  # a worker, started by torchrun
     torch.set_num_threads(1)
     {"ddp": worker_ddp}[sys.argv[1]](sys.argv[2])
+
+
+# --------------------------------------------------------------------------------------------------
+# Every refusal of grpo.train comes before anything changes, loads or is created (issue 37): a table of
+# refusals, each checked for the same property: the caller's model bitwise as it was (values, dtypes,
+# modules: no LoRA layers, config), the RNG as it was, the output directory as it was (not created when
+# it was absent), no lock left held. The run would cast to bf16 and add LoRA adapters, so a refusal that
+# came after either would show.
+# --------------------------------------------------------------------------------------------------
+class ReportingRollout(ScriptedRollout):
+    """ScriptedRollout that reports the engine's log-probs of the sampled tokens (as vLLM does)."""
+
+    def generate(self, policy, prompts, num_generations, *, greedy=False):
+        out = super().generate(policy, prompts, num_generations, greedy=greedy)
+        g = torch.Generator().manual_seed(self.calls)
+        out.sampling_logps = (-torch.rand(out.completion_ids.shape, generator=g) * 2).float() * out.completion_mask
+        return out
+
+
+class LongPromptEngine(ScriptedRollout):
+    reports_sampling_logps = False
+
+    def check_prompts(self, prompts):
+        raise ValueError(f"prompt 0 ({prompts[0][:10]!r}) has too many tokens for this engine")
+
+
+def model_state(model) -> dict:
+    return {"tensors": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "dtypes": {k: v.dtype for k, v in model.state_dict().items()},
+            "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
+            "grad": {n: p.requires_grad for n, p in model.named_parameters()},
+            "config": model.config.to_json_string(), "rng": torch.get_rng_state()}
+
+
+def directory_state(path) -> Optional[list]:
+    if not os.path.exists(path):
+        return None
+    return sorted((os.path.relpath(os.path.join(d, f), path), os.stat(os.path.join(d, f)).st_mtime_ns,
+                   os.stat(os.path.join(d, f)).st_size) for d, _, files in os.walk(path) for f in files)
+
+
+def crafted_checkpoint(path: str, weights_of=None, config: Optional[dict] = None, **changes) -> None:
+    """A checkpoint file as checkpoint.save lays it out (``weights_of``'s weights, an empty optimizer), or with ``changes``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    weights = weights_of.state_dict() if weights_of is not None else {}
+    state = {"step": 1, "model": {k: v.detach().clone() for k, v in weights.items()},
+             "ref_model": None, "optimizer": {"state": {}, "param_groups": []}, "rng": checkpoint.rng_state(),
+             "config": config}
+    state.update(changes)
+    torch.save(state, path)
+
+
+def _refusals():
+    """name -> (setup(tmp_path, model, cfg) -> train's arguments (or None to skip), the error, words its message names)."""
+    ckpt = lambda cfg: checkpoint.path_in(cfg.output_dir)  # noqa: E731
+    other_model = lambda: build_model_and_tokenizer(seed=1)[0]  # noqa: E731
+    tiny_other = {"lm_head.weight": torch.zeros(3, 2)}
+    return {
+        "cfg not a GRPOConfig": (lambda p, m, c: dict(cfg=dataclasses.asdict(c)), TypeError, ["cfg"]),
+        "rollout not a Rollout": (lambda p, m, c: dict(rollout=object()), TypeError, ["rollout"]),
+        "a row without a prompt": (lambda p, m, c: dict(rows=[{"question": "1+1="}] * 4), ValueError, ["rows[0]"]),
+        "no reward function": (lambda p, m, c: dict(rewards={}), ValueError, ["reward function"]),
+        "reward weights for other functions": (lambda p, m, c: dict(cfg=dataclasses.replace(c, reward_weights=[1.0, 2.0])),
+                                               ValueError, ["reward_weights"]),
+        "a reward's column missing": (lambda p, m, c: dict(rows=[{"prompt": r["prompt"]} for r in problems()[:4]],
+                                                           rewards={"accuracy": accuracy}), ValueError, ["'answer'"]),
+        "LoRA target that does not exist": (lambda p, m, c: dict(cfg=dataclasses.replace(c, lora_target_modules="nope_proj")),
+                                            ValueError, ["lora_target_modules", "nope_proj"]),
+        "LoRA target that is a norm": (lambda p, m, c: dict(cfg=dataclasses.replace(c, lora_target_modules="q_proj,input_layernorm")),
+                                       ValueError, ["lora_target_modules", "input_layernorm", "Qwen2RMSNorm"]),
+        "LoRA target that is a block": (lambda p, m, c: dict(cfg=dataclasses.replace(c, lora_target_modules="mlp")),
+                                        ValueError, ["lora_target_modules", "Qwen2MLP"]),
+        "LoRA target lm_head": (lambda p, m, c: dict(cfg=dataclasses.replace(c, lora_target_modules="lm_head")),
+                                ValueError, ["lm_head"]),
+        "MLP chunks on a model without `mlp` modules": (  # (the layers' MLPs renamed: nothing to chunk)
+            lambda p, m, c: [layer._modules.__setitem__("feed_forward", layer._modules.pop("mlp")) for layer in m.model.layers]
+            and dict(cfg=dataclasses.replace(c, mlp_chunk_tokens=8)), ValueError, ["mlp_chunk_tokens", "no decoder layer"]),
+        "the model's head transform": (lambda p, m, c: setattr(m.config, "final_logit_softcapping", -1.0) or {},
+                                       ValueError, ["softcap"]),
+        "vespo with an engine that may report log-probs": (
+            lambda p, m, c: dict(cfg=dataclasses.replace(c, loss_type="vespo"), rollout=ReportingRollout(None)),
+            ValueError, ["vllm_importance_sampling_mode", "vespo", "reports_sampling_logps"]),
+        "a prompt too long for the engine": (lambda p, m, c: dict(rollout=LongPromptEngine(None)), ValueError, ["too many tokens"]),
+        "ranks that do not divide the batch": (lambda p, m, c: os.environ.__setitem__("WORLD_SIZE", "3") or {},
+                                               ValueError, ["prompts_per_step", "3 ranks"]),
+        "a checkpoint of an earlier run": (lambda p, m, c: crafted_checkpoint(ckpt(c), m) or {}, FileExistsError,
+                                           ["already holds a checkpoint", "--resume"]),
+        "a live run holds the directory": (lambda p, m, c: {"hold_lock": True}, checkpoint.OutputDirInUse, ["in use"]),
+        "resume: a corrupt checkpoint": (
+            lambda p, m, c: (os.makedirs(c.output_dir), open(ckpt(c), "wb").write(b"\x00not a checkpoint")) and
+            dict(cfg=dataclasses.replace(c, resume=True)), checkpoint.CheckpointError, ["checkpoint.pt", "not a readable"]),
+        "resume: a truncated checkpoint": (
+            lambda p, m, c: (crafted_checkpoint(ckpt(c), m), os.truncate(ckpt(c), 300)) and
+            dict(cfg=dataclasses.replace(c, resume=True)), checkpoint.CheckpointError, ["checkpoint.pt"]),
+        "resume: another program's file": (
+            lambda p, m, c: os.makedirs(c.output_dir) or torch.save({"weights": torch.zeros(2)}, ckpt(c)) or
+            dict(cfg=dataclasses.replace(c, resume=True)), checkpoint.CheckpointError, ["checkpoint.pt", "not a grpo checkpoint"]),
+        "resume: another model's weights": (
+            lambda p, m, c: crafted_checkpoint(ckpt(c), None, model=tiny_other) or dict(cfg=dataclasses.replace(c, resume=True)),
+            checkpoint.CheckpointError, ["checkpoint.pt", "another model"]),
+        "resume: other settings": (
+            lambda p, m, c: crafted_checkpoint(ckpt(c), m, {**dataclasses.asdict(c), "learning_rate": 0.5}) or
+            dict(cfg=dataclasses.replace(c, resume=True)), ValueError, ["learning_rate: 0.5 ->", "--resume-with-changes"]),
+        "resume: a LoRA checkpoint of another model": (
+            lambda p, m, c: crafted_checkpoint(ckpt(c), other_model().model.layers[0]) or
+            dict(cfg=dataclasses.replace(c, resume=True)), checkpoint.CheckpointError, ["another model"]),
+    }
+
+
+REFUSALS = _refusals()
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_run_changes_loads_and_creates_nothing(case, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # (a case may set WORLD_SIZE: this test's copy only)
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = helpers.tiny_config(tmp_path, model_dtype="bfloat16", use_peft=True, beta=0.1, lora_target_modules="q_proj,v_proj")
+    setup, error, words = REFUSALS[case]
+    args = dict(cfg=cfg, rows=problems()[:4], rewards={"format": format_reward}, rollout=None)
+    args.update(setup(tmp_path, model, cfg) or {})
+    hold = args.pop("hold_lock", False)
+    for engine in (args["rollout"],):
+        if isinstance(engine, ScriptedRollout):
+            engine.tokenizer = tokenizer
+    before, directory = model_state(model), directory_state(cfg.output_dir)
+    lock = checkpoint.RunLock(cfg.output_dir) if hold else contextlib.nullcontext()
+    with lock:
+        directory = directory_state(cfg.output_dir) if hold else directory
+        with pytest.raises(error) as refused:
+            train(model, tokenizer, args["rows"], args["rewards"], args["cfg"], rollout=args["rollout"])
+        assert all(w in str(refused.value) for w in words), str(refused.value)
+        assert directory_state(cfg.output_dir) == directory, "the output directory changed"
+    after = model_state(model)
+    assert after["modules"] == before["modules"] and after["dtypes"] == before["dtypes"]  # no cast, no LoRA layers
+    assert after["grad"] == before["grad"] and after["config"] == before["config"]
+    assert all(torch.equal(after["tensors"][k], v) for k, v in before["tensors"].items())
+    assert torch.equal(after["rng"], before["rng"])
+    with checkpoint.RunLock(cfg.output_dir):  # (no lock left held)
+        pass
+
+
+def test_the_refusal_table_covers_every_check_of_check_run():
+    """Each check train() makes before anything changes is a row of the table above (by its words)."""
+    import inspect
+
+    from grpo import trainer
+
+    source = inspect.getsource(trainer.check_run)
+    for check in ("check_flags", "check_targets", "mlp_modules", "check_rows", "as_named", "reward_weights", "check_reward_columns",
+                  "prompts_per_step", "grpo_options", "sequence_correction_refused", "check_prompts",
+                  "check_output_dir", "check_not_in_use", "checkpoint.read", "check_resumable"):
+        assert check in source, check
+    assert len(REFUSALS) >= 20
+
+
+def test_an_accepted_run_after_refusals_trains_with_rollout_correction_max_none(tmp_path):
+    """rollout_correction_max=None (vllm_importance_sampling_clip_max=None, "unbounded") with token_truncate
+    crashed in torch.clamp at the first step: now the ratio is left unclamped, and the step is finite."""
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    cfg = tiny_config(tmp_path, num_steps=1, vllm_importance_sampling_mode="token_truncate",
+                      vllm_importance_sampling_clip_max=None)
+    assert cfg.grpo_options().rollout_correction_max is None and cfg.grpo_options().rollout_correction_min is None
+    records = train(model, tokenizer, problems()[:8], {"format": format_reward}, cfg, rollout=ReportingRollout(tokenizer))
+    assert math.isfinite(records[0]["loss"]) and records[0]["sampling/importance_sampling_ratio/max"] > 0
+
+
+def test_vespo_s_correction_is_decided_from_the_engine_s_declaration(tmp_path):
+    """vespo takes a per-token correction of the engine's log-probs (TRL). Whether an engine reports them
+    is known before the first step only from its declaration (grpo.rollout.Rollout): Hugging Face generate
+    declares it never does, so the default (sequence-level) mode is fine there; an engine that says
+    False and then reports them is refused at that step, before its log-probs are used."""
+    cfg = tiny_config(tmp_path, num_steps=1, loss_type="vespo")
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    tokenizer_engine = HFGenerate(tokenizer, max_new_tokens=4)
+    assert tokenizer_engine.reports_sampling_logps is False and ReportingRollout(tokenizer).__dict__.get("reports_sampling_logps") is None
+    records = train(model, tokenizer, problems()[:8], {"format": format_reward}, cfg)  # (HF generate)
+    assert math.isfinite(records[0]["loss"])
+
+    class Undeclared(ReportingRollout):
+        reports_sampling_logps = False
+
+    with pytest.raises(ValueError, match="Undeclared declares reports_sampling_logps = False but returned sampling_logps"):
+        train(model, tokenizer, problems()[:8], {"format": format_reward}, tiny_config(tmp_path / "b", num_steps=1),
+              rollout=Undeclared(tokenizer))
+    token = dataclasses.replace(cfg, output_dir=str(tmp_path / "c"), vllm_importance_sampling_mode="token_mask")
+    records = train(model, tokenizer, problems()[:8], {"format": format_reward}, token, rollout=ReportingRollout(tokenizer))
+    assert "sampling/importance_sampling_ratio/mean" in records[0]

@@ -116,7 +116,10 @@ BAD_SCALARS = [
     ("entropy_coef", "0.1", TypeError),
     ("max_completion_length", 0, ValueError),
     ("max_completion_length", 2.5, ValueError),
-    ("loss_type", None, ValueError),
+    ("loss_type", 3, TypeError),  # (None is the documented default: dapo, tests/test_bounds.py)
+    ("beta", -0.1, ValueError),  # (GRPOOptions declares beta >= 0: the functions refuse it too)
+    ("kl_loss_coef", float("nan"), ValueError),  # (named as typed, not "beta")
+    ("global_batch_size", 0, ValueError),
 ]
 
 

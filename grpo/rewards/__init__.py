@@ -9,7 +9,7 @@ Public API (``docs/api.md``)::
     math_equal(pred, gold, *, timeout=5.0) -> bool
     math_accuracy(completion, answer) -> float
     format_reward(completion, *, think_prefilled=False) -> float
-    code_reward(completion, tests, *, timeout=5.0) -> float
+    code_reward(completion, tests, *, timeout=5.0, trusted_code=None) -> float
 
 TRL-style reward functions ``fn(prompts, completions, **columns) -> list[float | None]``:
 :func:`math_accuracy_reward`, :func:`format_reward_func`, :func:`code_reward_func`, collected in

@@ -144,7 +144,9 @@ def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
     # No /proc at all: nothing of other processes, and not /proc/self/mem either (a process may
     # always read its own memory there, which would reveal a statement test's nonce).
     os.mkdir(new + "/tmp", 0o755)
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+    # noexec: a shared object the program writes here could be loaded (an import of a .so, or
+    # _imp.create_dynamic) and run native code that reads the harness's memory.
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           "size=%dk,mode=0700" % max(64, job["tmp_bytes"] >> 10))
     if is_root:
         os.chown(new + "/tmp", JAILED_UID, JAILED_UID)
@@ -180,12 +182,16 @@ def _build_and_exec(job, res_fd, alive_r, is_root, libc, check):
         os.setresuid(JAILED_UID, JAILED_UID, JAILED_UID)  # clears every capability
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    # The environment is this one, built here, and nothing else: not -I (which would ignore
+    # PYTHONHASHSEED) but -s -S -P (no user site, no site, no working directory on sys.path).
+    # The hash seed is the judge's (grpo.rewards.sandbox: the same in the sandbox and both
+    # judge stages), so that sets and dicts built alike iterate alike on both sides.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp",
-           "TMPDIR": "/tmp", "PYTHONHASHSEED": "0"}
+           "TMPDIR": "/tmp", "PYTHONHASHSEED": str(int(job.get("hash_seed", 0)))}
     exe = job["python"]
     # pycache_prefix names a directory that does not exist: imports compile the standard
     # library from source rather than unmarshal cached bytecode (marshal is refused inside).
-    os.execve(exe, [exe, "-I", "-S", "-B", "-X", "pycache_prefix=/nonexistent", "-c",
+    os.execve(exe, [exe, "-s", "-S", "-P", "-B", "-X", "pycache_prefix=/nonexistent", "-c",
                     job["source"], "run", str(run_fd), str(res_fd)], env)
 
 
@@ -204,14 +210,20 @@ def _run(argv):
     job = json.loads(os.pread(run_fd, os.fstat(run_fd).st_size, 0))
     os.close(run_fd)
     write, compile_, exec_, eval_ = os.write, builtins.compile, builtins.exec, builtins.eval
-    exit_, dumps, enc = os._exit, json.dumps, str.encode
+    exit_, enc = os._exit, str.encode
     mode, code = job["mode"], job["code"]
     # No new processes or threads. Set here, after execve: set at setuid time, a limit already
     # exceeded by other sandboxes of the same uid would make that execve fail (EAGAIN).
     import resource
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    # exit() and quit(), which the site module (left out: -S) would define: programs call them.
+    builtins.exit, builtins.quit = _Quitter("exit"), _Quitter("quit")
+    # The builtins the test's own steps see: a copy taken now, so that a program that patches
+    # builtins (builtins.sorted = ...) changes what its own code sees, never the test's.
+    pristine = dict(builtins.__dict__)
     if job["audit"]:
         sys.addaudithook(_make_hook())
+        _relay_signals()
     glb = {"__name__": "__main__" if mode == "stdio" else "solution", "__builtins__": builtins}
     if mode == "stdio":
         del job
@@ -233,27 +245,94 @@ def _run(argv):
     # frame (grpo.rewards.sandbox.judge decides). The writer is built from primitives taken
     # before the program runs: patching json, builtins or modules cannot reach it.
     tests, nonce = job["tests"], job["nonce"]
+    # A traced test ({"steps": [[kind, source, input names]], "trace": [[step, inputs]]}) runs
+    # its steps in the trace's order, each with the values the judge computed bound to its
+    # input names: decoded here, before the program runs, fresh objects for every step run.
+    max_items = job.get("max_items", 20000)
+    decode = _decoder(max_items)
+    encode = _encoder(max_items, job.get("iter_items", 100000), job.get("iter_seconds", 1.0))
     del job
-    encode = _encoder()
-    str_, join = str, "".join
+    prepared = {}
+    for t, test in enumerate(tests):
+        if type(test) is dict:
+            runs = []
+            try:
+                for sid, given in test["trace"]:
+                    runs.append((sid, None if given == "-" else () if given == "n"
+                                 else decode(given.encode("ascii"))))
+            except Exception:  # noqa: BLE001 - not ours to run: the test fails
+                runs = None
+            prepared[t] = (test["steps"], runs)
+    str_, join, zip_, type_, dict_, list_ = str, "".join, zip, type, dict, list
+    update, items, get = dict.update, dict.items, dict.get
+    missing = object()
     indexed = list(enumerate(tests))
     try:
         exec_(compile_(code, "solution.py", "exec"), glb)
     except BaseException as e:
         _report(e)
         exit_(1)
+
+    # Each test's own names (what its steps bind: ``s = Stack()``, ``x = [3, 1, 2]``) live in
+    # a dict of this frame, never in the program's globals: a ``global`` statement or
+    # ``globals()`` of the program cannot rebind or read them. A step runs in a fresh dict
+    # holding the program's globals as they are now, then the test's names, with the
+    # builtins copied before the program ran.
+    def namespace(own):
+        ns = {}
+        update(ns, glb)
+        update(ns, own)
+        ns["__builtins__"] = pristine
+        return ns
+
+    def keep(ns, own):  # the names a statement of the test bound
+        for k, v in list_(items(ns)):
+            if get(own, k, missing) is not v and get(glb, k, missing) is not v:
+                own[k] = v
+
     for t, steps in indexed:
+        own = {}
+        if type_(steps) is dict_:
+            steps, runs = prepared[t]
+            compiled = {}
+            try:
+                for occ, (sid, values) in enumerate(runs):
+                    kind, source, names = steps[sid]
+                    if values is None:
+                        if kind == "exec":
+                            raise ValueError("the inputs of a statement could not be sent")
+                        continue
+                    if sid not in compiled:
+                        compiled[sid] = compile_(source, "<test %d>" % t,
+                                                 "exec" if kind == "exec" else "eval")
+                    ns = namespace(own)
+                    for name, value in zip_(names, values):
+                        ns[name] = value
+                    if kind == "exec":
+                        exec_(compiled[sid], ns)
+                        keep(ns, own)
+                        continue
+                    head = join((nonce, " ", str_(t), " ", str_(occ), " "))
+                    try:
+                        line = head + encode(eval_(compiled[sid], ns))
+                    except BaseException as e:
+                        _report(e)
+                        line = head + "x"
+                    write(res_fd, enc(line + "\n"))
+                write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
+            except BaseException as e:
+                _report(e)
+            continue
         try:
             for step in steps:
+                ns = namespace(own)
                 if step[0] == "exec":
-                    exec_(compile_(step[1], "<test %d>" % t, "exec"), glb)
+                    exec_(compile_(step[1], "<test %d>" % t, "exec"), ns)
+                    keep(ns, own)
                     continue
                 head = join((nonce, " ", str_(t), " ", str_(step[1]), " "))
                 try:
-                    value = eval_(compile_(step[2], "<test %d>" % t, "eval"), glb)
-                    out = []
-                    encode(value, out)
-                    line = head + "v" + join(out)
+                    line = head + encode(eval_(compile_(step[2], "<test %d>" % t, "eval"), ns))
                 except BaseException as e:
                     _report(e)
                     line = head + "x"
@@ -264,19 +343,229 @@ def _run(argv):
     exit_(0)
 
 
-def _encoder():
-    """``encode(value, out)``: a value of exact builtin types as text (anything else raises,
-    so an object with a custom ``__eq__`` cannot leave the process). Grammar, prefix form:
-    ``N`` ``T`` ``F``, ``i<hex>;``, ``f<repr>;``, ``c<f><f>``, ``s<utf-8 hex>;``,
-    ``b<hex>;``, ``l<n>;`` / ``t<n>;`` / ``S<n>;`` / ``R<n>;`` (frozenset) + n items,
-    ``d<n>;`` + n key/value pairs. Every primitive is bound here, before the program runs."""
-    type_, len_, isfinite, repr_, list_ = type, len, __import__("math").isfinite, repr, list
-    encode_str, hex_bytes, append = str.encode, bytes.hex, list.append
-    int_fmt = int.__format__
-    float_repr = float.__repr__
-    TAGS = {list: "l", tuple: "t", set: "S", frozenset: "R"}
+class _Quitter:
+    """``exit()`` / ``quit()`` as the site module defines them (raise SystemExit)."""
 
-    def encode(v, out, depth=0):
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return "Use %s() or Ctrl-D (i.e. EOF) to exit" % self.name
+
+    def __call__(self, code=None):
+        raise SystemExit(code)
+
+
+def _relay_signals():
+    """Python signal handlers are refused: a handler is called with the frame that runs when
+    the signal arrives, whose ``f_back`` chain reaches this harness (its nonce, the test's
+    names). ``_signal.signal`` is replaced by a relay through the audit hook, which installs
+    only ``SIG_DFL`` / ``SIG_IGN`` (``signal.signal(signal.SIGPIPE, signal.SIG_DFL)`` still
+    works); the real function lives only in the hook's closure (unreachable: no API lists
+    hooks). ``_imp.create_builtin`` is relayed the same way, refusing a second ``_signal`` or
+    ``_imp`` (``importlib.util.module_from_spec`` would make one with the real functions)."""
+    import sys
+    import _imp
+
+    audit = sys.audit
+
+    def signal(signalnum, handler):
+        box = []
+        audit("sandbox.signal", signalnum, handler, box)
+        return box[0]
+
+    def create_builtin(spec):
+        box = []
+        audit("sandbox.create_builtin", spec, box)
+        return box[0]
+
+    sys.modules["_signal"].signal = signal
+    _imp.create_builtin = create_builtin
+
+
+class ProbeFailed(Exception):
+    """A record that is missing, marks a raised probe, or does not decode."""
+
+
+class Snapshot:
+    """An iterator as the program's produced it: the values it yielded (up to the caps), then
+    StopIteration if it ended there; reading past a cut (the caps, or the iterator raised)
+    fails the test."""
+
+    __slots__ = ("items", "pos", "complete")
+
+    def __init__(self, items, complete):
+        self.items, self.pos, self.complete = list(items), 0, complete
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos < len(self.items):
+            self.pos += 1
+            return self.items[self.pos - 1]
+        if self.complete:
+            raise StopIteration
+        raise ProbeFailed("read past the values the program's iterator produced")
+
+    def __repr__(self):
+        return "<iterator>"
+
+
+class Record:
+    """A dataclass instance or a plain Enum member of the program, as data: its class's
+    name and its fields (a member: its name). Equal to a record of the same class name and
+    fields, whatever the program's ``__eq__`` said; fields read as attributes."""
+
+    __slots__ = ("cls", "fields", "member")
+
+    def __init__(self, cls, fields, member):
+        if not isinstance(cls, str) or not all(isinstance(f, tuple) and len(f) == 2
+                                               and isinstance(f[0], str) for f in fields):
+            raise ProbeFailed("malformed record")
+        self.cls, self.fields, self.member = cls, tuple(fields), member
+
+    def _key(self):
+        return (self.cls, self.member, self.fields)
+
+    def __eq__(self, other):
+        return isinstance(other, Record) and self._key() == other._key()
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __getattr__(self, name):
+        for k, v in object.__getattribute__(self, "fields"):
+            if k == name:
+                return v
+        raise AttributeError(name)
+
+    def __repr__(self):
+        if self.member:
+            return "%s.%s" % (self.cls.rpartition(".")[2], self.fields[0][1])
+        return "%s(%s)" % (self.cls.rpartition(".")[2], ", ".join("%s=%r" % f for f in self.fields))
+
+
+def _encoder(max_items=20000, iter_items=100000, iter_seconds=1.0):
+    """``encode(value) -> str``: a value's record body, ``v`` + prefix-form text:
+
+    ``N`` ``T`` ``F``, ``i<hex>;``, ``f<repr>;``, ``c<f><f>``, ``s<utf-8 hex>;``,
+    ``b<hex>;``, ``y<hex>;`` (bytearray), ``l<n>;`` / ``t<n>;`` / ``S<n>;`` / ``R<n>;``
+    (frozenset) + n items, ``d<n>;`` + n key/value pairs, ``J<n>;`` + n characters of JSON
+    (lists and str-keyed dicts of None/bool/int/float/str only: decoded by C code, fast),
+    ``g`` + start, stop, step (range), ``K`` / ``V`` / ``W<n>;`` + n items (dict keys / values /
+    items views), ``q`` + numerator, denominator (Fraction), ``D<hex>;`` (Decimal),
+    ``Q`` + maxlen + list (deque), ``A<kind><n>;`` + n ints (datetime's date ``d``,
+    datetime ``D``, time ``t``, timedelta ``r``, without tzinfo), ``I<end>`` + list (an
+    iterator's values, read up to ``iter_items`` / ``iter_seconds``; end ``e`` it ended,
+    ``t`` the caps cut it, ``r`` it raised: reading past a cut fails the test), ``Z`` + class
+    name + tuple of (field, value) pairs (a dataclass instance), ``E`` + class name + member
+    name (a plain Enum member): :class:`Record` in the judge.
+
+    Subclasses of the builtin types (IntEnum, namedtuple, Counter, OrderedDict, ...) leave as
+    their builtin base's value, read by the base type's own C methods (bound here, before the
+    program runs): an overridden ``__eq__``, ``__iter__`` or ``__repr__`` plays no part; a
+    dataclass instance or a plain Enum member is its class name and fields (compared as data,
+    never by its ``__eq__``). An object of any other type raises TypeError (its probe fails).
+    Whatever the program does, a record is one fixed plain value, read once: what the judge
+    compares is data, never an object of the program (a value that would change on a second
+    read cannot)."""
+    import time
+
+    type_, len_, list_, set_, map_, issubclass_, hasattr_, getattr_ = (
+        type, len, list, set, map, issubclass, hasattr, getattr)
+    str_ = str
+    stop_, join = StopIteration, "".join
+    int_fmt, float_repr = int.__format__, float.__repr__
+    encode_str, bytes_hex, bytearray_hex = str.encode, bytes.hex, bytearray.hex
+    creal, cimag = complex.__dict__["real"].__get__, complex.__dict__["imag"].__get__
+    list_iter, tuple_iter = list.__iter__, tuple.__iter__
+    set_iter, fset_iter = set.__iter__, frozenset.__iter__
+    dict_items, dict_values = dict.items, dict.values
+    append = list.append
+    monotonic = time.monotonic
+    enum_base = __import__("enum").Enum  # imported at startup (re needs it), taken before the program
+    keys_t, values_t, items_t = type({}.keys()), type({}.values()), type({}.items())
+    none_t = type(None)
+    max_text = 1 << 20  # a Decimal's digits
+    # JSON by the C encoder itself, built here: nothing the program patches in json reaches it.
+    # No circularity markers: plain() has already refused anything nested past 50 levels.
+    import _json
+
+    def refuse(o):
+        raise TypeError("not JSON")
+
+    c_encoder = _json.make_encoder(None, refuse, _json.encode_basestring_ascii, None, ":", ",",
+                                   False, False, True)
+
+    def to_json(v):
+        return join(c_encoder(v, 0))
+
+    def scalar(k):
+        return k is int or k is str or k is float or k is bool or k is none_t
+
+    def plain(v, depth):
+        """Whether JSON carries ``v`` exactly (lists, str-keyed dicts, JSON scalars)."""
+        t = type_(v)
+        if scalar(t):
+            return True
+        if depth > 50:
+            return False
+        if t is dict:
+            for k in set_(map_(type_, v)):
+                if k is not str:
+                    return False
+            return plain(list_(dict_values(v)), depth + 1)
+        if t is not list:
+            return False
+        nested = False
+        for k in set_(map_(type_, v)):
+            if k is list or k is dict:
+                nested = True
+            elif not scalar(k):
+                return False
+        if nested:
+            for x in v:
+                tx = type_(x)
+                if (tx is list or tx is dict) and not plain(x, depth + 1):
+                    return False
+        return True
+
+    def seq(tag, values, out, depth):
+        append(out, tag + int_fmt(len_(values), "d") + ";")
+        for x in values:
+            tagged(x, out, depth + 1)
+
+    def materialise(it, nxt):
+        """(values, end) of an iterator, within the caps."""
+        values, end = [], "t"
+        deadline = monotonic() + iter_seconds
+        while len_(values) < iter_items:
+            try:
+                x = nxt(it)
+            except stop_:
+                end = "e"
+                break
+            except BaseException:  # noqa: BLE001 - it raised: reading past here fails
+                end = "r"
+                break
+            append(values, x)
+            if monotonic() > deadline:
+                break
+        return values, end
+
+    def json_form(v, out):
+        try:
+            text = to_json(v)
+        except Exception:  # noqa: BLE001 - ints past JSON's digits, cycles: the long form
+            return False
+        append(out, "J" + int_fmt(len_(text), "d") + ";" + text)
+        return True
+
+    def tagged(v, out, depth):
         if depth > 100:
             raise ValueError("value nested too deeply")
         t = type_(v)
@@ -288,26 +577,103 @@ def _encoder():
             append(out, "i" + int_fmt(v, "x") + ";")
         elif t is float:
             append(out, "f" + float_repr(v) + ";")
-        elif t is complex:
-            append(out, "c")
-            encode(v.real, out, depth + 1)
-            encode(v.imag, out, depth + 1)
         elif t is str:
-            append(out, "s" + hex_bytes(encode_str(v, "utf-8", "surrogatepass")) + ";")
-        elif t is bytes:
-            append(out, "b" + hex_bytes(v) + ";")
-        elif t in TAGS:
-            items = list_(v) if t is not list else v
-            append(out, TAGS[t] + int_fmt(len_(items), "d") + ";")
-            for x in items:
-                encode(x, out, depth + 1)
-        elif t is dict:
-            append(out, "d" + int_fmt(len_(v), "d") + ";")
-            for k in list_(v):
-                encode(k, out, depth + 1)
-                encode(v[k], out, depth + 1)
+            append(out, "s" + bytes_hex(encode_str(v, "utf-8", "surrogatepass")) + ";")
+        elif (t is list or t is dict) and plain(v, 0) and json_form(v, out):
+            pass
+        elif issubclass_(t, int):  # bool cannot be subclassed; IntEnum, IntFlag, ...
+            append(out, "i" + int_fmt(v, "x") + ";")
+        elif issubclass_(t, float):
+            append(out, "f" + float_repr(v) + ";")
+        elif issubclass_(t, complex):
+            append(out, "cf" + float_repr(creal(v)) + ";f" + float_repr(cimag(v)) + ";")
+        elif issubclass_(t, str):
+            append(out, "s" + bytes_hex(encode_str(v, "utf-8", "surrogatepass")) + ";")
+        elif issubclass_(t, bytes):
+            append(out, "b" + bytes_hex(v) + ";")
+        elif issubclass_(t, bytearray):
+            append(out, "y" + bytearray_hex(v) + ";")
+        elif issubclass_(t, list):
+            seq("l", list_(list_iter(v)), out, depth)
+        elif issubclass_(t, tuple):
+            seq("t", list_(tuple_iter(v)), out, depth)
+        elif issubclass_(t, frozenset):
+            seq("R", list_(fset_iter(v)), out, depth)
+        elif issubclass_(t, set):
+            seq("S", list_(set_iter(v)), out, depth)
+        elif issubclass_(t, dict):
+            pairs = list_(dict_items(v))
+            append(out, "d" + int_fmt(len_(pairs), "d") + ";")
+            for k, x in pairs:
+                tagged(k, out, depth + 1)
+                tagged(x, out, depth + 1)
+        elif t is range:
+            append(out, "g")
+            for x in (v.start, v.stop, v.step):
+                tagged(x, out, depth + 1)
+        elif t is keys_t or t is values_t or t is items_t:
+            seq("K" if t is keys_t else "V" if t is values_t else "W", list_(v), out, depth)
         else:
-            raise TypeError("cannot report a value of this type")
+            other(v, t, out, depth)
+
+    def other(v, t, out, depth):
+        module, name = getattr_(t, "__module__", None), getattr_(t, "__qualname__", None)
+        known = (module, name) if type_(module) is str and type_(name) is str else None
+        if known == ("fractions", "Fraction"):
+            n, d = v.numerator, v.denominator
+            if type_(n) is not int or type_(d) is not int:
+                raise TypeError("a Fraction of non-ints")
+            append(out, "q")
+            tagged(n, out, depth + 1)
+            tagged(d, out, depth + 1)
+        elif known == ("decimal", "Decimal"):
+            s = str_(v)
+            if not issubclass_(type_(s), str) or len_(s) > max_text:
+                raise TypeError("a Decimal without a short str")
+            append(out, "D" + bytes_hex(encode_str(s, "ascii")) + ";")
+        elif known == ("collections", "deque"):
+            m = v.maxlen
+            if m is not None and type_(m) is not int:
+                raise TypeError("a deque with a strange maxlen")
+            append(out, "Q")
+            tagged(m, out, depth + 1)
+            seq("l", list_(v), out, depth + 1)
+        elif known in (("datetime", "date"), ("datetime", "datetime"), ("datetime", "time"),
+                       ("datetime", "timedelta")) and getattr_(v, "tzinfo", None) is None:
+            fields = {"date": ("year", "month", "day"),
+                      "datetime": ("year", "month", "day", "hour", "minute", "second", "microsecond"),
+                      "time": ("hour", "minute", "second", "microsecond"),
+                      "timedelta": ("days", "seconds", "microseconds")}[name]
+            values = [getattr_(v, f) for f in fields]
+            for x in values:
+                if type_(x) is not int:
+                    raise TypeError("a datetime value with strange fields")
+            append(out, "A" + {"date": "d", "datetime": "D", "time": "t", "timedelta": "r"}[name])
+            seq("", values, out, depth)
+        elif issubclass_(t, enum_base):  # a plain Enum member (IntEnum, StrEnum: their base)
+            append(out, "E")
+            tagged(name if type_(name) is str else None, out, depth + 1)
+            tagged(v.name, out, depth + 1)
+        elif type_(getattr_(t, "__dataclass_fields__", None)) is dict:
+            fields = [f for f in getattr_(t, "__dataclass_fields__") if type_(f) is str]
+            if len_(fields) > max_items:
+                raise ValueError("too many fields")
+            append(out, "Z")
+            tagged(name if type_(name) is str else None, out, depth + 1)
+            seq("t", [(f, getattr_(v, f)) for f in fields], out, depth + 1)
+        elif hasattr_(t, "__next__"):
+            values, end = materialise(v, t.__next__)
+            append(out, "I" + end)
+            tagged(values, out, depth + 1)
+        else:
+            # An object of the program's own (or any other) type has no value the judge could
+            # compare: its __eq__, __bool__, __str__ ... are the program's to make lie.
+            raise TypeError("cannot report a value of type %s" % (name,))
+
+    def encode(v):
+        out = ["v"]
+        tagged(v, out, 0)
+        return join(out)
 
     return encode
 
@@ -325,8 +691,16 @@ def _make_hook():
     """Audit hook: a second layer inside the jail. Everything it closes over is immutable."""
     import os
 
+    import _imp
+    import sys
+    import types
+
     realpath = os.path.realpath
     isdir = os.path.isdir
+    # The real functions that _relay_signals replaces: held only here.
+    real_signal, real_create_builtin = sys.modules["_signal"].signal, _imp.create_builtin
+    callable_, int_int, namespace = callable, int.__int__, types.SimpleNamespace
+    FRESH_REFUSED = frozenset({"_signal", "_imp"})
     O_PATH = getattr(os, "O_PATH", 0)
     O_DIRECTORY = os.O_DIRECTORY
     # Reaching a frame is the one way to read the harness's locals (the nonce of the probe
@@ -349,13 +723,28 @@ def _make_hook():
     BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_testcapi",
                                  "_testinternalcapi", "_testbuffer", "_testmultiphase",
                                  "_testimportmultiple", "_xxtestfuzz", "_ctypes_test",
-                                 "_xxsubinterpreters", "_xxinterpchannels", "gc"})
+                                 "_xxsubinterpreters", "_xxinterpchannels", "gc", "_signal",
+                                 "_imp"})
     # Events whose last argument(s) are dir_fd (-1 or None when absent).
     DIR_FD_ARGS = {"os.mkdir": 1, "os.remove": 1, "os.rmdir": 1, "os.rename": 2,
                    "os.symlink": 1, "os.link": 2, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
                    "os.mkfifo": 1, "os.mknod": 1}
 
     def hook(event, args):
+        if event == "sandbox.signal":  # _relay_signals: only SIG_DFL / SIG_IGN, never a callable
+            signalnum, handler, box = args
+            if callable_(handler):
+                raise PermissionError("sandbox: Python signal handlers are not available "
+                                      "(a handler would be handed this process's frames)")
+            box.append(real_signal(int_int(signalnum), int_int(handler)))
+            return
+        if event == "sandbox.create_builtin":
+            spec, box = args
+            name = spec.name
+            if type(name) is not str or name in FRESH_REFUSED:
+                raise ImportError("sandbox: a second copy of module %r is not available" % (name,))
+            box.append(real_create_builtin(namespace(name=name, origin="built-in")))
+            return
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
             if isinstance(path, int):
@@ -400,69 +789,51 @@ def _make_hook():
 # ------------------------------------------------------------------------------------------
 
 
-def _judge(argv):
-    """Decide assert tests on the probe records of a ``probes`` run.
-
-    The records are the program's output, hence hostile: they are decoded here, in a
-    throwaway process under memory / CPU limits and the caller's wall clock, into exact
-    builtin types only (no object of the program exists here), then each test's judge source
-    runs with the judge's builtins over those values. Prints ``PASS <i>`` per passed test.
-    """
-    import builtins
+def _decoder(max_items):
+    """``decode(data)``: the value of one record ``b"v..."`` (the grammar of :func:`_encoder`),
+    iteratively: depth and sizes bounded. Raises :class:`ProbeFailed` on anything else (a
+    constructor's own error included)."""
     import json
-    import math
-    import os
-    import resource
-    import signal
-    import sys
 
-    job_fd, res_fd = int(argv[0]), int(argv[1])
-    for name, value in (("RLIMIT_AS", 2 << 30), ("RLIMIT_CPU", 10), ("RLIMIT_FSIZE", 1 << 20),
-                        ("RLIMIT_NPROC", 0), ("RLIMIT_CORE", 0)):
-        try:
-            resource.setrlimit(getattr(resource, name), (value, value))
-        except (ValueError, OSError):
-            pass
-    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
-    raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
-    sources, budget, probe_name = job["tests"], job["test_seconds"], job["probe"]
-    allowed_modules = frozenset(job["modules"])
-    sys.setrecursionlimit(400)
+    loads = json.loads
 
-    # Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) / "<nonce> <test> d"
-    # (the test's steps completed). Lines without the nonce are the program's, not ours; a
-    # record seen twice is void. Values are parsed only when a test reads them.
-    nonce = job["nonce"].encode()
-    records, done = {}, {}
-    for line in raw.split(b"\n"):
-        parts = line.split(b" ", 3)
-        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
-            continue
-        t = int(parts[1])
-        if parts[2] == b"d" and len(parts) == 3:
-            done[t] = done.get(t, 0) + 1
-        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
-            key = (t, int(parts[2]))
-            records[key] = None if key in records else parts[3]
-    del raw
+    def lazy(module, name):
+        return lambda *a: getattr(__import__(module), name)(*a)
 
-    class ProbeFailed(Exception):
-        pass
+    fraction, decimal_, deque = (lazy("fractions", "Fraction"), lazy("decimal", "Decimal"),
+                                 lazy("collections", "deque"))
+    dt = {k: lazy("datetime", v) for k, v in
+          (("d", "date"), ("D", "datetime"), ("t", "time"), ("r", "timedelta"))}
+    arity = {"d": 3, "D": 7, "t": 4, "r": 3}
 
-    max_items = job["max_items"]
+    def pairs(items):
+        if len(items) % 2:
+            raise ProbeFailed("malformed")
+        return list(zip(items[0::2], items[1::2]))
+
+    seqs = {"l": list, "t": tuple, "S": set, "R": frozenset, "d": lambda items: dict(pairs(items)),
+            "K": lambda items: dict.fromkeys(items).keys(),
+            "V": lambda items: dict(enumerate(items)).values(),
+            "W": lambda items: dict(items).items()}
 
     def decode(data):
-        """The value of one record (iterative: depth and sizes bounded)."""
         if data[:1] != b"v":
             raise ProbeFailed("the probe raised")
-        text = data.decode("ascii")
+        try:
+            return parse(data.decode("ascii"))
+        except ProbeFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - malformed, whatever the reason
+            raise ProbeFailed("malformed record (%s)" % type(e).__name__)
+
+    def parse(text):
         pos, n = 1, len(text)
         stack = [[[], 1, lambda items: items[0]]]  # [items, remaining, constructor]
 
-        def num(end_char=";"):
+        def num(end_char=";", limit=100000):
             nonlocal pos
             end = text.index(end_char, pos)
-            if end - pos > 100000:
+            if end - pos > limit:
                 raise ProbeFailed("number too long")
             out = text[pos:end]
             pos = end + 1
@@ -472,8 +843,10 @@ def _judge(argv):
             items, remaining, ctor = stack[-1]
             if remaining == 0:
                 stack.pop()
-                value = (dict(zip(items[0::2], items[1::2])) if ctor is dict else ctor(items))
+                value = ctor(items)
                 if not stack:
+                    if pos != n:
+                        raise ProbeFailed("trailing data")
                     return value
                 stack[-1][0].append(value)
                 stack[-1][1] -= 1
@@ -489,28 +862,57 @@ def _judge(argv):
             elif tag == "i":
                 value = int(num(), 16)
             elif tag == "f":
-                s = num()
-                if len(s) > 64:
-                    raise ProbeFailed("float too long")
-                value = float(s)
+                value = float(num(limit=64))
             elif tag == "c":
                 parts_ = []
                 for _ in range(2):
                     if text[pos:pos + 1] != "f":
                         raise ProbeFailed("malformed complex")
                     pos += 1
-                    parts_.append(float(num()))
+                    parts_.append(float(num(limit=64)))
                 value = complex(*parts_)
-            elif tag == "s":
-                value = bytes.fromhex(num()).decode("utf-8", "surrogatepass")
-            elif tag == "b":
-                value = bytes.fromhex(num())
-            elif tag in "ltSRd":
+            elif tag in "sbyD":  # strings: bounded by the record's size only
+                raw = bytes.fromhex(num(limit=n))
+                value = (raw.decode("utf-8", "surrogatepass") if tag == "s" else raw if tag == "b"
+                         else bytearray(raw) if tag == "y" else decimal_(raw.decode("ascii")))
+            elif tag == "J":
                 count = int(num(), 10)
-                if len(stack) > 100 or count < 0 or (tag in "SRd" and count > max_items):
+                if count < 0 or pos + count > n:
+                    raise ProbeFailed("truncated")
+                value = loads(text[pos:pos + count])
+                pos += count
+            elif tag in seqs:
+                count = int(num(), 10)
+                if len(stack) > 100 or count < 0 or (tag in "SRdKW" and count > max_items):
                     raise ProbeFailed("too deep or too large")
-                ctor = {"l": list, "t": tuple, "S": set, "R": frozenset, "d": dict}[tag]
-                stack.append([[], 2 * count if tag == "d" else count, ctor])
+                stack.append([[], 2 * count if tag == "d" else count, seqs[tag]])
+                continue
+            elif tag == "g":
+                stack.append([[], 3, lambda items: range(*items)])
+                continue
+            elif tag == "q":
+                stack.append([[], 2, lambda items: fraction(*items)])
+                continue
+            elif tag == "Q":
+                stack.append([[], 2, lambda items: deque(items[1], items[0])])
+                continue
+            elif tag == "A":
+                kind = text[pos:pos + 1]
+                pos += 1
+                if kind not in dt or int(num(), 10) != arity[kind]:
+                    raise ProbeFailed("malformed date")
+                stack.append([[], arity[kind], lambda items, k=kind: dt[k](*items)])
+                continue
+            elif tag == "E":
+                stack.append([[], 2, lambda items: Record(items[0], (("name", items[1]),), True)])
+                continue
+            elif tag == "Z":
+                stack.append([[], 2, lambda items: Record(items[0], items[1], False)])
+                continue
+            elif tag == "I":
+                end = text[pos:pos + 1]
+                pos += 1
+                stack.append([[], 1, lambda items, e=end: Snapshot(items[0], e == "e")])
                 continue
             else:
                 raise ProbeFailed("malformed")
@@ -518,18 +920,81 @@ def _judge(argv):
             stack[-1][1] -= 1
         raise ProbeFailed("malformed")
 
-    current = [0]
+    return decode
 
-    cache = {}
 
-    def probe(pid):
-        key = (current[0], pid)
-        if key not in cache:
-            rec = records.get(key)
-            if rec is None:
-                raise ProbeFailed("no value")
-            cache[key] = decode(rec)
-        return cache[key]
+def _judge(argv):
+    """Run the judge side of assert tests, never with the program's code. Two stages:
+
+    ``inputs`` (before the program runs, only for *traced* tests: those with steps inside the
+    test's own loops or ifs, or steps that take values only the judge computes): runs each
+    test's first-stage source, which keeps the test's judge-side statements and replaces every
+    step of the program by ``__grpo_at__(step, is_statement, inputs)``; writes one line per step
+    run, ``<test> <step> <encoded inputs>`` (``n``: none, ``-``: they raised or cannot be sent),
+    then ``<test> D`` (or ``<test> E``: the test itself failed or asked for too much).
+
+    ``verdict`` (after the program ran): decides each test on the probe records of the
+    ``probes`` run. The records are the program's output, hence hostile: they are decoded here,
+    in a throwaway process under memory / CPU limits and the caller's wall clock, into exact
+    builtin types only (no object of the program exists here), then each test's judge source
+    runs with the judge's builtins over those values. Writes ``PASS <i>`` per passed test and
+    ``MISS <i>`` per test that cannot be judged (a traced test whose steps, recomputed, are
+    not the ones the program ran, or whose inputs could not be sent) and ``PYTH <i>`` per test
+    whose two readings disagree: it fails on the values as it built them but passes in its
+    ``python`` reading (where what it handed to the program is read back from the sandbox),
+    or passes as written while its Python reading cannot be judged. A test with a Python
+    reading passes only when both readings pass; its Python reading failing fails it. Both stages write to their third descriptor;
+    their stdout and stderr go nowhere (no test code can print a verdict).
+
+    Both stages seed ``random`` alike per test (``seed`` and the test's id) and run under the
+    same ``PYTHONHASHSEED`` (the caller's), so the second recomputes exactly what the first sent;
+    a step whose recomputed inputs differ is a miss, never a failure. ``trusted`` (the
+    problem's own helper definitions, checked by ``grpo.rewards.sandbox.check_trusted_code``)
+    runs once, in its own namespace with the judge's builtins (plus classes and errors) and
+    modules reduced to their public, non-module attributes; its ``trusted_names`` are bound in
+    every test's namespace, where the test's calls resolve.
+    """
+    import builtins
+    import json
+    import os
+    import random
+    import resource
+    import signal
+    import sys
+    import types
+
+    job_fd, res_fd, out_fd = int(argv[0]), int(argv[1]), int(argv[2])
+    for name, value in (("RLIMIT_AS", 2 << 30), ("RLIMIT_CPU", 10), ("RLIMIT_FSIZE", 1 << 20),
+                        ("RLIMIT_NPROC", 0), ("RLIMIT_CORE", 0)):
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError):
+            pass
+    sys.path[:] = [p for p in sys.path if p]  # (-P: no working directory on it; made sure)
+    job = json.loads(os.pread(job_fd, os.fstat(job_fd).st_size, 0))
+    sources, budget, probe_name = job["tests"], job["test_seconds"], job["probe"]
+    stage = job.get("stage", "verdict")
+    ids = job.get("ids") or list(range(len(sources)))
+    seed = int(job.get("seed", 0))
+    allowed_modules = frozenset(job["modules"])
+    sys.setrecursionlimit(400)
+    write = os.write
+    encode = _encoder(job["max_items"])
+    decode = _decoder(job["max_items"])
+
+    # ``random`` as the tests see it: seeded by the job, never by the machine.
+    real_seed = random.Random.seed
+
+    def seeded(self, a=None, version=2):
+        real_seed(self, seed if a is None else a, version)
+
+    random.Random.seed = seeded
+
+    class NoSystemRandom:
+        def __init__(self, *a, **k):
+            raise RuntimeError("the judge has no SystemRandom (its values could not be sent)")
+
+    random.SystemRandom = NoSystemRandom
 
     real_import = builtins.__import__
 
@@ -540,7 +1005,10 @@ def _judge(argv):
 
     safe = {n: getattr(builtins, n) for n in job["builtins"]}
     safe["__import__"] = import_
-    glb = {"__builtins__": safe, "math": math, probe_name: probe}
+    glb = {"__builtins__": safe, "math": real_import("math"), probe_name: None}
+
+    class Unscorable(BaseException):
+        pass
 
     class TestTimeout(BaseException):
         pass
@@ -548,21 +1016,183 @@ def _judge(argv):
     def on_alarm(signum, frame):
         raise TestTimeout()
 
-    signal.signal(signal.SIGALRM, on_alarm)
-    for t, src in enumerate(sources):
-        current[0] = t
-        ok = False
+    # A test's budget is CPU time (SIGPROF), not wall time: a loaded machine does not fail it.
+    signal.signal(signal.SIGPROF, on_alarm)
+
+    def timed(fn):
+        signal.setitimer(signal.ITIMER_PROF, budget)
         try:
-            signal.setitimer(signal.ITIMER_REAL, budget)
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+
+    # The problem's own helpers, in their own namespace; modules as public attributes only.
+    trusted = {}
+    if job.get("trusted") is not None:
+        proxies = {}
+
+        def public(module):
+            if module.__name__ not in proxies:
+                proxies[module.__name__] = types.SimpleNamespace(**{
+                    k: v for k, v in vars(module).items()
+                    if not k.startswith("_") and not isinstance(v, types.ModuleType)})
+            return proxies[module.__name__]
+
+        def trusted_import(name, globals=None, locals=None, fromlist=(), level=0):
+            return public(import_(name, globals, locals, fromlist, level))
+
+        tsafe = dict(safe)
+        tsafe.update({n: getattr(builtins, n) for n in job["trusted_builtins"]})
+        tsafe["__import__"] = trusted_import
+        tsafe["__build_class__"] = builtins.__build_class__
+        tglb = {"__builtins__": tsafe, "__name__": "trusted"}
+        try:
+            timed(lambda: exec(compile(job["trusted"], "<trusted>", "exec"), tglb))
+            trusted = {n: tglb[n] for n in job["trusted_names"] if n in tglb}
+        except BaseException:  # noqa: BLE001 - no test can be judged
+            for t in range(len(sources)):
+                write(out_fd, ("%d E\n" % ids[t] if stage == "inputs" else "MISS %d\n" % t).encode())
+            os._exit(0)
+
+    def encoded(thunk):
+        """The inputs ``thunk()`` returns, encoded; ``-`` when they raise or cannot be sent."""
+        if thunk is None:
+            return "n"
+        try:
+            return encode(tuple(thunk()))
+        except Exception:  # noqa: BLE001 - the step cannot run; decided by how it is used
+            return "-"
+
+    def start(t):
+        random.seed(seed * 1000003 + ids[t])
+        glb.update(trusted)
+
+    if stage == "inputs":
+        max_calls, max_bytes = job["max_calls"], job["max_bytes"]
+        used = [0, 0]
+        lines = []
+
+        class TooMany(BaseException):
+            pass
+
+        def record(sid, is_exec, thunk):
+            enc = encoded(thunk)
+            used[0] += 1
+            used[1] += len(enc) + 24
+            if used[0] > max_calls or used[1] > max_bytes:
+                raise TooMany()
+            lines.append("%d %d %s\n" % (ids[current_t[0]], sid, enc))
+
+        current_t = [0]
+        glb["__grpo_at__"] = record
+        for t, src in enumerate(sources):
+            current_t[0] = t
+            start(t)
+            del lines[:]
             try:
-                exec(compile(src, "<judge %d>" % t, "exec"), glb)
-                ok = done.get(t) == 1
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                timed(lambda: exec(compile(src, "<inputs %d>" % t, "exec"), glb))
+                lines.append("%d D\n" % ids[t])
+            except TooMany:
+                lines[:] = ["%d E\n" % ids[t]]
+                used[0], used[1] = max_calls, max_bytes  # nothing more for later tests either
+            except BaseException:  # noqa: BLE001 - the test fails on its own: unscorable
+                lines[:] = ["%d E\n" % ids[t]]
+            write(out_fd, "".join(lines).encode())
+        os._exit(0)
+
+    # stage == "verdict". Records: "<nonce> <test> <probe> v<value>" / "... x" (it raised) /
+    # "<nonce> <test> d" (the test's steps completed); a traced test's records are numbered by
+    # step run instead of probe. Lines without the nonce are the program's, not ours; a record
+    # seen twice is void. Values are parsed only when a test reads them.
+    raw = os.pread(res_fd, os.fstat(res_fd).st_size, 0)
+    nonce = job["nonce"].encode()
+    records, done = {}, {}  # records: {test: {probe or step run: record}}
+    for line in raw.split(b"\n"):
+        parts = line.split(b" ", 3)
+        if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit() or len(parts[1]) > 9:
+            continue
+        t = int(parts[1])
+        if parts[2] == b"d" and len(parts) == 3:
+            done[t] = done.get(t, 0) + 1
+        elif len(parts) == 4 and parts[2].isdigit() and len(parts[2]) < 10:
+            mine, k = records.setdefault(t, {}), int(parts[2])
+            mine[k] = None if k in mine else parts[3]
+    del raw
+    traces = {int(k): v for k, v in (job.get("traces") or {}).items()}
+
+    current = [0]
+    cache = {}  # {(test, probe): (decoded, value or the reason it failed)}
+
+    def predecode(t):
+        """Decode test ``t``'s records before its budget starts (they count against the
+        process's wall clock only)."""
+        for k, rec in records.get(t, {}).items():
+            if (t, k) not in cache:
+                try:
+                    cache[(t, k)] = (True, decode(rec)) if rec is not None else (False, "twice")
+                except ProbeFailed as e:
+                    cache[(t, k)] = (False, str(e))
+
+    def probe(pid):
+        ok, value = cache.get((current[0], pid), (False, "no value"))
+        if not ok:
+            raise ProbeFailed(value)
+        return value
+
+    runs = [0]
+
+    def at(sid, is_exec, thunk):
+        """The next step run of a traced test: the one the first stage sent, or a miss."""
+        trace, n = traces.get(current[0]), runs[0]
+        runs[0] += 1
+        if trace is None or n >= len(trace) or trace[n][0] != sid:
+            raise Unscorable()
+        enc = encoded(thunk)
+        if enc != trace[n][1] or (enc == "-" and is_exec):
+            raise Unscorable()
+        return (n, enc == "-")
+
+    def val(handle):
+        if handle[1]:
+            raise Unscorable()  # its inputs raised or could not be sent: the test is broken
+        return probe(handle[0])
+
+    glb[probe_name], glb["__grpo_at__"], glb["__grpo_val__"] = probe, at, val
+    python = job.get("python") or [None] * len(sources)
+
+    def verdict_of(t, src):
+        current[0], runs[0] = t, 0
+        start(t)
+        try:
+            timed(lambda: exec(compile(src, "<judge %d>" % t, "exec"), glb))
+            verdict = done.get(t) == 1
+            if verdict and t in traces and runs[0] != len(traces[t]):
+                verdict = None
+        except Unscorable:
+            verdict = None
         except BaseException:  # noqa: BLE001 - any failure of the test fails it
-            ok = False
-        if ok:
-            os.write(1, ("PASS %d\n" % t).encode())
+            verdict = False
+        return verdict
+
+    for t, src in enumerate(sources):
+        predecode(t)
+        verdict = verdict_of(t, src)
+        if python[t] is not None and verdict is not None:
+            # Python's own reading (what the program left in the values it was handed) is the
+            # dataset's; the test as written (the judge's copies) is what no program can move.
+            # A pass needs both; a fail in Python's reading is a fail; a fail as written that
+            # Python's reading passes (an in-place update the test checks, or a forgery that
+            # changed the expected values) cannot be told apart.
+            reading = verdict_of(t, python[t])
+            if reading is False or (verdict is False and reading is None):
+                continue
+            if not (verdict is True and reading is True):
+                write(out_fd, ("PYTH %d\n" % t).encode())
+                continue
+        if verdict is None:
+            write(out_fd, ("MISS %d\n" % t).encode())
+        elif verdict:
+            write(out_fd, ("PASS %d\n" % t).encode())
     os._exit(0)
 
 
