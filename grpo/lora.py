@@ -13,6 +13,14 @@ The fused loss reads ``lm_head.weight`` itself, so an adapter on ``lm_head`` wou
 targeting ``lm_head`` is refused, as is targeting the embeddings of a model whose ``lm_head`` is tied
 to them. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
 target names against the model's modules, built on the meta device from its config).
+
+What an adapter costs in activations (``grpo.plan.adapter_bytes`` derives it; ``docs/memory.md``):
+peft's ``lora.Linear`` computes ``B(A(dropout(x.to(fp32))))``; :func:`add_adapters` moves the dropout
+into ``A`` (:func:`fuse_dropout`), so each adapted linear keeps, per token, peft's fp32 cast of ``x``
+(``x`` itself when it is fp32) and, with ``lora_dropout``, a bool mask; without dropout peft's ``A``
+keeps the fp32 cast, or under bf16 autocast a bf16 copy of it. The base layer keeps nothing when
+frozen. Inside a decoder layer's MLP, ``mlp_chunk_tokens`` (``grpo.activations``) limits these to one
+chunk of tokens.
 """
 
 from __future__ import annotations
