@@ -3,6 +3,7 @@
     python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
     python -m benchmarks.long_context memory --sizes 81M 180M --lengths 1024 2048   # full FT vs LoRA vs LoRA+bf16
     python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head
+    python -m benchmarks.long_context options [--device cuda --tokens 32768] [--smoke] [--timing]   # issue 35's options
     python -m benchmarks.long_context step '{"lengths": [2048], "mode": "packed"}'   # one step (what the others spawn)
 """
 
@@ -13,7 +14,7 @@ import math
 import resource
 import sys
 import tempfile
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.optim.optimizer as optim
@@ -25,6 +26,14 @@ SIZES = {  # Qwen2-shaped, random weights, untied head, the real 151,936-token v
                 num_key_value_heads=2),
     "180M": dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2),
+    # `options`: an MLP 16x the hidden size (its term is large beside the rest); on CUDA Qwen2.5-0.5B's shape, where
+    # the 24 layers' checkpointed inputs at 32k tokens (1.4 GB) are a visible share
+    "wide-mlp": dict(vocab_size=4096, hidden_size=256, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4),
+    "wide-mlp-smoke": dict(vocab_size=256, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, tie_word_embeddings=True),
 }
 # the trainer's settings of each mode (each may take "+gc": gradient checkpointing); naive: padded rows,
 # [rows, T, V] fp32 logits and log_softmax (the reference loss)
@@ -33,6 +42,12 @@ MODES = {"packed": dict(padding_free=True), "padded": dict(padding_free=False, m
 VARIANTS = {"full": dict(use_peft=False, model_dtype="float32"), "lora": dict(use_peft=True, model_dtype="float32"),
             "lora+bf16": dict(use_peft=True, model_dtype="bfloat16")}
 PROMPT_TOKENS = 256  # prompt length of every sequence (at scale 1)
+# `options` (issue 35, grpo.activations): each in a fresh process (its peak its own), one packed sequence,
+# checkpointing on. offload: as the trainer runs it (a no-op on a CPU); offload-copies: ActivationOffload
+# attached on a CPU anyway, every checkpointed input copied to a host buffer and back (an upper bound on
+# what the copies cost a CPU, not the GPU's cost). chunks' mlp_chunk_tokens is --chunk.
+OPTIONS = {"base": {}, "chunks": {"mlp_chunk_tokens": True}, "offload": {"activation_offload": True},
+           "offload-copies": {"copies": True}}
 
 
 def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int = 0) -> list[int]:
@@ -63,24 +78,34 @@ def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="
 
 
 def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: str = "cpu", steps: int = 1,
-         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, **config) -> dict:
+         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False, **config) -> dict:
     """``steps`` trainer steps (``grpo.trainer.update``: forward, fused loss, backward, clipping, AdamW; with
     ``beta`` the reference log-probs first) of one batch in this process, the last one measured: its phases
     (wall and thread CPU), this process's peak RSS (or CUDA's peaks) and ``grpo.plan``'s prediction.
-    ``config``: more ``GRPOConfig`` fields (``use_peft``, ``model_dtype``, ``beta``, ...)."""
-    from grpo import models, plan, precision, trainer
+    ``config``: more ``GRPOConfig`` fields (``use_peft``, ``model_dtype``, ``beta``, ...); ``copies``: an
+    ``ActivationOffload`` attached whatever the device (``OPTIONS``' offload-copies). On CUDA also the bare
+    context before the model (``mem_get_info``'s used bytes less torch's reserve) and what lies outside the
+    allocator after the step (context + kernel images), beside the plan's runtime and reserve terms."""
+    from grpo import activations, models, plan, precision, trainer
 
     base, _, gc = mode.partition("+")
     if base not in MODES or gc not in ("", "gc"):
         raise ValueError(f"mode must be one of {list(MODES)}, optionally with '+gc', got {mode!r}")
     dev, peak_gib = torch.device(device), lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB)
     out = {"rss_start_gib": peak_gib()}
+    outside = lambda: (lambda free, total: total - free - torch.cuda.memory_reserved(dev))(*torch.cuda.mem_get_info(dev))  # noqa: E731
+    if dev.type == "cuda":  # the bare context (and torch's first kernel), before anything else is on the device
+        torch.zeros(1, device=dev)
+        out["context_gib"] = outside() / 2**30
     cfg = trainer.GRPOConfig(**{"beta": 0.0, "backend": "torch", "gradient_checkpointing": gc == "gc", **MODES[base], **config},
                              output_dir=tempfile.mkdtemp(), learning_rate=1e-6, progress=False, plot=False,
                              max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
     shape = {**SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {})}
     model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, dev)
+    offload = activations.ActivationOffload(dev) if copies else None
+    if offload:
+        offload.attach(models.unwrap(policy))
     batch, phases = make_batch(lengths, prompt_tokens, shape["vocab_size"], dev), H.Phases(dev)
     out.update(rss_after_setup_gib=peak_gib(), parameters=sum(p.numel() for p in model.parameters()),
                trainable=sum(p.numel() for p in policy.parameters() if p.requires_grad))
@@ -105,10 +130,13 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
     out.update(mode=mode, size=size, lengths=lengths, tokens=sum(lengths), config=config, loss=logs["loss"],
                step_s=phases.wall["step"], phases_s=phases.wall, phases_cpu_s=phases.cpu, peak_rss_gib=peak_gib(),
                predicted_peak_gib=predicted.peak / 2**30, predicted_terms_gib={k: v / 2**30 for k, v in predicted.terms.items()},
-               threads=torch.get_num_threads())
+               predicted_allocator_peak_gib=predicted.allocator_peak / 2**30, predicted_runtime=predicted.runtime,
+               predicted_reserve=predicted.reserve, threads=torch.get_num_threads())
+    if offload:
+        out.update(offload_peak_host_gib=offload.peak_host_bytes / 2**30, offload_copies=[offload.copies_out, offload.copies_in])
     if dev.type == "cuda":
         out.update(peak_allocated_gib=torch.cuda.max_memory_allocated(dev) / 2**30, gpu=torch.cuda.get_device_name(dev),
-                   peak_reserved_gib=torch.cuda.max_memory_reserved(dev) / 2**30)
+                   peak_reserved_gib=torch.cuda.max_memory_reserved(dev) / 2**30, outside_allocator_gib=outside() / 2**30)
     return out
 
 
@@ -176,28 +204,116 @@ def frozen_head(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
              *H.timing_table(times, "trainable")])
 
 
+def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dict, list[str]]:
+    """Each CPU variant's step time against ``base``'s in one process on one warm model (a lighter load on
+    the measurement than fresh processes): chunks toggled by the MLPs' chunk size, the copies by the offload's
+    checkpoint wrappers; interleaved rounds, no memory."""
+    from grpo import activations, models, trainer
+
+    dev = torch.device("cpu")
+    cfg = trainer.GRPOConfig(output_dir=tempfile.mkdtemp(), beta=0.0, gradient_checkpointing=True, padding_free=True,
+                             backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=tokens,
+                             mlp_chunk_tokens=chunk)
+    _, policy, _, optimizer = trainer.setup_training(H.qwen2(SIZES[size], tokens), cfg, dev)
+    inner, offload, batch = models.unwrap(policy), activations.ActivationOffload(dev), make_batch([tokens], 16, SIZES[size]["vocab_size"])
+    wrappers = {m: m._gradient_checkpointing_func for m in inner.modules() if m.__dict__.get("_gradient_checkpointing_func")}
+    policy.train()
+
+    def variant(name: str) -> Callable[[], None]:
+        def run() -> None:
+            activations.chunk_mlps(inner, chunk if name == "chunks" else tokens)  # (tokens: one chunk, the module as is)
+            for m, fn in wrappers.items():
+                m._gradient_checkpointing_func = fn
+            if name == "offload-copies":
+                offload.attach(inner)
+            trainer.update(policy, optimizer, batch, cfg, dev)
+        return run
+
+    times = H.interleave({v: variant(v) for v in ("base", "chunks", "offload-copies")}, rounds)
+    return ({"tokens": tokens, "mlp_chunk_tokens": chunk, "size": size, "times_s": times},
+            [f"Step time, one process, {rounds} interleaved rounds on one warm model, {tokens} tokens, mlp_chunk_tokens {chunk}:",
+             "", *H.timing_table(times, "base")])
+
+
+def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list[str]:
+    """Per variant the median peak and time, the per-round time ratio to ``base`` (medianed), the plan's peak;
+    the drop by ``chunks`` beside the plan's MLP term; on CUDA the plan's runtime and reserve against the device."""
+    key, planned = ("peak_allocated_gib", "predicted_allocator_peak_gib") if cuda else ("peak_rss_gib", "predicted_peak_gib")
+    ok: dict[str, list[dict]] = {}
+    for r in (r for r in rows if "error" not in r):
+        ok.setdefault(r["variant"], []).append(r)
+    base = [r["step_s"] for r in ok.get("base", [])]
+    lines = [f"One trainer step, {tokens} tokens (one packed sequence), gradient checkpointing; mlp_chunk_tokens {chunk}.", "",
+             *H.table(["variant", "runs", f"peak {'allocated' if cuda else 'RSS'} GiB", "plan's GiB", "step", "× base"],
+                      [[v, len(rs), f"{H.median([r[key] for r in rs]):.3f}", f"{rs[0][planned]:.3f}",
+                        H.fmt_time(H.median([r["step_s"] for r in rs])),
+                        H.fmt_ratio(H.median([r["step_s"] / b for r, b in zip(rs, base)]))] for v, rs in ok.items()]), ""]
+    if ok.get("base") and ok.get("chunks"):
+        measured = H.median([r[key] for r in ok["base"]]) - H.median([r[key] for r in ok["chunks"]])
+        predicted = ok["base"][0]["predicted_peak_gib"] - ok["chunks"][0]["predicted_peak_gib"]
+        lines += [f"mlp_chunk_tokens lowers the peak by {measured:.3f} GiB measured, {predicted:.3f} GiB by the plan (its MLP "
+                  f"term): measured / plan = {measured / predicted:.2f}." if predicted else "The plan predicts no drop.", ""]
+    if cuda:  # docs/memory.md: the runtime and allocator-reserve estimates
+        gib = lambda d, pick=lambda k: True: sum(v for k, v in d.items() if pick(k)) / 2**30  # noqa: E731
+        lines += H.table(["variant", "CUDA context GiB (measured / plan)", "outside the allocator after the step (context + "
+                          "kernel images)", "reserved - allocated at the peak (plan: allocator reserve)"],
+                         [[v, f"{r['context_gib']:.3f} / {gib(r['predicted_runtime'], lambda k: k.startswith('context')):.3f}",
+                           f"{r['outside_allocator_gib']:.3f} / {gib(r['predicted_runtime'], lambda k: k.startswith(('context', 'kernel images'))):.3f}",
+                           f"{r['peak_reserved_gib'] - r['peak_allocated_gib']:.3f} / {gib(r['predicted_reserve']):.3f}"]
+                          for v, (r, *_) in ok.items()]) + [""]
+    return lines + [f"{r['variant']}: {r['error'][-500:]}" for r in rows if "error" in r]
+
+
+def options(args) -> tuple[list[dict], list[str]]:
+    """The ``options`` command: rounds of every variant, each in a fresh process (or ``--timing``)."""
+    cuda, size = args.device == "cuda", "wide-mlp-smoke" if args.smoke else "qwen2.5-0.5b" if args.device == "cuda" else "wide-mlp"
+    tokens, chunk, rounds = args.tokens or (96 if args.smoke else 32768 if cuda else 4096), min(args.chunk, 32) if args.smoke else args.chunk, 1 if args.smoke else args.rounds
+    if args.timing:
+        record, lines = options_timing(tokens, chunk, rounds, size)
+        return [record], lines
+    variants = args.variants or (["base", "chunks"] if args.smoke else ["base", "offload", "chunks"] if cuda else list(OPTIONS))
+    peft = cuda and not H.missing("peft")  # CUDA: LoRA on bf16 weights where peft is installed
+    rows = []
+    for _ in range(rounds):
+        for v in dict.fromkeys(["base", *variants]):
+            config = {k: chunk if k == "mlp_chunk_tokens" else x for k, x in OPTIONS[v].items()}
+            rows.append({"variant": v, **measure([tokens], mode="packed+gc", size=size, device=args.device, steps=2 if cuda else 1,
+                                                  prompt_tokens=16, use_peft=peft, model_dtype="bfloat16" if cuda else "float32", **config)})
+            print(json.dumps({k: x for k, x in rows[-1].items() if not k.startswith("predicted")}, default=str), flush=True)
+    return rows, options_lines(rows, tokens, chunk, cuda)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["step"]:
         H.emit(step(**json.loads(argv[1])))
         return 0
-    p = H.parser(__doc__.splitlines()[0], rounds=5)
+    p, common = H.parser(__doc__.splitlines()[0], rounds=None), H.parser(rounds=5, add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    bis = sub.add_parser("bisect", help="longest single sequence that fits in a memory budget")
+    bis = sub.add_parser("bisect", help="longest single sequence that fits in a memory budget", parents=[common])
     bis.add_argument("--mode", required=True)
     bis.add_argument("--budget-gib", type=float, required=True)
     bis.add_argument("--lo", type=int, default=1024)
     bis.add_argument("--hi", type=int, default=32768)
     bis.add_argument("--rel-tol", type=float, default=0.1)
-    mem = sub.add_parser("memory", help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan")
+    mem = sub.add_parser("memory", help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", parents=[common])
     mem.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     mem.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     mem.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     mem.add_argument("--gradient-checkpointing", action="store_true")
-    fh = sub.add_parser("frozen-head", help="fused linear loss fwd+bwd: trainable vs frozen lm_head")
+    fh = sub.add_parser("frozen-head", help="fused linear loss fwd+bwd: trainable vs frozen lm_head", parents=[common])
     fh.add_argument("--N", type=int, default=2048)
     fh.add_argument("--H", type=int, default=512)
     fh.add_argument("--V", type=int, default=151936)
+    opt = sub.add_parser("options", help="issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
+                         parents=[common])
+    opt.set_defaults(rounds=3)
+    opt.add_argument("--tokens", type=int, help="tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)")
+    opt.add_argument("--chunk", type=int, default=512, help="mlp_chunk_tokens of the chunks variant")
+    opt.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    opt.add_argument("--variants", nargs="+", choices=list(OPTIONS), help="default: all on a CPU; base, offload, chunks on CUDA")
+    opt.add_argument("--smoke", action="store_true", help="CI: a tiny model, 96 tokens, one round, base and chunks")
+    opt.add_argument("--timing", action="store_true", help="CPU: the time ratios only, in one process on one warm model")
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     rows = report.records
@@ -208,6 +324,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rows.append({"size": size, "variant": variant, "tokens": n, **measure(
                         [n], size=size, beta=0.04, gradient_checkpointing=args.gradient_checkpointing, **VARIANTS[variant])})
         report.add(*memory_rows(rows))
+    elif args.cmd == "options":
+        records, lines = options(args)
+        rows += records
+        report.add(*lines)
     elif args.cmd == "frozen-head":
         record, lines = frozen_head(args.N, args.H, args.V, args.rounds)
         rows.append(record)

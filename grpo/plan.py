@@ -112,8 +112,8 @@ MiB = 2**20
 RUNTIME_BYTES_CPU = int(0.42 * 2**30)
 # What a CUDA process holds besides its tensors, on a Hopper GPU (H100 SXM / H200: 132 SMs of compute
 # capability 9.0), with lazy module loading (CUDA >= 11.7; torch's default). docs/memory.md derives each
-# part; together an ESTIMATE (0.66 GiB), to be checked on the first lent GPU: benchmarks/
-# long_context_options.py --device cuda records the measured context and the memory outside torch's
+# part; together an ESTIMATE (0.66 GiB), to be checked on the first lent GPU: `benchmarks.
+# long_context options --device cuda` records the measured context and the memory outside torch's
 # allocator beside it. Other GPUs have as many or fewer resident threads: a smaller context.
 HOPPER_SMS, THREADS_PER_SM = 132, 2048
 STACK_BYTES_PER_THREAD = 1024  # cudaLimitStackSize's default
@@ -309,7 +309,7 @@ def allocator_reserve(kept_tensors: list[int], transient_tensors: dict[str, int]
       gradient passed down, the prefetched input, the summed parameter gradients) were carved out of
       them meanwhile; the model is that the largest request then finds no free block big enough once
       and takes a new segment. A model, not a bound: the first lent GPU checks it
-      (``max_memory_reserved - max_memory_allocated``, benchmarks/long_context_options.py).
+      (``max_memory_reserved - max_memory_allocated``, ``python -m benchmarks.long_context options``).
     """
     name, largest = max(transient_tensors.items(), key=lambda kv: kv[1])
     rounding = sum(allocator_block(n) - n for n in kept_tensors) + LAYER_TENSORS * ALLOC_ROUND_LARGE + ALLOC_SEGMENT_TAILS

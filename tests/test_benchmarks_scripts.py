@@ -60,8 +60,8 @@ SCRIPTS = {
                                               "--out", "{out}/sampling_cost.md"), ("sampling_cost.md", "sampling_cost.json")),
     "trainer_step-vllm": Script("trainer_step", ("--quick", "--sides", "ours+vllm", "--out-dir", "{out}"),
                                 ("trainer_step-*-quick.md", "trainer_step-*-quick.json"), ("vllm",)),
-    "long_context_options": Script("long_context_options", ("--smoke", "--out", "{out}/long_context_options.md"),
-                                   ("long_context_options.md", "long_context_options.jsonl"), ("transformers",)),
+    "long_context-options": Script("long_context", ("options", "--smoke", "--out", "{out}/options.md"),
+                                   ("options.md", "options.json"), ("transformers",)),
 }
 
 
