@@ -1,27 +1,8 @@
 #!/usr/bin/env bash
-# One check on a lent GPU (an H200) in at most 6 minutes, with the machine's own torch/triton, no network
-# (benchmarks/README.md). Usage: bash benchmarks/gpu_check.sh [OUT_DIR] (default benchmarks/results/gpu-<date>).
-#   0. comparators from wheels carried in .whl/ (below); 1. machine, versions, copy and matmul ceilings -> env.json
-#   2. the GPU tests (-m gpu), then the kernel test files                                  -> tests*.log
-#   3. the GPU set, headline rows first (ours, then Liger, TRL's head, quack, CCE, verl and the sampler's
-#      top-k / top-p beside plain log-probs at N 16,384, V 151,936, bf16), time-budgeted  -> gpu.json
-#   4. one GRPO step, ours vs TRL (trainer_step)                                            -> trainer_step-*
-#   5. one step at 32k tokens, activation offload off / on, the CUDA context measured      -> long_context_options.*
-#   6. the report, the trainer step's and the long-context tables appended                 -> gpu.md (+ PNGs)
-# Budget (DEADLINE_S 360): ~30 s set-up (0-1) + TEST_TIMEOUT_S 90 (2) + the rest for 3, which starts no case
-# after 360 - 30 (report) - 25 (a case's overrun) - TRAINER_STEP_S 75 - LONG_CONTEXT_S 60 - the time spent:
-# at least 50 s, the headline rows' ~20. Each later step is killed at its own limit (0 skips it).
-# Knobs: PYTHON, DEADLINE_S, TEST_TIMEOUT_S, TRAINER_STEP_S, LONG_CONTEXT_S, GRPO_BENCH_IMPLS, GRPO_BENCH_NOTE,
-# GPU_CHECK_KERNEL_TESTS=0, GPU_CHECK_BENCH_ARGS (extra pytest arguments for step 3). CI's dry run on a CPU:
-#   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_SET=smoke GPU_CHECK_KERNEL_TESTS=0 bash benchmarks/gpu_check.sh /tmp/x
-# Comparators without network: download their wheels into .whl/ (git-ignored; WHEEL_DIR) for the GPU
-# machine's Python (3.12), carried with the working tree (64 MiB in all); step 0 installs them with --no-deps
-# into .whl/site (never the machine's torch/triton); one that does not import is skipped with the reason:
-#   pip download --no-deps -d .whl liger-kernel==0.8.5 trl==1.16.0 cut-cross-entropy==25.1.1 verl==0.9.1
-#   # quack (~100 MB with nvidia-cutlass-dsl: over the carry limit) where allowed:
-#   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
-#       quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
-# Exit status: 0 when every step ran and the tests passed, else the first failing step's; what was produced stays.
+# One check on a lent GPU (an H200) in at most 6 minutes, with the machine's own torch/triton, no network:
+# bash benchmarks/gpu_check.sh [OUT_DIR]. Its steps, budget, knobs, carried wheels and CI's CPU dry run:
+# benchmarks/README.md ("gpu_check.sh"). Exit status: 0 when every step ran and the tests passed, else the
+# first failing step's; what was produced stays.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -140,10 +140,11 @@ def ratio(times: Dict[str, List[Optional[float]]], a: str, b: str) -> Optional[f
 class Phases:
     """Wall and thread CPU seconds (``time.thread_time``: a loaded machine does not stretch it) per named
     phase, summed over its spans: ``with phases("name"):``, :meth:`start` / :meth:`stop`, or every call of
-    a function :meth:`patch` wraps (put back by :meth:`restore`). On CUDA a span waits for the queued work."""
+    a function :meth:`patch` wraps or of ``Optimizer.step`` (:meth:`patch_optimizer`; all put back by
+    :meth:`restore`). On CUDA a span waits for the queued work."""
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.device, self.wall, self.cpu, self._open, self._patched = device, {}, {}, {}, []
+        self.device, self.wall, self.cpu, self._open, self._patched, self._hooks = device, {}, {}, {}, [], []
 
     def start(self, name: str) -> None:
         sync(self.device)
@@ -175,7 +176,16 @@ class Phases:
         self._patched.append((owner, attr, owner.__dict__.get(attr)))
         setattr(owner, attr, timed_call)
 
+    def patch_optimizer(self, name: str = "optimizer") -> None:
+        """Time every optimizer step as ``name``: torch's global hooks, which fire inside wrappers (accelerate's) too."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook as post, register_optimizer_step_pre_hook as pre
+
+        self._hooks += [pre(lambda *_: self.start(name)), post(lambda *_: self.stop(name))]
+
     def restore(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         for owner, attr, original in reversed(self._patched):
             if original is None:
                 delattr(owner, attr)

@@ -17,7 +17,6 @@ import tempfile
 from typing import Callable, Optional
 
 import torch
-import torch.optim.optimizer as optim
 
 from benchmarks import harness as H
 
@@ -111,8 +110,7 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
                trainable=sum(p.numel() for p in policy.parameters() if p.requires_grad))
     phases.patch(trainer, "policy_loss", "forward+loss")
     phases.patch(torch.Tensor, "backward", "backward")
-    hooks = [optim.register_optimizer_step_pre_hook(lambda *_: phases.start("optimizer")),
-             optim.register_optimizer_step_post_hook(lambda *_: phases.stop("optimizer"))]
+    phases.patch_optimizer()
     for i in range(steps):
         phases.clear()
         if dev.type == "cuda" and i == steps - 1:
@@ -124,8 +122,6 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
             policy.train()
             logs = trainer.update(policy, optimizer, batch, cfg, dev)
     phases.restore()
-    for hook in hooks:
-        hook.remove()
     predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, max(lengths), dev.type)
     out.update(mode=mode, size=size, lengths=lengths, tokens=sum(lengths), config=config, loss=logs["loss"],
                step_s=phases.wall["step"], phases_s=phases.wall, phases_cpu_s=phases.cpu, peak_rss_gib=peak_gib(),

@@ -98,11 +98,8 @@ class Meter:
     torch's global optimizer hooks, which fire for ours and inside TRL's accelerate wrapper), peak RSS, CUDA peak."""
 
     def __init__(self, device) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         self.device, self.phases, self.rss = device, H.Phases(device), H.RSS()
-        self.hooks = [register_optimizer_step_pre_hook(lambda *_: self.phases.start("optimizer")),
-                      register_optimizer_step_post_hook(lambda *_: self.phases.stop("optimizer"))]
+        self.phases.patch_optimizer()
 
     def begin(self) -> None:
         import torch
@@ -127,11 +124,6 @@ class Meter:
             phases["loss+backward"] = clock.get(outer, 0.0) - clock.get(inner, 0.0)
             out[f"step{suffix}_s"], out[f"phases{suffix}"] = clock["step"], phases_with_other(clock["step"], phases)
         return out
-
-    def close(self) -> None:
-        self.phases.restore()
-        for hook in self.hooks:
-            hook.remove()
 
 
 def phases_with_other(step_s: float, phases: dict) -> dict:
@@ -169,7 +161,7 @@ def run_ours(shape: Shape, device, backend: str = "auto", **config) -> dict:
                 record = tr.train_step(step, policy, ref_policy, rollout, optimizer, rows, tr.as_named([checksum_reward]), cfg, device)
                 measured = meter.end("update", "optimizer")
         finally:
-            meter.close()
+            meter.phases.restore()
     return {**measured, "weights": str(next(model.parameters()).dtype).replace("torch.", ""),
             "completion_tokens": round(record["completion_length/mean"] * shape.prompts_per_step * shape.num_generations),
             "loss": record.get("loss"), "reward": record.get("reward"), "kl": record.get("kl")}
@@ -235,7 +227,7 @@ def run_trl(shape: Shape, device, patched: bool = False) -> dict:
                                        train_dataset=Dataset.from_dict({"prompt": prompts(shape)}), callbacks=[MeasureStep()])
             trainer.train()
     finally:
-        meter.close()
+        meter.phases.restore()
         if patched:
             gk_trl.unpatch()  # (--quick runs the next side in this process)
     forward = getattr(trainer.model, "_original_forward", trainer.model.forward)
