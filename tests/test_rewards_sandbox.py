@@ -578,11 +578,17 @@ def test_the_environment_and_working_directory_never_reach_judge_or_sandbox(monk
 
 
 @needs_jail
-def test_no_descriptor_child_or_temp_file_outlives_a_batch():
+def test_no_descriptor_child_or_temp_file_outlives_a_batch(monkeypatch, tmp_path):
     def fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
 
+    # A temp directory of this test's own: the shared /tmp also holds other processes' files.
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     temp = set(os.listdir(tempfile.gettempdir()))
+    assert temp == set()
     before_fds, before_kids = fds(), _children()
     hostile = ["```python\nimport time\ntime.sleep(30)\n```", "```python\nimport os\nos._exit(3)\n```",
                "```python\ndef f(x):\n    while True:\n        pass\n```", DOUBLE]
