@@ -1,7 +1,4 @@
-"""The one harness every benchmark registers on: conditions, timing, memory, sides, the report
-(benchmarks/README.md says what each part does). ``python -m benchmarks.harness machine --out env.json``
-writes the conditions and the ceilings (copy bandwidth, matmul rate) that ``gpu_check.sh`` measures once.
-"""
+"""The one harness every benchmark registers on: conditions, timing, memory, sides, the report (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -64,8 +61,7 @@ def conditions(**extra: Any) -> dict:
 
 
 def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
-    """Copy bandwidth (``2 * bytes / time`` of ``dst.copy_(src)``, GB/s) and the rate of a square matmul
-    in ``dtype`` (``2 n^3 / time``, TFLOP/s), each the best of several timed calls."""
+    """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README)."""
     cuda = device.type == "cuda"
     src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
     dst = torch.empty_like(src)
@@ -79,8 +75,7 @@ def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def qwen2(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] = None, device: Any = None, seed: int = 0):
-    """A Qwen2 causal LM of ``shape`` (``Qwen2Config`` fields) with seeded random weights, built in ``dtype``
-    on ``device`` (a model built in its dtype never holds an fp32 copy: it would set a peak RSS itself)."""
+    """A Qwen2 causal LM of ``shape`` (``Qwen2Config`` fields), seeded random weights built in ``dtype`` on ``device``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -93,6 +88,10 @@ def qwen2(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] =
             return Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # -- timing --------------------------------------------------------------------------------------------
@@ -112,18 +111,21 @@ def timed(fn: Callable[[], Any], device: Optional[torch.device] = None) -> float
 
 def interleave(fns: Dict[str, Callable[[], Any]], rounds: int, device: Optional[torch.device] = None,
                warmup: bool = True, progress: Optional[Callable[[int, str], None]] = None) -> Dict[str, List[float]]:
-    """``rounds`` rounds; each calls every function once, the order rotated by one each round (after one
-    untimed call each with ``warmup``). Returns the seconds per round, by name."""
-    names = list(fns)
-    for name in names if warmup else ():
+    """Seconds per round by name: each round calls every function once, the order rotated (README: Timing)."""
+    for name in fns if warmup else ():
         fns[name]()
-    times: Dict[str, List[float]] = {name: [] for name in names}
+    times: Dict[str, List[float]] = {name: [] for name in fns}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotated(list(fns), r):
             times[name].append(timed(fns[name], device))
             if progress:
                 progress(r, name)
     return times
+
+
+def rotated(names: List[str], r: int) -> List[str]:
+    """``names`` rotated by ``r``: round ``r``'s order (no side holds a fixed position)."""
+    return names[r % len(names):] + names[: r % len(names)]
 
 
 def median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -138,10 +140,7 @@ def ratio(times: Dict[str, List[Optional[float]]], a: str, b: str) -> Optional[f
 
 
 class Phases:
-    """Wall and thread CPU seconds (``time.thread_time``: a loaded machine does not stretch it) per named
-    phase, summed over its spans: ``with phases("name"):``, :meth:`start` / :meth:`stop`, or every call of
-    a function :meth:`patch` wraps or of ``Optimizer.step`` (:meth:`patch_optimizer`; all put back by
-    :meth:`restore`). On CUDA a span waits for the queued work."""
+    """Wall and thread CPU seconds per named phase, summed over its spans (README: Timing)."""
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device, self.wall, self.cpu, self._open, self._patched, self._hooks = device, {}, {}, {}, [], []
@@ -199,9 +198,7 @@ class Phases:
 
 # -- memory ------------------------------------------------------------------------------------------
 def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, str]:
-    """(bytes, method): the peak memory one call of ``fn`` holds above what existed before it. CUDA:
-    ``max_memory_allocated`` after a reset. CPU: the running sum, in time order, of the PyTorch
-    profiler's allocation and free events (``profile_memory=True``)."""
+    """(bytes, method): the peak one call of ``fn`` holds above what existed before it (README: Memory)."""
     gc.collect()
     if device.type == "cuda":
         sync(device)
@@ -232,17 +229,10 @@ def proc_kib(field: str, path: str = "/proc/self/status") -> Optional[int]:
         return None
 
 
-def available_bytes() -> Optional[int]:
-    kib = proc_kib("MemAvailable", "/proc/meminfo")
-    return None if kib is None else kib * 1024
-
-
 class RSS:
-    """The peak resident set of a span of this process: :meth:`start` resets the high-water mark
-    (``/proc/self/clear_refs``), :meth:`stop` reads it (MiB); without the reset it is the process's peak
-    so far, which ``peak_rss_is_span_only`` says."""
+    """The peak resident set (MiB) of a span of this process (README: Memory)."""
 
-    def start(self) -> None:
+    def start(self) -> "RSS":
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -250,6 +240,7 @@ class RSS:
         except OSError:
             self.since_start = False
         self.start_mib = (proc_kib("VmRSS") or 0) / 1024
+        return self
 
     def stop(self) -> dict:
         return {"rss_start_mib": self.start_mib, "peak_rss_mib": (proc_kib("VmHWM") or 0) / 1024,
@@ -264,11 +255,7 @@ def emit(result: Any) -> None:
 
 def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional[float] = None,
           budget_gib: Optional[float] = None, threads: Optional[int] = None) -> List[dict]:
-    """``python -m <args>`` in a fresh process (this tree first on ``PYTHONPATH``; glibc's mmap threshold
-    fixed at 64 KiB, so freed big buffers go back to the system at once and the RSS is the tensors'):
-    every :func:`emit` line it printed, each with ``process_wall_s`` and ``rss_seen_gib`` (the largest
-    resident set seen from outside). Past ``budget_gib`` or ``timeout_s`` it is killed; a process that
-    fails adds one ``{"error": ...}``."""
+    """Every :func:`emit` line of ``python -m <args>`` in a fresh process, killed past a budget (README: Memory)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if threads:
@@ -300,8 +287,7 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
 
 # -- sides ---------------------------------------------------------------------------------------------
 def venv_python(name: str, env_var: str, module: str) -> Optional[str]:
-    """The interpreter that has ``module``: this one if it imports it, else ``$env_var``, else the venv
-    ``name`` next to this interpreter's (e.g. ``.venv-vllm`` beside ``.venv``), else None."""
+    """The interpreter that has ``module``: this one, ``$env_var``, the venv ``name`` beside this one, or None."""
     if importlib.util.find_spec(module) is not None:
         return sys.executable
     for candidate in (os.environ.get(env_var), os.path.join(os.path.dirname(sys.prefix), name, "bin", "python")):
@@ -318,8 +304,7 @@ def missing(*modules: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Side:
-    """One way to run a case: ``make(*args)`` builds what runs it; ``unavailable()`` is None when it can
-    run here, else why not; ``python()`` is the interpreter a fresh process of it runs in."""
+    """A way to run a case: ``make``, why it cannot run here (None: it can), the interpreter of its process."""
 
     name: str
     make: Callable
@@ -331,10 +316,9 @@ class Side:
 class Sides(dict):
     """Sides by name, in registration order."""
 
-    def register(self, name: str, description: str = "", unavailable: Callable[[], Optional[str]] = lambda: None,
-                 python: Callable[[], Optional[str]] = lambda: sys.executable):
+    def register(self, name: str, description: str = "", **kw: Callable[[], Optional[str]]):
         def decorate(make: Callable) -> Callable:
-            self[name] = Side(name, make, description, unavailable, python)
+            self[name] = Side(name, make, description, **kw)
             return make
         return decorate
 
@@ -393,8 +377,7 @@ def describe(cond: dict) -> str:
 
 
 class Report:
-    """A titled markdown report with its conditions; :meth:`write` puts ``FILE.md`` and ``FILE.json``
-    (the conditions and every record) side by side and prints the markdown."""
+    """A titled markdown report with its conditions and records: :meth:`write` gives ``FILE.md`` and ``FILE.json``."""
 
     def __init__(self, title: str, cond: Optional[dict] = None) -> None:
         self.title, self.cond = title, cond if cond is not None else conditions()
@@ -445,21 +428,38 @@ def plot(path: str, title: str, panels: Sequence[Tuple[str, Dict[str, List[Tuple
     return True
 
 
-def parser(description: Optional[str] = None, rounds: Optional[int] = 3, **kwargs: Any) -> argparse.ArgumentParser:
-    """The flags every script shares: ``--rounds`` (unless ``rounds`` is None), ``--out`` (the report's ``.md``;
-    its ``.json`` beside it)."""
-    p = argparse.ArgumentParser(description=description, **kwargs)
-    if rounds is not None:
-        p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
-    p.add_argument("--out", default=None, help="write the report to FILE.md and its records to FILE.json")
+def flags(p: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
+    """One ``--name`` per keyword (``_`` spelled ``-``), typed by its default: False a switch, a list ``nargs="+"``
+    of its items' type, a type (``int``): that type, default None; ``(default, help)``, ``(default, help, choices)``."""
+    for name, spec in defaults.items():
+        default, help_, choices = (spec + (None,))[:3] if isinstance(spec, tuple) else (spec, None, None)
+        kw: Dict[str, Any] = dict(default=default, help=help_, choices=choices)
+        if isinstance(default, type):
+            kw.update(type=default, default=None)
+        elif default is False:
+            kw.update(action="store_true")
+        elif isinstance(default, list):
+            kw.update(nargs="+", type=type((choices or default or [""])[0]) if not choices else None)
+        elif default is not None and not choices:
+            kw.update(type=type(default))
+        p.add_argument("--" + name.replace("_", "-"), **{k: v for k, v in kw.items() if v is not None or k == "default"})
     return p
 
 
+def parser(description: Optional[str] = None, rounds: Optional[int] = 3, add_help: bool = True, **defaults: Any) -> argparse.ArgumentParser:
+    """The flags every script shares, ``--rounds`` (unless None) and ``--out`` (FILE.md, its FILE.json beside
+    it), then the script's own (:func:`flags`)."""
+    p = argparse.ArgumentParser(description=description, add_help=add_help)
+    if rounds is not None:
+        p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (medians over them)")
+    p.add_argument("--out", default=None, help="write the report to FILE.md and its records to FILE.json")
+    return flags(p, **defaults)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="conditions of this machine, and its ceilings")
+    p = parser("`machine`: this machine's conditions and ceilings as JSON (gpu_check.sh's env.json)", rounds=None,
+               no_ceilings=(False, "leave out the copy and matmul measurements"))
     p.add_argument("what", choices=["machine"])
-    p.add_argument("--out", help="write the JSON here too")
-    p.add_argument("--no-ceilings", action="store_true", help="leave out the copy and matmul measurements")
     args = p.parse_args(argv)
     info = conditions()
     if not args.no_ceilings:

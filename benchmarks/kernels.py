@@ -1,19 +1,17 @@
-"""The kernel benchmarks: cases, the implementations compared on them, their agreement with the reference
-(benchmarks/README.md: the sets, the implementations, what a case measures).
+"""The kernel benchmarks: cases, implementations, agreement with the reference (benchmarks/README.md).
 
-    python -m benchmarks.kernels compare --ops fused_linear_grpo_loss --shapes 4096x512x32000 [--chunks 512,1024] [--rss]
-    python -m benchmarks.kernels report RESULTS.json [--env ENV.json] [--title TEXT]   # -> RESULTS.md + PNGs
-    python -m benchmarks.kernels child CASE_JSON                                        # (what --rss spawns)
+Commands: ``compare`` (side by side), ``report RESULTS.json`` (markdown + PNGs), ``child CASE_JSON`` (what --rss spawns).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
+import importlib.util
 import json
 import os
 import sys
+import types
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +83,7 @@ class Case:
 
     @property
     def cost(self) -> float:
-        """Its work (timed rounds, the memory run, the check), in flops or their equivalent (200 a logit a
-        pass over the rows): a progress line's ETA."""
+        """Its work in flops or their equivalent (200 a logit a pass): the progress line's ETA."""
         passes = 3 if self.pass_ == "fwd+bwd" else 1
         return self.N * self.V * (2 * (self.H or 0) + 200) * passes * (self.rounds + 2)
 
@@ -118,7 +115,7 @@ def _cases(impls: List[str], device: str, op: str, shapes, passes=PASSES, dtype=
 
 
 def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
-    """CALIBRATION"""
+    """The set sized for 2 CPU cores (benchmarks/README.md: Sets)."""
     some = lambda *names: [i for i in impls if i in names]  # noqa: E731
     sweep = [(n, 32000, 512) for n in (1024, 2048, 4096)]
     out = _cases(some("reference", "torch"), device, "fused_linear_grpo_loss", sweep, ("fwd+bwd",), rounds=2, sweep=True, priority=0)
@@ -133,8 +130,7 @@ def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
 
 
 def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
-    """Real sizes, bf16, T = 1024: the headline cases first, then every peer and the sampler's truncations
-    at the headline shape, then the rest. The fused log-prob head has no reference case (10 GB of logits)."""
+    """Real sizes, bf16, T = 1024: the headline cases first, then every peer at that shape, then the rest."""
     big, out = 151936, []
 
     def prio(case: Case, headline: bool, near: bool) -> Case:
@@ -190,9 +186,7 @@ def skipped_peers(op: str, device: str) -> Dict[str, str]:
 
 # -- inputs and implementations ------------------------------------------------------------------------
 def inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
-    """From logits: ``buf`` [B, T+1, V] and its strided view ``logits = buf[:, :-1]``, as a trainer reads
-    them. Fused linear: ``hidden`` [B, T, H], ``weight`` [V, H], and old/reference log-probs near the
-    current ones. Leaves require grad in ``fwd+bwd``."""
+    """A case's inputs: ``buf`` [B, T+1, V] and its view ``logits`` or ``hidden``/``weight`` (README: Cases)."""
     g = torch.Generator(device).manual_seed(seed)
     dtype, grad, (B, T, V) = H.DTYPES[case.dtype], case.pass_ == "fwd+bwd", (case.B, case.T, case.V)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
@@ -218,9 +212,7 @@ def inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
 
 
 def _grads(case: Case, x: dict, out: dict, wrt: Optional[torch.Tensor] = None, to_logits=lambda g: g) -> dict:
-    """``out`` with, in ``fwd+bwd``, the gradients (``torch.autograd.grad``: they count in the peak) of the
-    loss, else of the sum of the log-probs and entropies returned; from logits, of ``wrt`` (default the
-    ``logits`` view) mapped back by ``to_logits``."""
+    """``out`` with, in ``fwd+bwd``, the gradients of the loss or of the sum of the outputs (README: Cases)."""
     if case.pass_ == "fwd+bwd":
         target = out["loss"] if "loss" in out else sum(out[k].float().sum() for k in ("logp", "entropy") if k in out)
         if case.op in LOGITS_OPS:
@@ -231,12 +223,7 @@ def _grads(case: Case, x: dict, out: dict, wrt: Optional[torch.Tensor] = None, t
 
 
 def _peer(module: str, name: str, bare: bool = False):
-    """``module.name`` from a peer, or :class:`Unavailable`. ``bare``: its parent packages registered
-    without running their ``__init__`` (verl's imports Ray and tensordict, which its kernel does not use
-    and an offline GPU machine lacks)."""
-    import importlib.util
-    import types
-
+    """``module.name`` from a peer, or :class:`Unavailable`; ``bare``: without its packages' ``__init__``."""
     try:
         parts = module.split(".")
         for i in range(1, len(parts) if bare else 1):
@@ -251,8 +238,7 @@ def _peer(module: str, name: str, bare: bool = False):
 
 
 def _ours(case: Case, x: dict, gk=None) -> Callable[[], dict]:
-    """``grpo_kernels`` with ``backend=case.impl`` and ``chunk_size=case.chunk`` (``gk``: the module to call,
-    ``grpo_kernels.reference`` for the reference outputs of an agreement check)."""
+    """``grpo_kernels`` (or ``gk``: ``grpo_kernels.reference``) with ``backend=case.impl`` and ``case.chunk``."""
     if gk is None:
         import grpo_kernels as gk
     back = {} if gk.__name__.endswith("reference") else {"backend": case.impl}
@@ -269,9 +255,7 @@ def _ours(case: Case, x: dict, gk=None) -> Callable[[], dict]:
 
 
 def _liger(case: Case, x: dict) -> Callable[[], dict]:
-    """Liger-Kernel: ``fused_selective_log_softmax`` and ``triton_grpo_loss`` take the whole [B, T+1, V]
-    buffer (their last position's gradient is 0); ``LigerFusedLinearGRPOLoss`` (``compiled=False``
-    unless ``GRPO_BENCH_LIGER_COMPILED=1``)."""
+    """Liger-Kernel's from-logits ops (the whole buffer) and ``LigerFusedLinearGRPOLoss`` (README)."""
     if case.op == "token_logprobs":
         sel = _peer("liger_kernel.ops.grpo_loss", "fused_selective_log_softmax")
         return lambda: {"logp": sel(x["buf"], x["ids"], 1.0)}
@@ -293,8 +277,7 @@ def _liger(case: Case, x: dict) -> Callable[[], dict]:
 
 
 def _trl(case: Case, x: dict) -> Callable[[], dict]:
-    """TRL's fused head (``trl/kernels/chunked_logprob.py``: vocabulary tiles of 32,768, as its trainer);
-    for the loss, its log-probs and entropies then the O(N) GRPO maths (``grpo_kernels.objective``)."""
+    """TRL's fused head ``ChunkedLogProbFunction``; for the loss, then the O(N) GRPO maths (README)."""
     from grpo_kernels import objective
     from grpo_kernels.options import GRPOInputs, GRPOOptions
 
@@ -309,8 +292,7 @@ def _trl(case: Case, x: dict) -> Callable[[], dict]:
 
 
 def _quack(case: Case, x: dict) -> Callable[[], dict]:
-    """quack's ``cross_entropy`` (``reduction="none"``: per-row cross-entropy = -log-prob) over the
-    contiguous [B (T+1), V] buffer, the last position of each row ignored; its gradient sliced back."""
+    """quack's ``cross_entropy`` over the contiguous buffer, the last position ignored (README)."""
     ce, (B, T, V) = _peer("quack.cross_entropy", "cross_entropy"), (case.B, case.T, case.V)
     target = torch.nn.functional.pad(x["ids"], (0, 1), value=-100).reshape(-1)
 
@@ -322,8 +304,7 @@ def _quack(case: Case, x: dict) -> Callable[[], dict]:
 
 
 def _cce(case: Case, x: dict) -> Callable[[], dict]:
-    """Apple's Cut Cross-Entropy, exact: ``filter_eps=None`` (no gradient filtering: RL needs the exact
-    gradient), ``reduction="none"`` (per-token cross-entropy = -log-prob); no entropy."""
+    """Apple's Cut Cross-Entropy, exact: ``filter_eps=None``, ``reduction="none"`` (README)."""
     lce = _peer("cut_cross_entropy", "linear_cross_entropy")
     return lambda: {"logp": -lce(x["hidden"], x["weight"], x["ids"], reduction="none", filter_eps=None, impl="cce")}
 
@@ -365,9 +346,9 @@ def build(case: Case, device: torch.device) -> Runner:
     reason = unavailable(case.impl, case.op, device.type)
     if reason:
         raise Unavailable(reason)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else H.available_bytes()
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1024 * (H.proc_kib("MemAvailable", "/proc/meminfo") or 2**60)
     need = estimated_bytes(case)
-    if free is not None and need > free:  # (on a CPU the kernel would kill the whole run instead of raising)
+    if need > free:  # (on a CPU the kernel would kill the whole run instead of raising)
         raise Unavailable(f"shape too large for this {device.type}: needs at least {need / 2**30:.1f} GiB, "
                           f"{free / 2**30:.1f} GiB free")
     x = inputs(case, device)
@@ -375,8 +356,7 @@ def build(case: Case, device: torch.device) -> Runner:
 
 
 def estimated_bytes(case: Case) -> int:
-    """A lower bound on what ``case`` needs: its inputs, their gradients, and for the reference three
-    fp32 ``[N, V]`` buffers (logits, ``log_softmax``, its gradient)."""
+    """A lower bound on what ``case`` needs: inputs, their gradients, the reference's fp32 [N, V] buffers."""
     elt = torch.finfo(H.DTYPES[case.dtype]).bits // 8
     tokens = case.B * case.T
     inputs_ = case.B * (case.T + 1) * case.V * elt if case.op in LOGITS_OPS else (tokens + case.V) * case.H * elt
@@ -385,8 +365,7 @@ def estimated_bytes(case: Case) -> int:
 
 # -- does it agree with the reference ------------------------------------------------------------------
 def compare(actual: dict, expected: dict, dtype: str) -> dict:
-    """Per output: the largest error and its bound ``rtol * |e| + atol * max|e|``; a NaN or inf where the
-    reference is finite always fails."""
+    """Per output: the largest error against ``rtol * |e| + atol * max|e|``; a NaN where ``e`` is finite fails."""
     rtol, atol = TOLERANCES[dtype]
     report = {}
     for name, e in expected.items():
@@ -410,9 +389,7 @@ def check_case(case: Case, device: torch.device) -> Case:
 
 
 def check_agreement(case: Case, device: torch.device) -> dict:
-    """Run ``case`` (cut by :func:`check_case`) and ``grpo_kernels.reference`` on the same inputs and
-    settings, with the gradients of the same target; compare every output the implementation returns.
-    ``{"checked": {N, T}, "rtol", "atol", "outputs", "ok"}``."""
+    """``case`` (cut by :func:`check_case`) against ``grpo_kernels.reference`` on the same inputs."""
     from grpo_kernels import reference
 
     small = check_case(case, device)
@@ -447,9 +424,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def prepare(case: Case, device: torch.device, check: bool = True) -> tuple:
-    """(runner, info): the agreement check first (not for the reference; :class:`Disagrees` if it fails),
-    then the inputs, a warm-up call on CUDA, and one call's peak memory (on a CPU, the warm-up).
-    :class:`Unavailable` when the case cannot run here."""
+    """(runner, info): the agreement check, the inputs, one call's peak memory (README: Cases)."""
     info = {**case.info(), "device": device.type}
     if check and case.impl != "reference":
         info["agreement"] = check_agreement(case, device)
@@ -470,9 +445,7 @@ def prepare(case: Case, device: torch.device, check: bool = True) -> tuple:
 
 # -- throughput and the fused-linear memory checks -----------------------------------------------------
 def throughput(case: Case, median_s: Optional[float], copy_gbps: Optional[float], matmul_tflops: Optional[float]) -> dict:
-    """From-logits: bytes of the floor (one read of the logits forward; two reads and one write forward +
-    backward) per second. Fused linear: executed flops (``2 N H V`` forward; ``6 N H V`` forward +
-    backward, ``8 N H V`` for the heads that recompute the logits in the backward) per second."""
+    """GB/s over the floor (from logits) or TFLOP/s (fused linear), with the ceilings' fractions (README)."""
     elt = torch.finfo(H.DTYPES[case.dtype]).bits // 8
     bwd = case.pass_ == "fwd+bwd"
     if case.op in LOGITS_OPS:
@@ -493,8 +466,7 @@ def throughput(case: Case, median_s: Optional[float], copy_gbps: Optional[float]
 
 
 def memory_checks(results: List[dict]) -> List[dict]:
-    """Per (dtype, V, H) sweep of the fused-linear loss: ours at most 1/8 of the reference's peak at the
-    largest N both ran, and doubling N adds at most the bytes of ``hidden`` and its gradient."""
+    """The fused-linear sweeps' checks: flat in N for ours, at most 1/8 of the reference (README)."""
     sweeps: dict = {}
     for r in results:
         if r.get("op") == "fused_linear_grpo_loss" and r.get("pass") == "fwd+bwd" and r.get("sweep") and r.get("peak_mem_bytes") is not None:
@@ -560,9 +532,7 @@ def _throughput_cells(r: dict) -> List[str]:
 
 
 def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, title: Optional[str] = None) -> str:
-    """The markdown report of a pytest-benchmark JSON (per operation: every implementation's median, peak
-    memory, ratios to the reference at the same shape, throughput), its PNG plots, the memory checks and
-    the cases not run."""
+    """The markdown report of a pytest-benchmark JSON, its plots, memory checks and the cases not run."""
     rows = [{**b["extra_info"], "median_s": (b.get("stats") or {}).get("median")} for b in data.get("benchmarks", [])
             if "op" in (b.get("extra_info") or {})]
     cond = {**((data.get("machine_info") or {}).get("grpo_bench") or {}), **{k: v for k, v in (env or {}).items() if v is not None}}
@@ -628,8 +598,7 @@ def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, titl
 
 # -- commands ------------------------------------------------------------------------------------------
 def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args, device: torch.device) -> List[dict]:
-    """Every implementation of ``op`` at ``shape`` (``NxHxV``; ``NxV`` from logits) side by side: each one
-    prepared (:func:`prepare`, with ``--rss`` its peak RSS in a fresh process too), then interleaved rounds."""
+    """Every implementation of ``op`` at ``shape`` (``NxHxV``; ``NxV``): prepared, then interleaved."""
     n, *rest = (int(s) for s in shape.split("x"))
     base = dict(op=op, N=n, V=rest[-1], dtype=args.dtype, pass_="fwd+bwd", T=min(512, n), H=rest[0] if len(rest) > 1 else None,
                 rounds=args.rounds)
@@ -653,16 +622,13 @@ def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args
 
 
 def compare_main(argv: List[str]) -> int:
-    p = H.parser("kernel implementations side by side: agreement, peak memory, interleaved time", rounds=3)
-    p.add_argument("--ops", nargs="+", default=["fused_linear_grpo_loss"], choices=OPS)
-    p.add_argument("--shapes", nargs="+", default=["1024x512x32000", "4096x512x32000", "1024x1024x151936"],
-                   help="NxHxV (fused linear) or NxV (from logits)")
-    p.add_argument("--impls", default="reference,torch,liger,trl", help="comma-separated (those an op lacks are left out)")
-    p.add_argument("--chunks", default="", help="ours (torch) again at these chunk sizes, comma-separated")
-    p.add_argument("--dtype", default="fp32", choices=list(H.DTYPES))
-    p.add_argument("--rss", action="store_true", help="each case's peak RSS in a fresh process too")
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = H.parser("kernel implementations side by side: agreement, peak memory, interleaved time", rounds=3,
+                    ops=(["fused_linear_grpo_loss"], None, list(OPS)), dtype=("fp32", None, list(H.DTYPES)),
+                    shapes=(["1024x512x32000", "4096x512x32000", "1024x1024x151936"], "NxHxV (fused linear) or NxV (from logits)"),
+                    impls=("reference,torch,liger,trl", "comma-separated (those an op lacks are left out)"),
+                    chunks=("", "ours (torch) again at these chunk sizes, comma-separated"),
+                    rss=(False, "each case's peak RSS in a fresh process too")).parse_args(argv)
+    device = H.device()
     report = H.Report("Kernels side by side (`python -m benchmarks.kernels compare`)")
     report.add(f"{args.dtype}, forward + backward, {args.rounds} interleaved rounds, medians; ratios: medians of the per-round "
                "ratios; peak: extra bytes of one separate call; agreement with the reference checked first.", "")
@@ -683,22 +649,18 @@ def compare_main(argv: List[str]) -> int:
 
 
 def child_main(argv: List[str]) -> int:
-    case = Case(**json.loads(argv[0]))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    runner = build(case, device)
+    runner = build(Case(**json.loads(argv[0])), H.device())
     runner()
-    rss = H.RSS()
-    rss.start()
-    seconds = H.timed(runner, device)
+    rss = H.RSS().start()
+    seconds = H.timed(runner, runner.device)
     H.emit({**rss.stop(), "seconds": seconds})
     return 0
 
 
 def report_main(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(description="render a pytest-benchmark JSON into markdown + PNG plots")
+    p = H.flags(argparse.ArgumentParser(description="render a pytest-benchmark JSON into markdown + PNG plots"), title=str,
+                env=(str, "machine JSON (`python -m benchmarks.harness machine`; default env.json beside RESULTS)"))
     p.add_argument("results")
-    p.add_argument("--env", help="machine JSON (`python -m benchmarks.harness machine`; default env.json beside RESULTS)")
-    p.add_argument("--title")
     args = p.parse_args(argv)
     path = Path(args.results).resolve()
     data = json.loads(path.read_text())

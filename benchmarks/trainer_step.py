@@ -1,22 +1,22 @@
-"""One full GRPO step, end to end: our trainer against TRL's ``GRPOTrainer``, side by side (benchmarks/README.md).
-
-    python -m benchmarks.trainer_step                  # CPU: shapes tiny and qwen-vocab, 3 rounds, every side
-    python -m benchmarks.trainer_step --quick          # CI: shape tiny, 1 round, this interpreter's sides
-    python -m benchmarks.trainer_step --shapes qwen-vocab --sides ours trl trl+patch ours+vllm --rounds 2 --threads 1
-    python -m benchmarks.trainer_step --list           # the shapes and sides, and why a side cannot run here
-"""
+"""One full GRPO step, end to end: our trainer against TRL's ``GRPOTrainer``, side by side (benchmarks/README.md)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
+import random
 import sys
 import tempfile
+import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional
+
+import torch
 
 from benchmarks import harness as H
 
@@ -26,8 +26,7 @@ PHASES = ("generation", "scoring", "logps", "loss+backward", "optimizer", "other
 
 @dataclass(frozen=True)
 class Shape:
-    """A Qwen2-shaped model and the step's batch: ``prompts_per_step * num_generations`` completions of
-    exactly ``max_new_tokens`` tokens after prompts of ``prompt_tokens`` tokens."""
+    """A Qwen2-shaped model and the step's batch: P prompts x G completions of T tokens after the prompt."""
 
     vocab_size: int
     hidden_size: int
@@ -63,8 +62,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?."
 
 
 def build_model(shape: Shape):
-    """The policy: seeded random weights, fp32, EOS 1, pad 0; ``min_new_tokens = max_new_tokens`` in its
-    generation config (no completion stops early)."""
+    """The policy: seeded random weights, fp32, EOS 1, pad 0; no completion stops early."""
     model = H.qwen2({f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)[:6]} | dict(
         pad_token_id=0, eos_token_id=1, bos_token_id=None), shape.prompt_tokens + shape.max_new_tokens, seed=OPTIONS["seed"])
     model.generation_config.update(min_new_tokens=shape.max_new_tokens, eos_token_id=1, pad_token_id=0)
@@ -72,8 +70,7 @@ def build_model(shape: Shape):
 
 
 def build_tokenizer(vocab_size: int):
-    """A character tokenizer of exactly ``vocab_size`` ids (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then
-    :data:`CHARS` and CJK-range characters, which a random model samples as often as any other)."""
+    """A character tokenizer of exactly ``vocab_size`` ids (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then characters)."""
     from grpo.tokenizer import char_tokenizer
 
     more = (chr(c) for c in range(0x4E00, 0x30000) if not 0xD800 <= c < 0xE000)
@@ -82,8 +79,6 @@ def build_tokenizer(vocab_size: int):
 
 def prompts(shape: Shape, count: int = 32) -> list[str]:
     """``count`` prompts of exactly ``prompt_tokens`` characters (= tokens): no prompt padding anywhere."""
-    import random
-
     rng = random.Random(OPTIONS["seed"])
     return ["".join(rng.choice(CHARS) for _ in range(shape.prompt_tokens)) for _ in range(count)]
 
@@ -94,16 +89,13 @@ def checksum_reward(prompts, completions, **kwargs) -> list[float]:
 
 
 class Meter:
-    """The measured step: wall and thread CPU seconds per phase (``harness.Phases``; the optimizer's through
-    torch's global optimizer hooks, which fire for ours and inside TRL's accelerate wrapper), peak RSS, CUDA peak."""
+    """The measured step: wall and thread CPU seconds per phase (``harness.Phases``), peak RSS, CUDA peak."""
 
     def __init__(self, device) -> None:
         self.device, self.phases, self.rss = device, H.Phases(device), H.RSS()
         self.phases.patch_optimizer()
 
     def begin(self) -> None:
-        import torch
-
         self.phases.clear()
         self.rss.start()
         if self.device.type == "cuda":
@@ -111,10 +103,7 @@ class Meter:
         self.phases.start("step")
 
     def end(self, outer: str, inner: str) -> dict:
-        """The step's record; loss+backward is the phase ``outer`` less ``inner`` (the optimizer's or the
-        generation's, scoring's and log-probs' inside it)."""
-        import torch
-
+        """The step's record; loss+backward is the phase ``outer`` less ``inner``."""
         self.phases.stop("step")
         out = self.rss.stop()
         if self.device.type == "cuda":
@@ -136,9 +125,7 @@ SIDES = H.Sides()
 
 
 def run_ours(shape: Shape, device, backend: str = "auto", **config) -> dict:
-    """Our trainer's step: ``grpo.trainer.train_step`` after the set-up ``grpo.train`` does (seed, the policy,
-    its frozen reference copy, the optimizer, the rollout engine: ``default_rollout``), without its logging
-    and checkpoints. ``config``: more ``GRPOConfig`` fields (``use_vllm``, ...)."""
+    """Our trainer's step: ``grpo.trainer.train_step`` after ``grpo.train``'s set-up (README); ``config``: more fields."""
     from grpo import trainer as tr
     from grpo.config import GRPOConfig
 
@@ -177,11 +164,7 @@ def _patch_unavailable() -> Optional[str]:
 
 
 def run_trl(shape: Shape, device, patched: bool = False) -> dict:
-    """TRL's ``GRPOTrainer.train()`` for the warm-up and the measured step, same model, data and options;
-    its phases timed around TRL's own methods (a subclass), the step between ``on_step_begin`` and ``on_step_end``."""
-    import warnings
-
-    import torch
+    """TRL's ``GRPOTrainer.train()``: a warm-up and the measured step, its phases timed around TRL's methods (README)."""
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -245,34 +228,26 @@ def vllm_python() -> Optional[str]:
 
 
 def _vllm_unavailable() -> Optional[str]:
-    if vllm_python() is None:
-        return f"vllm is not installed here, and no vLLM venv found (GRPO_VLLM_PYTHON, or .venv-vllm next to {sys.prefix})"
-    return None
+    return None if vllm_python() else f"vllm is not installed here, and no vLLM venv found (GRPO_VLLM_PYTHON, or .venv-vllm next to {sys.prefix})"
 
 
 SIDES.register("ours", "grpo.trainer, fused loss (backend auto)")(run_ours)
 SIDES.register("ours-reference", "grpo.trainer, plain-PyTorch reference loss (backend reference)")(
     lambda shape, device: run_ours(shape, device, backend="reference"))
-SIDES.register("trl", "trl.GRPOTrainer, stock", lambda: H.missing("trl", "datasets"))(run_trl)
-SIDES.register("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()", _patch_unavailable)(
+SIDES.register("trl", "trl.GRPOTrainer, stock", unavailable=lambda: H.missing("trl", "datasets"))(run_trl)
+SIDES.register("trl+patch", "trl.GRPOTrainer after grpo_kernels.integrations.trl.patch()", unavailable=_patch_unavailable)(
     lambda shape, device: run_trl(shape, device, patched=True))
 SIDES.register("ours+vllm", "grpo.trainer, fused loss, use_vllm (the engine as the trainer builds it, in the vLLM venv's "
-               "interpreter) with TRL's default importance-sampling correction", _vllm_unavailable, vllm_python)(
+               "interpreter) with TRL's default importance-sampling correction", unavailable=_vllm_unavailable, python=vllm_python)(
     lambda shape, device: run_ours(shape, device, use_vllm=True))
 SIDES.register("ours+vllm-uncorrected", "the same engine, vllm_importance_sampling_correction off (no old log-probs pass, "
-               "a token-local loss): the engine's cost without the correction's", _vllm_unavailable, vllm_python)(
+               "a token-local loss): the engine's cost without the correction's", unavailable=_vllm_unavailable, python=vllm_python)(
     lambda shape, device: run_ours(shape, device, use_vllm=True, vllm_importance_sampling_correction=False))
 
 
 def child(shape_name: str, *side_names: str) -> int:
-    """Each side's warm-up and measured step in this process, one after the other; a result line each (a
-    side that raises gets an ``error`` line and the next one still runs)."""
-    import gc
-    import traceback
-
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Each side's warm-up and measured step in this process, a result line each (an error line for one that raises)."""
+    device = H.device()
     for name in side_names:
         gc.collect()  # (several sides in one process: the previous one's model and trainer go first)
         try:
@@ -295,8 +270,7 @@ def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[
 
 
 def summarise(records: list[dict], baseline: str = "ours") -> list[dict]:
-    """Per side: medians over rounds, and the median per-round ratio of step time, step CPU time and step
-    peak RSS to ``baseline``'s in the same round."""
+    """Per side: medians over rounds, and the median per-round ratios to ``baseline``'s step time, CPU time and RSS."""
     ok = [r for r in records if "error" not in r]
     rows = []
     for side in dict.fromkeys(r["side"] for r in records):
@@ -360,27 +334,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
         return child(*argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="shape tiny, 1 round, --one-process, 1 thread, this interpreter's "
-                   "sides unless --sides names others (CI's smoke run)")
-    p.add_argument("--one-process", action="store_true",
-                   help="the sides of a round in one process (a side in another interpreter still gets its own)")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
-    p.add_argument("--sides", nargs="+", choices=list(SIDES), default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=None, help="seconds per process (default 120 with --quick, else 900)")
-    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the side processes (1 with --quick)")
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--list", action="store_true", help="print the shapes and sides and exit")
-    p.add_argument("--report", metavar="JSONL", help="only render the tables of an earlier run's JSONL into the .md beside it")
+    p = H.flags(argparse.ArgumentParser(description=__doc__.splitlines()[0]), rounds=int, out_dir="benchmarks/results",
+                quick=(False, "shape tiny, 1 round, --one-process, 1 thread, this interpreter's sides unless --sides names others"),
+                one_process=(False, "the sides of a round in one process (a side in another interpreter still gets its own)"),
+                shapes=([], None, sorted(SHAPES)), sides=([], None, list(SIDES)),
+                timeout=(float, "seconds per process (default 120 with --quick, else 900)"),
+                threads=(int, "OMP_NUM_THREADS of the side processes (1 with --quick)"),
+                list=(False, "print the shapes and sides and exit"),
+                report=(str, "only render the tables of an earlier run's JSONL (its path) into the .md beside it"))
     args = p.parse_args(argv)
     if args.report:
         with open(args.report) as f:
             records = [json.loads(line) for line in f if line.strip()]
         report(records, records[-1]["conditions"], {}, os.path.splitext(args.report)[0] + ".md")
         return 0
-    import torch
-
     cuda = torch.cuda.is_available()
     shapes = args.shapes or (["tiny"] if args.quick else ["qwen2.5-0.5b"] if cuda else ["tiny", "qwen-vocab"])
     rounds, threads = args.rounds or (1 if args.quick else 3), args.threads or (1 if args.quick else None)
@@ -411,7 +378,7 @@ def main(argv=None) -> int:
     with open(stem + ".jsonl", "a") as jsonl:
         for shape in shapes:
             for rnd in range(rounds):
-                order = sides[rnd % len(sides):] + sides[: rnd % len(sides)]  # rotate: interleaved, no fixed position
+                order = H.rotated(sides, rnd)
                 own = [s for s in order if SIDES[s].python() != sys.executable]  # another interpreter: its own process
                 shared = [s for s in order if s not in own]
                 batches = [[s] for s in order] if not one_process else [shared] * bool(shared) + [[s] for s in own]
