@@ -1,7 +1,4 @@
-"""pytest-benchmark set-up of ``pytest benchmarks/ --benchmark-only`` (``make bench``): the set chosen and
-why, the time budget, a progress line per case with an ETA, a case's check, memory run and timed rounds
-(benchmarks/README.md). ``bench_*.py`` files are collected here (the project's ``testpaths`` is ``tests``).
-"""
+"""pytest-benchmark set-up of ``make bench``: the set, the budget, progress with an ETA, each case's run (README)."""
 
 from __future__ import annotations
 
@@ -39,10 +36,6 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def bench_set(config) -> Tuple[str, str]:
     """(the set, why it was chosen)."""
     given = config.getoption("--bench-set") or os.environ.get("GRPO_BENCH_SET", "auto")
@@ -54,8 +47,7 @@ def bench_set(config) -> Tuple[str, str]:
 
 
 def budget(config) -> Tuple[Optional[float], str]:
-    """(seconds after the start past which no case starts, why): ``GRPO_BENCH_BUDGET_S`` (empty or 0: none),
-    else ``CPU_BUDGET_S`` for the cpu set."""
+    """(seconds after the start past which no case starts, why): ``GRPO_BENCH_BUDGET_S``, else the cpu set's."""
     value = os.environ.get("GRPO_BENCH_BUDGET_S")
     if value is None:
         return (CPU_BUDGET_S, "the cpu set's default") if bench_set(config)[0] == "cpu" else (None, "none")
@@ -85,7 +77,7 @@ def pytest_generate_tests(metafunc):
     """One parameter per case of the set; an operation without a case here gives one skipped item saying why."""
     if "case" not in metafunc.fixturenames:
         return
-    name, dev = bench_set(metafunc.config)[0], device().type
+    name, dev = bench_set(metafunc.config)[0], H.device().type
     try:
         selected, unknown = K.cases(name, dev), None
     except ValueError as exc:  # an unknown set name
@@ -110,8 +102,7 @@ def _case(item) -> Optional[K.Case]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Lowest priority first (stable); each item's work in ``Case.cost``'s units (a module may define
-    ``cost(params)``) for the ETA and the budget."""
+    """Lowest priority first; each item's cost (``Case.cost``, a module's ``cost(params)``) for the ETA."""
     items.sort(key=lambda item: _case(item).priority if _case(item) else 100)
     STATE["costs"] = {item.nodeid: _case(item).cost if _case(item) else getattr(item.module, "cost", lambda p: 1e9)(_params(item))
                       for item in items}
@@ -139,11 +130,10 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture(scope="session")
 def ceilings():
-    """(copy GB/s, matmul TFLOP/s): from ``GRPO_BENCH_COPY_GBPS`` / ``GRPO_BENCH_MATMUL_TFLOPS``, else
-    measured once on a GPU; none on a CPU (a shared CPU's are noise)."""
+    """(copy GB/s, matmul TFLOP/s): from the environment, else measured once on a GPU; none on a CPU."""
     copy, mm = os.environ.get("GRPO_BENCH_COPY_GBPS"), os.environ.get("GRPO_BENCH_MATMUL_TFLOPS")
-    if device().type == "cuda" and not (copy and mm):
-        measured = H.ceilings(device(), torch.bfloat16)
+    if H.device().type == "cuda" and not (copy and mm):
+        measured = H.ceilings(H.device(), torch.bfloat16)
         copy, mm = copy or measured["copy_gbps"], mm or measured["matmul_tflops"]
     STATE["ceilings"] = {"copy_gbps": copy and float(copy), "matmul_tflops": mm and float(mm)}
     return STATE["ceilings"]["copy_gbps"], STATE["ceilings"]["matmul_tflops"]
@@ -151,8 +141,7 @@ def ceilings():
 
 @pytest.fixture
 def run_case(benchmark, ceilings):
-    """Check ``case`` against the reference, measure its peak memory in one run, time it (``kernels.prepare``).
-    What cannot run here is skipped with the reason (a peer's changed API too); a disagreement fails."""
+    """Check, measure and time ``case`` (``kernels.prepare``); what cannot run here is skipped with the reason."""
     runners = []
 
     def attempt(case: K.Case, fn):
@@ -170,7 +159,7 @@ def run_case(benchmark, ceilings):
         pytest.skip(reason)
 
     def _run(case: K.Case):
-        runner, info = attempt(case, lambda: K.prepare(case, device(), check=os.environ.get("GRPO_BENCH_CHECK", "1") != "0"))
+        runner, info = attempt(case, lambda: K.prepare(case, H.device(), check=os.environ.get("GRPO_BENCH_CHECK", "1") != "0"))
         runners.append(runner)
         benchmark.group = case.group
         benchmark.extra_info.update(info)

@@ -1,9 +1,4 @@
-"""Eager cost of calling the Triton launchers through their torch.library custom ops (issue 27): ``grpo_loss``
-forward + backward with the launchers called directly (as shipped), through ``torch.ops.grpo_kernels.*``, and
-the torch backend for scale; the dispatch alone timed apart (benchmarks/README.md).
-
-    python -m benchmarks.custom_op_overhead [--rounds 15 --reps 5] [--out FILE.md]
-"""
+"""Eager cost of calling the Triton launchers through their torch.library custom ops (issue 27; benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -29,12 +24,10 @@ def _outputs_only(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 
 
 def main(argv=None) -> int:
-    p = H.parser(__doc__.splitlines()[0], rounds=15)
-    p.add_argument("--reps", type=int, default=5, help="calls per side per round")
+    p = H.parser(__doc__.splitlines()[0], rounds=15, reps=(5, "calls per side per round"), dispatch_calls=2000)
     p.add_argument("--shape", type=int, nargs=3, default=(2, 8, 64), metavar=("B", "T", "V"))
-    p.add_argument("--dispatch-calls", type=int, default=2000)
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = H.device()
     b, t, v = args.shape
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(b, t, v, generator=g).to(device).requires_grad_()

@@ -1,8 +1,4 @@
-"""The trainer's optimizer step against torch's fused AdamW, on one model's parameters (issue 39;
-benchmarks/README.md says what each side is).
-
-    python -m benchmarks.optimizer_step [--dtypes float32 bfloat16] [--rounds 7] [--out FILE.md]
-"""
+"""The trainer's optimizer step against torch's fused AdamW, on one model's parameters (issue 39; benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ HYPER = dict(lr=1e-6, betas=(0.9, 0.99), weight_decay=0.01)
 
 
 def sides(shapes: list, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
-    """({side: one step}, {side: its optimizer}): AdamW over parameters of ``shapes`` (all trainable), each
-    holding a fixed random gradient; every side its own copy (a step changes them)."""
+    """({side: one step}, {side: its optimizer}): AdamW over its own copy of parameters of ``shapes``, fixed gradients."""
     from grpo.config import GRPOConfig
     from grpo.precision import MasterWeightAdamW
     from grpo.trainer import make_optimizer
@@ -52,15 +47,9 @@ def sides(shapes: list, dtype: torch.dtype, device: torch.device) -> tuple[dict,
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = H.parser(__doc__.splitlines()[0], rounds=7)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = H.parser(__doc__.splitlines()[0], rounds=7, vocab=151936, hidden=256, layers=4, heads=4, kv_heads=2,
+                    dtypes=(["float32", "bfloat16"], None, ["float32", "bfloat16"])).parse_args(argv)
+    device = H.device()
     shape = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
     shapes = [p.shape for p in H.qwen2(shape, device="meta").parameters()]

@@ -1,10 +1,4 @@
-"""What the sampler's truncation costs: log-probs of the plain softmax against top-k, top-p and both (issue
-34): CPU ratios measured (the torch rows), and the H200 time of the Triton launches predicted by the SASS
-model (``--sass-model``); benchmarks/README.md. The GPU set times them on a GPU (``kernels.SAMPLINGS``).
-
-    python -m benchmarks.sampling_cost --out benchmarks/results/cpu-sampling_cost.md [--rows 256 --vocab 32000 151936]
-        [--sass-model ../shared/tools/sass_model.py]
-"""
+"""What the sampler's truncation costs against plain log-probs: CPU measured, H200 predicted (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -19,22 +13,16 @@ import grpo_kernels as gk
 from benchmarks import harness as H
 from benchmarks.kernels import SAMPLINGS
 
-# the sides: token_logprobs with the entropy under each truncation (plain first: the ratios' base)
-SIDES = H.Sides()
-MODES = {"plain": {}, **SAMPLINGS}
-for _mode, _kw in MODES.items():
-    SIDES.register(_mode, f"token_logprobs(return_entropy=True, backend='torch', {', '.join(f'{k}={v}' for k, v in _kw.items()) or 'no truncation'})")(
-        lambda logits, targets, _kw=_kw: (lambda: gk.token_logprobs(logits, targets, temperature=0.7,
-                                                                    return_entropy=True, backend="torch", **_kw)))
+MODES = {"plain": {}, **SAMPLINGS}  # token_logprobs' truncations (plain first: the ratios' base)
 
 
 def cpu_times(rows: int, vocab: int, rounds: int, seed: int = 0) -> Dict[str, List[float]]:
-    """mode -> seconds per round (``harness.interleave``) on ``[rows, vocab]`` logits ``3 N(0, 1)`` at T 0.7 (a
-    flat distribution: a nucleus of thousands of tokens, the candidate search's worst case), argmax targets."""
+    """mode -> seconds per round on ``[rows, vocab]`` logits ``3 N(0, 1)`` at T 0.7 (flat: the worst case), argmax targets."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, rows, vocab, generator=g) * 3.0
     targets = logits.argmax(-1)
-    return H.interleave({name: side.make(logits, targets) for name, side in SIDES.items()}, rounds)
+    return H.interleave({mode: lambda kw=kw: gk.token_logprobs(logits, targets, temperature=0.7, return_entropy=True,
+                                                               backend="torch", **kw) for mode, kw in MODES.items()}, rounds)
 
 
 def predicted(sass_model: str, vocab: int, rows: int = 16384) -> List[dict]:
@@ -68,11 +56,8 @@ def predicted(sass_model: str, vocab: int, rows: int = 16384) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    p = H.parser(__doc__.splitlines()[0], rounds=7)
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
-    p.add_argument("--sass-model", default=None, help="path of sass_model.py for the predicted H200 part")
-    a = p.parse_args(argv)
+    a = H.parser(__doc__.splitlines()[0], rounds=7, rows=256, vocab=[32000, 151936],
+                 sass_model=(str, "path of sass_model.py for the predicted H200 part")).parse_args(argv)
     report = H.Report("Sampler truncation cost (issue 34)")
     report.add("## CPU, measured: token_logprobs(return_entropy=True), backend='torch', forward, fp32", "",
                f"{a.rows} rows, temperature 0.7, logits 3 x N(0, 1) (a flat distribution: a nucleus of thousands of "

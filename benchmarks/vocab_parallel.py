@@ -1,8 +1,4 @@
-"""Vocabulary-parallel GRPO loss against gathering the vocabulary: time and bytes through every collective,
-W gloo processes on this machine (benchmarks/README.md).
-
-    python -m benchmarks.vocab_parallel [--world 2] [--tokens 1024] [--vocab 32000] [--hidden 256] [--rounds 5] [--out FILE.md]
-"""
+"""Vocabulary-parallel GRPO loss against gathering the vocabulary, W gloo processes (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +20,7 @@ class CollectiveMeter:
     """Wraps ``all_reduce`` and ``all_gather``: elements, bytes and seconds, per step."""
 
     def __init__(self, dist) -> None:
-        self.bytes = 0
-        self.seconds = 0.0
-        self.calls = 0
+        self.reset()
         for name in ("all_reduce", "all_gather"):
             original = getattr(dist, name)
 
@@ -123,12 +117,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
 
 
 def main(argv=None) -> int:
-    p = H.parser(__doc__.split("\n")[0], rounds=5)
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=256)
-    args = p.parse_args(argv)
+    args = H.parser(__doc__.split("\n")[0], rounds=5, world=2, tokens=1024, vocab=32000, hidden=256).parse_args(argv)
     report = H.Report(f"Vocabulary-parallel GRPO step vs gathering the vocabulary (CPU, gloo, {args.world} processes)")
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.json")
@@ -136,15 +125,14 @@ def main(argv=None) -> int:
                            start_method="spawn")
         with open(raw) as f:
             data = json.load(f)
-    baseline = {"vp_logits": "gather_logits", "gather_logits": "gather_logits", "vp_linear": "gather_weight",
-                "gather_weight": "gather_weight"}
     times = {name: r["seconds"] for name, r in data["record"].items()}
     report.records = [{"args": vars(args), **data}]
     report.add(f"N = {args.tokens} tokens (B = 2), V = {args.vocab} in shards {data['sizes']}, H = {args.hidden}, fp32, dapo "
                f"with old log-probs, torch backend; forward + backward, {args.rounds} interleaved rounds, medians, rank 0. "
                "`bytes`: what rank 0 puts into collectives in one step.", "", *H.table(
                    ["implementation", "step", "vs gathering", "in collectives", "collectives", "bytes", "bytes / token"],
-                   [[name, H.fmt_time(H.median(r["seconds"])), H.fmt_ratio(H.ratio(times, name, baseline[name])),
+                   [[name, H.fmt_time(H.median(r["seconds"])),
+                     H.fmt_ratio(H.ratio(times, name, "gather_logits" if "logits" in name else "gather_weight")),
                      H.fmt_time(H.median(r["comm_seconds"])), r["collectives"], f"{r['bytes']:,}", f"{r['bytes'] / args.tokens:,.1f}"]
                     for name, r in data["record"].items()]))
     report.write(args.out)
