@@ -1,8 +1,5 @@
 #!/usr/bin/env bash
-# One check on a lent GPU (an H200) in at most 6 minutes, with the machine's own torch/triton, no network:
-# bash benchmarks/gpu_check.sh [OUT_DIR]. Its steps, budget, knobs, carried wheels and CI's CPU dry run:
-# benchmarks/README.md ("gpu_check.sh"). Exit status: 0 when every step ran and the tests passed, else the
-# first failing step's; what was produced stays.
+# One check on a lent GPU in at most 6 minutes: bash benchmarks/gpu_check.sh [OUT_DIR] (benchmarks/README.md: gpu_check.sh).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

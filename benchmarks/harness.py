@@ -143,7 +143,7 @@ class Phases:
     """Wall and thread CPU seconds per named phase, summed over its spans (README: Timing)."""
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.device, self.wall, self.cpu, self._open, self._patched, self._hooks = device, {}, {}, {}, [], []
+        self.device, self.wall, self.cpu, self._open, self._undo = device, {}, {}, {}, []
 
     def start(self, name: str) -> None:
         sync(self.device)
@@ -167,30 +167,24 @@ class Phases:
 
     def patch(self, owner: Any, attr: str, name: Union[str, Callable[[], Optional[str]]]) -> None:
         """Time every call of ``owner.attr`` as ``name`` (a callable: asked at each call; None: not timed)."""
-        fn = getattr(owner, attr)
+        fn, original = getattr(owner, attr), owner.__dict__.get(attr)
 
         def timed_call(*args, **kwargs):
             with self(name() if callable(name) else name):
                 return fn(*args, **kwargs)
-        self._patched.append((owner, attr, owner.__dict__.get(attr)))
         setattr(owner, attr, timed_call)
+        self._undo.append(lambda: delattr(owner, attr) if original is None else setattr(owner, attr, original))
 
     def patch_optimizer(self, name: str = "optimizer") -> None:
         """Time every optimizer step as ``name``: torch's global hooks, which fire inside wrappers (accelerate's) too."""
         from torch.optim.optimizer import register_optimizer_step_post_hook as post, register_optimizer_step_pre_hook as pre
 
-        self._hooks += [pre(lambda *_: self.start(name)), post(lambda *_: self.stop(name))]
+        self._undo += [hook.remove for hook in (pre(lambda *_: self.start(name)), post(lambda *_: self.stop(name)))]
 
     def restore(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        for owner, attr, original in reversed(self._patched):
-            if original is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
-        self._patched.clear()
+        """Every patch and hook put back, the last first."""
+        while self._undo:
+            self._undo.pop()()
 
     def clear(self) -> None:
         self.wall, self.cpu = {}, {}
