@@ -26,7 +26,7 @@ STATE: dict = {"results": [], "skipped": [], "disagreed": [], "ceilings": {}, "d
 
 def pytest_addoption(parser):
     parser.getgroup("grpo-kernels benchmarks").addoption(
-        "--bench-set", default=None, choices=["cpu", "gpu", "smoke", "auto"],
+        "--bench-set", default=None, choices=[*K.SETS, "auto"],
         help="benchmark set (default: $GRPO_BENCH_SET or auto = gpu when CUDA is available)")
 
 

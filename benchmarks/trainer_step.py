@@ -291,7 +291,7 @@ def summarise(records: list[dict], baseline: str = "ours") -> list[dict]:
 
 
 def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, str]) -> list[str]:
-    cuda = any(r.get("cuda_peak_allocated_mib") for r in rows)
+    cuda, columns = any(r.get("cuda_peak_allocated_mib") for r in rows), [{"logps": "old/ref log-probs"}.get(p, p) for p in PHASES]
     x = lambda v: "" if v is None else f"{v:.2f}×"  # noqa: E731
     share = lambda r, key, p: "" if r[key].get(p) is None else f"{r[key][p]:.2f} s ({100 * r[key][p] / r['step' + key[6:] + '_s']:.0f}%)"  # noqa: E731
     wall, cpu = [], []
@@ -311,12 +311,10 @@ def markdown(shape_name: str, rows: list[dict], cond: dict, skipped: dict[str, s
             + f", torch threads {cond.get('side_threads') or 'default'}, {cond['dtype']}; {WARMUP_STEPS} warm-up step then "
             "the measured one; medians; ratios are per-round ratios to `ours`, medianed.", "",
             *H.table(["side", "step", "× ours", "step peak RSS", "× ours"] + (["CUDA peak", "× ours"] if cuda else [])
-                     + ["generation", "scoring", "old/ref log-probs", "loss+backward", "optimizer", "other", "completion tokens",
-                        "load (1 min)"], wall), "",
+                     + columns + ["completion tokens", "load (1 min)"], wall), "",
             "Thread CPU time of the same steps (the main thread's `time.thread_time`, which a loaded machine does not "
             "stretch; all of torch's work with --threads 1):", "",
-            *H.table(["side", "step CPU", "× ours", "generation", "scoring", "old/ref log-probs", "loss+backward", "optimizer",
-                      "other"], cpu), ""]
+            *H.table(["side", "step CPU", "× ours", *columns], cpu), ""]
 
 
 def report(records: list[dict], cond: dict, skipped: dict[str, str], out: Optional[str]) -> H.Report:
