@@ -604,7 +604,7 @@ def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args
                 rounds=args.rounds)
     runners, records = {}, []
     for case in [Case(impl=i, **base) for i in impls] + [Case(impl="torch", chunk=c, **base) for c in chunks]:
-        name = case.impl + (f"@{case.chunk}" if case.chunk else "")
+        name = _name(case.info())
         try:
             runners[name], rec = prepare(case, device)
             if args.rss:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
