@@ -33,6 +33,8 @@ _KERNEL_ONLY_CHECKS: dict = {
     "process_group": lambda group: None,  # not None: a vocabulary-parallel call, which never reaches the reference
     "reduce_hidden_grad": lambda flag: vocab_parallel.check_reduce_hidden_grad(flag, None),
 }
+# the fused-linear functions' keywords that only the kernels take (the reference projects, then calls its own loss)
+_FUSED_LINEAR_ONLY = ("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad")
 
 
 def _no_hidden_to_reduce(reduce_hidden_grad: object) -> None:
@@ -305,7 +307,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
 
 
 @logprob_keywords
-@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
+@_or_reference(reference.fused_linear_token_logprobs, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -355,7 +357,7 @@ def fused_linear_token_logprobs(
 
 
 @grpo_keywords
-@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
+@_or_reference(reference.fused_linear_grpo_loss, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
