@@ -281,13 +281,7 @@ class ChunkedMLPFunction(torch.autograd.Function):
         ctx.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
                         for kind in {x.device.type, "cpu"} if torch.amp.is_autocast_available(kind)]
         ctx.save_for_backward(x, *params)
-        out = None
-        for start in range(0, x.shape[0], chunk):
-            y = f(x[start:start + chunk])
-            if out is None:
-                out = y.new_empty((x.shape[0], *y.shape[1:]))
-            out[start:start + y.shape[0]] = y
-        return out
+        return _in_chunks(f, x, chunk)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -350,13 +344,20 @@ def chunked(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: i
     if torch.is_grad_enabled() and (x.requires_grad or trainable):
         out = ChunkedMLPFunction.apply(f, chunk, flat, *trainable)
     else:
-        out = None
-        for start in range(0, flat.shape[0], chunk):
-            y = f(flat[start:start + chunk])
-            if out is None:
-                out = y.new_empty((flat.shape[0], *y.shape[1:]))
-            out[start:start + y.shape[0]] = y
+        out = _in_chunks(f, flat, chunk)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _in_chunks(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``f(x)`` for rows ``x`` [N, H], ``chunk`` rows at a time, into one output [N, ...] (no autograd of
+    its own: the forward of :class:`ChunkedMLPFunction` and the loop without gradients)."""
+    out = None
+    for start in range(0, x.shape[0], chunk):
+        y = f(x[start:start + chunk])
+        if out is None:
+            out = y.new_empty((x.shape[0], *y.shape[1:]))
+        out[start:start + y.shape[0]] = y
+    return out
 
 
 def _chunked_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -240,25 +240,24 @@ def run_demo(cfg: DemoConfig) -> dict:
     return summary
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (a usage error otherwise, before any model is built)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: Optional[int], rule: str) -> Callable[[str], int]:
+    """argparse type: an int in ``[low, high)`` (``high`` None: no upper bound), a usage error naming
+    ``rule`` otherwise (before any model is built)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+        return value
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
-    return value
+_positive_int = _int_in(1, None, "must be >= 1")
+_seed = _int_in(0, 2**32, "must be in [0, 2**32)")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -54,6 +54,19 @@ def _written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(logits)
 
 
+def logprob_forward_outputs(ctx, saved: tuple, config: tuple, logp: torch.Tensor, entropy: torch.Tensor,
+                            sum_sq: torch.Tensor, with_sum_sq: bool):
+    """The tail of a log-prob Function's forward: keep ``saved`` for the backward and ``config`` in
+    ``ctx.config``; return (logp, entropy, the sum of squared probabilities, or unless ``with_sum_sq`` a
+    0-d 0), the third without gradient. Unused outputs reach the backward as None (not zeros)."""
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*saved)
+    ctx.config = config
+    sum_sq = sum_sq if with_sum_sq else logp.new_zeros(())
+    ctx.mark_non_differentiable(sum_sq)
+    return logp, entropy, sum_sq
+
+
 class TokenLogprobsFunction(torch.autograd.Function):
     """(logits [B, T, V], targets [B, T]) -> (logp [B, T], entropy [B, T], sum of squared probabilities
     [B, T] or, unless ``with_sum_sq``, a 0-d 0), float32; the third has no gradient. Under a truncation
@@ -64,13 +77,10 @@ class TokenLogprobsFunction(torch.autograd.Function):
     def forward(ctx, logits, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
                 with_entropy: bool, inplace_backward: bool, with_sum_sq: bool = False):
         stats = backend.forward_rows(logits, targets, transform, ignore_index, with_entropy, with_sum_sq)
-        ctx.set_materialize_grads(False)  # an unused output passes None, not a tensor of zeros
-        ctx.save_for_backward(logits, targets, stats.row_max, stats.log_sum, stats.entropy, stats.threshold,
-                              stats.tie_index)
-        ctx.config = (backend, transform, ignore_index, inplace_backward)
-        sum_sq = stats.sum_probs_sq if with_sum_sq else stats.logp.new_zeros(())
-        ctx.mark_non_differentiable(sum_sq)
-        return stats.logp, stats.entropy, sum_sq
+        return logprob_forward_outputs(
+            ctx, (logits, targets, stats.row_max, stats.log_sum, stats.entropy, stats.threshold, stats.tie_index),
+            (backend, transform, ignore_index, inplace_backward), stats.logp, stats.entropy, stats.sum_probs_sq,
+            with_sum_sq)
 
     @staticmethod
     @_first_order
@@ -326,13 +336,11 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
             hidden, weight, bias, targets, chunk_size, dtype,
             lambda logits, tgt, rows: backend.forward_rows(logits, tgt, transform.rows(rows), ignore_index, with_entropy,
                                                            with_sum_sq))
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, targets, stats.row_max, stats.log_sum, stats.entropy,
-                              stats.threshold, stats.tie_index)
-        ctx.config = (backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype)
-        sum_sq = stats.sum_probs_sq if with_sum_sq else stats.logp.new_zeros(())
-        ctx.mark_non_differentiable(sum_sq)
-        return stats.logp, stats.entropy, sum_sq
+        return logprob_forward_outputs(
+            ctx, (hidden, weight, bias, targets, stats.row_max, stats.log_sum, stats.entropy, stats.threshold,
+                  stats.tie_index),
+            (backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype), stats.logp,
+            stats.entropy, stats.sum_probs_sq, with_sum_sq)
 
     @staticmethod
     @_first_order

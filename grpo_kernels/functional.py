@@ -10,7 +10,7 @@ spec in ``reference`` instead.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -21,7 +21,8 @@ from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, Fused
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import linear_rows, prepare_grpo, scatter_rows, take_rows, take_transform
+from .prepare import (check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_targets,
+                      prepare_grpo, scatter_rows, take_rows, take_transform)
 
 
 
@@ -32,6 +33,8 @@ _KERNEL_ONLY_CHECKS: dict = {
     "process_group": lambda group: None,  # not None: a vocabulary-parallel call, which never reaches the reference
     "reduce_hidden_grad": lambda flag: vocab_parallel.check_reduce_hidden_grad(flag, None),
 }
+# the fused-linear functions' keywords that only the kernels take (the reference projects, then calls its own loss)
+_FUSED_LINEAR_ONLY = ("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad")
 
 
 def _no_hidden_to_reduce(reduce_hidden_grad: object) -> None:
@@ -93,30 +96,16 @@ def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, wit
     return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
 
 
-def _logprob_outputs(logp, entropy, sum_sq, return_entropy: bool, return_sum_probs_sq: bool):
-    """The log-prob functions' return (contract v4): ``logp`` alone, else ``(logp,)`` then ``entropy`` if
-    asked, then ``sum_probs_sq`` if asked."""
-    if not (return_entropy or return_sum_probs_sq):
-        return logp
-    return (logp,) + ((entropy,) if return_entropy else ()) + ((sum_sq,) if return_sum_probs_sq else ())
-
-
+@logprob_keywords
 @_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = IGNORE_INDEX,
-    return_entropy: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    return_sum_probs_sq: bool = False,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
+    **logprob_kwargs: Any,
 ):
     """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
     ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
@@ -142,22 +131,16 @@ def token_logprobs(
     same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
     ``reduce_hidden_grad`` (the fused-linear functions' option) must be False: logits have no ``d hidden``.
     """
-    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
-    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
+    kw = check_logprob_flags(logprob_kwargs)
     _no_hidden_to_reduce(reduce_hidden_grad)
     if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
-        return vocab_parallel.token_logprobs(
-            logits, targets, group=group, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-            return_sum_probs_sq=return_sum_probs_sq, backend=backend)
+        return vocab_parallel.token_logprobs(logits, targets, group=group, backend=backend, **kw._asdict())
     logits = V.check_logits(logits)
-    targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
-    V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
+    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
     row_backend = backends.resolve(backend, logits.device)
-    logp, entropy, sum_sq = _logprobs_rows(logits, targets, transform, ignore_index, return_entropy, row_backend,
-                                           with_sum_sq=return_sum_probs_sq)
-    return _logprob_outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
+    logp, entropy, sum_sq = _logprobs_rows(logits, targets, transform, kw.ignore_index, kw.return_entropy, row_backend,
+                                           with_sum_sq=kw.return_sum_probs_sq)
+    return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
 @grpo_keywords
@@ -323,26 +306,20 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
-@_or_reference(reference.fused_linear_token_logprobs, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
+@logprob_keywords
+@_or_reference(reference.fused_linear_token_logprobs, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = IGNORE_INDEX,
-    return_entropy: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    return_sum_probs_sq: bool = False,
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
+    **logprob_kwargs: Any,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)`` a chunk of rows at a time.
 
@@ -362,28 +339,25 @@ def fused_linear_token_logprobs(
     shard (a DTensor ``Shard(0)`` on a 1-D mesh implies the group); ``d hidden`` is then this rank's
     partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
     """
-    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
-    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
+    kw = check_logprob_flags(logprob_kwargs)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
     if _several_ranks(group):
         return vocab_parallel.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, group=group, reduce_hidden_grad=reduce_hidden_grad,
-            temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
-            logit_scale=logit_scale, top_k=top_k, top_p=top_p, return_sum_probs_sq=return_sum_probs_sq,
-            chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend)
+            chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend,
+            **kw._asdict())
     V.check_linear(hidden, weight, bias)
-    targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
-    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, hidden.device)
-    V.check_ids_in_range(targets, weight.shape[0], ignore_index, "targets")
-    logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, ignore_index, return_entropy,
-                                               chunk_size, backend, accumulate_in_weight_dtype, return_sum_probs_sq)
-    return _logprob_outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
+    targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden")
+    logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, kw.ignore_index,
+                                               kw.return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
+                                               kw.return_sum_probs_sq)
+    return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
 @grpo_keywords
-@_or_reference(reference.fused_linear_grpo_loss, kernel_only=("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad"))
+@_or_reference(reference.fused_linear_grpo_loss, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

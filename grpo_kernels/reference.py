@@ -8,7 +8,7 @@ independently in float64. Same signatures as the public functions, without ``bac
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -17,21 +17,11 @@ from . import objective
 from .kernels.torch_rows import floor_logp
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords
+from .prepare import check_logprob_flags, logprob_keywords, logprob_outputs, logprob_targets
 
 
-def token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = IGNORE_INDEX,
-    return_entropy: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    return_sum_probs_sq: bool = False,
-):
+@logprob_keywords
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, **logprob_kwargs: Any):
     """``log_softmax(z)[target]`` the way trainers write it, ``z`` the transformed logits
     (``options.LogitTransform``: ``softcap * tanh(logit_scale * logits / softcap) / temperature``),
     truncated by ``top_k`` / ``top_p`` as vLLM's sampler does (:func:`kept_tokens`).
@@ -42,16 +32,12 @@ def token_logprobs(
     (``return_sum_probs_sq``, detached) of the same distribution, float32 [...]. Positions whose
     target is ``ignore_index`` give 0 and no gradient; their logits are never read.
     """
+    kw = check_logprob_flags(logprob_kwargs)
     logits = V.check_logits(logits)
-    targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
-    ignore_index, return_entropy = V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy)
-    return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
-    transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
-    V.check_ids_in_range(targets, logits.shape[-1], ignore_index, "targets")
-    logp, entropy, sum_sq = _token_logprobs(logits, targets, transform, ignore_index, return_entropy or return_sum_probs_sq)
-    if not (return_entropy or return_sum_probs_sq):
-        return logp
-    return (logp,) + ((entropy,) if return_entropy else ()) + ((sum_sq,) if return_sum_probs_sq else ())
+    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    logp, entropy, sum_sq = _token_logprobs(logits, targets, transform, kw.ignore_index,
+                                            kw.return_entropy or kw.return_sum_probs_sq)
+    return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
 @torch.no_grad()
@@ -149,30 +135,14 @@ def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
-def fused_linear_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = IGNORE_INDEX,
-    return_entropy: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    return_sum_probs_sq: bool = False,
-):
+@logprob_keywords
+def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                bias: Optional[torch.Tensor] = None, **logprob_kwargs: Any):
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
+    kw = check_logprob_flags(logprob_kwargs)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
-    ignore_index = V.check_ignore_index(ignore_index)
-    return token_logprobs(
-        _project(hidden, weight, bias, targets != ignore_index), targets, temperature=temperature,
-        ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale,
-        top_k=top_k, top_p=top_p, return_sum_probs_sq=return_sum_probs_sq,
-    )
+    return token_logprobs(_project(hidden, weight, bias, targets != kw.ignore_index), targets, **kw._asdict())
 
 
 @grpo_keywords

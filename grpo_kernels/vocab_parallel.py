@@ -53,7 +53,8 @@ import torch
 
 from . import _validation as V
 from . import backends, objective
-from .autograd import FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _chunked_row_stats, _first_order
+from .autograd import (FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _chunked_row_stats, _first_order,
+                       logprob_forward_outputs)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
@@ -339,12 +340,9 @@ class VocabParallelTokenLogprobsFunction(torch.autograd.Function):
                 group, with_sum_sq: bool = False):
         stats = _shard_row_stats(backend, logits, codes, transform, with_entropy, with_sum_sq)
         logp, entropy, sum_sq, log_sum = _merged(group, backend, codes, transform, with_entropy, stats)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, codes, stats.row_max, log_sum, entropy, None, None)  # (no truncation here)
-        ctx.config = (backend, transform, LOCAL_IGNORE, inplace_backward)
-        sum_sq = sum_sq if with_sum_sq else logp.new_zeros(())
-        ctx.mark_non_differentiable(sum_sq)
-        return logp, entropy, sum_sq
+        saved = (logits, codes, stats.row_max, log_sum, entropy, None, None)  # (no truncation here)
+        return logprob_forward_outputs(ctx, saved, (backend, transform, LOCAL_IGNORE, inplace_backward), logp, entropy,
+                                       sum_sq, with_sum_sq)
 
     @staticmethod
     @_first_order
@@ -370,13 +368,10 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
             lambda logits, rows, where: _shard_row_stats(backend, logits, rows, transform.rows(where), with_entropy,
                                                          with_sum_sq))
         logp, entropy, sum_sq, log_sum = _merged(group, backend, codes, transform, with_entropy, stats)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, codes, stats.row_max, log_sum, entropy, None, None)
-        ctx.config = (backend, transform, LOCAL_IGNORE, chunk_size, dtype, accumulate_in_weight_dtype)
         ctx.reduce = group if reduce_hidden_grad else None
-        sum_sq = sum_sq if with_sum_sq else logp.new_zeros(())
-        ctx.mark_non_differentiable(sum_sq)
-        return logp, entropy, sum_sq
+        saved = (hidden, weight, bias, codes, stats.row_max, log_sum, entropy, None, None)
+        config = (backend, transform, LOCAL_IGNORE, chunk_size, dtype, accumulate_in_weight_dtype)
+        return logprob_forward_outputs(ctx, saved, config, logp, entropy, sum_sq, with_sum_sq)
 
     @staticmethod
     @_first_order

@@ -4,15 +4,27 @@
   interpreter: ``conftest.py`` sets TRITON_INTERPRET=1 before triton is first imported).
 - ``assert_close64``: compare a result with a float64 reference at a tolerance that fits the dtype.
 - ``poison_``: fill an output buffer with NaN before a kernel writes it.
-- ``tiny_config``: a ``GRPOConfig`` for the trainer tests' tiny model (CPU, "torch" backend).
+- ``tiny_config``: a ``GRPOConfig`` for the trainer tests' tiny model (CPU, "torch" backend);
+  ``TINY_UPDATE``: the fields of one update of ``tiny_qwen2`` on ``random_update_batch``.
 - ``timed``, ``SLACK``: a call that must return within a wall-clock budget (the rewards tests).
 - ``saved_for_backward``: the bytes autograd keeps for backward while a function runs.
+- tiny models built in code: ``tiny_causal_lm`` (any transformers family, seeded weights),
+  ``tiny_qwen2`` (the trainer's 2-layer Qwen2 of vocabulary 24), ``save_demo_model`` and
+  ``write_prompts`` (the demo's model and tokenizer in a folder, and a prompts file, for the CLI).
+- the trainer's batches: ``generate_rollouts``, ``update_batch`` (a rollout's), ``random_update_batch``
+  (12 rows of random tokens for ``tiny_qwen2``, no model run).
+- fresh processes: ``run_cli`` (``python -m grpo ...``), ``torchrun`` (2 ranks, gloo) and ``free_port``.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import socket
+import subprocess
+import sys
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -144,3 +156,129 @@ def saved_for_backward(fn: Callable[[], R], exclude=()) -> tuple[R, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(kept.values())
+
+
+# ---------------------------------------------------------------------------- tiny models, built in code
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+# the trainer's tiny Qwen2 (test_trainer, test_distributed): token 0 pads, token 1 ends a completion
+TINY_QWEN2 = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+def tiny_causal_lm(family: str = "Qwen2", seed: int = 0, attn: Optional[str] = None, **config: Any):
+    """``transformers.<family>ForCausalLM`` of ``<family>Config(**config)``, its weights drawn after
+    ``torch.manual_seed(seed)`` (fp32, on the CPU); ``attn`` sets the attention implementation."""
+    import transformers
+
+    cfg = getattr(transformers, f"{family}Config")(**config)
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{family}ForCausalLM")(cfg)
+
+
+# one update of tiny_qwen2 on random_update_batch (test_trainer's verl cases, test_distributed): the
+# GRPOConfig fields both set alike
+TINY_UPDATE = dict(beta=0.05, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
+                   backend="torch", progress=False, plot=False)
+
+
+def tiny_qwen2(tied: bool = False, seed: int = 0):
+    """The trainer tests' Qwen2 (``TINY_QWEN2``), its embeddings tied to ``lm_head`` or not."""
+    return tiny_causal_lm("Qwen2", seed, tie_word_embeddings=tied, **TINY_QWEN2)
+
+
+def save_demo_model(folder) -> tuple:
+    """The demo's model and tokenizer (seed 0), saved to ``folder``; returns (model, tokenizer)."""
+    from grpo.demo import build_model_and_tokenizer
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def write_prompts(path, count: int, key: str = "prompt"):
+    """The demo's first ``count`` problems as a JSON-lines prompts file (``key`` holds the prompt, "answer"
+    the answer), for ``--data``; returns ``path``."""
+    import json
+
+    from grpo.demo import problems
+
+    path.write_text("".join(json.dumps({key: r["prompt"], "answer": r["answer"]}) + "\n" for r in problems()[:count]))
+    return path
+
+
+# ---------------------------------------------------------------------------- the trainer's batches
+def generate_rollouts(model, tokenizer, prompts, cfg, num_generations):
+    """Completions as the trainer samples them."""
+    from grpo.trainer import as_policy, default_rollout
+
+    return default_rollout(model, tokenizer, cfg).generate(as_policy(model), prompts, num_generations)
+
+
+def update_batch(rollout, advantages, loss_mask=None, **fields: Any):
+    """The trainer's update batch for a rollout (prompt then completion, row-aligned); ``fields``: the
+    other fields of ``UpdateBatch`` (old / ref / rollout log-probs)."""
+    from grpo.trainer import UpdateBatch
+
+    return UpdateBatch(
+        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
+        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
+        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
+        loss_mask=rollout.completion_mask if loss_mask is None else loss_mask, advantages=advantages, **fields,
+    )
+
+
+def random_update_batch(min_completion: int = 0, lossless_row: Optional[int] = None, seed: int = 0):
+    """12 rollouts (4 prompts x G=3) for ``tiny_qwen2``: left-padded prompts of 1..4 tokens, completions of
+    ``min_completion``..6 tokens (row 3 full), old / ref log-probs off the policy's; ``lossless_row`` keeps
+    its completion tokens but no loss token."""
+    from grpo.trainer import UpdateBatch
+
+    g = torch.Generator().manual_seed(seed)
+    B, P, T, V = 12, 4, 6, TINY_QWEN2["vocab_size"]
+    prompt_len = torch.randint(1, P + 1, (B,), generator=g)
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
+    completion_len = torch.randint(min_completion, T + 1, (B,), generator=g)
+    completion_len[3] = T
+    completion_mask = (torch.arange(T) < completion_len[:, None]).long()
+    loss_mask = completion_mask.clone()
+    if lossless_row is not None:
+        loss_mask[lossless_row] = 0
+    completion_ids = torch.randint(2, V, (B, T), generator=g) * completion_mask
+    input_ids = torch.cat([torch.randint(2, V, (B, P), generator=g) * prompt_mask, completion_ids], 1)
+    return UpdateBatch(
+        input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1), prompt_len=P,
+        completion_ids=completion_ids, loss_mask=loss_mask, advantages=torch.randn(B, generator=g),
+        old_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
+        ref_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
+    )
+
+
+# ---------------------------------------------------------------------------- fresh processes
+def run_cli(*args: str, env: Optional[dict] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m grpo ARGS`` in a fresh process from the repository root (this checkout's ``grpo``),
+    stdout and stderr captured as text; ``env`` replaces the environment."""
+    return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node 2 ARGS`` (gloo on the CPU: one thread a rank, the
+    Triton interpreter off, this checkout and tests/ importable), asserting that every rank exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join((ROOT, TESTS, env.get("PYTHONPATH", ""))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc

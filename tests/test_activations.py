@@ -15,20 +15,17 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import assert_close64, tiny_config
+from helpers import assert_close64, tiny_causal_lm, tiny_config, torchrun
 
 from grpo import activations
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(vocab_size=48, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
 FAMILIES = ("qwen2", "qwen3", "llama", "gemma")
@@ -36,13 +33,8 @@ FAMILIES = ("qwen2", "qwen3", "llama", "gemma")
 
 def tiny(family: str, dtype: torch.dtype = torch.float32, checkpointing: bool = False, seed: int = 0):
     """A ``family``-shaped causal LM with seeded random weights, built in code, in training mode."""
-    import transformers
-
     names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "gemma": "Gemma"}[family]
-    config = getattr(transformers, f"{names}Config")(**SHAPE)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{names}ForCausalLM")(config).to(dtype).train()
+    model = tiny_causal_lm(names, seed, attn="sdpa", **SHAPE).to(dtype).train()
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -347,16 +339,7 @@ def worker(out: str) -> None:
 
 def test_both_options_on_two_ranks_match_one_process_without_them(tmp_path):
     out = tmp_path / "grads.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests") + os.pathsep
-               + env.get("PYTHONPATH", ""))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), __file__, str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun([__file__, str(out)], timeout=240)
     results = torch.load(out, weights_only=False)
     torch.set_num_threads(1)
     for (kind, use_peft), (grads, copies) in results.items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import save_demo_model, write_prompts
+
 from grpo.__main__ import main as cli
 
 
@@ -94,23 +96,17 @@ def test_bad_values_are_usage_errors_before_any_model_loads(flags, named, tmp_pa
 def model_without_weights(tmp_path_factory):
     """A saved model folder (config, tokenizer) whose weights file is garbage: loading the weights fails,
     so a refusal that exits 2 naming what it refused came before any weights were read."""
-    import json as _json
-
-    from grpo.demo import build_model_and_tokenizer, problems
     from grpo.models import load_model
 
     folder = tmp_path_factory.mktemp("model")
-    model, tokenizer = build_model_and_tokenizer(seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_demo_model(folder)
     weights = list(folder.glob("*.safetensors"))
     assert weights
     for path in weights:
         path.write_bytes(b"\x00" * 64)
     with pytest.raises(Exception):  # the weights cannot load
         load_model(str(folder))
-    data = folder / "prompts.jsonl"
-    data.write_text("\n".join(_json.dumps(r) for r in problems()[:4]))
+    write_prompts(folder / "prompts.jsonl", 4)
     return folder
 
 

@@ -19,18 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
 import torch
 
-from helpers import CORE_LOSS_TYPES
+from helpers import CORE_LOSS_TYPES, TINY_UPDATE, random_update_batch, tiny_qwen2, torchrun
 
 from grpo.logs import run_values
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_TYPES = CORE_LOSS_TYPES
 SPLITS = {"even": 6, "uneven": 9}  # rows of the 12 on rank 0 (whole groups of 3)
 CASES = [(kind, loss, split, False) for kind in ("ddp", "fsdp") for loss in LOSS_TYPES for split in SPLITS]
@@ -38,48 +35,10 @@ CASES += [("fsdp", "dapo", "uneven", True), ("ddp", "grpo", "even", True)]
 
 
 # ---------------------------------------------------------------------------- shared by both sides
-def tiny_model(tied: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
-
-
 def config(loss_type: str, **overrides):
     from grpo.trainer import GRPOConfig
 
-    base = dict(
-        loss_type=loss_type, beta=0.05, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
-        weight_decay=0.01, max_grad_norm=1e9, backend="torch", progress=False, plot=False, entropy_coef=0.01,
-    )
-    base.update(overrides)
-    return GRPOConfig(**base)
-
-
-def fixed_batch():
-    """12 rollouts (4 prompts x G=3): left-padded prompts, completions of 0..6 tokens, an off-policy ratio."""
-    from grpo.trainer import UpdateBatch
-
-    g = torch.Generator().manual_seed(0)
-    B, P, T, V = 12, 4, 6, 24
-    prompt_len = torch.randint(1, P + 1, (B,), generator=g)
-    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
-    completion_len = torch.randint(0, T + 1, (B,), generator=g)
-    completion_len[3] = T
-    loss_mask = (torch.arange(T) < completion_len[:, None]).long()
-    completion_ids = torch.randint(2, V, (B, T), generator=g) * loss_mask
-    input_ids = torch.cat([torch.randint(2, V, (B, P), generator=g) * prompt_mask, completion_ids], 1)
-    return UpdateBatch(
-        input_ids=input_ids, attention_mask=torch.cat([prompt_mask, loss_mask], 1), prompt_len=P,
-        completion_ids=completion_ids, loss_mask=loss_mask, advantages=torch.randn(B, generator=g),
-        old_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
-        ref_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
-    )
+    return GRPOConfig(**{**TINY_UPDATE, "loss_type": loss_type, "weight_decay": 0.01, "max_grad_norm": 1e9, **overrides})
 
 
 def one_update(kind: str, loss_type: str, tied: bool, batch, micro_batch_size):
@@ -88,7 +47,7 @@ def one_update(kind: str, loss_type: str, tied: bool, batch, micro_batch_size):
     from grpo.trainer import make_optimizer, prepare_model, update
 
     cfg = config(loss_type, distributed=kind, micro_batch_size=micro_batch_size)
-    policy = prepare_model(tiny_model(tied), cfg, torch.device("cpu"))
+    policy = prepare_model(tiny_qwen2(tied), cfg, torch.device("cpu"))
     optimizer = make_optimizer(policy, cfg)
     logs = update(policy, optimizer, batch, cfg, torch.device("cpu"))
     grads = {}
@@ -103,7 +62,7 @@ def worker_equivalence(out: str) -> None:
     from grpo import distributed
 
     distributed.setup("ddp")
-    rank, batch = distributed.rank(), fixed_batch()
+    rank, batch = distributed.rank(), random_update_batch()
     results = {}
     for kind, loss_type, split, tied in CASES:
         n0 = SPLITS[split]
@@ -148,22 +107,6 @@ def rank_is_main() -> bool:
 
 
 # ---------------------------------------------------------------------------- the launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
-
-
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -172,7 +115,7 @@ def test_one_update_on_two_ranks_matches_one_process(tmp_path):
     out = tmp_path / "equivalence.pt"
     torchrun([__file__, "equivalence", str(out)])
     results = torch.load(out, weights_only=False)
-    batch = fixed_batch()
+    batch = random_update_batch()
     torch.set_num_threads(1)
     report, single = [], {}
     for (kind, loss_type, split, tied), (grads, state, logs) in results.items():

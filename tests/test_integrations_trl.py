@@ -22,10 +22,10 @@ import torch
 
 trl = pytest.importorskip("trl", minversion="1.15", reason="trl >= 1.15 is not installed (pip install -e '.[trl]')")
 
-from helpers import assert_close64, tolerance  # noqa: E402
+from helpers import assert_close64, tiny_causal_lm, tolerance  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM  # noqa: E402
 from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
 from grpo_kernels.integrations import trl as gk_trl  # noqa: E402
@@ -50,13 +50,11 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model(seed: int = 0, **config) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    model = tiny_causal_lm(
+        "Qwen2", seed, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False,
         pad_token_id=0, eos_token_id=1, bos_token_id=1, **config,
     )
-    model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # a peaked, varied distribution: log-probs far from uniform, entropies spread
         model.lm_head.weight.mul_(8.0)
     return model

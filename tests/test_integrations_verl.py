@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 verl = pytest.importorskip("verl")  # with plugins on (the default), this import runs our patch()
 
 import grpo_kernels.integrations.verl as gk_verl  # noqa: E402
-from helpers import assert_close64  # noqa: E402
+from helpers import assert_close64, tiny_causal_lm  # noqa: E402
 from verl_helpers import IGNORE, TP_PROCESSES, TP_TIMEOUT_S, abs_scale, reference64, tp_worker  # noqa: E402
 
 PATCHED_BY_IMPORTING_VERL = gk_verl.is_patched()
@@ -341,14 +341,11 @@ def test_megatron_output_processor_runs_ours(patched, calls, tmp_path):
 
 # ---------------------------------------------------------------------------- verl's HF forwards
 def _tiny(kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     common = dict(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager")
-    torch.manual_seed(11)
     if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
-    return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+        return tiny_causal_lm("Qwen2", 11, tie_word_embeddings=False, **common)
+    return tiny_causal_lm("Llama", 11, tie_word_embeddings=True, **common)
 
 
 @pytest.fixture

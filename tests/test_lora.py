@@ -16,7 +16,9 @@ from grpo.logs import run_values
 from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
-from helpers import assert_close64, saved_for_backward, tiny_config
+from helpers import (
+    assert_close64, generate_rollouts, save_demo_model, saved_for_backward, tiny_config, torchrun, update_batch, write_prompts,
+)
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
@@ -82,8 +84,6 @@ def fresh_logits(ids: torch.Tensor) -> torch.Tensor:
 
 def test_reference_is_the_policy_with_its_adapters_off(tmp_path):
     """The reference's log-probs are the base model's, from the policy's own weights (no copy)."""
-    from tests.test_trainer import update_batch, generate_rollouts
-
     model, tokenizer = build_model_and_tokenizer(seed=0)
     untouched = copy.deepcopy(model)
     cfg = lora_config(tmp_path)
@@ -238,11 +238,8 @@ def test_the_cli_refuses_bad_lora_flags_before_loading_the_model(tmp_path, monke
     import grpo.trainer
     from grpo.__main__ import main
 
-    model, tokenizer = build_model_and_tokenizer(seed=0)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) for r in problems()[:2]))
+    save_demo_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 2)
     monkeypatch.setattr(grpo.trainer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit):
         main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--use-peft",
@@ -253,11 +250,8 @@ def test_the_cli_refuses_bad_lora_flags_before_loading_the_model(tmp_path, monke
 def test_cli_trains_lora_in_bf16_and_writes_the_adapter(tmp_path, capsys):
     from grpo.__main__ import main
 
-    model, tokenizer = build_model_and_tokenizer(seed=0)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) for r in problems()[:4]))
+    save_demo_model(tmp_path / "model")
+    data = write_prompts(tmp_path / "prompts.jsonl", 4)
     main([
         "train", "--model", str(tmp_path / "model"), "--data", str(data), "--rewards", "grpo.demo:accuracy",
         "--num-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4",
@@ -463,8 +457,6 @@ def data_parallel_runs(kind: str, base: str) -> dict:
 
 
 def test_lora_on_two_ranks_trains_adapters_and_resumes_exactly(tmp_path):
-    from tests.test_distributed import torchrun
-
     out = tmp_path / "data_parallel.pt"
     torchrun([__file__, str(out)])
     results = torch.load(out, weights_only=False)

@@ -18,7 +18,7 @@ from grpo import packing
 from grpo_kernels import reference
 from grpo_kernels.options import GRPOOptions
 
-from helpers import assert_close64
+from helpers import assert_close64, tiny_causal_lm
 from spec64 import grpo64
 
 VOCAB = 301
@@ -28,14 +28,10 @@ VOCAB = 301
 # helpers
 # --------------------------------------------------------------------------------------------------
 def tiny_model(attn: str = "sdpa", gradient_checkpointing: bool = False, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-    config._attn_implementation = attn
-    model = Qwen2ForCausalLM(config).float().train()  # dropout is 0: train mode changes nothing but checkpointing
+    model = tiny_causal_lm("Qwen2", seed, attn=attn, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           tie_word_embeddings=False)
+    model = model.float().train()  # dropout is 0: train mode changes nothing but checkpointing
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

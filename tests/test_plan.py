@@ -74,19 +74,18 @@ def test_the_lora_dropout_term_is_what_backward_keeps(dtype):
     """The plan's dropout term (a 1-byte mask per adapter input element) against the bytes autograd
     keeps for a real peft model's forward (grpo.lora's adapters), with and without lora_dropout."""
     pytest.importorskip("peft")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
     from grpo import lora
     from grpo.config import GRPOConfig
-    from helpers import saved_for_backward
+    from helpers import saved_for_backward, tiny_causal_lm
 
     config = Qwen2Config(**SMALL, tie_word_embeddings=False)
     tokens, r = 24, 4
     ids = torch.randint(0, SMALL["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
 
     def kept(dropout: float) -> int:
-        torch.manual_seed(0)
-        model = lora.add_adapters(Qwen2ForCausalLM(config).to(getattr(torch, dtype)),
+        model = lora.add_adapters(tiny_causal_lm("Qwen2", 0, **SMALL, tie_word_embeddings=False).to(getattr(torch, dtype)),
                                   GRPOConfig(output_dir="unused", use_peft=True, lora_r=r, lora_dropout=dropout)).train()
         return saved_for_backward(lambda: model(ids).logits, exclude=list(model.parameters()))[1]
 
@@ -137,18 +136,15 @@ def test_a_layers_saved_bytes_are_the_plans(family, dtype, mode, chunk):
     saves for its backward, in full fine-tuning and with LoRA (the trainer's adapters, ``grpo.lora.add_adapters``:
     peft's, all-linear, with the dropout fused into ``lora_A``; dropout 0 and 0.05), fp32 and bf16 weights,
     with and without MLP chunks."""
-    import transformers
-
     from grpo import activations
+    from helpers import tiny_causal_lm
 
     use_peft, dropout = MODES[mode]
     if use_peft:
         pytest.importorskip("peft")
     name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
-    config = getattr(transformers, f"{name}Config")(**LAYER)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).to(getattr(torch, dtype)).train()
+    model = tiny_causal_lm(name, 0, attn="sdpa", **LAYER).to(getattr(torch, dtype)).train()
+    config = model.config
     if use_peft:
         from grpo import lora
         from grpo.config import GRPOConfig

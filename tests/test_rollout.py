@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import copy
 import math
-import subprocess
-import sys
+import pathlib
 import tempfile
 import importlib.util
 
 import pytest
 import torch
 
-from helpers import assert_close64
+from helpers import assert_close64, run_cli, tiny_config, update_batch
 from grpo.config import GRPOConfig
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.rollout import Completions, HFGenerate, engine_weights
@@ -40,10 +39,9 @@ class ShiftedLogpsRollout(HFGenerate):
 
     def generate(self, policy, prompts, num_generations, *, greedy=False):
         out = super().generate(policy, prompts, num_generations, greedy=greedy)
-        from grpo.trainer import UpdateBatch, completion_logps
+        from grpo.trainer import completion_logps
 
-        batch = UpdateBatch(torch.cat([out.prompt_ids, out.completion_ids], 1), torch.cat([out.prompt_mask, out.completion_mask], 1),
-                            out.prompt_ids.shape[1], out.completion_ids, out.completion_mask, torch.zeros(len(out.prompts)))
+        batch = update_batch(out, torch.zeros(len(out.prompts)))
         logps = completion_logps(policy, batch, GRPOConfig(backend="torch", temperature=self.temperature), torch.device("cpu"))
         out.sampling_logps = ((logps - self.shift) * out.completion_mask).float()
         return out
@@ -55,8 +53,7 @@ def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
     def run(**overrides):
         model, tokenizer = build_model_and_tokenizer(seed=0)
         before = copy.deepcopy(model.state_dict())
-        cfg = GRPOConfig(output_dir=tempfile.mkdtemp(dir=tmp_path), num_steps=1, prompts_per_step=2, num_generations=4, max_new_tokens=6,
-                         learning_rate=1e-3, backend="torch", progress=False, plot=False, save_every=0, max_grad_norm=math.inf, **overrides)
+        cfg = tiny_config(pathlib.Path(tempfile.mkdtemp(dir=tmp_path)), max_grad_norm=math.inf, **overrides)
         engine = ShiftedLogpsRollout(tokenizer, 0.5, max_new_tokens=6, bf16=False)
         rec = train(model, tokenizer, problems()[:4], {"accuracy": accuracy, "length": lambda p, c, **_: [len(x) for x in c]}, cfg,
                     rollout=engine)[0]
@@ -190,8 +187,7 @@ def test_use_vllm_without_vllm_is_a_clear_error_before_anything_runs(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+2=", "answer": "3"}\n')
     # the CLI says so before loading the model (which does not exist here)
-    out = subprocess.run([sys.executable, "-m", "grpo", "train", "--model", str(tmp_path / "no-model"), "--data", str(data), "--use-vllm"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_cli("train", "--model", str(tmp_path / "no-model"), "--data", str(data), "--use-vllm")
     assert out.returncode == 2 and "needs vLLM" in out.stderr and "grpo-kernels[vllm]" in out.stderr
 
 

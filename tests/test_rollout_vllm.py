@@ -13,18 +13,18 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from helpers import assert_close64  # noqa: E402
+from helpers import assert_close64, run_cli, tiny_causal_lm, update_batch, write_prompts  # noqa: E402
+from helpers import tiny_config as helpers_tiny_config  # noqa: E402
 from grpo.demo import accuracy, problems  # noqa: E402
 from grpo.rollout import HFGenerate, VLLMRollout  # noqa: E402
 from grpo.tokenizer import char_tokenizer  # noqa: E402
-from grpo.trainer import GRPOConfig, UpdateBatch, as_policy, completion_logps, make_optimizer, train, update  # noqa: E402
+from grpo.trainer import GRPOConfig, as_policy, completion_logps, make_optimizer, train, update  # noqa: E402
 from grpo_kernels.options import ROLLOUT_CORRECTIONS  # noqa: E402
 from spec64 import grpo64, trl_is_ratio64  # noqa: E402
 
@@ -35,16 +35,12 @@ PROMPTS = ["1+2=", "7*8=", "<think>3-4"]
 
 
 def tiny_model(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     tokenizer = char_tokenizer("0123456789+-*=", ("<think>", "</think>", "<answer>", "</answer>"))
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+    model = tiny_causal_lm(
+        "Qwen2", seed, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval()
+    ).eval()
     with torch.no_grad():  # larger logits than the init's: a distribution far from uniform, few near-ties
         model.lm_head.weight.mul_(8)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -100,15 +96,21 @@ def new_memory_policy() -> str:
         m.close()
 
 
-def reference_logps(model, out, temperature: float) -> torch.Tensor:
-    """[B, T] float64: transformers' log-probs (float64 weights) of the sampled tokens, 0 outside the mask."""
+def completion_logits64(model, out) -> torch.Tensor:
+    """[B, T, V] float64: transformers' logits (float64 weights) at each completion token of ``out``."""
     model64 = copy.deepcopy(model).double()
     ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
     with torch.no_grad():
         logits = model64(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     P = out.prompt_ids.shape[1]
-    logps = torch.log_softmax(logits[:, P - 1 : -1] / temperature, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logits[:, P - 1 : -1]
+
+
+def reference_logps(model, out, temperature: float) -> torch.Tensor:
+    """[B, T] float64: transformers' log-probs (float64 weights) of the sampled tokens, 0 outside the mask."""
+    logits = completion_logits64(model, out)
+    logps = torch.log_softmax(logits / temperature, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
     return logps * out.completion_mask
 
 
@@ -256,21 +258,16 @@ def test_top_k_top_p_log_probs_are_the_engines(engine, saved_model):
     finally:
         rollout.top_k, rollout.top_p = saved
     mask = out.completion_mask.bool()
-    model64 = copy.deepcopy(model).double()
-    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
-    attention = torch.cat([out.prompt_mask, out.completion_mask], 1)
-    with torch.no_grad():
-        logits = model64(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
-    P = out.prompt_ids.shape[1]
     targets = torch.where(mask, out.completion_ids, -100)
-    expected = sampled_logprobs64(logits[:, P - 1:-1], targets, TEMPERATURE, 20, 0.9)[0]
+    logits = completion_logits64(model, out)
+    expected = sampled_logprobs64(logits, targets, TEMPERATURE, 20, 0.9)[0]
     assert torch.isfinite(expected[mask]).all()  # every drawn token lies in the restatement's kept set
     assert_close64(out.sampling_logps, torch.where(mask, expected, 0.0), what="the engine's processed log-probs")
     cfg = GRPOConfig(backend="torch", temperature=TEMPERATURE, top_k=20, top_p=0.9)
-    batch = UpdateBatch(ids, attention, P, out.completion_ids, out.completion_mask, torch.zeros(len(out.prompts)))
+    batch = update_batch(out, torch.zeros(len(out.prompts)))
     ours = completion_logps(as_policy(model), batch, cfg, torch.device("cpu"))
     assert_close64(torch.where(mask, ours, 0.0), torch.where(mask, expected, 0.0), what="grpo_kernels' log-probs")
-    full = torch.log_softmax(logits[:, P - 1:-1] / TEMPERATURE, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    full = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert (full - expected)[mask].abs().max() > 1e-2, "the truncation must matter here"
 
 
@@ -313,10 +310,12 @@ def test_an_engine_that_cannot_start_is_a_runtime_error(tmp_path, saved_model):
 
 
 # ---------------------------------------------------------------------------- the trainer
+VLLM_RUN = dict(num_steps=3, prompts_per_step=4, max_new_tokens=10, temperature=TEMPERATURE, learning_rate=3e-3, save_every=1)
+
+
 def tiny_config(tmp_path, name, **overrides) -> GRPOConfig:
-    base = dict(output_dir=str(tmp_path / name), seed=0, num_steps=3, prompts_per_step=4, num_generations=4, max_new_tokens=10,
-                temperature=TEMPERATURE, learning_rate=3e-3, backend="torch", progress=False, plot=False, save_every=1)
-    return GRPOConfig(**{**base, **overrides})
+    """helpers.tiny_config's run, 3 steps of 4 prompts, writing to ``tmp_path / name``."""
+    return helpers_tiny_config(tmp_path, **{"output_dir": str(tmp_path / name), **VLLM_RUN, **overrides})
 
 
 def length_reward(prompts, completions, **_):
@@ -343,20 +342,19 @@ def test_a_run_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, en
     assert any(not torch.equal(p, q) for p, q in zip(whole.parameters(), saved_model[1].parameters()))
 
 
-def run_cli(*args: str, path: str = "") -> subprocess.CompletedProcess:
+def run_train(*args: str, path: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), path) if p)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # (the class sets it: a user sets nothing)
-    return subprocess.run([sys.executable, "-m", "grpo", "train", *args], capture_output=True, text=True, timeout=800, env=env)
+    return run_cli("train", *args, env=env, timeout=800)
 
 
 def test_cli_use_vllm_trains_three_steps(tmp_path, saved_model):
     """One CLI run (each starts an engine: the resume is the in-process test above, through the same
     ``train(..., resume=True)``)."""
     path = saved_model[0]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in problems()[:12]))
+    data = write_prompts(tmp_path / "data.jsonl", 12)
     (tmp_path / "length_reward.py").write_text("def length(prompts, completions, **_):\n    return [len(c) / 10 for c in completions]\n")
-    out = run_cli("--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
+    out = run_train("--model", path, "--data", str(data), "--rewards", "accuracy", "length_reward:length", "--use-vllm",
                   "--output-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "10",
                   "--learning-rate", "3e-3", "--backend", "torch", "--save-every", "1", "--no-progress", "--no-plot",
                   "--vllm-importance-sampling-mode", "token_truncate", "--num-steps", "3", path=str(tmp_path))
@@ -433,11 +431,7 @@ def test_the_trainers_correction_is_trls_is_ratio_route_on_vllm_log_probs(sample
     model, out = sampled
     mask = out.completion_mask
     B = mask.shape[0]
-    batch = UpdateBatch(
-        input_ids=torch.cat([out.prompt_ids, out.completion_ids], 1), attention_mask=torch.cat([out.prompt_mask, mask], 1),
-        prompt_len=out.prompt_ids.shape[1], completion_ids=out.completion_ids, loss_mask=mask,
-        advantages=torch.randn(B, generator=torch.Generator().manual_seed(2)), rollout_logps=out.sampling_logps,
-    )
+    batch = update_batch(out, torch.randn(B, generator=torch.Generator().manual_seed(2)), rollout_logps=out.sampling_logps)
     probe = GRPOConfig(temperature=TEMPERATURE, backend="torch")
     policy = as_policy(copy.deepcopy(model))
     old = completion_logps(policy, batch, probe, torch.device("cpu"))  # as train_step records them

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 import helpers
+from helpers import generate_rollouts, random_update_batch, tiny_qwen2, torchrun, update_batch
 from grpo import checkpoint, logs
 from grpo.logs import run_values
 from grpo_kernels.options import LOSS_AGG_MODES, LOSS_MODES
@@ -36,7 +36,7 @@ from grpo.demo import DemoConfig, accuracy, build_model_and_tokenizer, format_re
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rollout import Completions, HFGenerate, completion_mask
 from grpo.trainer import (
-    GRPOConfig, UpdateBatch, as_policy, completion_logps, default_rollout, make_optimizer, overlong_penalty, prepare_model,
+    GRPOConfig, as_policy, completion_logps, default_rollout, make_optimizer, overlong_penalty, prepare_model,
     score, total_reward, train, update,
 )
 
@@ -56,26 +56,6 @@ TRAINER_RUN = dict(num_steps=2, prompts_per_step=4, max_new_tokens=12)
 
 def tiny_config(tmp_path, **overrides) -> GRPOConfig:
     return helpers.tiny_config(tmp_path, **{**TRAINER_RUN, **overrides})
-
-
-def fresh_model():
-    model, tokenizer = build_model_and_tokenizer(seed=0)
-    return model, tokenizer
-
-
-def generate_rollouts(model, tokenizer, prompts, cfg, num_generations):
-    """Completions as the trainer samples them."""
-    return default_rollout(model, tokenizer, cfg).generate(as_policy(model), prompts, num_generations)
-
-
-def update_batch(rollout, advantages, loss_mask=None) -> UpdateBatch:
-    """The trainer's update batch for a rollout (prompt then completion, row-aligned)."""
-    return UpdateBatch(
-        input_ids=torch.cat([rollout.prompt_ids, rollout.completion_ids], 1),
-        attention_mask=torch.cat([rollout.prompt_mask, rollout.completion_mask], 1),
-        prompt_len=rollout.prompt_ids.shape[1], completion_ids=rollout.completion_ids,
-        loss_mask=rollout.completion_mask if loss_mask is None else loss_mask, advantages=advantages,
-    )
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -103,7 +83,7 @@ def test_rewards_weighted_sum_with_none_and_overlong_penalty(tmp_path):
 
 
 def test_rollouts_left_pad_prompts_and_mask_completions(tmp_path):
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(tmp_path, max_new_tokens=6)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "11+22="], cfg, num_generations=3)
     assert rollout.prompt_ids.shape == (6, 6) and rollout.prompt_mask[0].tolist() == [0, 0, 1, 1, 1, 1]
@@ -117,7 +97,7 @@ def test_rollouts_left_pad_prompts_and_mask_completions(tmp_path):
 
 # ---------------------------------------------------------------------------- the loop
 def test_two_step_run_writes_logs_plot_checkpoint_and_changes_the_policy(tmp_path):
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     before = params(model)
     cfg = tiny_config(tmp_path, plot=True)
     records = train(model, tokenizer, problems()[:10], REWARDS, cfg)
@@ -137,7 +117,7 @@ def test_two_step_run_writes_logs_plot_checkpoint_and_changes_the_policy(tmp_pat
 
 
 def test_every_option_together_runs_and_stays_finite(tmp_path):
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(
         tmp_path, num_steps=1, max_new_tokens=5, num_iterations=2, micro_batch_size=5, beta=0.1, eps_high=0.28,
         delta=2.0, mask_truncated_completions=True, overlong_buffer=2, drop_zero_signal_groups=True,
@@ -157,7 +137,7 @@ def test_gradient_accumulation_and_packing_match_one_big_padded_batch(tmp_path, 
     """Micro-batch losses add up to the full batch's, padded (any micro_batch_size) or packed (any
     token budget, padding_free): the normalisers are the whole batch's, and a sequence without loss
     tokens counts as a padded empty row does."""
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(tmp_path, max_new_tokens=8, loss_type=loss_type, eps_high=0.28 if loss_type != "cispo" else 1.5)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4=", "5+6="], cfg, num_generations=4)
     loss_mask = rollout.completion_mask.clone()
@@ -169,7 +149,7 @@ def test_gradient_accumulation_and_packing_match_one_big_padded_batch(tmp_path, 
                 dict(padding_free=False, micro_batch_size=1), dict(padding_free=True, max_tokens_per_microbatch=None),
                 dict(padding_free=True, max_tokens_per_microbatch=20), dict(padding_free=True, max_tokens_per_microbatch=1)]
     for setting in settings:
-        m, _ = fresh_model()
+        m, _ = build_model_and_tokenizer(seed=0)
         c = dataclasses.replace(cfg, max_grad_norm=1e9, **setting)
         m = prepare_model(m, c, torch.device("cpu"))
         start = params(m)
@@ -186,14 +166,14 @@ def test_gradient_accumulation_and_packing_match_one_big_padded_batch(tmp_path, 
 
 def test_packed_old_logps_equal_padded(tmp_path):
     """Old-policy / reference log-probs use the same packing and come back in the padded layout."""
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(tmp_path, max_new_tokens=8)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=3)
     batch = update_batch(rollout, torch.zeros(6))
-    padded = completion_logps(prepare_model(fresh_model()[0], dataclasses.replace(cfg, padding_free=False), torch.device("cpu")),
+    padded = completion_logps(prepare_model(build_model_and_tokenizer(seed=0)[0], dataclasses.replace(cfg, padding_free=False), torch.device("cpu")),
                               batch, dataclasses.replace(cfg, padding_free=False), torch.device("cpu"))
     packed_cfg = dataclasses.replace(cfg, padding_free=True, max_tokens_per_microbatch=9)
-    packed = completion_logps(prepare_model(fresh_model()[0], packed_cfg, torch.device("cpu")), batch, packed_cfg,
+    packed = completion_logps(prepare_model(build_model_and_tokenizer(seed=0)[0], packed_cfg, torch.device("cpu")), batch, packed_cfg,
                               torch.device("cpu"))
     assert padded.shape == packed.shape and (padded[rollout.completion_mask != 0] != 0).all()
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
@@ -203,16 +183,16 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path):
     rows = problems()[:12]
     opts = dict(num_steps=4, num_iterations=2, beta=0.05, max_new_tokens=8)
 
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     straight = train(model, tokenizer, rows, REWARDS, tiny_config(tmp_path / "a", **opts))
     p_straight = params(model)
 
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     train(model, tokenizer, rows, REWARDS, tiny_config(tmp_path / "b", **dict(opts, num_steps=2)))
     with open(tmp_path / "b" / "run" / "log.jsonl", "a") as f:
         f.write('{"step": 3, "reward": 0.')  # killed while logging the step after the checkpoint
     torch.manual_seed(1234)  # whatever the process did in between must not matter
-    model, tokenizer = fresh_model()  # a new process would build the model again
+    model, tokenizer = build_model_and_tokenizer(seed=0)  # a new process would build the model again
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # and its starting weights must not matter either
@@ -248,7 +228,7 @@ class ScriptedRollout:
 
 
 def test_another_rollout_engine_plugs_in(tmp_path):
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     engine = ScriptedRollout(tokenizer)
     before = params(model)
     seen = []
@@ -280,7 +260,7 @@ def test_triton_backend_end_to_end(tmp_path):
         device = torch.device("cpu")
     else:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(tmp_path, num_steps=1, prompts_per_step=2, num_generations=2, max_new_tokens=4, backend="triton")
     record = train(model, tokenizer, problems()[:4], REWARDS, cfg, device=device)[0]
     assert math.isfinite(record["loss"]) and math.isfinite(record["entropy"])
@@ -289,11 +269,8 @@ def test_triton_backend_end_to_end(tmp_path):
 def test_cli_trains_a_saved_model(tmp_path, capsys):
     from grpo.__main__ import main
 
-    model, tokenizer = fresh_model()
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) for r in problems()[:4]))
+    helpers.save_demo_model(tmp_path / "model")
+    data = helpers.write_prompts(tmp_path / "prompts.jsonl", 4, key="question")
     main([
         "train", "--model", str(tmp_path / "model"), "--data", str(data), "--prompt-key", "question",
         "--rewards", "grpo.demo:accuracy", "grpo.demo:format_reward", "--reward-weights", "1", "0.2",
@@ -319,7 +296,7 @@ def test_demo_learns(tmp_path):
 
 def test_the_loss_applies_the_models_final_logit_softcapping(tmp_path):
     """A Gemma-style head caps its logits: the trainer's log-probs must be the model's own."""
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     model.config.final_logit_softcapping = 2.0  # tight, so capping changes every log-prob
     cfg = tiny_config(tmp_path, max_new_tokens=6)
     rollout = generate_rollouts(model, tokenizer, ["1+2=", "3+4="], cfg, num_generations=2)
@@ -404,13 +381,7 @@ def test_run_with_infinite_and_huge_rewards_stays_finite(tmp_path):
 
 def fixed_batch(model, tokenizer, cfg, advantages):
     engine = HFGenerate(tokenizer, max_new_tokens=cfg.max_new_tokens)
-    out = engine.generate(as_policy(model), ["1+2=", "3+4="], 2)
-    return UpdateBatch(
-        input_ids=torch.cat([out.prompt_ids, out.completion_ids], 1),
-        attention_mask=torch.cat([out.prompt_mask, out.completion_mask], 1),
-        prompt_len=out.prompt_ids.shape[1], completion_ids=out.completion_ids,
-        loss_mask=out.completion_mask, advantages=advantages,
-    )
+    return update_batch(engine.generate(as_policy(model), ["1+2=", "3+4="], 2), advantages)
 
 
 @pytest.mark.parametrize("poison", ["advantage", "weight"])
@@ -650,8 +621,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_and_the_resumed_run_is_the_uninter
 # batch in one call, with no global keywords; one row has completion tokens but no loss token, which
 # verl's sequence count leaves out. The 2-rank case runs this file as its worker under torchrun.
 # --------------------------------------------------------------------------------------------------
-COMMON = dict(beta=0.05, entropy_coef=0.01, eps_low=0.2, eps_high=0.28, max_new_tokens=8, learning_rate=1e-3,
-              max_grad_norm=math.inf, backend="torch", progress=False, plot=False)
+COMMON = dict(helpers.TINY_UPDATE, max_grad_norm=math.inf)
 # verl's three axes, every aggregation mode of the spec's own list; gspo's policy term reduced by
 # loss_agg_mode, as verl 0.9.1 does (0.9.0 forced seq-mean-token-mean); verl 0.9's newer modes when the spec has them
 CASES = {f"vanilla-{agg}": dict(loss_mode="vanilla", loss_agg_mode=agg) for agg in LOSS_AGG_MODES}
@@ -672,44 +642,10 @@ MICRO_SPLITS = ("one", "padded-1", "packed-12")  # (padded-1: a micro-batch hold
 RANK0_ROWS = 8  # of the 12 rows (unequal shares, as drop_zero_signal_groups leaves)
 
 
-def tiny_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, pad_token_id=0,
-                         eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
-
-
-def verl_fixed_batch():
-    """12 rows: left-padded prompts, completions of 1..6 tokens, old / ref log-probs off the policy's;
-    row 5 keeps its completion tokens but no loss token."""
-    from grpo.trainer import UpdateBatch
-
-    g = torch.Generator().manual_seed(0)
-    B, P, T, V = 12, 4, 6, 24
-    prompt_len = torch.randint(1, P + 1, (B,), generator=g)
-    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
-    completion_len = torch.randint(1, T + 1, (B,), generator=g)
-    completion_len[3] = T
-    completion_mask = (torch.arange(T) < completion_len[:, None]).long()
-    loss_mask = completion_mask.clone()
-    loss_mask[5] = 0
-    completion_ids = torch.randint(2, V, (B, T), generator=g) * completion_mask
-    input_ids = torch.cat([torch.randint(2, V, (B, P), generator=g) * prompt_mask, completion_ids], 1)
-    return UpdateBatch(
-        input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1), prompt_len=P,
-        completion_ids=completion_ids, loss_mask=loss_mask, advantages=torch.randn(B, generator=g),
-        old_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
-        ref_logps=(-math.log(V) + 0.3 * torch.randn(B, T, generator=g)) * loss_mask,
-    )
-
-
 def verl_reference(batch, case: dict):
     """(loss, {"actor/entropy", "actor/kl_loss"}, grads by parameter name): verl's ppo_loss of the whole
     batch in float64 (one call, no global keywords)."""
-    model = tiny_model().double()
+    model = tiny_qwen2().double()
     am, P = batch.attention_mask, batch.prompt_len
     out = model.base_model(input_ids=batch.input_ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
                            use_cache=False)
@@ -735,7 +671,7 @@ def trainer_update(batch, case: dict, split: dict, **overrides):
     from grpo.trainer import GRPOConfig, make_optimizer, prepare_model, update
 
     cfg = GRPOConfig(**COMMON, **case, **split, **overrides)
-    policy = prepare_model(tiny_model(), cfg, torch.device("cpu"))
+    policy = prepare_model(tiny_qwen2(), cfg, torch.device("cpu"))
     logs = update(policy, make_optimizer(policy, cfg), batch, cfg, torch.device("cpu"))
     grads = {name.removeprefix("module.").removeprefix("model."): full(p.grad).detach().clone()
              for name, p in policy.named_parameters() if p.grad is not None}
@@ -761,7 +697,7 @@ def check_against_reference(logs, grads, reference, what: str) -> None:
 @pytest.fixture(scope="module")
 def references():
     torch.set_num_threads(1)
-    batch = verl_fixed_batch()
+    batch = random_update_batch(min_completion=1, lossless_row=5)
     return batch, {name: verl_reference(batch, case) for name, case in CASES.items()}
 
 
@@ -790,7 +726,7 @@ def test_loss_mode_splits_differ_without_the_global_keywords(references):
     import grpo_kernels
 
     loss, _, _ = refs["vanilla-token-mean"]
-    model = tiny_model()
+    model = tiny_qwen2()
     total = 0.0
     for rows in (torch.arange(0, 1), torch.arange(1, 12)):
         mb = batch.rows(rows)
@@ -817,7 +753,7 @@ def worker_ddp(out_path: str) -> None:
     from grpo import distributed
 
     distributed.setup("ddp")
-    batch = verl_fixed_batch()
+    batch = random_update_batch(min_completion=1, lossless_row=5)
     rows = torch.arange(0, RANK0_ROWS) if distributed.rank() == 0 else torch.arange(RANK0_ROWS, len(batch))
     results = {(kind, case, split): trainer_update(batch.rows(rows), CASES[case], SPLITS[split], distributed=kind)
                for kind, case, split in DDP_RUNS}
@@ -826,20 +762,9 @@ def worker_ddp(out_path: str) -> None:
     distributed.teardown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_give_the_single_process_update(tmp_path, references):
     out = tmp_path / "ddp.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), os.path.abspath(__file__), "ddp", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    torchrun([os.path.abspath(__file__), "ddp", str(out)], timeout=600)
     results = torch.load(out, weights_only=False)
     batch, refs = references
     assert set(results) == set(DDP_RUNS)
@@ -1048,7 +973,7 @@ def test_sampling_settings_reach_the_engine_and_every_log_prob(tmp_path):
     vLLM's order and rules) and every log-prob of the loss: the old policy's and the reference's are those
     of the same truncated distribution (spec64's float64 restatement of vLLM), every token the engine drew
     lies in our kept set, and a step logs the share of loss tokens outside it."""
-    model, tokenizer = fresh_model()
+    model, tokenizer = build_model_and_tokenizer(seed=0)
     cfg = tiny_config(tmp_path, top_k=4, top_p=0.85, temperature=0.9, num_steps=1, num_iterations=2, beta=0.04)
     engine = default_rollout(model, tokenizer, cfg)
     assert (engine.temperature, engine.top_k, engine.top_p) == (0.9, 4, 0.85)
@@ -1073,5 +998,5 @@ def test_sampling_settings_reach_the_engine_and_every_log_prob(tmp_path):
     record = train(model, tokenizer, problems()[:4], REWARDS, cfg)[0]
     assert "sampling/outside_kept_set" in record and 0.0 <= record["sampling/outside_kept_set"] <= 1.0
     assert math.isfinite(record["loss"]) and math.isfinite(record["kl"])
-    plain = train(*fresh_model(), problems()[:4], REWARDS, tiny_config(tmp_path / "plain", num_steps=1))[0]
+    plain = train(*build_model_and_tokenizer(seed=0), problems()[:4], REWARDS, tiny_config(tmp_path / "plain", num_steps=1))[0]
     assert "sampling/outside_kept_set" not in plain

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import assert_close64
-from grpo_cases import OPTION_CASES, build_kwargs
+from grpo_cases import OPTION_CASES, build_kwargs, make_batch
 from spec64 import grpo64, logprobs64
 
 from grpo_kernels.vocab_parallel import FINGERPRINT_SLOTS
@@ -123,21 +123,6 @@ def _shard(world: int, rank: int):
     return slice(start, start + sizes[rank]), sum(sizes)
 
 
-def _batch(seed: int, vocab: int, b: int = B, t: int = T):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, t, vocab, generator=g) * 2
-    ids = torch.randint(0, vocab, (b, t), generator=g)
-    mask = (torch.rand(b, t, generator=g) > 0.25).float()
-    mask[1] = 0  # a sequence without completion tokens
-    logp_now = torch.log_softmax(logits.double(), -1).gather(-1, ids[..., None])[..., 0]
-    old = (logp_now + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
-    ref = (logp_now + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
-    adv = torch.randn(b, generator=g)
-    adv_tok = torch.randn(b, t, generator=g)
-    is_ratio = torch.rand(b, t, generator=g) + 0.5
-    return logits, ids, mask, old, ref, adv, adv_tok, is_ratio
-
-
 def _same_on_all_ranks(x: torch.Tensor, what: str) -> None:
     import torch.distributed as dist
 
@@ -151,7 +136,7 @@ def _check_logprobs(rank, world, backend, log, seed, dtype=torch.float32, **tran
     import grpo_kernels as gk
 
     cols, vocab = _shard(world, rank)
-    logits, ids, mask, *_ = _batch(seed, vocab)
+    logits, ids, mask, *_ = make_batch(seed, B=B, T=T, V=vocab)
     ids = torch.where(mask != 0, ids, -100)
     full = logits.double().requires_grad_()
     logp64, ent64 = logprobs64(full, ids, **transform)
@@ -180,7 +165,7 @@ def _check_grpo(rank, world, backend, log, seed, case, linear=False, bias=False,
     import grpo_kernels as gk
 
     cols, vocab = _shard(world, rank)
-    batch = _batch(seed, vocab)
+    batch = make_batch(seed, B=B, T=T, V=vocab)
     logits, ids, mask = batch[:3]
     advantages, kw = build_kwargs(case, batch)
     if "segment_ids" in case:  # packed rows: two sequences per row
@@ -276,7 +261,7 @@ def _check_sampling(rank, world, backend):
 
     group = torch.distributed.group.WORLD
     cols, vocab = _shard(world, rank)
-    logits, ids, mask, old, ref, adv, *_ = _batch(71, vocab)
+    logits, ids, mask, old, ref, adv, *_ = make_batch(71, B=B, T=T, V=vocab)
     ids = torch.where(mask != 0, ids, -100)
     for temperature in (torch.tensor([0.6, 1.0, 1.5], dtype=torch.float64)[:B].expand(B).contiguous(),
                         torch.rand(B, T, generator=torch.Generator().manual_seed(72)) + 0.5):
@@ -315,7 +300,7 @@ def _check_modules(rank, world, backend):
 
     group = torch.distributed.group.WORLD
     cols, vocab = _shard(world, rank)
-    logits, ids, mask, old, *_ = _batch(61, vocab)
+    logits, ids, mask, old, *_ = make_batch(61, B=B, T=T, V=vocab)
     adv = torch.randn(B, generator=torch.Generator().manual_seed(62))
     shard = logits[..., cols].contiguous()
     module = gk.GRPOLoss(process_group=group, loss_type="grpo", backend=backend)
@@ -379,7 +364,7 @@ def _bad_input(rank, world, backend):
 
     group = dist.group.WORLD
     cols, vocab = _shard(world, rank)
-    logits, ids, mask, old, ref, adv, *_ = _batch(5, vocab)
+    logits, ids, mask, old, ref, adv, *_ = make_batch(5, B=B, T=T, V=vocab)
     shard = logits[..., cols].contiguous()
     call = lambda **kw: gk.grpo_loss(shard, kw.pop("ids", ids), adv, kw.pop("completion_mask", mask), process_group=group,  # noqa: E731
                                      backend=kw.pop("backend", backend), **kw)

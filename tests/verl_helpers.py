@@ -309,16 +309,14 @@ def engine_step(out_json: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from helpers import tiny_causal_lm
 
         # tied embeddings: verl 0.9.1's FSDP2 wraps an untied lm_head as a unit of its own, and its fused
         # forwards then read lm_head.weight outside that unit's forward, still sharded (a DTensor), which
         # its own "torch" backend refuses too
-        config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=True)
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(tmp)
+        tiny_causal_lm("Qwen2", 0, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=True).save_pretrained(tmp)
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         try:
             register_cpu_platform()

@@ -1069,12 +1069,15 @@ def _leaves(n: Node):
         yield from _leaves(n.value)
 
 
+def _parsed(text: Any) -> Node | None:
+    """The structure of an answer after :func:`clean`; None when nothing is left or it does not parse."""
+    cleaned = clean(text)
+    return parse_structure(cleaned) if cleaned else None
+
+
 def _gold_node(gold: str) -> Node | None:
     """Parse the reference; None when any part of it cannot be read (not scorable)."""
-    g = clean(gold)
-    if not g:
-        return None
-    node = parse_structure(g)
+    node = _parsed(gold)
     if node is None:
         return None
     for leaf in _leaves(node):
@@ -1096,10 +1099,7 @@ def compare(pred: Any, gold: Any) -> bool | None:
     quick = fast_equal(pred, gold)
     if quick is not None:
         return quick
-    p_clean = clean(pred)
-    if not p_clean:
-        return False
-    p = parse_structure(p_clean)
+    p = _parsed(pred)
     if p is None:
         return False
     try:

@@ -290,6 +290,18 @@ def _run(argv):
             if get(own, k, missing) is not v and get(glb, k, missing) is not v:
                 own[k] = v
 
+    def probe(t, label, evaluate):  # one line: the probe's value, or "x" when evaluating it raised
+        head = join((nonce, " ", str_(t), " ", str_(label), " "))
+        try:
+            line = head + encode(evaluate())
+        except BaseException as e:
+            _report(e)
+            line = head + "x"
+        write(res_fd, enc(line + "\n"))
+
+    def done(t):  # the test's last line
+        write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
+
     for t, steps in indexed:
         own = {}
         if type_(steps) is dict_:
@@ -312,14 +324,8 @@ def _run(argv):
                         exec_(compiled[sid], ns)
                         keep(ns, own)
                         continue
-                    head = join((nonce, " ", str_(t), " ", str_(occ), " "))
-                    try:
-                        line = head + encode(eval_(compiled[sid], ns))
-                    except BaseException as e:
-                        _report(e)
-                        line = head + "x"
-                    write(res_fd, enc(line + "\n"))
-                write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
+                    probe(t, occ, lambda: eval_(compiled[sid], ns))
+                done(t)
             except BaseException as e:
                 _report(e)
             continue
@@ -330,14 +336,8 @@ def _run(argv):
                     exec_(compile_(step[1], "<test %d>" % t, "exec"), ns)
                     keep(ns, own)
                     continue
-                head = join((nonce, " ", str_(t), " ", str_(step[1]), " "))
-                try:
-                    line = head + encode(eval_(compile_(step[2], "<test %d>" % t, "eval"), ns))
-                except BaseException as e:
-                    _report(e)
-                    line = head + "x"
-                write(res_fd, enc(line + "\n"))
-            write(res_fd, enc(join((nonce, " ", str_(t), " d\n"))))
+                probe(t, step[1], lambda: eval_(compile_(step[2], "<test %d>" % t, "eval"), ns))
+            done(t)
         except BaseException as e:
             _report(e)
     exit_(0)

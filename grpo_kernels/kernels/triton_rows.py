@@ -73,6 +73,15 @@ def _row_pointer(base, row, T, stride_b, stride_t):
 
 
 @triton.jit
+def _row_factor(value, t_rows_ptr, row, K: tl.constexpr, PER_ROW_T: tl.constexpr):
+    """Factor ``K`` of the temperature factors ``(c, c ln 2, 1 / T)`` (0, 1, 2): with ``PER_ROW_T`` the row's
+    own, row ``row`` of ``t_rows`` [rows, 3] (:func:`_transform_args`), else the launch's ``value``."""
+    if PER_ROW_T:
+        value = tl.load(t_rows_ptr + 3 * row + K)
+    return value
+
+
+@triton.jit
 def _one_minus_exp(x):
     """1 - exp(x) for x <= 0, accurate near 0 (a confident token's 1 - p), like -expm1(x)."""
     series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
@@ -118,8 +127,9 @@ def _tile(BLOCK_V: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _slot_update(x, m, s, u, c, WITH_ENTROPY: tl.constexpr):
-    """Fold a [BLOCK_V / VEC, VEC] tile of raw fp32 logits into the per-slot (m, s, u), one per tile row."""
+def _slot_update(x, m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """Fold a [BLOCK_V / VEC, VEC] tile of raw fp32 logits into the per-slot (m, s, u, w), one per tile row;
+    ``w = sum 2^(2 (x - m) c)`` (the squared probabilities' sum) with ``WITH_SQ``, else ``w`` as given."""
     m_new = tl.maximum(m, tl.max(x, 1))  # in-thread: a slot is one thread's 16-byte vector
     # The old sums move to the new max: 2^dd with dd <= 0; clamped so a -FLT_MAX start or a huge
     # jump gives alpha = 0 and alpha * dd = 0 (never 0 * -inf).
@@ -131,26 +141,33 @@ def _slot_update(x, m, s, u, c, WITH_ENTROPY: tl.constexpr):
     if WITH_ENTROPY:
         # u is relative to the slot's max: moving it by dd adds dd to every shift, i.e. dd * s.
         u = u * alpha + (alpha * dd) * s + tl.sum(e * shift, 1)
-    return m_new, s_new, u
+    if WITH_SQ:
+        w = w * (alpha * alpha) + tl.sum(e * e, 1)  # (squares move by alpha^2)
+    return m_new, s_new, u, w
 
 
 @triton.jit
-def _merge(m, s, u, c, WITH_ENTROPY: tl.constexpr):
-    """Merge per-slot (or per-chunk) statistics [K] into the row's (m, s, u): the same rule as above."""
+def _merge(m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
+    """Merge per-slot (or per-chunk) statistics [K] into the row's (m, s, u, w): the same rule as above
+    (``w`` scaled by ``a^2``; 0 without ``WITH_SQ``, as ``u`` without ``WITH_ENTROPY``)."""
     m_row = tl.max(m, 0)
     dd = tl.maximum((m - m_row) * c, _LOWEST)
     a = tl.exp2(dd)
     s_row = tl.sum(a * s, 0)
     u_row = 0.0
+    w_row = 0.0
     if WITH_ENTROPY:
         u_row = tl.sum(a * u + (a * dd) * s, 0)
-    return m_row, s_row, u_row
+    if WITH_SQ:
+        w_row = tl.sum((a * a) * w, 0)
+    return m_row, s_row, u_row, w_row
 
 
 @triton.jit
-def _chunk_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
-                 WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
-    """(m, s, u) of the row's blocks [blk_lo, blk_hi) (block k = elements [k, k+1) * BLOCK_V).
+def _slot_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Each slot's (m, s, u, w) [BLOCK_V / VEC] over the row's blocks [blk_lo, blk_hi) (block k = elements
+    [k, k+1) * BLOCK_V), not yet merged.
 
     Whole blocks are read without a mask; a block that crosses V (only ever the row's last) is
     peeled off after the loop. Block starts are multiples of the constexpr BLOCK_V, so the
@@ -161,16 +178,26 @@ def _chunk_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexp
     m = tl.full((R,), _LOWEST, tl.float32)
     s = tl.zeros((R,), tl.float32)
     u = tl.zeros((R,), tl.float32)
+    w = tl.zeros((R,), tl.float32)
     blk_hi = tl.minimum(blk_hi, tl.cdiv(V, BLOCK_V))  # the last split may be short
     blk_full = tl.minimum(blk_hi, V // BLOCK_V)
     for blk in range(blk_lo, blk_full):
         x = _load_row(row_ptr + blk * BLOCK_V + tile, cap_k, cap, SOFTCAP)
-        m, s, u = _slot_update(x, m, s, u, c, WITH_ENTROPY)
+        m, s, u, w = _slot_update(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
     if blk_full < blk_hi:
         offs = blk_full * BLOCK_V + tile
         x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
-        m, s, u = _slot_update(x, m, s, u, c, WITH_ENTROPY)
-    return _merge(m, s, u, c, WITH_ENTROPY)
+        m, s, u, w = _slot_update(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
+    return m, s, u, w
+
+
+@triton.jit
+def _chunk_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                 WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(m, s, u) of the row's blocks [blk_lo, blk_hi): :func:`_slot_stats`, merged."""
+    m, s, u, w = _slot_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V, VEC, WITH_ENTROPY, False, SOFTCAP)
+    m, s, u, _ = _merge(m, s, u, w, c, WITH_ENTROPY, False)
+    return m, s, u
 
 
 @triton.jit
@@ -188,7 +215,7 @@ def _row_summary(
         pu = ps
         if WITH_ENTROPY:
             pu = tl.load(part_u_ptr + base + k, mask=k < num_splits, other=0.0)
-        m, s, u = _merge(pm, ps, pu, c, WITH_ENTROPY)
+        m, s, u, _ = _merge(pm, ps, pu, ps, c, WITH_ENTROPY, False)
     else:
         m, s, u = _chunk_stats(row_ptr, 0, tl.cdiv(V, BLOCK_V), V, c, cap_k, cap, BLOCK_V, VEC, WITH_ENTROPY, SOFTCAP)
     return m, s, u
@@ -210,6 +237,38 @@ def _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY: tl.con
     return logp, entropy, log2_s
 
 
+@triton.jit
+def _store_masked_row(row, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, WITH_ENTROPY: tl.constexpr):
+    """A masked row's log-prob outputs: nothing is read, everything is 0."""
+    tl.store(logp_ptr + row, 0.0)
+    tl.store(max_ptr + row, 0.0)
+    tl.store(log_sum_ptr + row, 0.0)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, 0.0)
+
+
+@triton.jit
+def _logprob_row(
+    logits_ptr, stride_b, stride_t, T, row, target, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
+    part_m_ptr, part_s_ptr, part_u_ptr, num_splits, V, c, c_ln, cap_k, cap,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """A kept row's log-prob of ``target``, entropy (``WITH_ENTROPY``), max and log2 sum, stored; returns
+    (logp, entropy) for the GRPO epilogue. The forward of both ``token_logprobs_fwd_kernel`` and
+    ``grpo_loss_fwd_kernel``."""
+    row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
+    m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
+                           BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
+    logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY, SOFTCAP)
+    tl.store(logp_ptr + row, logp)
+    tl.store(max_ptr + row, m)
+    tl.store(log_sum_ptr + row, log2_s)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
+    return logp, entropy
+
+
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
@@ -223,8 +282,7 @@ def row_stats_partial_kernel(
 ):
     """Program (row, split): the (m, s, u) of one chunk of a row's vocabulary, for few rows."""
     row = tl.program_id(0).to(tl.int64)
-    if PER_ROW_T:  # the row's own factors (c, c ln 2, 1 / T) of a temperature per sequence or token
-        c = tl.load(t_rows_ptr + 3 * row)
+    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)  # (a temperature per sequence or token)
     split = tl.program_id(1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target != ignore_index:  # a masked row is never read; the merge kernel writes its zeros
@@ -249,27 +307,15 @@ def token_logprobs_fwd_kernel(
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PER_ROW_T:
-        c = tl.load(t_rows_ptr + 3 * row)
-        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
-        # Masked rows: nothing is read, everything is 0.
-        tl.store(logp_ptr + row, 0.0)
-        tl.store(max_ptr + row, 0.0)
-        tl.store(log_sum_ptr + row, 0.0)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, 0.0)
+        _store_masked_row(row, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, WITH_ENTROPY)
     else:
-        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-                               BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY, SOFTCAP)
-        tl.store(logp_ptr + row, logp)
-        tl.store(max_ptr + row, m)
-        tl.store(log_sum_ptr + row, log2_s)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, entropy)
+        _logprob_row(logits_ptr, stride_b, stride_t, T, row, target, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
+                     part_m_ptr, part_s_ptr, part_u_ptr, num_splits, V, c, c_ln, cap_k, cap,
+                     BLOCK_V, VEC, WITH_ENTROPY, SPLIT, SPLITS_PAD, SOFTCAP)
 
 
 @triton.jit
@@ -304,29 +350,20 @@ def grpo_loss_fwd_kernel(
     carries its derivative beside it, and ``tests/test_objective.py`` checks them against autograd.
     """
     row = tl.program_id(0).to(tl.int64)
-    if PER_ROW_T:
-        c = tl.load(t_rows_ptr + 3 * row)
-        c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
-        tl.store(logp_ptr + row, 0.0)
-        tl.store(entropy_ptr + row, 0.0)
-        tl.store(max_ptr + row, 0.0)
-        tl.store(log_sum_ptr + row, 0.0)
+        _store_masked_row(row, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, True)
         tl.store(loss_ptr + row, 0.0)
         tl.store(coef_logp_ptr + row, 0.0)
         tl.store(coef_entropy_ptr + row, 0.0)
         tl.store(kl_ptr + row, 0.0)
         tl.store(clip_ptr + row, tl.zeros((), tl.int8))
     else:
-        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m, s, u = _row_summary(row_ptr, row, V, c, cap_k, cap, part_m_ptr, part_s_ptr, part_u_ptr, num_splits,
-                               BLOCK_V, VEC, True, SPLIT, SPLITS_PAD, SOFTCAP)
-        logp, entropy, log2_s = _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, True, SOFTCAP)
-        tl.store(logp_ptr + row, logp)
-        tl.store(entropy_ptr + row, entropy)
-        tl.store(max_ptr + row, m)
-        tl.store(log_sum_ptr + row, log2_s)
+        logp, entropy = _logprob_row(logits_ptr, stride_b, stride_t, T, row, target, logp_ptr, entropy_ptr, max_ptr,
+                                     log_sum_ptr, part_m_ptr, part_s_ptr, part_u_ptr, num_splits, V, c, c_ln, cap_k, cap,
+                                     BLOCK_V, VEC, True, SPLIT, SPLITS_PAD, SOFTCAP)
 
         adv = tl.load(advantages_ptr + row)
         weight = tl.load(weights_ptr + row)
@@ -516,9 +553,8 @@ def token_logprobs_bwd_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    if PER_ROW_T:
-        c = tl.load(t_rows_ptr + 3 * row)
-        inv_temperature = tl.load(t_rows_ptr + 3 * row + 2)
+    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    inv_temperature = _row_factor(inv_temperature, t_rows_ptr, row, 2, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
     grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
@@ -633,62 +669,6 @@ def _key_value(key):
     """The float32 value of a key (int32 or an int64 in int32's range)."""
     k = key.to(tl.int32)
     return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
-    """:func:`_slot_update` with ``w = sum 2^(2 (x - m) c)`` too (the squared probabilities' sum), which
-    moves to a new max by ``alpha^2``."""
-    m_new = tl.maximum(m, tl.max(x, 1))
-    dd = tl.maximum((m - m_new) * c, _LOWEST)
-    alpha = tl.exp2(dd)
-    shift = tl.maximum((x - m_new[:, None]) * c, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.exp2(shift)
-    s_new = s * alpha + tl.sum(e, 1)
-    if WITH_ENTROPY:
-        u = u * alpha + (alpha * dd) * s + tl.sum(e * shift, 1)
-    if WITH_SQ:
-        w = w * (alpha * alpha) + tl.sum(e * e, 1)
-    return m_new, s_new, u, w
-
-
-@triton.jit
-def _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-               WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Pass 1 over the row: each slot's (max, s, u, w), not yet merged (the slot maxima bound the
-    thresholds: :func:`_kth_largest_key`, :func:`_top_p_certificate`)."""
-    R: tl.constexpr = BLOCK_V // VEC
-    tile = _tile(BLOCK_V, VEC)
-    m = tl.full((R,), _LOWEST, tl.float32)
-    s = tl.zeros((R,), tl.float32)
-    u = tl.zeros((R,), tl.float32)
-    w = tl.zeros((R,), tl.float32)
-    blk_hi = tl.cdiv(V, BLOCK_V)
-    blk_full = V // BLOCK_V
-    for blk in range(0, blk_full):
-        x = _load_row(row_ptr + blk * BLOCK_V + tile, cap_k, cap, SOFTCAP)
-        m, s, u, w = _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
-    if blk_full < blk_hi:
-        offs = blk_full * BLOCK_V + tile
-        x = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=offs < V)
-        m, s, u, w = _slot_update_sq(x, m, s, u, w, c, WITH_ENTROPY, WITH_SQ)
-    return m, s, u, w
-
-
-@triton.jit
-def _merge_sq(m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
-    """:func:`_merge` with ``w`` (scaled by ``a^2``)."""
-    m_row = tl.max(m, 0)
-    dd = tl.maximum((m - m_row) * c, _LOWEST)
-    a = tl.exp2(dd)
-    s_row = tl.sum(a * s, 0)
-    u_row = 0.0
-    w_row = 0.0
-    if WITH_ENTROPY:
-        u_row = tl.sum(a * u + (a * dd) * s, 0)
-    if WITH_SQ:
-        w_row = tl.sum((a * a) * w, 0)
-    return m_row, s_row, u_row, w_row
 
 
 @triton.jit
@@ -915,13 +895,14 @@ def sampled_logprobs_fwd_kernel(
             tl.store(tie_ptr + row, 0)
             tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
     else:
-        if PER_ROW_T:
-            c = tl.load(t_rows_ptr + 3 * row)
-            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+        c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+        c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
-        m_slot, s_slot, u_slot, w_slot = _slot_pass(row_ptr, V, c, cap_k, cap, BLOCK_V, VEC, STATS_ENTROPY, STATS_SQ,
-                                                    SOFTCAP)
-        m, s, u, w = _merge_sq(m_slot, s_slot, u_slot, w_slot, c, STATS_ENTROPY, STATS_SQ)
+        # pass 1 over the row: each slot's statistics (the slot maxima bound the thresholds:
+        # _kth_largest_key, _top_p_certificate), then the row's
+        m_slot, s_slot, u_slot, w_slot = _slot_stats(row_ptr, 0, tl.cdiv(V, BLOCK_V), V, c, cap_k, cap, BLOCK_V, VEC,
+                                                     STATS_ENTROPY, STATS_SQ, SOFTCAP)
+        m, s, u, w = _merge(m_slot, s_slot, u_slot, w_slot, c, STATS_ENTROPY, STATS_SQ)
         nan_guard = s * 0.0  # NaN when the row holds a NaN (the kept set would drop it)
         y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
         if not TRUNC:
@@ -1003,9 +984,8 @@ def sampled_logprobs_fallback_kernel(
     Up to 11 passes a threshold over a 32-bit bracket (fewer from a certified one), plus one."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(overflow_ptr + row) != 0:
-        if PER_ROW_T:
-            c = tl.load(t_rows_ptr + 3 * row)
-            c_ln = tl.load(t_rows_ptr + 3 * row + 1)
+        c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+        c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
         target = tl.load(targets_ptr + row).to(tl.int64)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m = tl.load(max_ptr + row)
