@@ -29,6 +29,7 @@ from grpo_kernels.bounds import (FINITE, ZERO_TO_ONE, Bounds, OptionError, above
                                  option)
 from grpo_kernels.options import BACKENDS, OPTION_FIELDS, OPTION_NAMES, GRPOOptions
 
+from .activations import MLP_CHUNK_TOKENS, check_offload
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .precision import MODEL_DTYPES
@@ -148,6 +149,13 @@ class GRPOConfig:
     micro_batch_size: Optional[int] = option(None, "padded steps (padding_free off): completions per forward/backward "
                                              "(None: the whole batch)", bounds=at_least(1))
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    activation_offload: bool = option(
+        False, "gradient_checkpointing: keep each checkpointed layer input in host memory (pinned) between the forward "
+        "and its recompute, copied on a side stream with one layer prefetched; on a CPU a no-op (grpo.activations)")
+    mlp_chunk_tokens: Optional[int] = option(
+        None, "run each decoder layer's MLP over chunks of this many tokens (forward, recompute and backward), so its "
+        "intermediate activations exist one chunk at a time (None: whole micro-batches; grpo.activations)",
+        bounds=MLP_CHUNK_TOKENS)
     model_dtype: str = option("float32", "the dtype the policy's weights are held in; bfloat16: the frozen weights in "
                               "bf16, trainable ones with fp32 AdamW master copies (LoRA adapters stay fp32)",
                               choices=MODEL_DTYPES)
@@ -198,6 +206,11 @@ class GRPOConfig:
         # the rules that tie fields together: the loss's own (GRPOOptions, in the config's names), then the trainer's
         self.grpo_options()
         rule = lambda message, *names: OptionError(message, *(f"GRPOConfig.{names[0]}",) + names[1:])  # noqa: E731
+        try:  # (grpo.activations' rule, in the config's names)
+            check_offload(self.activation_offload, self.gradient_checkpointing)
+        except OptionError as e:
+            raise e.respelled({"gradient_checkpointing": "GRPOConfig.gradient_checkpointing"},
+                              first="GRPOConfig.activation_offload") from None
         if self.overlong_buffer > self.max_new_tokens:
             raise rule(f"GRPOConfig.overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
                        f"({self.max_new_tokens})", "overlong_buffer", "max_new_tokens")

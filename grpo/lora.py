@@ -13,6 +13,14 @@ The fused loss reads ``lm_head.weight`` itself, so an adapter on ``lm_head`` wou
 targeting ``lm_head`` is refused, as is targeting the embeddings of a model whose ``lm_head`` is tied
 to them. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
 target names against the model's modules, built on the meta device from its config).
+
+What an adapter costs in activations (``grpo.plan.adapter_bytes`` derives it; ``docs/memory.md``):
+peft's ``lora.Linear`` computes ``B(A(dropout(x.to(fp32))))``; :func:`add_adapters` moves the dropout
+into ``A`` (:func:`fuse_dropout`), so each adapted linear keeps, per token, peft's fp32 cast of ``x``
+(``x`` itself when it is fp32) and, with ``lora_dropout``, a bool mask; without dropout peft's ``A``
+keeps the fp32 cast, or under bf16 autocast a bf16 copy of it. The base layer keeps nothing when
+frozen. Inside a decoder layer's MLP, ``mlp_chunk_tokens`` (``grpo.activations``) limits these to one
+chunk of tokens.
 """
 
 from __future__ import annotations
@@ -184,7 +192,10 @@ class DropoutLinearFunction(torch.autograd.Function):
     mask / (1 - p)``). peft's pair keeps both as fp32 tensors of x's size (the dropped copy, which the
     matmul saves, and on a CPU dropout's fp32 noise: 8 bytes an element); this op keeps ``x`` itself,
     which the q/k/v (and gate/up) adapters of a layer share, and a bool mask (1 byte), and recomputes
-    the dropped input in backward. Same draws, same arithmetic: bit for bit peft's values and gradients."""
+    the dropped input in backward. Same draws, same arithmetic: bit for bit peft's values and gradients,
+    with and without bf16 autocast. (Under CUDA's bf16 autocast peft's pair keeps less than without it, a
+    bool mask and ``A``'s bf16 copy, 3 bytes an element, and this op, which keeps peft's fp32 cast of a
+    16-bit ``x``, 5: ``grpo.plan.adapter_bytes`` counts what it keeps; docs/memory.md.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
@@ -198,11 +209,15 @@ class DropoutLinearFunction(torch.autograd.Function):
         x, weight, mask = ctx.saved_tensors
         dx = dw = None
         dy2 = dy.reshape(-1, dy.shape[-1])
+        # Under bf16 autocast the forward's matmul ran on bf16 casts of the dropped input and of A, and dy
+        # is bf16 (the backward itself runs outside autocast): the matmuls below take the same casts, and
+        # each gradient returns to its input's dtype, as the backward of autocast's casts does in peft's
+        # pair. Without autocast every cast here is a no-op.
         if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout)
-            dx = _undrop(dy2.mm(weight).view(x.shape), mask, ctx.p)
+            dx = _undrop(dy2.mm(weight.to(dy.dtype)).view(x.shape).to(x.dtype), mask, ctx.p)
         if ctx.needs_input_grad[1]:  # (as linear's, for its transposed weight: dy^T dropped)
             dropped = _dropout_again(x, mask, ctx.p)
-            dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]))
+            dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype)
         return dx, dw, None
 
 

@@ -22,7 +22,7 @@ import torch
 from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.options import IGNORE_INDEX
 
-from . import distributed, lora, packing
+from . import activations, distributed, lora, packing
 from .config import GRPOConfig
 from .precision import autocast
 
@@ -117,7 +117,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
-    """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``.
+    """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``,
+    with the run's gradient checkpointing, activation offload and MLP chunks (``grpo.activations``) and
+    packed attention.
 
     Under DDP the returned module trains ``model`` itself; under FSDP2 it trains a sharded copy, and
     ``train`` copies the result back into ``model`` at the end.
@@ -125,11 +127,15 @@ def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device,
     if cfg.distributed != "fsdp" or distributed.world_size() == 1:
         model.to(device)  # (FSDP2 moves each rank's shards there itself)
     if cfg.gradient_checkpointing and not frozen:
-        kwargs = {"use_reentrant": False}
+        kwargs = {"use_reentrant": False}  # (non-reentrant: what the offload's hooks and the MLP chunks compose with)
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if cfg.activation_offload:  # each checkpointed layer input in host memory (a no-op on a CPU)
+            activations.offload_checkpointed_inputs(model, device)
+    if cfg.mlp_chunk_tokens is not None:  # each decoder layer's MLP over token chunks (the frozen reference's too)
+        activations.chunk_mlps(model, cfg.mlp_chunk_tokens)
     if cfg.padding_free:  # attention that keeps packed sequences apart (flash-attn varlen, or packed SDPA)
         packing.use_packed_attention(model)
     model.config.use_cache = True  # for generate; the training forward passes use_cache=False

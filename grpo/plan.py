@@ -1,49 +1,79 @@
 """The memory plan of one GRPO step: the predicted peak, term by term, from the model's config alone.
 
-    python -m grpo plan --model Qwen2.5-1.5B --tokens 32768 --use-peft --model-dtype bfloat16 \\
-        --gradient-checkpointing --gpu-memory 24      # GB (or 24GiB)
+    python -m grpo plan --model Qwen3-8B --tokens 131072 --use-peft --model-dtype bfloat16 \\
+        --gradient-checkpointing --activation-offload --mlp-chunk-tokens 4096 --gpu-memory 80   # GB (or 80GiB)
 
 Every flag is checked against its declaration before anything is computed: the trainer's settings
-(``--use-peft``, ``--lora-r``, ``--beta`` ...) against ``GRPOConfig``'s (the same ranges the trainer
-refuses), the plan's own against :class:`PlanSettings`; a bad value is a usage error (exit 2) naming
-the flag, as is a ``--model`` whose config.json is not a decoder's.
+(``--use-peft``, ``--lora-r``, ``--activation-offload``, ``--mlp-chunk-tokens``, ``--beta`` ...: the
+``GRPOConfig`` fields in :data:`PLAN_CONFIG_FIELDS`) against ``GRPOConfig``'s (the same ranges the
+trainer refuses), the plan's own against :class:`PlanSettings`; a bad value is a usage error (exit 2)
+naming the flag, as is a ``--model`` whose config.json is not a decoder's. :func:`plan` checks its
+arguments against the same declarations (``grpo_kernels.bounds.OptionError`` naming the argument).
 
-The model is a Qwen2/Llama-shaped decoder (``hidden_size`` H, ``intermediate_size`` I, ``num_hidden_layers``
-L, ``num_attention_heads`` / ``num_key_value_heads`` with ``head_dim`` d, ``vocab_size`` V, tied or
-untied ``lm_head``; q/k/v with bias as Qwen2 has, o/gate/up/down without), trained by ``grpo.trainer``:
-the fused loss (no [tokens, V] logits), attention that keeps no [L, L] matrix (flash / SDPA's flash
-and memory-efficient kernels, per packed sequence), and AdamW. Every number is bytes, predicted, not
-measured (``benchmarks/long_context.py memory`` puts them beside measurements). ``N`` is the tokens
-one forward/backward sees: a packed micro-batch (``padding_free``: the real tokens, at most
-``max_tokens_per_microbatch``), or a padded one (rows times the longest row).
+The model is a Qwen2/3- or Llama-shaped decoder (``hidden_size`` H, ``intermediate_size`` I,
+``num_hidden_layers`` L, ``num_attention_heads`` / ``num_key_value_heads`` with ``head_dim`` d: q = heads
+x d and kv = kv heads x d columns, ``vocab_size`` V, tied or untied ``lm_head``; q/k/v biases as Qwen2
+has them unless the config says ``attention_bias``; Qwen3's per-head q/k RMSNorms), trained by
+``grpo.trainer``: the fused loss (no [tokens, V] logits), AdamW, and on CUDA flash-attn 2's
+variable-length kernel (the plan assumes it and says so: it keeps no [N, N] matrix). Every number is
+bytes, predicted, not measured; ``docs/memory.md`` derives each term from what each operation saves for
+its backward. ``N`` is the tokens one forward/backward sees: a packed micro-batch (``padding_free``: the
+real tokens, at most ``max_tokens_per_microbatch``, in ``sequences`` packed sequences), or a padded one
+(rows times the longest row). Every activation term is linear in N; the packing enters only through
+flash-attn's backward, which pads each sequence's rows of its fp32 accumulators by 128.
 
-Terms (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: all ``P``, or the adapters):
+Persistent (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: all ``P``, or the adapters):
 
-- weights: ``P b``, plus LoRA's adapters in fp32 (``r (in + out)`` per adapted linear).
-- reference: with ``beta > 0`` a frozen copy, ``P b``; with LoRA 0 (the policy with adapters off).
-- gradients: ``P_t`` in the trainable parameters' dtype; fp32 master gradients too when the trainable
-  weights are 16-bit (``grpo.precision.MasterWeightAdamW``).
-- optimizer state: AdamW's two moments, 8 bytes per trainable parameter, plus a 4-byte fp32 master
-  copy for 16-bit trainable weights.
-- activations (saved for backward), per token and layer, in the compute dtype ``b``: the attention
-  block ``2H + 2(H + kv) + kv + H`` (input and normed input, q/k before and after RoPE, v, the
-  attention output; ``kv`` = kv heads x d) plus RMSNorm's fp32 upcast ``4H`` and the softmax
-  log-sum-exp ``4 heads``; the MLP ``2H + 4I`` (input, normed, gate, up, SiLU(gate), their product)
-  plus ``4H``; each LoRA adapter ``4 r`` (A's fp32 output, which B's matmul keeps), with
-  ``lora_dropout`` a 1-byte mask per input element (``grpo.lora.DropoutLinearFunction`` keeps the input,
-  counted above, and recomputes the dropped copy), and with 16-bit weights the fp32 copy of its input
-  that peft casts for it, ``4 in`` (:func:`lora_activation_bytes`). Without checkpointing all L
-  layers; with it, each layer's input ``H b`` plus one layer recomputed in full. Plus the embeddings' output, the final norm's and the hidden states the loss
-  reads, and their gradient (``~4 N H b``), and the backward's temporaries (``N (2H + 2I) b``).
-- the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows for
-  N, H, V on the device) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
-- the rollout's KV cache: ``2 L kv N b`` for the step's tokens at once (generation; freed before the
-  update, so the peak takes the larger of it and the update's activations + chunk).
-- runtime (CPU only): the Python process with torch and transformers imported, measured on this
-  machine (``RUNTIME_BYTES_CPU``); a GPU's CUDA context is not in ``torch.cuda.max_memory_allocated``.
+- weights ``P b`` (+ LoRA's fp32 adapters, ``r (in + out)`` per adapted linear); reference: a frozen copy
+  with ``beta > 0`` (none with LoRA: the policy with its adapters off); gradients ``P_t`` in their dtype
+  (+ fp32 master gradients for 16-bit trainable weights); AdamW's moments 8 B per trainable parameter
+  (+ a 4 B fp32 master copy for 16-bit ones).
+- runtime: on a CPU the Python process (:data:`RUNTIME_BYTES_CPU`, measured); on a GPU
+  :data:`CUDA_RUNTIME_BYTES`: the CUDA context (local memory for every resident thread, the device heap,
+  the driver's state), the kernels' images loaded on first use, and cuBLAS/cuBLASLt's workspaces
+  (an estimate for a Hopper GPU, derived in docs/memory.md, to be checked on the first lent GPU).
 
-peak = weights + reference + gradients + optimizer state + runtime + max(activations + loss chunk,
-KV cache).
+Activations, per token (``a`` = the activations' bytes, ``b``; what an adapted linear keeps is
+:func:`adapter_bytes`):
+
+- a layer's attention block saves (:func:`layer_terms`): RMSNorm's fp32 upcast and 1/rms, ``4H + 4``
+  (and its normalised input ``aH`` when its weight trains); the projections' input ``aH`` when q/k/v
+  train; Qwen3's q/k norms ``4q + 4 heads + 4kv + 4 kv_heads`` (+ ``a(q + kv)`` when they train);
+  flash-attn's q, k, v, output and log-sum-exp ``a(2q + 2kv) + 4 heads`` (the output is o_proj's input).
+- fp32 weights under bf16 autocast: every linear keeps a bf16 copy of its weight (``2 in out`` a layer).
+- its MLP saves: the norm as above, the gate/up input ``aH`` when they train, gate, act and up outputs
+  ``3aI``, and their product ``aI`` when down_proj trains. Its backward adds ``3aI`` at once (the
+  gradients of the product, the act and up). With ``mlp_chunk_tokens`` = c (< N), the MLP keeps only its
+  input ``aH`` over all N tokens; the rest exists for c tokens at a time (``grpo.activations``), plus the
+  input gradient ``aH`` and, for trainable MLP weights, their gradients summed in fp32 (``(4 + b)`` per
+  parameter).
+- flash-attn 2's varlen backward (the attention workspace): its fp32 dq accumulator and softmax
+  statistics ``4 heads d' + 4 heads`` (``d'``: d rounded up to 32) over N + 128 rows per packed
+  sequence, dq/dk/dv ``a(q + 2kv)``, dk/dv expanded to every head under GQA ``2aq``, and o_proj's input
+  gradient ``aq``.
+- a layer's peak: what its attention block saved, plus the larger of (what its MLP saved + the MLP's
+  backward temporaries) and the attention workspace, plus the gradients entering and leaving it, ``2aH``.
+- checkpointed layer inputs ``L N H a`` on the device; with ``activation_offload`` in (pinned) host memory,
+  where the device holds two layers' (the one recomputed and the one prefetched).
+- the edges: the final norm's saved tensors, the hidden states the loss reads and their gradient (the
+  fused loss computes it in its forward), ``(4 + 2a)H + 4`` (+ ``aH`` for a trainable norm).
+- the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows on the
+  device: the largest chunk of any micro-batch of at most N tokens, so that the peak never falls as N
+  grows) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
+- the rollout's KV cache: ``2 L kv N a`` for the step's tokens at once (Hugging Face generation on the
+  training GPU; freed before the update).
+
+Two moments of the update bound the activations: the forward's end (the checkpointed inputs on the
+device, or every layer's saved tensors without checkpointing; the edges; the loss chunk) and a layer's
+backward (those inputs or saved tensors, and the layer's peak). Then
+
+peak = weights + reference + gradients + optimizer state + runtime + max(update, KV cache).
+
+The verdict: the step fits a device of ``gpu_memory`` bytes when peak + the allocator reserve (on a GPU,
+:func:`allocator_reserve`: torch's caching allocator's block rounding, and fragmentation modelled as
+one stranded block of the largest tensor a layer's backward allocates and frees) is at most
+``gpu_memory``. ``fits``, the largest token count that fits and the JSON's ``fits`` all read that one
+predicate (:attr:`MemoryPlan.needed`).
 """
 
 from __future__ import annotations
@@ -54,12 +84,17 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from grpo_kernels.bounds import Bounds, OptionError, above, at_least, check_fields, check_value, option
 
-# Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-*; parameter counts from the
-# model cards: 0.49B, 1.54B, 7.61B), so a plan needs no hub access.
+from .activations import check_offload
+from .config import GRPOConfig
+from .flags import add_config_flags, config_from_args, usage_error
+
+# Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-* and Qwen/Qwen3-8B; parameter
+# counts from the model cards: 0.49B, 1.54B, 7.61B, 8.2B), so a plan needs no hub access. docs/shapes/
+# holds two of them as config.json files.
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -67,13 +102,53 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False, attention_bias=False),
 }
+MiB = 2**20
 # A fresh CPU process with torch, transformers, peft and grpo imported, before any model: its peak
 # RSS on this project's 2-core machine was 0.41 GiB (torch alone 0.21 GiB), measured 2026-12-01.
 RUNTIME_BYTES_CPU = int(0.42 * 2**30)
+# What a CUDA process holds besides its tensors, on a Hopper GPU (H100 SXM / H200: 132 SMs of compute
+# capability 9.0), with lazy module loading (CUDA >= 11.7; torch's default). docs/memory.md derives each
+# part; together an ESTIMATE (0.66 GiB), to be checked on the first lent GPU: benchmarks/
+# long_context_options.py --device cuda records the measured context and the memory outside torch's
+# allocator beside it. Other GPUs have as many or fewer resident threads: a smaller context.
+HOPPER_SMS, THREADS_PER_SM = 132, 2048
+STACK_BYTES_PER_THREAD = 1024  # cudaLimitStackSize's default
+CUDA_RUNTIME_BYTES: dict[str, int] = {
+    # the driver reserves each resident thread's local memory (its stack) when the context is made
+    "context: local memory": STACK_BYTES_PER_THREAD * THREADS_PER_SM * HOPPER_SMS,  # 264 MiB
+    "context: device heap and printf FIFO": 8 * MiB + 1 * MiB,  # cudaLimitMallocHeapSize / PrintfFifoSize defaults
+    # the rest of a bare torch context: 426 MiB measured on a 142-SM Ada GPU (torch 2.10, CUDA 13) less
+    # its 213 MiB of local memory (142 x 1,536 threads x 1 KiB) and the 9 MiB above
+    "context: driver state": 204 * MiB,
+    # the step's kernels (ATen, cuBLAS/cuBLASLt, flash-attn, ours in Triton), each module loaded on first use
+    "kernel images": 128 * MiB,
+    # torch's cuBLAS workspace (sm90: 4,096 KiB x 8) and cuBLASLt's (1 MiB), one per (cuBLAS handle,
+    # stream): the forward's thread and autograd's device thread (the backward, the recompute) each
+    # hold a handle. Allocated by the caching allocator, so in torch.cuda.max_memory_allocated.
+    "cuBLAS workspaces": 2 * (4096 * 1024 * 8 + 1 * MiB),
+}
+RUNTIME_OUTSIDE_ALLOCATOR = ("context: local memory", "context: device heap and printf FIFO", "context: driver state",
+                             "kernel images")
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block a multiple of 512 B
+# (kMinBlockSize); a request of 10 MiB or more (kMinLargeAlloc) gets its own segment rounded up to
+# 2 MiB (kRoundLarge), its tail unusable by anything but another request of 1-2 MiB; smaller ones
+# share 2 MiB (<= 1 MiB requests) or 20 MiB segments, at most one of each partly filled.
+ALLOC_MIN_BLOCK, ALLOC_MIN_LARGE, ALLOC_ROUND_LARGE = 512, 10 * MiB, 2 * MiB
+ALLOC_SEGMENT_TAILS = 20 * MiB + 2 * MiB
+# the tensors a layer's recompute and backward hold at once (docs/memory.md lists them; fewer than
+# this for every supported shape), each rounded by at most ALLOC_ROUND_LARGE
+LAYER_TENSORS = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_LINEARS, MLP_LINEARS = LINEAR_NAMES[:4], LINEAR_NAMES[4:]
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text")  # per-head q/k RMSNorms
 DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_SEARCH_TOKENS = 2**31  # the largest token count the plan's search tries
+FLASH_PAD_ROWS = 128  # flash-attn 2's varlen backward: its fp32 accumulators pad each sequence by 128 rows
 
 
 @dataclass(frozen=True)
@@ -88,36 +163,49 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     head_dim: Optional[int] = None
+    qk_norm: bool = False  # Qwen3-style RMSNorm over each head's q and k
+    attention_bias: Optional[bool] = None  # None: q/k/v biases (Qwen2); True: q/k/v/o biases; False: none
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
         """From a transformers config or a config.json dict (its text config for a multimodal one).
-        ``ValueError`` naming the first number a Qwen2/Llama-shaped decoder needs that is missing or
-        not a positive int (e.g. the config of an encoder, or not a model config at all)."""
+        ``ValueError`` naming the first number a Qwen2/3- or Llama-shaped decoder needs that is missing
+        or not a positive int (e.g. the config of an encoder, or not a model config at all)."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
-        elif isinstance(config, dict) and isinstance(config.get("text_config"), dict):
-            config = config["text_config"]
+        if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+            config = {**config, **config["text_config"]}
         if not isinstance(config, dict) and not hasattr(config, "to_dict"):
             raise ValueError(f"not a model config: a {type(config).__name__}, not a JSON object")
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         numbers = {k: get(k) for k in DECODER_KEYS}
-        numbers["num_key_value_heads"] = get("num_key_value_heads") or numbers["num_attention_heads"]
+        kv_heads = get("num_key_value_heads")
+        numbers["num_key_value_heads"] = numbers["num_attention_heads"] if kv_heads is None else kv_heads
         numbers["head_dim"] = get("head_dim")
         for key, value in numbers.items():
             if value is None and key == "head_dim":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"not a decoder config: {key} is {value!r} (a Qwen2/Llama-shaped decoder's config has "
-                                 f"{', '.join(DECODER_KEYS)} as positive ints)")
-        if numbers["head_dim"] is None and numbers["hidden_size"] % numbers["num_attention_heads"]:
+                raise ValueError(f"not a decoder config: {key} is {value!r} (a Qwen2/3- or Llama-shaped decoder's config "
+                                 f"has {', '.join(DECODER_KEYS)} as positive ints)")
+        heads = numbers["num_attention_heads"]
+        if numbers["head_dim"] is None and numbers["hidden_size"] % heads:
             raise ValueError(f"not a decoder config: hidden_size {numbers['hidden_size']} is not a multiple of "
-                             f"num_attention_heads {numbers['num_attention_heads']} (and no head_dim)")
-        return cls(tie_word_embeddings=bool(get("tie_word_embeddings", False)), **numbers)
+                             f"num_attention_heads {heads} (and no head_dim)")
+        if heads % numbers["num_key_value_heads"]:
+            raise ValueError(f"not a decoder config: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {numbers['num_key_value_heads']}")
+        bias = get("attention_bias")
+        return cls(tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=get("model_type") in QK_NORM_MODEL_TYPES,
+                   attention_bias=None if bias is None else bool(bias), **numbers)
 
     @property
     def d(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q(self) -> int:
+        return self.num_attention_heads * self.d
 
     @property
     def kv(self) -> int:
@@ -125,38 +213,56 @@ class ModelShape:
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer."""
-        H, I, q = self.hidden_size, self.intermediate_size, self.num_attention_heads * self.d
+        H, I, q = self.hidden_size, self.intermediate_size, self.q
         return {"q_proj": (H, q), "k_proj": (H, self.kv), "v_proj": (H, self.kv), "o_proj": (q, H),
                 "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
 
-    def parameters(self) -> int:
-        """Every parameter: embeddings, layers (with q/k/v biases and two norms), final norm, lm_head."""
+    def parameter_tensors(self) -> list[int]:
+        """The element count of every parameter tensor: embeddings, each layer's linears, biases and norms
+        (q/k norms), the final norm, an untied lm_head."""
         H = self.hidden_size
-        layer = sum(i * o for i, o in self.linears().values()) + self.num_attention_heads * self.d + 2 * self.kv + 2 * H
-        head = 0 if self.tie_word_embeddings else self.vocab_size * H
-        return self.vocab_size * H + self.num_hidden_layers * layer + H + head
+        biases = {None: [self.q, self.kv, self.kv], True: [self.q, self.kv, self.kv, H], False: []}[self.attention_bias]
+        norms = [H, H] + ([self.d, self.d] if self.qk_norm else [])
+        layer = [i * o for i, o in self.linears().values()] + biases + norms
+        head = [] if self.tie_word_embeddings else [self.vocab_size * H]
+        return [self.vocab_size * H] + layer * self.num_hidden_layers + [H] + head
+
+    def parameters(self) -> int:
+        """Every parameter: embeddings, layers (biases, two norms, q/k norms), final norm, lm_head."""
+        return sum(self.parameter_tensors())
+
+    def mlp_parameters(self) -> int:
+        """The parameters of one layer's MLP (gate, up, down)."""
+        return sum(i * o for name, (i, o) in self.linears().items() if name in MLP_LINEARS)
+
+    def lora_tensors(self, r: int, targets: list[str]) -> list[int]:
+        """The element count of every LoRA adapter matrix (A: r x in, B: out x r) on ``targets``."""
+        return [n for name, (i, o) in self.linears().items() if name in targets for n in (r * i, r * o)] * self.num_hidden_layers
 
     def lora_parameters(self, r: int, targets: list[str]) -> int:
-        return self.num_hidden_layers * sum(r * (i + o) for name, (i, o) in self.linears().items() if name in targets)
+        return sum(self.lora_tensors(r, targets))
 
 
-def load_shape(model: str) -> ModelShape:
-    """A built-in name (:data:`KNOWN_CONFIGS`, with or without ``Qwen/``), a config.json, or a model folder."""
+def load_shape(model: str, flag: str = "--model") -> ModelShape:
+    """A built-in name (:data:`KNOWN_CONFIGS`, with or without ``Qwen/``), a config.json, or a model
+    folder; ``ValueError`` naming ``flag`` and the file for anything the plan cannot read."""
+    if not isinstance(model, str):
+        raise TypeError(f"{flag} must be a str (a config.json, a model folder or a built-in name), got {type(model).__name__}")
     name = model.split("/")[-1]
     if not os.path.exists(model) and name in KNOWN_CONFIGS:
         return ModelShape.from_config(KNOWN_CONFIGS[name])
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model!r}: not a config.json, a model folder, nor one of {sorted(KNOWN_CONFIGS)}")
+        raise ValueError(f"{flag} {model!r}: not a config.json, a model folder, nor one of {sorted(KNOWN_CONFIGS)}")
     try:
         with open(path) as f:
             config = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model {model!r}: {path} is not a readable JSON config ({e})") from None
+        raise ValueError(f"{flag} {model!r}: {path} is not a readable JSON config ({e})") from None
     try:
         return ModelShape.from_config(config)
     except ValueError as e:
-        raise ValueError(f"--model {model!r}: {path}: {e}") from None
+        raise ValueError(f"{flag} {model!r}: {path}: {e}") from None
 
 
 def lora_targets(target_modules: str) -> list[str]:
@@ -166,47 +272,158 @@ def lora_targets(target_modules: str) -> list[str]:
     return [t.strip().rsplit(".", 1)[-1] for t in target_modules.split(",") if t.strip()]
 
 
+def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
+    """:func:`lora_targets`, each one a linear layer the plan models (``ValueError`` naming
+    ``lora_target_modules`` otherwise: a norm, a block, a name the model does not have)."""
+    targets = lora_targets(target_modules)
+    unknown = [t for t in targets if t not in shape.linears()]
+    if not targets or unknown:
+        raise OptionError(f"lora_target_modules must be 'all-linear' or linear layers of the planned decoder "
+                          f"({', '.join(LINEAR_NAMES)}), got {target_modules!r}", "lora_target_modules")
+    return targets
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA caching allocator: what it holds for a request, and the reserve the verdict keeps
+# --------------------------------------------------------------------------------------------------
+def allocator_block(size: int) -> int:
+    """The bytes torch's CUDA caching allocator holds for a request of ``size`` bytes: a multiple of
+    512 B, and from 10 MiB on its own segment rounded up to 2 MiB (see :data:`ALLOC_ROUND_LARGE`)."""
+    if size <= 0:
+        return 0
+    step = ALLOC_ROUND_LARGE if size >= ALLOC_MIN_LARGE else ALLOC_MIN_BLOCK
+    return -(-size // step) * step
+
+
+def allocator_reserve(kept_tensors: list[int], transient_tensors: dict[str, int]) -> tuple[dict[str, int], str]:
+    """The memory a GPU needs beyond the plan's peak for torch's caching allocator, and the name of the
+    largest transient tensor (docs/memory.md, "The allocator reserve"):
+
+    - block rounding: each tensor the step keeps (``kept_tensors``, bytes: weights, adapters, gradients,
+      optimizer state, the checkpointed inputs on the device) rounded as :func:`allocator_block` rounds
+      it, exactly; :data:`LAYER_TENSORS` transient tensors of one layer at most 2 MiB each; one partly
+      filled segment of each pool, :data:`ALLOC_SEGMENT_TAILS`.
+    - fragmentation: one block of the largest tensor a layer's recompute, its backward or the loss
+      allocates and frees (``transient_tensors``: name -> bytes). Each layer's backward allocates the
+      sizes the previous layer's freed, into those blocks, but the tensors that outlive a layer (the
+      gradient passed down, the prefetched input, the summed parameter gradients) were carved out of
+      them meanwhile; the model is that the largest request then finds no free block big enough once
+      and takes a new segment. A model, not a bound: the first lent GPU checks it
+      (``max_memory_reserved - max_memory_allocated``, benchmarks/long_context_options.py).
+    """
+    name, largest = max(transient_tensors.items(), key=lambda kv: kv[1])
+    rounding = sum(allocator_block(n) - n for n in kept_tensors) + LAYER_TENSORS * ALLOC_ROUND_LARGE + ALLOC_SEGMENT_TAILS
+    return {"block rounding": rounding, "fragmentation": allocator_block(largest)}, name
+
+
 @dataclass
 class MemoryPlan:
-    """The predicted peak of one step and its terms (bytes)."""
+    """The predicted peak of one step and its terms (device bytes; ``host``: host bytes)."""
 
     terms: dict[str, int]
     settings: dict[str, Any]
     notes: dict[str, str] = field(default_factory=dict)
     gpu_memory: Optional[int] = None
+    host: dict[str, int] = field(default_factory=dict)
+    layer_saved: int = 0  # what one layer keeps from its forward to its backward (without checkpointing)
+    largest_tokens: Optional[int] = None  # with gpu_memory: the most tokens per micro-batch that fit
+    runtime: dict[str, int] = field(default_factory=dict)  # the runtime term's parts
+    reserve: dict[str, int] = field(default_factory=dict)  # the allocator reserve's parts (allocator_reserve)
+    largest_transient: str = ""  # the tensor the fragmentation reserve is one block of
+
+    PERSISTENT = ("weights", "reference", "gradients", "optimizer state", "runtime")
+
+    @property
+    def persistent(self) -> int:
+        return sum(self.terms[k] for k in self.PERSISTENT)
+
+    @property
+    def forward_end(self) -> int:
+        """Activations at the end of the forward: the kept layer inputs (or every layer's saved
+        tensors), the edges and the loss's chunk."""
+        t = self.terms
+        last = 0 if self.settings["gradient_checkpointing"] else self.layer_saved  # (the last layer's, too)
+        return t["checkpointed layer inputs"] + t["saved by the other layers"] + last + t["edges"] + t["loss chunk"]
+
+    @property
+    def layer_backward(self) -> int:
+        """Activations during a layer's backward: the kept inputs (or saved tensors) and its peak."""
+        t = self.terms
+        mlp_phase = t["layer: MLP"] + t["layer: LoRA inputs (MLP)"]
+        return (t["checkpointed layer inputs"] + t["saved by the other layers"] + t["layer: attention"]
+                + t["layer: LoRA inputs (attention)"] + max(mlp_phase, t["attention workspace"]) + t["layer: gradients"])
 
     @property
     def update_transient(self) -> int:
-        t = self.terms
-        return t["activations"] + t["loss chunk"]
+        return max(self.forward_end, self.layer_backward)
 
     @property
     def peak(self) -> int:
-        t = self.terms
-        persistent = t["weights"] + t["reference"] + t["gradients"] + t["optimizer state"] + t["runtime"]
-        return persistent + max(self.update_transient, t["rollout KV cache"])
+        return self.persistent + max(self.update_transient, self.terms["rollout KV cache"])
+
+    @property
+    def allocator_peak(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` should show (the peak less the runtime's parts outside
+        torch's allocator: the context and the kernels' images); on a CPU the peak itself (peak RSS)."""
+        return self.peak - sum(self.runtime.get(k, 0) for k in RUNTIME_OUTSIDE_ALLOCATOR)
+
+    @property
+    def allocator_reserve(self) -> int:
+        return sum(self.reserve.values())
+
+    @property
+    def needed(self) -> int:
+        """The device memory the step needs: its peak and the allocator reserve (the verdict's one predicate)."""
+        return self.peak + self.allocator_reserve
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.gpu_memory is None else self.peak <= self.gpu_memory
+        return None if self.gpu_memory is None else self.needed <= self.gpu_memory
 
     def as_dict(self) -> dict[str, Any]:
-        return {"settings": self.settings, "terms_bytes": self.terms, "peak_bytes": self.peak,
-                "gpu_memory_bytes": self.gpu_memory, "fits": self.fits}
+        return {"settings": self.settings, "terms_bytes": self.terms, "runtime_bytes": self.runtime,
+                "host_bytes": self.host, "peak_bytes": self.peak, "update_bytes": self.update_transient,
+                "allocator_peak_bytes": self.allocator_peak,
+                "allocator_reserve_bytes": {**self.reserve, "total": self.allocator_reserve,
+                                            "largest_transient_tensor": self.largest_transient},
+                "needed_bytes": self.needed, "gpu_memory_bytes": self.gpu_memory, "fits": self.fits,
+                "largest_tokens": self.largest_tokens}
 
     def format(self) -> str:
         s = self.settings
+        chunk = s["mlp_chunk_tokens"]
         lines = [f"memory plan (predicted) of one step: {s['model']}, {s['parameters'] / 1e9:.3f}B parameters, "
-                 f"{s['tokens']} tokens/micro-batch, {'LoRA r=' + str(s['lora_r']) if s['use_peft'] else 'full fine-tuning'}, "
-                 f"{s['model_dtype']} weights, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, beta {s['beta']}"]
+                 f"{s['tokens']} tokens/micro-batch in {s['sequences']} sequence{'s' if s['sequences'] > 1 else ''}, "
+                 f"{'LoRA r=' + str(s['lora_r']) if s['use_peft'] else 'full fine-tuning'}, "
+                 f"{s['model_dtype']} weights{', bf16 autocast' if s['autocast'] else ''}, checkpointing "
+                 f"{'on' if s['gradient_checkpointing'] else 'off'}, activation offload "
+                 f"{'on' if s['activation_offload'] else 'off'}, "
+                 f"MLP chunks {chunk if chunk else 'off'}, beta {s['beta']}, {s['device']}"]
         for name, value in self.terms.items():
             note = self.notes.get(name, "")
             lines.append(f"  {name:<34} {gib(value):>9}{'  ' + note if note else ''}")
+        lines.append(f"  {'update (activations at their peak)':<34} {gib(self.update_transient):>9}  = max(forward's end "
+                     f"{gib(self.forward_end)}, a layer's backward {gib(self.layer_backward)})")
         lines.append(f"  {'peak':<34} {gib(self.peak):>9}  = weights + reference + gradients + optimizer + runtime "
-                     f"+ max(activations + loss chunk, KV cache)")
+                     f"+ max(update, KV cache)")
+        for name, value in self.host.items():
+            lines.append(f"  host memory: {name:<21} {gib(value):>9}  (pinned, not on the device)")
+        if self.reserve:
+            lines.append(f"  {'allocator reserve':<34} {gib(self.allocator_reserve):>9}  = block rounding "
+                         f"{gib(self.reserve['block rounding'])} + fragmentation {gib(self.reserve['fragmentation'])} "
+                         f"(one block of the largest transient tensor: {self.largest_transient})")
+        else:
+            lines.append(f"  {'allocator reserve':<34} {gib(0):>9}  (a CPU: no caching allocator; glibc maps large "
+                         f"blocks and returns them)")
+        lines.append(f"  {'needed':<34} {gib(self.needed):>9}  = peak + allocator reserve")
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in {self.gpu_memory / 1e9:.4g} GB = {gib(self.gpu_memory)} ({self.peak / self.gpu_memory:.0%} of it)")
+            lines.append(f"  {verdict} in {self.gpu_memory / 1e9:.4g} GB = {gib(self.gpu_memory)}: needs "
+                         f"{gib(self.needed)} ({self.needed / self.gpu_memory:.1%} of it)")
+            if self.largest_tokens is not None:
+                most = (f">= {self.largest_tokens}" if self.largest_tokens >= MAX_SEARCH_TOKENS else str(self.largest_tokens))
+                lines.append(f"  largest token count per micro-batch that fits: {most}"
+                             + (" (none: the persistent terms alone do not fit)" if self.largest_tokens == 0 else ""))
         return "\n".join(lines)
 
 
@@ -249,128 +466,295 @@ class PlanSettings:
     model: str = option(dataclasses.MISSING, f"a config.json, a model folder, or one of {sorted(KNOWN_CONFIGS)}")
     tokens: int = option(dataclasses.MISSING, "tokens per micro-batch (packed: real tokens; padded: rows x longest)",
                          bounds=at_least(1))
+    sequences: int = option(1, "sequences packed into the micro-batch (e.g. G completions): flash-attn's varlen backward "
+                            "pads each by 128 rows", bounds=at_least(1))
     rollout_tokens: Optional[int] = option(None, "tokens generated at once (None: --tokens)", bounds=at_least(1))
     device: str = option("cuda", "where the step runs", choices=("cuda", "cpu"))
     gpu_memory: Optional[float] = option(None, "the GPU's memory in GB (or with a unit: 24GiB, 80GB): say whether the "
-                                         "peak fits", bounds=Bounds(0, MAX_GPU_GB, low_open=True), parse=gigabytes)
+                                         "step fits (its peak and the allocator reserve) and the largest token count "
+                                         "that does", bounds=Bounds(0, MAX_GPU_GB, low_open=True), parse=gigabytes)
     json: bool = option(False, "print the plan as JSON")
 
     def __post_init__(self) -> None:
         check_fields(PlanSettings, dataclasses.asdict(self), convert=False)
+        check_packing(self.tokens, self.sequences)
+
+
+def check_packing(tokens: int, sequences: int) -> None:
+    """Each packed sequence holds a token at least: ``OptionError`` naming ``sequences`` and ``tokens``."""
+    if sequences > tokens:
+        raise OptionError(f"sequences ({sequences}) must be <= tokens ({tokens}): each packed sequence holds at least "
+                          "one token", "sequences", "tokens")
 
 
 # GRPOConfig's fields the plan reads (their flags and declarations are the config's)
-PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "gradient_checkpointing",
-                      "beta")
+PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "bf16",
+                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "beta")
 
 
-def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
-    """:func:`lora_targets`, each one a linear layer the plan models (``ValueError`` naming
-    ``lora_target_modules`` otherwise: a norm, a block, a name the model does not have)."""
-    targets = lora_targets(target_modules)
-    unknown = [t for t in targets if t not in shape.linears()]
-    if not targets or unknown:
-        raise OptionError(f"lora_target_modules must be 'all-linear' or linear layers of the planned decoder "
-                          f"({', '.join(LINEAR_NAMES)}), got {target_modules!r}", "lora_target_modules")
-    return targets
+# --------------------------------------------------------------------------------------------------
+# the activation terms (bytes per token of one layer, unless said otherwise)
+# --------------------------------------------------------------------------------------------------
+def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: bool) -> tuple[int, bool]:
+    """(bytes per token one LoRA adapter on a linear with ``d_in`` inputs keeps for its backward, whether
+    what it keeps includes the adapter's input ``x`` itself: the tensor the base layer reads, shared by
+    the adapters on it and counted once, by :func:`layer_terms`). ``x_bytes``: ``x``'s element size.
+
+    The trainer's adapters are peft's ``lora.Linear`` with ``grpo.lora.fuse_dropout`` applied
+    (``grpo.lora.add_adapters``): ``B(A_p(x.to(fp32)))``. peft's cast copies ``x`` unless it is fp32
+    (``4 d_in``). With ``dropout`` > 0, ``A_p`` is ``grpo.lora.DropoutLinearFunction``: it keeps the cast
+    ``x`` and a bool mask (``d_in``), and recomputes the dropped copy in its backward. With ``dropout`` 0,
+    ``A_p`` is peft's ``lora_A`` (an ``nn.Linear``), which keeps its input: the cast ``x``, or under bf16
+    autocast the bf16 copy autocast makes of it (``2 d_in``; the fp32 cast is then freed). ``B`` keeps
+    ``A``'s output, ``r`` wide: fp32 (``4 r``), bf16 under autocast (``2 r``). (Under autocast ``B``'s
+    weight, and ``lora_A``'s with dropout 0, are kept in bf16 too: ``2 r (in + out)`` a layer, a constant
+    the plan leaves out.)
+    """
+    out = 2 * r if autocast else 4 * r
+    copied = x_bytes != 4  # peft's x.to(fp32)
+    if dropout > 0:
+        return d_in * (1 + (4 if copied else 0)) + out, not copied
+    if autocast:
+        return 2 * d_in + out, False
+    return (4 * d_in if copied else 0) + out, not copied
 
 
-def lora_activation_bytes(d_in: int, r: int, b: int, dropout: float) -> int:
-    """Bytes one LoRA adapter of a linear with ``d_in`` inputs keeps for backward, per token (see the
-    module docstring; measured per term with saved-tensor hooks, benchmarks/results/)."""
-    return 4 * r + (d_in if dropout > 0 else 0) + (4 * d_in if b != 4 else 0)
+# the linears whose input is an autocast op's output (the attention's, the MLP's product): bf16 under
+# bf16 autocast whatever the weights' dtype; the others read the residual stream's norms (the weights' dtype)
+AUTOCAST_INPUTS = ("o_proj", "down_proj")
 
 
-def activation_bytes(shape: ModelShape, tokens: int, b: int, gradient_checkpointing: bool,
-                     lora_inputs: list[int], lora_r: int, lora_dropout: float = 0.0) -> tuple[int, dict[str, int]]:
-    """Bytes saved for the backward of one micro-batch of ``tokens`` tokens (see the module docstring)."""
-    H, I, kv, heads = shape.hidden_size, shape.intermediate_size, shape.kv, shape.num_attention_heads
-    attention = b * (2 * H + 2 * (H + kv) + kv + H) + 4 * H + 4 * heads
-    mlp = b * (2 * H + 4 * I) + 4 * H
-    adapters = sum(lora_activation_bytes(d_in, lora_r, b, lora_dropout) for d_in in lora_inputs)
-    layer = tokens * (attention + mlp + adapters)
-    if gradient_checkpointing:
-        layers = shape.num_hidden_layers * tokens * H * b + layer
+def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: list[str], lora_r: int,
+                lora_dropout: float, device: str, autocast: bool, mlp_chunk_tokens: Optional[int],
+                sequences: int = 1) -> dict[str, int]:
+    """One decoder layer's activation terms for ``tokens`` tokens in ``sequences`` packed sequences (see
+    the module docstring), bytes:
+    ``attention`` / ``mlp`` (what each block saves for its backward, the MLP's backward temporaries
+    included), ``lora_attention`` / ``lora_mlp`` (the adapters' inputs), ``workspace`` (flash-attn's
+    backward), ``gradients`` (in and out of the layer), ``saved`` (what the layer keeps from its forward
+    to its backward: without checkpointing, per layer), ``mlp_chunk`` (the chunk's share of ``mlp``)."""
+    H, I, q, kv, heads = shape.hidden_size, shape.intermediate_size, shape.q, shape.kv, shape.num_attention_heads
+    kv_heads = shape.num_key_value_heads
+    N = tokens
+    adapters = {name: adapter_bytes(shape.linears()[name][0], lora_r, lora_dropout,
+                                    2 if autocast and name in AUTOCAST_INPUTS else b, autocast)
+                for name in targets if name in shape.linears()}
+    raw = {name for name, (_, keeps_raw) in adapters.items() if keeps_raw}
+    adapter = {name: bytes_ for name, (bytes_, _) in adapters.items()}
+    norm = 4 * H + 4 + (b * H if full else 0)  # fp32 upcast and 1/rms; the normalised input for the weight's gradient
+    # attention: the norm; q/k/v's input (for their weights' gradients); q/k norms; flash-attn's q, k, v, out, lse
+    qkv_input = b * H if full or raw & {"q_proj", "k_proj", "v_proj"} else 0
+    qk_norm = (4 * (q + kv) + 4 * (heads + kv_heads) + (b * (q + kv) if full else 0)) if shape.qk_norm else 0
+    attention = norm + qkv_input + qk_norm + b * (2 * q + 2 * kv) + 4 * heads
+    lora_attention = sum(adapter.get(name, 0) for name in ATTENTION_LINEARS)
+    # MLP: the norm; gate/up's input; gate, act and up outputs (the act and the product keep them); the product
+    # (down_proj's input); backward: the gradients of the product, the act and up at once
+    gate_up_input = b * H if full or raw & {"gate_proj", "up_proj"} else 0
+    product = b * I if full or "down_proj" in raw else 0
+    mlp_core = 3 * b * I + product + 3 * b * I
+    lora_mlp = sum(adapter.get(name, 0) for name in MLP_LINEARS)
+    chunk = min(mlp_chunk_tokens, N) if mlp_chunk_tokens else N
+    if chunk < N:  # grpo.activations.ChunkedMLPFunction: its input over N; the rest one chunk at a time
+        trainable_mlp = shape.mlp_parameters() if full else sum(
+            lora_r * sum(shape.linears()[n]) for n in MLP_LINEARS if n in adapter)
+        accumulators = trainable_mlp * (4 + (b if full else 4))  # fp32 sums + one chunk's gradients
+        mlp_saved = norm + b * H
+        mlp_chunk = chunk * (mlp_core + b * H) + accumulators  # + the chunk's input gradient
+        mlp = N * (mlp_saved + b * H) + mlp_chunk  # + the input gradient dx over N
+        lora_mlp_bytes = chunk * lora_mlp
+        saved_mlp = N * mlp_saved
     else:
-        layers = shape.num_hidden_layers * layer
-    edges = tokens * H * (4 * b + 4)  # embeddings' output, final norm (and its fp32 upcast), hidden, d hidden
-    backward = tokens * (2 * H + 2 * I) * b
-    parts = {"layers": layers, "edges": edges, "backward": backward}
-    return sum(parts.values()), parts
+        mlp_chunk = 0
+        mlp = N * (norm + gate_up_input + mlp_core)
+        lora_mlp_bytes = N * lora_mlp
+        saved_mlp = N * (norm + gate_up_input + 3 * b * I + product + lora_mlp)
+    gqa = 2 * b * q if kv_heads != heads else 0
+    # flash-attn 2's varlen backward: fp32 dq accumulator [N + 128 s, heads, d'] (d' = d rounded up to 32, or
+    # 256 past 192) and softmax_d [heads, N + 128 s]; dq, dk, dv; dk/dv per head under GQA; o_proj's input gradient
+    flash_fp32 = 4 * heads * (-(-shape.d // 32) * 32 if shape.d <= 192 else 256) + 4 * heads
+    workspace = flash_fp32 + b * (q + 2 * kv) + gqa + b * q
+    padded = FLASH_PAD_ROWS * sequences * flash_fp32 if device == "cuda" else 0
+    # fp32 weights under bf16 autocast: each linear casts its weight to bf16 and keeps the copy for its
+    # input's gradient (frozen or not), a per-layer constant (the MLP's once, chunked or not)
+    copies = {block: sum(2 * i * o for n, (i, o) in shape.linears().items() if n in names) if autocast and b == 4 else 0
+              for block, names in (("attention", ATTENTION_LINEARS), ("mlp", MLP_LINEARS))}
+    return {"attention": N * attention + copies["attention"], "lora_attention": N * lora_attention,
+            "mlp": mlp + copies["mlp"], "lora_mlp": lora_mlp_bytes, "mlp_chunk": mlp_chunk, "workspace": N * workspace + padded,
+            "gradients": N * 2 * b * H, "saved": N * (attention + lora_attention) + saved_mlp + sum(copies.values())}
 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
-         gradient_checkpointing: bool = False, beta: float = 0.0, rollout_tokens: Optional[int] = None,
-         device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
-    """The predicted peak of one step of up to ``tokens`` tokens per micro-batch (``rollout_tokens``: tokens
-    generated at once, default ``tokens``) with these ``GRPOConfig`` settings, on ``device``; ``gpu_memory``
-    in bytes. Every argument is checked against its declaration (``GRPOConfig``'s, :class:`PlanSettings`'),
-    and LoRA's targets against the planned decoder's linear layers: ``bounds.OptionError`` naming it."""
+         bf16: bool = True, gradient_checkpointing: bool = False, activation_offload: bool = False,
+         mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
+         sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
+    """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
+    sequences (``rollout_tokens``: tokens generated at once, default ``tokens``) with these ``GRPOConfig``
+    settings (``bf16``: autocast, on CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether
+    the step fits (:attr:`MemoryPlan.needed`: the peak and the allocator reserve) and the largest token
+    count that does. Every argument is checked against its declaration (``GRPOConfig``'s for the
+    trainer's settings, :class:`PlanSettings`' for the plan's own), LoRA's targets against the planned
+    decoder's linear layers: ``grpo_kernels.bounds.OptionError`` (a ``ValueError``) naming it."""
+    config = dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
+                  model_dtype=model_dtype, bf16=bf16, gradient_checkpointing=gradient_checkpointing,
+                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, beta=beta)
+    check_fields(GRPOConfig, config, convert=False)  # (the trainer's declarations: the same ranges)
+    check_offload(activation_offload, gradient_checkpointing)
+    check_fields(PlanSettings, dict(tokens=tokens, sequences=sequences, rollout_tokens=rollout_tokens, device=device),
+                 convert=False)
+    check_packing(tokens, sequences)
+    check_value("gpu_memory", gpu_memory, int, optional=True, bounds=above(0))
+    shape = load_shape(model, "model") if isinstance(model, str) else model
+    if use_peft:
+        check_lora_targets(shape, lora_target_modules)
+    result = _plan(shape, tokens, rollout_tokens, sequences, device=device, **config)
+    result.settings["model"] = model if isinstance(model, str) else "(shape)"
+    result.gpu_memory = gpu_memory
+    if gpu_memory is not None:  # (the verdict's predicate, MemoryPlan.needed, at every count tried)
+        result.largest_tokens = _largest_tokens(
+            lambda n: _plan(shape, n, rollout_tokens, min(sequences, n), device=device, **config).needed <= gpu_memory)
+    return result
+
+
+def _largest_tokens(fits: Callable[[int], bool]) -> int:
+    """The largest N in [1, MAX_SEARCH_TOKENS] with ``fits(N)`` (0: none), by doubling then bisection
+    (what the step needs grows with N: every activation term is linear in it, the loss's chunk and the
+    rounded blocks never shrink)."""
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo < MAX_SEARCH_TOKENS and fits(min(2 * lo, MAX_SEARCH_TOKENS)):
+        lo = min(2 * lo, MAX_SEARCH_TOKENS)
+    if lo >= MAX_SEARCH_TOKENS:
+        return MAX_SEARCH_TOKENS
+    hi = 2 * lo  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequences: int, *, use_peft: bool, lora_r: int,
+          lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
+          activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, device: str) -> MemoryPlan:
     from grpo_kernels.autograd import default_chunk_size
 
     import torch
 
-    from .config import GRPOConfig  # (its declarations: the same ranges as the trainer's)
-
-    check_fields(GRPOConfig, dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules,
-                                  lora_dropout=lora_dropout, model_dtype=model_dtype,
-                                  gradient_checkpointing=gradient_checkpointing, beta=beta), convert=False)
-    check_fields(PlanSettings, dict(tokens=tokens, rollout_tokens=rollout_tokens, device=device), convert=False)
-    check_value("gpu_memory", gpu_memory, int, optional=True, bounds=above(0))
-    shape = load_shape(model) if isinstance(model, str) else model
     b = DTYPE_BYTES[model_dtype]
+    autocast = device == "cuda" and bf16
     P = shape.parameters()
-    H, V = shape.hidden_size, shape.vocab_size
-    targets = check_lora_targets(shape, lora_target_modules) if use_peft else []
+    H, I, V, L, N = shape.hidden_size, shape.intermediate_size, shape.vocab_size, shape.num_hidden_layers, tokens
+    targets = lora_targets(lora_target_modules) if use_peft else []
     adapters = shape.lora_parameters(lora_r, targets) if use_peft else 0
     trainable, trainable_bytes = (adapters, 4) if use_peft else (P, b)
-    lora_inputs = [shape.linears()[t][0] for t in targets if t in shape.linears()]
     master = trainable_bytes != 4
-    activations, parts = activation_bytes(shape, tokens, b, gradient_checkpointing, lora_inputs, lora_r, lora_dropout)
+    layer = layer_terms(shape, N, b, full=not use_peft, targets=targets, lora_r=lora_r, lora_dropout=lora_dropout,
+                        device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens, sequences=sequences)
+    inputs = L * N * H * b
+    offloaded = activation_offload and device == "cuda"  # (on a CPU the trainer's offload is a no-op)
+    if gradient_checkpointing:
+        on_device = 2 * N * H * b if offloaded else inputs
+        others = 0
+    else:
+        on_device, others = 0, (L - 1) * layer["saved"]
     kind, dtype = torch.device("cuda" if device == "cuda" else "cpu"), torch.bfloat16 if b == 2 else torch.float32
     # the largest chunk of any micro-batch of at most `tokens` tokens (a smaller one may take bigger
     # chunks: N rows are split into equal ones), so that the plan bounds every micro-batch and its peak
     # never falls as tokens grow
     chunk = default_chunk_size(V, H, dtype, kind, min(tokens, default_chunk_size(V, H, dtype, kind)))
     head_trainable = not use_peft
+    final_norm = N * (4 * H + 4 + (b * H if not use_peft else 0))
+    runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU}
     terms = {
         "weights": P * b + adapters * 4,
         "reference": P * b if beta > 0 and not use_peft else 0,
         "gradients": trainable * trainable_bytes + (trainable * 4 if master else 0),
         "optimizer state": trainable * (8 + (4 if master else 0)),
-        "activations": activations,
-        "activations without checkpointing": activation_bytes(shape, tokens, b, False, lora_inputs, lora_r, lora_dropout)[0],
-        "activations with checkpointing": activation_bytes(shape, tokens, b, True, lora_inputs, lora_r, lora_dropout)[0],
+        "runtime": sum(runtime.values()),
+        "checkpointed layer inputs": on_device,
+        "saved by the other layers": others,
+        "layer: attention": layer["attention"],
+        "layer: LoRA inputs (attention)": layer["lora_attention"],
+        "layer: MLP": layer["mlp"],
+        "layer: LoRA inputs (MLP)": layer["lora_mlp"],
+        "attention workspace": layer["workspace"],
+        "layer: gradients": layer["gradients"],
+        "edges": final_norm + 2 * N * H * b,
         "loss chunk": chunk * V * b + (V * H * 4 if head_trainable and b != 4 else 0),
-        "rollout KV cache": 2 * shape.num_hidden_layers * shape.kv * (rollout_tokens or tokens) * b,
-        "runtime": RUNTIME_BYTES_CPU if device == "cpu" else 0,
+        "rollout KV cache": 2 * L * shape.kv * (rollout_tokens or tokens) * b,
     }
+    lora_note = (f"{len([t for t in targets if t in ATTENTION_LINEARS])} adapters x N tokens, dropout {lora_dropout}"
+                 f"{', bf16 autocast' if autocast else ''}")
+    chunk_tokens = min(mlp_chunk_tokens, N) if mlp_chunk_tokens else N
     notes = {
         "weights": f"{P / 1e6:.1f}M x {b} B" + (f" + {adapters / 1e6:.2f}M adapter params x 4 B" if use_peft else ""),
         "reference": "adapters off: the policy's own weights" if use_peft and beta > 0 else ("a frozen copy" if beta > 0 else "beta = 0"),
         "gradients": f"{trainable / 1e6:.2f}M trainable x {trainable_bytes} B" + (" + fp32 master grads" if master else ""),
         "optimizer state": "AdamW moments 8 B" + (" + fp32 master 4 B" if master else "") + " per trainable param",
-        "activations": f"{'with' if gradient_checkpointing else 'without'} checkpointing (the one this step uses)",
-        "activations without checkpointing": "(for comparison; not added)",
-        "activations with checkpointing": "(for comparison; not added)",
+        "runtime": ("CUDA context " + gib(sum(v for k, v in runtime.items() if k.startswith("context")))
+                    + f" + kernel images {gib(runtime['kernel images'])} + cuBLAS workspaces "
+                    + f"{gib(runtime['cuBLAS workspaces'])} (Hopper, lazy loading: an estimate, docs/memory.md)"
+                    if device == "cuda" else "torch + transformers in a CPU process (measured)"),
+        "checkpointed layer inputs": (
+            "checkpointing off: none kept (every layer keeps its saved tensors)" if not gradient_checkpointing else
+            f"offloaded: 2 layers on the device (recomputed + prefetched) of {L} x N x H x {b} B in host memory"
+            if offloaded else f"{L} layers x N x H x {b} B on the device"
+            + (" (activation_offload: a no-op on a CPU)" if activation_offload else "")),
+        "saved by the other layers": "checkpointing on: recomputed one layer at a time" if gradient_checkpointing else
+        f"{L - 1} layers x their saved tensors (no checkpointing)",
+        "layer: attention": "norm, q/k/v" + (" + q/k norms" if shape.qk_norm else "") + ", flash-attn's q k v out lse",
+        "layer: LoRA inputs (attention)": lora_note if use_peft else "no adapters",
+        "layer: MLP": (f"chunks of {chunk_tokens} tokens: its input over N + one chunk ({gib(layer['mlp_chunk'])})"
+                       if chunk_tokens < N else "whole micro-batch: 4-5 x N x I saved + 3 x N x I gradients"),
+        "layer: LoRA inputs (MLP)": (f"{len([t for t in targets if t in MLP_LINEARS])} adapters x "
+                                     f"{chunk_tokens} tokens" if use_peft else "no adapters"),
+        "attention workspace": ("flash-attn 2 varlen backward (assumed): fp32 dq and softmax_d over N + 128 x "
+                                f"{sequences} rows, dq/dk/dv" if device == "cuda" else "packed SDPA's backward: dq/dk/dv")
+        + (", dk/dv per head (GQA)" if shape.num_key_value_heads != shape.num_attention_heads else ""),
+        "layer: gradients": "the gradient into and out of the layer, 2 x N x H",
+        "edges": "final norm, the hidden states the loss reads and their gradient",
         "loss chunk": f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else ""),
-        "rollout KV cache": f"{rollout_tokens or tokens} tokens (freed before the update)",
-        "runtime": "torch + transformers in a CPU process" if device == "cpu" else "not counted on a GPU",
+        "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",
     }
-    settings = dict(model=model if isinstance(model, str) else "(shape)", parameters=P, tokens=tokens, use_peft=use_peft,
-                    lora_r=lora_r, lora_target_modules=lora_target_modules, model_dtype=model_dtype,
+    reserve, largest = {}, ""
+    if device == "cuda":  # torch's caching allocator (a CPU's glibc maps large blocks and returns them)
+        params = shape.parameter_tensors()
+        trainable_tensors = shape.lora_tensors(lora_r, targets) if use_peft else params
+        kept = [n * b for n in params] + ([n * b for n in params] if beta > 0 and not use_peft else [])
+        kept += [n * 4 for n in trainable_tensors] if use_peft else []  # the adapters
+        kept += [n * trainable_bytes for n in trainable_tensors]  # gradients
+        kept += [n * 4 for n in trainable_tensors] * (4 if master else 2)  # moments (+ fp32 master weights, grads)
+        kept += [N * H * b] * (2 if offloaded else L) if gradient_checkpointing else []
+        d_acc = -(-shape.d // 32) * 32 if shape.d <= 192 else 256
+        transient = {f"RMSNorm's fp32 upcast [{N}, {H}]": 4 * N * H,
+                     f"q, the attention output [{N}, {shape.q}]": b * N * shape.q,
+                     f"an MLP activation [{chunk_tokens}, {I}]": b * chunk_tokens * I,
+                     f"flash-attn's fp32 dq accumulator [{N} + 128 x {sequences}, {shape.num_attention_heads} x {d_acc}]":
+                         4 * (N + FLASH_PAD_ROWS * sequences) * shape.num_attention_heads * d_acc,
+                     f"the loss's logits block [{chunk}, {V}]": chunk * V * b}
+        if "down_proj" in targets and (b != 4 or autocast or lora_dropout > 0):
+            # peft's fp32 cast of its adapter's input (bf16 activations, or autocast's bf16 product), or the
+            # fused dropout's fp32 dropped copy (adapter_bytes), made in the forward and again in the backward
+            transient[f"down_proj's adapter input in fp32 [{chunk_tokens}, {I}]"] = 4 * chunk_tokens * I
+        if head_trainable and b != 4:
+            transient[f"the head's fp32 dW [{V}, {H}]"] = 4 * V * H
+        reserve, largest = allocator_reserve(kept, transient)
+    host = {"checkpointed layer inputs": inputs} if gradient_checkpointing and offloaded else {}
+    settings = dict(parameters=P, tokens=tokens, sequences=sequences, use_peft=use_peft, lora_r=lora_r,
+                    lora_target_modules=lora_target_modules, lora_dropout=lora_dropout, model_dtype=model_dtype,
                     gradient_checkpointing=gradient_checkpointing, beta=beta, device=device, chunk_rows=chunk,
-                    trainable_parameters=trainable)
-    return MemoryPlan(terms, settings, notes, gpu_memory)
+                    trainable_parameters=trainable, activation_offload=activation_offload,
+                    mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16, autocast=autocast,
+                    attention="flash-attn 2 varlen (assumed)" if device == "cuda" else "packed SDPA")
+    return MemoryPlan(terms, settings, notes, host=host, layer_saved=layer["saved"], runtime=runtime, reserve=reserve,
+                      largest_transient=largest)
 
 
-def plan_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
-    """The plan of a trainer run: ``cfg``'s settings, ``tokens`` per micro-batch."""
-    return plan(ModelShape.from_config(model_config), tokens, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
-                lora_target_modules=cfg.lora_target_modules, lora_dropout=cfg.lora_dropout,
-                model_dtype=cfg.model_dtype, gradient_checkpointing=cfg.gradient_checkpointing, beta=cfg.beta,
-                device=device)
+def plan_for_run(model_config: Any, cfg, tokens: int, device: str, sequences: int = 1) -> MemoryPlan:
+    """The plan of a trainer run: ``cfg``'s settings, ``tokens`` per micro-batch in ``sequences`` sequences."""
+    return plan(ModelShape.from_config(model_config), tokens, sequences=min(sequences, tokens), device=device,
+                **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
 
 
 def micro_batch_tokens(rows: list[dict], tokenizer, cfg, world_size: int = 1) -> int:
@@ -403,21 +787,21 @@ def log_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m grpo plan``: every flag checked against its declaration (:class:`PlanSettings`, and
     ``GRPOConfig``'s for the trainer's settings); a bad value is a usage error (exit 2) naming the flag."""
-    from .config import GRPOConfig
-    from .flags import add_config_flags, config_from_args, usage_error
-
-    p = argparse.ArgumentParser(prog="python -m grpo plan", description="The predicted peak memory of one GRPO step.")
+    p = argparse.ArgumentParser(prog="python -m grpo plan", description="The predicted peak memory of one GRPO step, "
+                                "and with --gpu-memory whether it fits and the largest token count that does.")
     add_config_flags(p, PlanSettings, title="the step")
     add_config_flags(p, GRPOConfig, only=PLAN_CONFIG_FIELDS)
     args = p.parse_args(argv)
     settings = config_from_args(args, PlanSettings, p)
     cfg = config_from_args(args, GRPOConfig, p, only=PLAN_CONFIG_FIELDS)
-    try:
-        result = plan(settings.model, settings.tokens, rollout_tokens=settings.rollout_tokens, device=settings.device,
-                      gpu_memory=gpu_memory_bytes(settings.gpu_memory),
+    try:  # (every check needs only the config: nothing is loaded)
+        shape = load_shape(settings.model)
+        result = plan(shape, settings.tokens, rollout_tokens=settings.rollout_tokens, sequences=settings.sequences,
+                      device=settings.device, gpu_memory=gpu_memory_bytes(settings.gpu_memory),
                       **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
     except ValueError as e:
         usage_error(p, e, GRPOConfig, PlanSettings)
+    result.settings["model"] = settings.model
     print(json.dumps(result.as_dict(), indent=1) if settings.json else result.format())
 
 

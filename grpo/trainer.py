@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from grpo_kernels.bounds import OptionError
 from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
 
-from . import checkpoint, distributed, lora, packing, plan, precision
+from . import activations, checkpoint, distributed, lora, packing, plan, precision
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
@@ -630,9 +630,10 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
 
     ``model``: the caller's model (only its config, module names and shapes are read), or a meta-device
     skeleton built from its config (``python -m grpo train`` before the weights load). Checks: the config
-    and the engine's types; LoRA (peft installed, targets that exist and are linear, not the head); the
-    rows and the reward functions (their columns, weights); vLLM installed; the ranks dividing the batch;
-    the device's dtype; the loss with the model's own logit transform; vespo's per-token correction
+    and the engine's types; LoRA (peft installed, targets that exist and are linear, not the head); MLP
+    chunks (``mlp`` modules to chunk); the rows and the reward functions (their columns, weights); vLLM
+    installed; the ranks dividing the batch; the device's dtype; the loss with the model's own logit
+    transform; vespo's per-token correction
     against an engine that may report log-probs; the prompts' lengths against the engine's context; the
     output directory (no checkpoint of an earlier run unless resuming, no live run holding it) and, when
     resuming, the checkpoint (readable, a grpo checkpoint, the same settings, the same model's weights).
@@ -645,6 +646,9 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
     lora.check_flags(cfg)  # peft installed
     if cfg.use_peft and model is not None:
         lora.check_targets(model, cfg)  # (names and types only: nothing changes)
+    if cfg.mlp_chunk_tokens is not None and model is not None and not activations.mlp_modules(model):
+        raise OptionError(f"mlp_chunk_tokens: {type(unwrap(model)).__name__} has no decoder layer with an `mlp` module "
+                          "to chunk", "mlp_chunk_tokens")
     columns = check_rows(rows)
     if cfg.use_vllm and rollout is None:
         require_vllm()

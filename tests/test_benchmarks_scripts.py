@@ -58,6 +58,8 @@ SCRIPTS = {
                            "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.jsonl")),
     "sampling_cost": Script("sampling_cost", ("--rows", "4", "--vocab", "257", "--rounds", "1",
                                               "--out", "{out}/sampling_cost.md"), ("sampling_cost.md",)),
+    "long_context_options": Script("long_context_options", ("--smoke", "--out", "{out}/long_context_options.md"),
+                                   ("long_context_options.md", "long_context_options.jsonl"), ("transformers",)),
 }
 ROLLOUT_SPEED_ARGS = ("--prompts", "2", "--generations", "2", "--new-tokens", "4", "--layers", "1", "--hidden", "64",
                       "--rounds", "1", "--out", "{out}/rollout_speed.md")

@@ -338,6 +338,40 @@ def test_adapter_dropout_is_pefts_bit_for_bit_and_backward_keeps_far_less():
         assert torch.equal(ours[3](ids).logits, run_eval(theirs[3], ids))
 
 
+def test_adapter_dropout_under_bf16_autocast_is_pefts():
+    """Under bf16 autocast (the trainer's CUDA default; here a CPU's, which dispatches linear as CUDA's
+    does) the fused lora_A's forward runs in bf16 and its backward receives bf16 gradients: it takes the
+    casts peft's pair takes, so the step runs and gives peft's logits and adapter gradients, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.2)
+    ids = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(fused: bool):
+        model, _ = build_model_and_tokenizer(seed=0)
+        torch.manual_seed(5)
+        peft_model = lora.add_adapters(model, cfg) if fused else get_peft_model(model, LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM",
+            lora_dropout=cfg.lora_dropout), autocast_adapter_dtype=True)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        peft_model.train()
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = peft_model(ids).logits
+        logits.float().pow(2).mean().backward()  # (outside autocast, as the trainer's)
+        return logits.detach(), {n: q.grad for n, q in peft_model.named_parameters() if q.requires_grad}
+
+    (ours, ours_grads), (theirs, theirs_grads) = run(True), run(False)
+    assert torch.equal(ours, theirs)
+    assert ours_grads.keys() == theirs_grads.keys() and ours_grads
+    for name, grad in ours_grads.items():
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        assert torch.equal(grad, theirs_grads[name]), name
+
+
 def run_eval(model, ids):
     model.eval()
     with torch.no_grad():

@@ -1,8 +1,12 @@
-"""The memory plan (``grpo.plan``): parameter counts against real models, the terms' rules, the CLI."""
+"""The memory plan (``grpo.plan``): parameter counts against real models, each layer's saved bytes against
+what the layer saves (measured through saved-tensor hooks), the terms' rules, issue 35's goals (131,072
+tokens: a Qwen3-8B shape in 80 GB, a Qwen2.5-1.5B shape in 24 GB), the CLI and its usage errors."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import pytest
 import torch
@@ -10,6 +14,9 @@ import torch
 from grpo import plan
 
 pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = os.path.join(ROOT, "docs", "shapes")  # config.json of the two goal shapes
 
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300)
@@ -40,10 +47,26 @@ def test_lora_parameter_count_is_peft_s():
         assert plan.ModelShape.from_config(config).lora_parameters(8, plan.lora_targets(targets)) == trainable
 
 
-@pytest.mark.parametrize("name, published", [("Qwen2.5-0.5B", 0.49e9), ("Qwen2.5-1.5B", 1.54e9), ("Qwen2.5-7B", 7.61e9)])
+@pytest.mark.parametrize("name, published", [("Qwen2.5-0.5B", 0.49e9), ("Qwen2.5-1.5B", 1.54e9), ("Qwen2.5-7B", 7.61e9),
+                                             ("Qwen3-8B", 8.19e9)])
 def test_built_in_configs_have_their_published_sizes(name, published):
     assert abs(plan.load_shape(name).parameters() / published - 1) < 0.01
     assert plan.load_shape("Qwen/" + name) == plan.load_shape(name)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen2.5-1.5B"])
+def test_the_goal_shapes_config_json_is_the_built_in_and_the_models(name):
+    """docs/shapes/NAME/config.json: the same shape as the built-in name, read as JSON and through
+    transformers' AutoConfig; its parameter count is the model's (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = os.path.join(SHAPES, name)
+    shape = plan.load_shape(folder)
+    assert shape == plan.load_shape(name) == plan.ModelShape.from_config(AutoConfig.from_pretrained(folder))
+    assert shape.qk_norm == (name == "Qwen3-8B")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    assert shape.parameters() == sum({id(p): p.numel() for p in model.parameters()}.values())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -69,38 +92,339 @@ def test_the_lora_dropout_term_is_what_backward_keeps(dtype):
 
     shape = plan.ModelShape.from_config(config)
     b = plan.DTYPE_BYTES[dtype]
-    per_token = sum(plan.lora_activation_bytes(d_in, r, b, 0.1) - plan.lora_activation_bytes(d_in, r, b, 0.0)
+    per_token = sum(plan.adapter_bytes(d_in, r, 0.1, b, False)[0] - plan.adapter_bytes(d_in, r, 0.0, b, False)[0]
                     for d_in, _ in shape.linears().values())
+    assert per_token == sum(d_in for d_in, _ in shape.linears().values())  # (the masks: 1 B an input element)
     assert kept(0.1) - kept(0.0) == tokens * shape.num_hidden_layers * per_token
 
 
-def test_a_1_5b_32k_lora_bf16_checkpointed_step_fits_24gb_and_full_fine_tuning_does_not():
-    fits = plan.plan("Qwen2.5-1.5B", 32768, use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True,
-                     beta=0.04, gpu_memory=24 * 10**9)
-    assert fits.fits and fits.peak <= 24e9
-    assert fits.terms["reference"] == 0 and fits.terms["optimizer state"] < 0.2 * 2**30
-    full = plan.plan("Qwen2.5-1.5B", 32768, gradient_checkpointing=True, beta=0.04, gpu_memory=24 * 10**9)
-    assert not full.fits
-    P = plan.load_shape("Qwen2.5-1.5B").parameters()
-    assert full.terms["weights"] == full.terms["reference"] == 4 * P  # fp32 policy and its frozen copy
-    assert full.terms["gradients"] == 4 * P and full.terms["optimizer state"] == 8 * P
-    no_ckpt = plan.plan("Qwen2.5-1.5B", 32768, use_peft=True, model_dtype="bfloat16", beta=0.04, gpu_memory=24 * 10**9)
-    assert not no_ckpt.fits  # every layer's activations at 32k: far too many
-    assert fits.peak == sum(fits.terms[k] for k in ("weights", "reference", "gradients", "optimizer state", "runtime")) + max(
-        fits.terms["activations"] + fits.terms["loss chunk"], fits.terms["rollout KV cache"])
+# ---------------------------------------------------------------------------- each layer's saved bytes
+LAYER = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=50, max_position_embeddings=256)
+MODES = {"full": (False, 0.0), "lora-dropout-0": (True, 0.0), "lora-dropout-0.05": (True, 0.05)}
+
+
+def saved_by_one_layer(model, tokens: int) -> int:
+    """Bytes of the distinct storages one decoder layer's forward saves for its backward (weights and the
+    rotary cos/sin, which every layer shares, left out), measured through saved-tensor hooks."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    dtype = next(base.parameters()).dtype
+    x = torch.randn(1, tokens, base.config.hidden_size, dtype=dtype, requires_grad=True)
+    position_ids = torch.arange(tokens)[None]
+    cos_sin = base.model.rotary_emb(x, position_ids)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        base.model.layers[1](x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
+    for t in cos_sin:
+        seen.pop(t.untyped_storage().data_ptr(), None)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_a_layers_saved_bytes_are_the_plans(family, dtype, mode, chunk):
+    """``plan.layer_terms(...)["saved"]`` (device "cpu": no autocast) is exactly what a Qwen2/Qwen3 layer
+    saves for its backward, in full fine-tuning and with LoRA (the trainer's adapters, ``grpo.lora.add_adapters``:
+    peft's, all-linear, with the dropout fused into ``lora_A``; dropout 0 and 0.05), fp32 and bf16 weights,
+    with and without MLP chunks."""
+    import transformers
+
+    from grpo import activations
+
+    use_peft, dropout = MODES[mode]
+    if use_peft:
+        pytest.importorskip("peft")
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config = getattr(transformers, f"{name}Config")(**LAYER)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).to(getattr(torch, dtype)).train()
+    if use_peft:
+        from grpo import lora
+        from grpo.config import GRPOConfig
+
+        model = lora.add_adapters(model, GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_dropout=dropout,
+                                                    lora_target_modules="all-linear"))
+        fused = [m for m in model.modules() if isinstance(m, lora.DropoutLinear)]
+        assert len(fused) == (2 * 7 if dropout else 0)  # (the trainer's adapters: the dropout inside lora_A)
+    if chunk:
+        activations.chunk_mlps(model, chunk)
+    tokens = 40
+    terms = plan.layer_terms(plan.ModelShape.from_config(config), tokens, plan.DTYPE_BYTES[dtype], full=not use_peft,
+                             targets=list(plan.LINEAR_NAMES) if use_peft else [], lora_r=4, lora_dropout=dropout,
+                             device="cpu", autocast=False, mlp_chunk_tokens=chunk)
+    assert saved_by_one_layer(model, tokens) == terms["saved"]
+
+
+# ---------------------------------------------------------------------------- the goals and the terms' rules
+GOAL = dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True, mlp_chunk_tokens=4096)
+GB = 10**9
+
+
+PACKINGS = {"one sequence": 1, "G = 8 packed completions of 16,384": 8}
+
+
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_the_goal_s_three_verdicts_for_both_packings(packing):
+    """Issue 35's goal on paper, at 131,072 tokens, LoRA, bf16 weights, checkpointing, packing, the fused loss
+    and MLP chunks of 4,096: with the offload a Qwen3-8B shape fits 80 GB and a Qwen2.5-1.5B shape 24 GB;
+    without it the 8B does not fit 80 GB. Fits = peak (the runtime term included) + the allocator reserve <= the
+    device, and the largest token count that fits agrees with each verdict."""
+    sequences, N = PACKINGS[packing], 131072
+    verdicts = {}
+    for name, budget, offload in (("Qwen3-8B", 80 * GB, True), ("Qwen2.5-1.5B", 24 * GB, True), ("Qwen3-8B", 80 * GB, False)):
+        p = plan.plan(os.path.join(SHAPES, name), N, activation_offload=offload, sequences=sequences, gpu_memory=budget,
+                      **GOAL)
+        verdicts[name, offload] = p.fits
+        assert p.fits == (p.peak + p.allocator_reserve <= budget) and (p.largest_tokens >= N) == p.fits, (name, offload)
+        assert p.terms["runtime"] == sum(plan.CUDA_RUNTIME_BYTES.values()) > 0  # the CUDA context is counted
+        shape = plan.load_shape(name)
+        H, L = shape.hidden_size, shape.num_hidden_layers
+        if offload:
+            assert p.host == {"checkpointed layer inputs": L * N * H * 2}  # in host memory, not on the device
+            assert p.terms["checkpointed layer inputs"] == 2 * N * H * 2  # the layer recomputed and the one prefetched
+        else:
+            assert p.terms["checkpointed layer inputs"] == L * N * H * 2 and not p.host
+    assert verdicts == {("Qwen3-8B", True): True, ("Qwen2.5-1.5B", True): True, ("Qwen3-8B", False): False}
+    # without the offload the 8B's 36 inputs (36 GiB) stay on the device; the 34 of them the offload moves
+    # are the whole difference in the peak
+    kept = plan.plan("Qwen3-8B", N, sequences=sequences, **GOAL)
+    offloaded = plan.plan("Qwen3-8B", N, sequences=sequences, activation_offload=True, **GOAL)
+    assert kept.peak - offloaded.peak == 34 * N * 4096 * 2
+    neither = plan.plan("Qwen3-8B", N, gpu_memory=80 * GB, sequences=sequences, **{**GOAL, "mlp_chunk_tokens": None})
+    assert not neither.fits and neither.largest_tokens < N
+
+
+def test_packing_enters_only_through_flash_attn_s_padded_rows():
+    """G packed sequences cost one sequence of as many tokens, but for flash-attn 2's varlen backward, whose
+    fp32 dq accumulator [N + 128 G, heads, d'] and softmax_d [heads, N + 128 G] pad each sequence by 128 rows."""
+    shape = plan.load_shape("Qwen3-8B")
+    one, eight = (plan.plan("Qwen3-8B", 131072, sequences=s, **GOAL) for s in (1, 8))
+    padding = 128 * 7 * (4 * shape.num_attention_heads * 128 + 4 * shape.num_attention_heads)
+    assert eight.terms["attention workspace"] - one.terms["attention workspace"] == padding
+    assert {k: v for k, v in eight.terms.items() if k != "attention workspace"} == \
+        {k: v for k, v in one.terms.items() if k != "attention workspace"}
+    cpu = [plan.plan("Qwen3-8B", 4096, sequences=s, device="cpu", **GOAL).terms for s in (1, 8)]
+    assert cpu[0] == cpu[1]  # (packed SDPA on a CPU pads nothing)
+    with pytest.raises(ValueError, match="sequences.*tokens"):
+        plan.plan("Qwen3-8B", 4, sequences=5)
+
+
+# ---------------------------------------------------------------------------- the runtime and the allocator reserve
+def test_the_runtime_term_is_the_cuda_context_kernels_and_workspaces():
+    """On a GPU: the context (local memory for every resident thread of a Hopper GPU at cudaLimitStackSize's
+    default, the device heap and printf FIFO, the driver's state), the kernels' images and torch's cuBLAS
+    workspaces (sm90: 4,096 KiB x 8, and cuBLASLt's 1 MiB) for two handles; on a CPU the measured process."""
+    MiB = 2**20
+    parts = plan.CUDA_RUNTIME_BYTES
+    assert parts["context: local memory"] == 1024 * 2048 * 132 == 264 * MiB
+    assert parts["context: device heap and printf FIFO"] == 9 * MiB
+    assert parts["cuBLAS workspaces"] == 2 * (32 * MiB + MiB)
+    gpu = plan.plan("Qwen2.5-0.5B", 4096)
+    assert gpu.terms["runtime"] == sum(parts.values()) and gpu.runtime == parts
+    # torch.cuda.max_memory_allocated sees the workspaces (the caching allocator's) but not the context or kernels
+    assert gpu.peak - gpu.allocator_peak == sum(v for k, v in parts.items() if k != "cuBLAS workspaces")
+    cpu = plan.plan("Qwen2.5-0.5B", 4096, device="cpu")
+    assert cpu.terms["runtime"] == plan.RUNTIME_BYTES_CPU and cpu.allocator_peak == cpu.peak
+    assert cpu.reserve == {} and cpu.needed == cpu.peak  # (no caching allocator on a CPU)
+
+
+def test_allocator_blocks_follow_the_caching_allocator_s_rules():
+    MiB = 2**20
+    assert [plan.allocator_block(n) for n in (0, 1, 512, 513, MiB + 1, 10 * MiB - 1)] == \
+        [0, 512, 512, 1024, MiB + 512, 10 * MiB]
+    assert [plan.allocator_block(n) for n in (10 * MiB, 10 * MiB + 1, 96 * MiB, 2**30 + 5)] == \
+        [10 * MiB, 12 * MiB, 96 * MiB, 2**30 + 2 * MiB]
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_the_allocator_reserve_from_the_model_s_own_tensors(use_peft):
+    """The reserve's rounding, recomputed from a real model's parameters (built on the meta device, peft's
+    adapters for LoRA): each kept tensor's block less its bytes, the layer's transient tensors at 2 MiB each,
+    one partly filled segment per pool; its fragmentation: one block of the largest transient tensor, here
+    flash-attn's fp32 dq accumulator."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    MiB = 2**20
+    shape_config = dict(hidden_size=1000, intermediate_size=2600, num_hidden_layers=2, num_attention_heads=10,
+                        num_key_value_heads=2, vocab_size=5003, tie_word_embeddings=False)
+    config = Qwen2Config(**shape_config)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    if use_peft:
+        pytest.importorskip("peft")
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    weights = [p.numel() * 2 for p in model.parameters() if not p.requires_grad or not use_peft]
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    kept = weights + ([n * 4 for n in trainable] * 4 if use_peft else  # adapters, their gradients, two moments
+                      [n * 2 for n in trainable] + [n * 4 for n in trainable] * 4)  # bf16 grads; fp32 grads, master, moments
+    N, b = 3000, 2
+    kept += [N * 1000 * b] * 2  # the checkpointed inputs: two layers on the device
+    shape = plan.ModelShape.from_config(config)
+    p = plan.plan(shape, N, use_peft=use_peft, lora_r=8, model_dtype="bfloat16", gradient_checkpointing=True,
+                  activation_offload=False, mlp_chunk_tokens=512)
+    rounding = sum(plan.allocator_block(n) - n for n in kept) + 64 * 2 * MiB + 22 * MiB
+    assert p.reserve["block rounding"] == rounding
+    c, V, H, I = p.settings["chunk_rows"], 5003, 1000, 2600
+    candidates = {"RMSNorm's fp32 upcast": 4 * N * H, "the attention output": b * N * H, "an MLP activation": b * 512 * I,
+                  "dq accumulator": 4 * (N + 128) * 10 * 128,  # head_dim 100 rounded up to a multiple of 32
+                  "logits block": c * V * b}
+    candidates.update({"down_proj's adapter input in fp32": 4 * 512 * I} if use_peft else {"dW": 4 * V * H})
+    largest = max(candidates, key=candidates.get)
+    assert p.reserve["fragmentation"] == plan.allocator_block(candidates[largest]) and largest in p.largest_transient
+    assert p.needed == p.peak + rounding + p.reserve["fragmentation"]
+
+
+def test_fits_the_largest_count_and_the_json_read_one_predicate(capsys):
+    """fits <=> peak + allocator reserve <= the device, for budgets on either side of the peak and of what the
+    step needs; the largest token count is the edge of that same predicate; the JSON says the same."""
+    settings = dict(GOAL, activation_offload=True)
+    p = plan.plan("Qwen2.5-1.5B", 65536, **settings)
+    assert p.allocator_reserve > 0
+    for budget in (p.peak - 1, p.peak, p.needed - 1, p.needed, p.needed + 1):
+        q = plan.plan("Qwen2.5-1.5B", 65536, gpu_memory=budget, **settings)
+        assert q.fits == (budget >= p.needed) and (q.largest_tokens >= 65536) == q.fits, budget
+        edge = q.largest_tokens
+        assert plan.plan("Qwen2.5-1.5B", edge, **settings).needed <= budget < plan.plan("Qwen2.5-1.5B", edge + 1, **settings).needed
+    plan.main(["--model", "Qwen2.5-1.5B", "--tokens", "65536", "--use-peft", "--model-dtype", "bfloat16",
+               "--gradient-checkpointing", "--activation-offload", "--mlp-chunk-tokens", "4096",
+               "--gpu-memory", f"{p.peak}B", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_bytes"] == p.peak and out["needed_bytes"] == p.needed and out["fits"] is False  # (the reserve)
+    assert out["allocator_reserve_bytes"]["total"] == p.allocator_reserve and out["largest_tokens"] < 65536
+    assert out["runtime_bytes"] == plan.CUDA_RUNTIME_BYTES
+
+
+def test_offload_and_chunk_terms():
+    N, common = 32768, dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True)
+    base = plan.plan("Qwen2.5-1.5B", N, **common)
+    offload = plan.plan("Qwen2.5-1.5B", N, activation_offload=True, **common)
+    shape = plan.load_shape("Qwen2.5-1.5B")
+    H, I, L = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers
+    assert base.terms["checkpointed layer inputs"] == L * N * H * 2 and not base.host
+    assert offload.terms["checkpointed layer inputs"] == 2 * N * H * 2
+    rest = lambda p: {k: v for k, v in p.terms.items() if k != "checkpointed layer inputs"}  # noqa: E731
+    assert rest(offload) == rest(base)
+    chunked = plan.plan("Qwen2.5-1.5B", N, mlp_chunk_tokens=1024, **common)
+    # the MLP over N tokens: its norm (4H + 4), gate/act/up saved (3 x 2I) and their gradients (3 x 2I);
+    # chunked: its input and its input's gradient (2 x 2H) over N, the rest over 1,024 tokens, and the
+    # MLP adapters' gradients summed in fp32 (4 B) beside one chunk's (4 B)
+    assert base.terms["layer: MLP"] == N * (4 * H + 4 + 6 * 2 * I)
+    adapters = 16 * sum(sum(shape.linears()[n]) for n in plan.MLP_LINEARS)
+    assert chunked.terms["layer: MLP"] == N * (4 * H + 4 + 2 * 2 * H) + 1024 * (6 * 2 * I + 2 * H) + adapters * 8
+    assert chunked.terms["layer: LoRA inputs (MLP)"] * N == base.terms["layer: LoRA inputs (MLP)"] * 1024
+    whole = plan.plan("Qwen2.5-1.5B", N, mlp_chunk_tokens=N, **common)  # one chunk: the module as it is
+    assert whole.terms == base.terms
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_an_adapter_keeps_what_adapter_bytes_says(x_dtype, dropout, autocast):
+    """``plan.adapter_bytes`` per token against what one trainer adapter (peft's ``lora.Linear`` on a frozen
+    linear, ``grpo.lora.fuse_dropout`` applied) saves for its backward, measured through saved-tensor hooks at
+    two token counts (their difference: the per-token bytes; the weights' autocast copies are constants).
+    Autocast is a CPU's bf16 autocast here, which dispatches linear as CUDA's does."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    from grpo import lora
+    from helpers import saved_for_backward
+
+    d_in, d_out, r = 48, 40, 4
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False)).to(getattr(torch, x_dtype)),
+                           LoraConfig(r=r, lora_dropout=dropout, target_modules=["0"]), autocast_adapter_dtype=True)
+    lora.fuse_dropout(model)
+    model.train()
+    kept = {}
+    for tokens in (16, 40):
+        x = torch.randn(tokens, d_in, dtype=getattr(torch, x_dtype), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            kept[tokens] = saved_for_backward(lambda: model(x), exclude=[*model.parameters(), x])[1]
+    per_token, keeps_x = plan.adapter_bytes(d_in, r, dropout, plan.DTYPE_BYTES[x_dtype], autocast)
+    assert (kept[40] - kept[16]) == 24 * per_token
+    # x itself is among what it keeps exactly where peft's fp32 cast is no copy and the adapter's A reads it
+    assert keeps_x == (x_dtype == "float32" and not (autocast and dropout == 0))
+
+
+def test_lora_dropout_s_cost_and_what_dropout_0_saves():
+    """Per adapted linear with ``in`` inputs and bf16 activations: with dropout the fused ``lora_A`` keeps peft's
+    fp32 cast of the input and a bool mask (5 B), without dropout ``lora_A`` keeps the fp32 cast (4 B), or under
+    bf16 autocast its bf16 copy (2 B). So ``lora_dropout=0`` saves 1 B an input element without autocast, 3 B
+    under autocast (the trainer's CUDA default); with fp32 activations and no autocast, the mask (x itself is
+    the layer's input)."""
+    assert plan.adapter_bytes(100, 8, 0.05, 2, True) == (100 * 5 + 8 * 2, False)
+    assert plan.adapter_bytes(100, 8, 0.05, 2, False) == (100 * 5 + 8 * 4, False)
+    assert plan.adapter_bytes(100, 8, 0.0, 2, True) == (100 * 2 + 8 * 2, False)
+    assert plan.adapter_bytes(100, 8, 0.0, 2, False) == (100 * 4 + 8 * 4, False)
+    assert plan.adapter_bytes(100, 8, 0.05, 4, False) == (100 * 1 + 8 * 4, True)  # the mask; x is the layer's input
+    assert plan.adapter_bytes(100, 8, 0.0, 4, False) == (8 * 4, True)  # lora_A reads x itself
+    kw = dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True)
+    p05, p0 = plan.plan("Qwen3-8B", 131072, **kw), plan.plan("Qwen3-8B", 131072, lora_dropout=0.0, **kw)
+    lora = lambda p: p.terms["layer: LoRA inputs (attention)"] + p.terms["layer: LoRA inputs (MLP)"]  # noqa: E731
+    ins = sum(plan.load_shape("Qwen3-8B").linears()[n][0] for n in plan.LINEAR_NAMES)
+    assert lora(p05) - lora(p0) == 131072 * ins * 3  # CUDA, bf16 autocast: fp32 copy + mask (5 B) vs bf16 copy (2 B)
+    cpu05, cpu0 = (plan.plan("Qwen3-8B", 4096, lora_dropout=p, device="cpu", **kw) for p in (0.05, 0.0))
+    assert lora(cpu05) - lora(cpu0) == 4096 * ins * 1  # no autocast: the masks
+
+
+@pytest.mark.parametrize("settings", [
+    dict(), dict(gradient_checkpointing=True), dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True),
+    dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True, activation_offload=True, mlp_chunk_tokens=512),
+    dict(model_dtype="bfloat16", mlp_chunk_tokens=300, device="cpu"),
+])
+def test_every_activation_term_grows_with_the_tokens_and_the_largest_count_is_the_edge(settings):
+    previous = None
+    for n in [*range(1000, 1200, 2), 4096, 8191, 8192, 8193, 65536]:
+        p = plan.plan("Qwen2.5-1.5B", n, **settings)
+        if previous is not None:
+            for name, value in p.terms.items():
+                if name != "loss chunk":  # (the loss's default chunk: grpo_kernels' rule, not this plan's)
+                    assert value >= previous.terms[name], (name, n)
+        previous = p
+    budget = 60 * GB
+    edge = plan.plan("Qwen2.5-1.5B", 1024, gpu_memory=budget, **settings).largest_tokens
+    assert 0 < edge < plan.MAX_SEARCH_TOKENS
+    assert plan.plan("Qwen2.5-1.5B", edge, **settings).needed <= budget < plan.plan("Qwen2.5-1.5B", edge + 1, **settings).needed
+    assert plan.plan("Qwen2.5-1.5B", 1024, gpu_memory=2**20, **settings).largest_tokens == 0  # the weights alone do not fit
 
 
 def test_terms_scale_as_their_rules_say():
-    a = plan.plan("Qwen2.5-0.5B", 4096, gradient_checkpointing=False)
-    b = plan.plan("Qwen2.5-0.5B", 8192, gradient_checkpointing=False)
+    a = plan.plan("Qwen2.5-0.5B", 4096, gradient_checkpointing=False, bf16=False)
+    b = plan.plan("Qwen2.5-0.5B", 8192, gradient_checkpointing=False, bf16=False)
     assert b.terms["rollout KV cache"] == 2 * a.terms["rollout KV cache"]
-    assert b.terms["activations"] == 2 * a.terms["activations"]  # linear in tokens (no [L, L] attention)
+    for name in ("saved by the other layers", "layer: attention", "layer: MLP", "edges"):
+        assert b.terms[name] == 2 * a.terms[name], name  # linear in tokens (no [N, N] attention)
+    heads = plan.load_shape("Qwen2.5-0.5B").num_attention_heads  # (flash-attn's 128 padded rows: a constant)
+    assert b.terms["attention workspace"] == 2 * a.terms["attention workspace"] - 128 * (4 * heads * 64 + 4 * heads)
+    # fp32 weights under bf16 autocast: each layer also keeps a bf16 copy of its linears' weights
+    autocast = plan.plan("Qwen2.5-0.5B", 4096, gradient_checkpointing=False)
+    shape = plan.load_shape("Qwen2.5-0.5B")
+    for term, names in (("layer: attention", plan.ATTENTION_LINEARS), ("layer: MLP", plan.MLP_LINEARS)):
+        assert autocast.terms[term] - a.terms[term] == sum(2 * i * o for n, (i, o) in shape.linears().items() if n in names)
     assert b.terms["weights"] == a.terms["weights"]
     bf16 = plan.plan("Qwen2.5-0.5B", 4096, model_dtype="bfloat16")
     assert bf16.terms["weights"] * 2 == a.terms["weights"]
     # full fine-tuning in bf16: fp32 masters + moments, 12 B, and bf16 + fp32 gradients, 6 B
     P = plan.load_shape("Qwen2.5-0.5B").parameters()
     assert bf16.terms["optimizer state"] == 12 * P and bf16.terms["gradients"] == 6 * P
+    full = plan.plan("Qwen2.5-1.5B", 32768, gradient_checkpointing=True, beta=0.04, gpu_memory=24 * GB)
+    assert not full.fits  # full fine-tuning: 31 GB of weights, reference, gradients and AdamW state alone
+    assert full.terms["weights"] == full.terms["reference"] == 4 * plan.load_shape("Qwen2.5-1.5B").parameters()
+    assert full.peak == full.persistent + max(full.update_transient, full.terms["rollout KV cache"])
 
 
 def test_config_json_path_and_bad_model(tmp_path):
@@ -109,21 +433,70 @@ def test_config_json_path_and_bad_model(tmp_path):
     assert plan.load_shape(str(path)) == plan.load_shape(str(tmp_path))
     with pytest.raises(ValueError, match="--model"):
         plan.load_shape(str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match="gpu-memory"):
-        plan.parse_size("lots")
+    for text in ("{not json", "[1, 2]", json.dumps({**SMALL, "hidden_size": "wide"}), json.dumps({"hidden_size": 64}),
+                 json.dumps({**SMALL, "num_hidden_layers": 0}), json.dumps({**SMALL, "head_dim": -1})):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="--model"):
+            plan.load_shape(str(path))
     assert plan.parse_size("24GiB") == 24 * 2**30 and plan.parse_size("24GB") == 24 * 10**9
 
 
-def test_cli_prints_every_term_and_the_verdict(capsys):
+@pytest.mark.parametrize("flags, named", [
+    (["--gpu-memory", "lots"], "--gpu-memory"), (["--gpu-memory", "0"], "--gpu-memory"),
+    (["--gpu-memory", "0GB"], "--gpu-memory"), (["--gpu-memory", "1e999"], "--gpu-memory"),
+    (["--gpu-memory", "nan"], "--gpu-memory"), (["--gpu-memory", "inf"], "--gpu-memory"),
+    (["--gpu-memory", "-8GB"], "--gpu-memory"),
+    (["--mlp-chunk-tokens", "0"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "-4"], "--mlp-chunk-tokens"),
+    (["--mlp-chunk-tokens", "2.5"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "many"], "--mlp-chunk-tokens"),
+    (["--activation-offload"], "--activation-offload"), (["--activation-offload", "yes"], "unrecognized arguments: yes"),
+])
+def test_cli_usage_errors_name_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--model", "Qwen2.5-1.5B", "--tokens", "4096", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in err.splitlines()[-1], err
+
+
+def test_cli_refuses_a_config_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "model_type": "qwen2"}))
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--model", str(tmp_path), "--tokens", "4096"])
+    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+def test_python_api_refuses_bad_settings_naming_them():
+    for kw, error, named in ((dict(mlp_chunk_tokens=True), TypeError, "mlp_chunk_tokens"),
+                             (dict(mlp_chunk_tokens=1.5), TypeError, "mlp_chunk_tokens"),
+                             (dict(mlp_chunk_tokens=0), ValueError, "mlp_chunk_tokens"),
+                             (dict(activation_offload="yes", gradient_checkpointing=True), TypeError, "activation_offload"),
+                             (dict(activation_offload=True), ValueError, "activation_offload"),
+                             (dict(gpu_memory=0), ValueError, "gpu_memory"),
+                             (dict(gpu_memory=math.inf), ValueError, "gpu_memory"),
+                             (dict(gpu_memory=-1.0), ValueError, "gpu_memory")):
+        with pytest.raises(error, match=named):
+            plan.plan("Qwen2.5-1.5B", 4096, **kw)
+
+
+def test_cli_prints_every_term_the_host_total_and_the_verdict(capsys):
     from grpo.__main__ import main
 
-    main(["plan", "--model", "Qwen2.5-1.5B", "--tokens", "32768", "--use-peft", "--model-dtype", "bfloat16",
-          "--gradient-checkpointing", "--beta", "0.04", "--gpu-memory", "24GB"])
+    main(["plan", "--model", os.path.join(SHAPES, "Qwen3-8B"), "--tokens", "131072", "--use-peft", "--model-dtype",
+          "bfloat16", "--gradient-checkpointing", "--activation-offload", "--mlp-chunk-tokens", "4096", "--gpu-memory", "80GB"])
     out = capsys.readouterr().out
-    for term in ("weights", "reference", "gradients", "optimizer state", "activations without checkpointing",
-                 "activations with checkpointing", "loss chunk", "rollout KV cache", "peak"):
-        assert term in out
-    assert "fits in" in out and "NOT" not in out
+    for term in ("weights", "reference", "gradients", "optimizer state", "checkpointed layer inputs", "layer: attention",
+                 "layer: LoRA inputs (attention)", "layer: MLP", "attention workspace",
+                 "flash-attn 2 varlen backward (assumed)", "edges", "loss chunk", "rollout KV cache", "peak",
+                 "host memory: checkpointed layer inputs"):
+        assert term in out, term
+    assert "fits in" in out and "NOT" not in out and "largest token count per micro-batch that fits: " in out
+    main(["plan", "--model", "Qwen3-8B", "--tokens", "131072", "--use-peft", "--model-dtype", "bfloat16",
+          "--gradient-checkpointing", "--mlp-chunk-tokens", "4096", "--gpu-memory", "80GB"])  # (no offload)
+    out = capsys.readouterr().out
+    for words in ("runtime", "CUDA context", "allocator reserve", "fragmentation", "needed", "does NOT fit in 80 GB"):
+        assert words in out, words
+    main(["plan", "--model", "Qwen2.5-1.5B", "--tokens", "32768", "--gpu-memory", "24GB", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] is False and result["largest_tokens"] < 32768 and result["host_bytes"] == {}
 
 
 # ---- the plan CLI is a CLI: every bad value a usage error naming the flag, before anything is computed
@@ -158,7 +531,7 @@ def declared_bad_values(cls, name):
 def plan_flag_cases():
     from grpo.config import GRPOConfig
 
-    cases = [(plan.PlanSettings, name) for name in ("tokens", "rollout_tokens", "device", "gpu_memory")]
+    cases = [(plan.PlanSettings, name) for name in ("tokens", "sequences", "rollout_tokens", "device", "gpu_memory")]
     return cases + [(GRPOConfig, name) for name in plan.PLAN_CONFIG_FIELDS]
 
 
@@ -167,7 +540,7 @@ def test_every_plan_flag_refuses_what_its_declaration_refuses(cls, name, capsys)
     flag = "--" + name.replace("_", "-")
     base = ["--model", "Qwen2.5-0.5B", "--tokens", "64", "--use-peft"]
     values = declared_bad_values(cls, name)
-    assert values or name in ("use_peft", "gradient_checkpointing", "lora_target_modules")
+    assert values or name in ("use_peft", "gradient_checkpointing", "lora_target_modules", "activation_offload", "bf16")
     for value in values:
         with pytest.raises(SystemExit) as done:
             plan_cli(*base, f"{flag}={value}")

@@ -927,6 +927,9 @@ def _refusals():
                                         ValueError, ["lora_target_modules", "Qwen2MLP"]),
         "LoRA target lm_head": (lambda p, m, c: dict(cfg=dataclasses.replace(c, lora_target_modules="lm_head")),
                                 ValueError, ["lm_head"]),
+        "MLP chunks on a model without `mlp` modules": (  # (the layers' MLPs renamed: nothing to chunk)
+            lambda p, m, c: [layer._modules.__setitem__("feed_forward", layer._modules.pop("mlp")) for layer in m.model.layers]
+            and dict(cfg=dataclasses.replace(c, mlp_chunk_tokens=8)), ValueError, ["mlp_chunk_tokens", "no decoder layer"]),
         "the model's head transform": (lambda p, m, c: setattr(m.config, "final_logit_softcapping", -1.0) or {},
                                        ValueError, ["softcap"]),
         "vespo with an engine that may report log-probs": (
@@ -999,7 +1002,7 @@ def test_the_refusal_table_covers_every_check_of_check_run():
     from grpo import trainer
 
     source = inspect.getsource(trainer.check_run)
-    for check in ("check_flags", "check_targets", "check_rows", "as_named", "reward_weights", "check_reward_columns",
+    for check in ("check_flags", "check_targets", "mlp_modules", "check_rows", "as_named", "reward_weights", "check_reward_columns",
                   "prompts_per_step", "grpo_options", "sequence_correction_refused", "check_prompts",
                   "check_output_dir", "check_not_in_use", "checkpoint.read", "check_resumable"):
         assert check in source, check

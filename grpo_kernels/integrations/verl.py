@@ -87,7 +87,7 @@ import torch
 from .. import _validation as V
 from .. import vocab_parallel
 from ..functional import fused_linear_token_logprobs
-from ..options import IGNORE_INDEX
+from ..options import IGNORE_INDEX, LogitTransform
 
 __all__ = ["linear_cross_entropy", "patch", "unpatch", "is_patched", "REDUCTIONS", "VERL_KERNEL_MODULE",
            "MEGATRON_FORWARD_MODULES"]
@@ -161,7 +161,7 @@ def _checked(hidden, weight, labels, temperature, reduction):
     if isinstance(temperature, torch.Tensor):
         temperature = _per_row_temperature(temperature, hidden)
     else:
-        temperature = V.check_temperature(temperature)
+        temperature = LogitTransform(temperature=temperature).temperature  # its declared range, named
     return labels, temperature, reduction
 
 
