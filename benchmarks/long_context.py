@@ -234,7 +234,7 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
         model = Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(torch.float32)
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters, rss_model = sum(p.numel() for p in model.parameters()), peak()  # (the baseline: imports and model)
     device = torch.device("cpu")
     t0 = time.perf_counter()
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, device)
@@ -252,9 +252,9 @@ def memory_run(size: str, variant: str, length: int, gradient_checkpointing: boo
         "size": size, "parameters": parameters, "trainable": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "variant": variant, "tokens": length, "gradient_checkpointing": gradient_checkpointing, "beta": MEMORY_BETA,
         "loss": logs["loss"], "step_s": round(t2 - t0, 2), "reference_s": round(t1 - t0, 2), "update_s": round(t2 - t1, 2),
-        "setup_s": round(setup_s, 2), "rss_start_gib": rss_start, "rss_after_setup_gib": rss_setup, "peak_rss_gib": peak(),
-        "predicted_peak_gib": predicted.peak / 2**30, "predicted_terms_gib": {k: v / 2**30 for k, v in predicted.terms.items()},
-        "threads": torch.get_num_threads(),
+        "setup_s": round(setup_s, 2), "rss_start_gib": rss_start, "rss_after_model_gib": rss_model, "rss_after_setup_gib": rss_setup,
+        "peak_rss_gib": peak(), "predicted_peak_gib": predicted.peak / 2**30, "threads": torch.get_num_threads(),
+        "predicted_terms_gib": {k: v / 2**30 for k, v in predicted.terms.items()},
     }
 
 
