@@ -83,6 +83,7 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
                              max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
     shape = {**SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {})}
     model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
+    out["rss_after_model_gib"] = peak_gib()  # the baseline: interpreter, imports and model
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, dev)
     offload = activations.ActivationOffload(dev) if copies else None
     if offload:

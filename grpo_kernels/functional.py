@@ -264,15 +264,20 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     regulariser = take_rows(rows, objective.regulariser_weights(mask, options, inputs, sequences), shape)
     bonus = take_rows(rows, objective.entropy_weights(mask, options, inputs, sequences), shape)
     adv = take_rows(rows, objective.per_token_advantages(advantages, mask), shape)
-    old, ref, is_ratio, rollout = (take_rows(rows, x, shape) for x in (inputs.old_logps, inputs.ref_logps,
-                                                                         inputs.is_ratio, inputs.rollout_logps))
+    # the rollout correction's weights, once, before the chunks, when the call's constants give them
+    # (with old_logps; any mode, the sequence-level ones included): then they act as is_ratio
+    constant_weights = objective.constant_rollout_weights(inputs, mask, options, sequences)
+    per_chunk_correction = options.rollout_correction is not None and constant_weights is None
+    old, ref, is_ratio, rollout = (take_rows(rows, x, shape) for x in (
+        inputs.old_logps, inputs.ref_logps, inputs.is_ratio if constant_weights is None else constant_weights,
+        inputs.rollout_logps))
 
     def chunk_loss_of(logp: torch.Tensor, entropy: torch.Tensor, chunk: slice) -> torch.Tensor:
         """The weighted loss of one chunk's rows from their log-probs and entropies [c] (0-d)."""
         at = lambda x: None if x is None else x[chunk].unsqueeze(0)  # noqa: E731 ([1, c] rows, all valid)
         ones = torch.ones_like(at(adv))
         chunk_is_ratio = at(is_ratio)
-        if options.rollout_correction is not None:  # token-level here (is_token_local)
+        if per_chunk_correction:  # without old_logps: token-level here (is_token_local), from each token's logp
             chunk_is_ratio, _ = objective.rollout_correction(logp.unsqueeze(0), at(old), at(rollout), ones,
                                                              options, objective.Sequences(ones, None))
         terms = objective.policy_terms(
@@ -376,8 +381,9 @@ def fused_linear_grpo_loss(
     """``grpo_loss(hidden @ weight.T + bias, ...)`` without the [B*T, V] logits; hidden [B, T, H].
 
     Takes every GRPO keyword of :func:`grpo_loss`; gradients flow to hidden, weight and bias. When
-    autograd needs them (grad mode on and an input requiring grad) and the importance sampling is
-    token-level, the gradient is formed in the forward (3 matmuls a chunk, nothing recomputed) and
+    autograd needs them (grad mode on and an input requiring grad) and the loss is token-local
+    (``objective.is_token_local``: a sequence-level ``rollout_correction`` is, given ``old_logps``), the
+    gradient is formed in the forward (3 matmuls a chunk, nothing recomputed) and
     held until ``backward``: ``d hidden`` [N, H] and the ``d W`` accumulator (fp32, or the weight's
     dtype with ``accumulate_in_weight_dtype``), so a second backward through the same graph raises.
     GSPO (``importance_sampling_level="sequence"``) recomputes each chunk's logits in the backward;
@@ -400,7 +406,7 @@ def fused_linear_grpo_loss(
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     # (a truncation's tokens outside the kept set leave the loss's normalisers, known only after the
     # log-probs: those calls take the backward that recomputes the logits)
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options) and not transform.truncates:
+    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates:
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype, transform)
     logp, entropy, _ = _fused_linear_rows(hidden, weight, bias, ids, transform, IGNORE_INDEX, True, chunk_size,

@@ -661,17 +661,21 @@ def loss_spec(options: GRPOOptions) -> LossSpec:
     return LossSpec(options.loss_mode, forced or options.loss_agg_mode, options.loss_agg_mode)
 
 
-def is_token_local(options: GRPOOptions) -> bool:
+def is_token_local(options: GRPOOptions, inputs: Optional[GRPOInputs] = None) -> bool:
     """Whether each token's ``d loss / d logp`` and ``d loss / d entropy`` depend on that token and
     constants only: token-level importance sampling, an objective without a sequence or batch
     coupling (GSPO's ratio, vespo's weight, clip_cov's and kl_cov's selections, geo_mean), and none
-    of TRL's masks that need every token first (top_entropy_quantile, off_policy_mask_threshold, a
-    sequence-level rollout correction). Such a loss can be evaluated inside the log-prob pass
-    (``backends.RowBackend.fuses``) and its gradient formed in the forward
-    (``functional.fused_linear_grpo_loss``)."""
+    of TRL's masks that need every token first (top_entropy_quantile, off_policy_mask_threshold).
+    A sequence-level rollout correction couples a sequence's tokens through ``exp(sum_s (old -
+    rollout))``, with ``old`` the current log-probs when the call has no ``old_logps``; given them
+    (``inputs``, the call's tensors), its weights are constants (:func:`constant_rollout_weights`),
+    so such a call is token-local; without ``inputs`` (a question about the options alone) it is not.
+    Such a loss can be evaluated inside the log-prob pass (``backends.RowBackend.fuses``) and its
+    gradient formed in the forward (``functional.fused_linear_grpo_loss``)."""
+    sequence_correction = (options.rollout_correction or "").startswith("sequence")
     return (options.importance_sampling_level == "token" and OBJECTIVES[loss_spec(options).objective].token_local
             and options.top_entropy_quantile == 1.0 and options.off_policy_mask_threshold is None
-            and not (options.rollout_correction or "").startswith("sequence"))
+            and not (sequence_correction and (inputs is None or inputs.old_logps is None)))
 
 
 def needs_logprobs_first(options: GRPOOptions, inputs: GRPOInputs) -> bool:
@@ -718,6 +722,19 @@ def rollout_correction(logp: torch.Tensor, old_logps: Optional[torch.Tensor], ro
             "sampling/importance_sampling_ratio/max": _masked_stat(values, on, "max"),
         }
     return ratio, metrics
+
+
+def constant_rollout_weights(inputs: GRPOInputs, mask: torch.Tensor, options: GRPOOptions,
+                             sequences: "Sequences") -> Optional[torch.Tensor]:
+    """The rollout correction's weights of a call that gives ``old_logps``, from its constants alone:
+    :func:`rollout_correction` of ``old_logps`` and ``rollout_logps`` (the current log-probs are not
+    read: ``old`` replaces them at every mask-1 position, and a mask-0 one adds nothing), so the
+    same tensor, bit for bit, as the call's own correction after its log-probs. [B, T] (token
+    level, or packed sequences) or [B, 1]; None without a correction or without ``old_logps``."""
+    if options.rollout_correction is None or inputs.old_logps is None:
+        return None
+    unread = torch.zeros_like(mask)  # (stands in for the current log-probs where the mask is 0)
+    return rollout_correction(unread, inputs.old_logps, inputs.rollout_logps, mask, options, sequences)[0]
 
 
 def _masked_stat(values: torch.Tensor, on: torch.Tensor, kind: str) -> torch.Tensor:

@@ -17,10 +17,10 @@ from spec64 import grpo64, logprobs64
 
 import grpo_kernels as gk
 from grpo_kernels import autograd as ga
-from grpo_kernels import backends
+from grpo_kernels import backends, objective
 from grpo_kernels import reference as R
 from grpo_kernels.kernels import torch_rows
-from grpo_kernels.options import LOSS_TYPES
+from grpo_kernels.options import LOSS_TYPES, ROLLOUT_CORRECTIONS, split_grpo_keywords
 
 
 def to_device(kw: dict) -> dict:
@@ -872,6 +872,52 @@ def test_gradient_in_forward_triton_backend(case):
     loss64.backward()
     assert_close64(out.loss, loss64, what="loss")
     check_grads((h.grad, w.grad, b.grad), [t.grad for t in grads64])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("mode", ROLLOUT_CORRECTIONS)
+def test_rollout_correction_given_old_logps_forms_the_gradient_in_the_forward(mode, packed):
+    """Given old_logps, a rollout correction's weights are constants in every mode, the sequence-level
+    ones too (objective.constant_rollout_weights): the fused-linear loss forms its gradient in the
+    forward, with the loss, gradients and metrics of the path that takes the log-probs first (what a
+    sequence-level call ran before: fused_linear_token_logprobs, then objective's maths) and, by rows,
+    of the float64 spec. Bounds that both clip/zero some weights; chunk_size 4 splits sequences."""
+    hidden, weight, bias, batch = linear_batch(940 + 2 * ROLLOUT_CORRECTIONS.index(mode) + packed)
+    _, ids, mask, old, ref, adv, adv_tok, _ = batch
+    mask = (mask != 0).float()  # (TRL's completion mask is 0/1: the spec weights the differences by it)
+    batch = (None, ids, mask) + batch[3:]
+    adv = adv_tok if packed else adv  # (one advantage per packed sequence's token)
+    g = torch.Generator().manual_seed(941)
+    rollout = old + 0.15 * torch.randn(B, T, generator=g)
+    kw = dict(loss_type="grpo", old_logps=old, ref_logps=ref, beta=0.04, entropy_coef=0.01, rollout_logps=rollout,
+              rollout_correction=mode, rollout_correction_max=1.15, rollout_correction_min=0.9)
+    if packed:
+        kw["segment_ids"] = torch.tensor([[0, 0, 1, 1, 1], [3, 3, 3, 5, 5], [0, 0, 0, 0, 0]])
+    out, (h, w, b) = run_fused(hidden, weight, bias, batch, adv, kw, chunk_size=4, backend="torch")
+    assert type(out.loss.grad_fn).__name__ == "FusedLinearGRPOLossFunctionBackward"
+    out.loss.backward()
+
+    # the log-probs first, then the shared maths (the backward recomputes the chunks' logits)
+    inputs, options = split_grpo_keywords(on_device(kw), "fused_linear_grpo_loss")
+    eff = objective.effective_mask(ids, mask).to(DEVICE)
+    h2, w2, b2 = leaves(hidden, weight, bias)
+    logp, entropy = gk.fused_linear_token_logprobs(h2, w2, objective.masked_ids(ids.to(DEVICE), eff), bias=b2,
+                                                   return_entropy=True, chunk_size=4, backend="torch")
+    first = objective.grpo_loss_from_logprobs(logp, entropy, adv.to(DEVICE), eff, inputs, options)
+    first.loss.backward()
+    torch.testing.assert_close(out.loss, first.loss, rtol=1e-6, atol=1e-7)
+    for got, want in zip((h.grad, w.grad, b.grad), (h2.grad, w2.grad, b2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert set(out.metrics) == set(first.metrics) and "sampling/importance_sampling_ratio/mean" in out.metrics
+    for name, value in first.metrics.items():
+        torch.testing.assert_close(out.metrics[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    ratios = objective.constant_rollout_weights(inputs, eff, options, objective.Sequences(eff, inputs.segment_ids))
+    assert ((ratios == 0) | (ratios == 1.15) | (ratios == 0.9)).any() and ((ratios > 0.9) & (ratios < 1.15)).any()
+    if not packed:  # (the float64 spec's correction is by rows)
+        loss64, _, metrics64, grads64 = run64(hidden, weight, bias, batch, adv, kw)
+        loss64.backward()
+        assert_close64(out.loss, loss64, what="loss")
+        check_grads((h.grad, w.grad, b.grad), [t.grad for t in grads64])
 
 
 @pytest.mark.parametrize("case", ["old_ref_beta", "gspo"])

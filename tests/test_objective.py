@@ -13,7 +13,7 @@ from spec64 import grpo64, logprobs64, verl64, verl_policy_metrics64
 
 import grpo_kernels as gk
 from grpo_kernels import objective
-from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOOptions
+from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOInputs, GRPOOptions
 
 B, T, V = 3, 6, 13
 pytestmark = pytest.mark.timeout(600)
@@ -475,3 +475,21 @@ def test_clip_cov_drops_a_uniform_subset_of_its_candidates():
         counts += d.float()
     share = counts[candidates] / draws
     assert (share - n / int(candidates.sum())).abs().max() < 0.12, share
+
+
+@pytest.mark.parametrize("mode", ROLLOUT_CORRECTIONS)
+def test_a_rollout_correction_is_token_local_given_old_logps(mode):
+    """The correction's weights are constants given old_logps (every mode); without them a sequence's
+    weight reads its tokens' current log-probs; the options alone do not say, so a sequence mode is not."""
+    logits, ids, mask, old, _, rollout, _ = batch(960)
+    options = GRPOOptions(loss_type="dapo", rollout_correction=mode)
+    with_old, without = GRPOInputs(old_logps=old, rollout_logps=rollout), GRPOInputs(rollout_logps=rollout)
+    sequence = mode.startswith("sequence")
+    assert objective.is_token_local(options, with_old)
+    assert objective.is_token_local(options, without) == objective.is_token_local(options) == (not sequence)
+    weights = objective.constant_rollout_weights(with_old, mask, options, objective.Sequences(mask, None))
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    assert torch.equal(weights, objective.rollout_correction(logp, old, rollout, mask, options,
+                                                             objective.Sequences(mask, None))[0])
+    assert weights.shape == ((B, 1) if sequence else (B, T))
+    assert objective.constant_rollout_weights(without, mask, options, objective.Sequences(mask, None)) is None

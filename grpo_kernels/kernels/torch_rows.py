@@ -1,17 +1,25 @@
-"""Memory-lean PyTorch row kernels: the same maths as the Triton kernels, a chunk of rows at a time.
+"""Memory-lean PyTorch row kernels: the same maths as the Triton kernels, a block of rows at a time.
 
-Only one chunk's fp32 copy of the logits exists at once, so the extra memory is
-``default_chunk_rows(V) * V * 4`` bytes (16 MiB) instead of a full fp32 ``[N, V]`` copy (or two, with the softmax).
+Each pass allocates its fp32 working buffers once, a block of rows each (:func:`block_rows`: 4 MiB
+on a CPU, 16 MiB elsewhere), and reuses them for every block: two (three under a truncation), so the
+extra memory is ``2 * block_rows(V) * V * 4`` bytes instead of a full fp32 ``[N, V]`` copy (or two,
+with the softmax). The backward forms the gradient in ``out``'s own rows when ``out`` is fp32.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-# 4M elements (16 MiB of fp32) per chunk: each op still streams megabytes, while the two or three
-# fp32 working buffers of a chunk stay small next to the logits themselves.
+# Elements per block of rows on a CPU (4 MiB of fp32; at least one row): a pass's working buffers
+# then come from the allocator's heap instead of fresh mappings faulted in on every call, and a block
+# stays in the cache across the several sweeps of a pass over it (only the first reads memory).
+# Measurements: benchmarks/results/block_elements_cpu.md.
+BLOCK_ELEMENTS = 1 << 20
+# Elsewhere (a GPU, where every op is a launch): 4M elements (16 MiB of fp32) per block, so each op
+# still streams megabytes while the working buffers stay small next to the logits themselves.
 CHUNK_ELEMENTS = 1 << 22
 _LOWEST = torch.finfo(torch.float32).min
 # exp(z) is 0 in fp32 below z = -104 (2^-149 is the smallest subnormal): clamping z here changes no
@@ -41,8 +49,19 @@ def floor_logp(logp: torch.Tensor) -> torch.Tensor:
     return _FloorLogp.apply(logp)
 
 
-def default_chunk_rows(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+def block_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows per block of a row pass: :data:`BLOCK_ELEMENTS` on a CPU, :data:`CHUNK_ELEMENTS` elsewhere."""
+    return max(1, (BLOCK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS) // max(vocab_size, 1))
+
+
+def _buffers(count: int, rows: int, vocab_size: int, device: torch.device) -> list:
+    """``count`` flat fp32 working buffers of ``rows`` rows each (a pass's, reused block after block)."""
+    return [torch.empty(rows * vocab_size, dtype=torch.float32, device=device) for _ in range(count)]
+
+
+def _view(buffer: torch.Tensor, shape) -> torch.Tensor:
+    """The first elements of a flat working buffer as a block of ``shape``."""
+    return buffer[: math.prod(shape)].view(shape)
 
 
 def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
@@ -57,10 +76,11 @@ def row_chunks(b: int, t: int, rows: int) -> Iterator[Tuple[slice, slice]]:
             yield slice(b0, min(b, b0 + per)), slice(0, t)
 
 
-def _capped(x: torch.Tensor, softcap: Optional[float], logit_scale: float) -> torch.Tensor:
-    """A fresh fp32 copy of a chunk as the softmax sees it before the slope :func:`_slope`: the raw
-    logits, or ``softcap * tanh(logit_scale * x / softcap)`` (transformed in place)."""
-    y = x.to(torch.float32, copy=True)
+def _capped(x: torch.Tensor, softcap: Optional[float], logit_scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An fp32 copy of a block as the softmax sees it before the slope :func:`_slope`: the raw
+    logits, or ``softcap * tanh(logit_scale * x / softcap)`` (transformed in place); written into
+    ``out`` (fp32, of x's shape) when given, else a fresh tensor."""
+    y = x.to(torch.float32, copy=True) if out is None else out.copy_(x)
     if softcap is not None:
         if logit_scale != 1.0:
             y.mul_(logit_scale)
@@ -112,10 +132,12 @@ def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: Te
     return row_max * (k.squeeze(-1) if isinstance(k, torch.Tensor) else k) + log_sum
 
 
-def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: Temperature, softcap: Optional[float], logit_scale: float) -> None:
-    """``grad`` (d loss / d z, fp32) times ``dz / dx = logit_scale * (1 - tanh^2(logit_scale x / softcap)) / temperature``."""
+def _chain_rule_(grad: torch.Tensor, x: torch.Tensor, temperature: Temperature, softcap: Optional[float], logit_scale: float,
+                 scratch: torch.Tensor) -> None:
+    """``grad`` (d loss / d z, fp32) times ``dz / dx = logit_scale * (1 - tanh^2(logit_scale x / softcap)) / temperature``
+    (``scratch``: an fp32 buffer of x's shape for the tanh)."""
     if softcap is not None:
-        t = x.to(torch.float32, copy=True).mul_(logit_scale / softcap).tanh_()
+        t = scratch.copy_(x).mul_(logit_scale / softcap).tanh_()
         grad.mul_(t.mul_(t).neg_().add_(1.0))
     if logit_scale != 1.0:
         grad.mul_(logit_scale)
@@ -203,26 +225,26 @@ class RowStats(NamedTuple):
 
 
 def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ignore_index: int, with_entropy: bool,
-                    sampling: tuple = (None, None, False)):
-    """log-prob, entropy, row max and log-sum of one chunk x [b, t, V]; targets [b, t]; then the sum of
+                    sampling: tuple, work: list):
+    """log-prob, entropy, row max and log-sum of one block x [b, t, V]; targets [b, t]; then the sum of
     squared probabilities and the kept set (threshold, tie index), or None each.
 
-    Two fp32 buffers of the chunk's size: ``shift = z - max`` (in place) and ``e = exp(shift)``.
-    ``row_max`` is the max of :func:`_capped` (before the slope), private to this module. With a
-    truncation (``sampling = (top_k, top_p, with_sum_sq)``) the sums run over the kept set
-    (:func:`truncation`), a target outside it gets -inf, and a third buffer holds ``y``.
+    In the working buffers ``work`` (flat fp32, :func:`_buffers`): ``shift = z - max`` (in place) and
+    ``e = exp(shift)``. ``row_max`` is the max of :func:`_capped` (before the slope), private to this
+    module. With a truncation (``sampling = (top_k, top_p, with_sum_sq)``) the sums run over the kept
+    set (:func:`truncation`), a target outside it gets -inf, and a third buffer holds ``y``.
     """
     temperature, softcap, logit_scale = transform
     top_k, top_p, with_sum_sq = sampling
-    shift = _capped(x, softcap, logit_scale)
+    shift = _capped(x, softcap, logit_scale, _view(work[0], x.shape))
     row_max = shift.amax(-1, keepdim=True)
     k = _slope(temperature, softcap, logit_scale)
     truncates = top_k is not None or top_p is not None
-    y = shift.clone() if truncates else None
+    y = _view(work[2], x.shape).copy_(shift) if truncates else None
     shift.sub_(row_max)
     if not _is_one(k):
         shift.mul_(k)
-    e = torch.exp(shift)
+    e = torch.exp(shift, out=_view(work[1], x.shape))
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
     threshold = tie_index = in_kept_set = None
@@ -281,15 +303,16 @@ def forward_rows(
     ``temperature`` a float or a [B, T] tensor. ``row_max`` is the max before the slope
     (:func:`_capped`), for :func:`backward_rows` only."""
     b, t, v = logits.shape
-    rows = default_chunk_rows(v)
+    rows = min(block_rows(v, logits.device), b * t)
     truncates = top_k is not None or top_p is not None
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
     outputs += [torch.empty(b, t, dtype=torch.float32, device=logits.device) if with_sum_sq else None]
     outputs += [torch.empty(b, t, dtype=torch.float32, device=logits.device) if truncates else None,
                 torch.empty(b, t, dtype=torch.int64, device=logits.device) if truncates else None]
-    for bs, ts in row_chunks(b, t, rows):
+    work = _buffers(3 if truncates else 2, rows, v, logits.device)
+    for bs, ts in row_chunks(b, t, max(rows, 1)):
         values = _chunk_logprobs(logits[bs, ts], targets[bs, ts], (_rows_of(temperature, bs, ts), softcap, logit_scale),
-                                 ignore_index, with_entropy, (top_k, top_p, with_sum_sq))
+                                 ignore_index, with_entropy, (top_k, top_p, with_sum_sq), work)
         for out, value in zip(outputs, values):
             if out is not None:
                 out[bs, ts] = value
@@ -316,58 +339,72 @@ def backward_rows(
     """Write ``d loss / d logits`` [B, T, V] into ``out`` (may be ``logits`` itself) and return it.
 
     ``dz = g_logp * (onehot - p) + g_entropy * (-p * (log p + H))``, times ``dz / dx`` (the
-    temperature, softcap and logit scale: :func:`_chain_rule_`). A target outside ``[0, V)`` (other
-    than ``ignore_index``) lies in another rank's vocabulary shard (``grpo_kernels.vocab_parallel``):
-    its row has no one-hot term. With a truncation's kept set (``threshold``, ``tie_index``: a
-    constant of the step) ``p`` is 0 outside it, and a row whose target lies outside it has no
-    log-prob term (its log-prob is -inf: a gradient of 0).
+    temperature, softcap and logit scale: :func:`_chain_rule_`), with ``log p = z - max - log_sum``
+    from the forward's statistics (no reduction over the row here). A target outside ``[0, V)``
+    (other than ``ignore_index``) lies in another rank's vocabulary shard
+    (``grpo_kernels.vocab_parallel``): its row has no one-hot term. With a truncation's kept set
+    (``threshold``, ``tie_index``: a constant of the step) ``p`` is 0 outside it, and a row whose
+    target lies outside it has no log-prob term (its log-prob is -inf: a gradient of 0).
+
+    One sweep per block of rows (:func:`block_rows`), in place: in ``out``'s own rows when ``out`` is
+    fp32 (no copy back; the soft-capped chain rule, which reads the logits again, excepted), else in a
+    working buffer copied out once, rounded once.
     """
     b, t, v = logits.shape
-    rows = default_chunk_rows(v)
-    for bs, ts in row_chunks(b, t, rows):
+    rows = min(block_rows(v, logits.device), b * t)
+    in_out = out.dtype == torch.float32 and softcap is None
+    work = _buffers(1 if in_out else 2, rows, v, logits.device)
+    # (an optimisation only: under torch.compile the masks always run, no data-dependent branch)
+    all_valid = False if torch.compiler.is_compiling() else bool((targets != ignore_index).all())
+    for bs, ts in row_chunks(b, t, max(rows, 1)):
+        x = logits[bs, ts]
         tgt = targets[bs, ts]
         valid = tgt != ignore_index
         temp = _rows_of(temperature, bs, ts)
-        # log p = (z - max) - log s, in place in one fp32 buffer; p in a second one.
-        log_p = _shifted(logits[bs, ts], row_max[bs, ts].unsqueeze(-1), temp, softcap, logit_scale)
-        log_p.sub_(log_sum[bs, ts].unsqueeze(-1))
-        p = torch.exp(log_p)
-        kept = None
-        if threshold is not None:
-            kept = kept_mask(_capped(logits[bs, ts], softcap, logit_scale), threshold[bs, ts], tie_index[bs, ts])
+        row_max_ = row_max[bs, ts].unsqueeze(-1)
+        log_sum_ = log_sum[bs, ts].unsqueeze(-1)
+        in_row = valid & (tgt >= 0) & (tgt < v)
+        safe = torch.where(in_row, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
+        if grad_logp is not None:  # the target's log-prob, read before its row is overwritten
+            # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
+            # before the one rounding, so a confident prediction keeps its small gradient.
+            log_p_target = _shifted(x.gather(-1, safe), row_max_, temp, softcap, logit_scale) - log_sum_
+        # log p = (z - max) - log s, in place in one fp32 block (out's rows, or a buffer); p in another
+        y = _capped(x, softcap, logit_scale, out[bs, ts] if in_out else _view(work[1], x.shape))
+        kept = None if threshold is None else kept_mask(y, threshold[bs, ts], tie_index[bs, ts])
+        k = _slope(temperature=temp, softcap=softcap, logit_scale=logit_scale)
+        log_p = y.sub_(row_max_)
+        if not _is_one(k):
+            log_p.mul_(k)
+        log_p.sub_(log_sum_)
+        p = torch.exp(log_p, out=_view(work[0], x.shape))
+        if kept is not None:
             p.masked_fill_(~kept, 0.0)
         if grad_entropy is not None:
             # d H / d z = -p (log p + H); at a -inf logit p = 0, so clamp log p to stay finite.
             log_p.clamp_(min=_LOWEST).add_(entropy[bs, ts].unsqueeze(-1))
             grad = log_p.mul_(p).mul_(-grad_entropy[bs, ts].unsqueeze(-1))
-        else:
-            grad = log_p.zero_()
         if grad_logp is not None:
             g = grad_logp[bs, ts].unsqueeze(-1)
-            in_row = valid & (tgt >= 0) & (tgt < v)
-            safe = torch.where(in_row, tgt, torch.zeros_like(tgt)).long().unsqueeze(-1)
             if kept is not None:  # a target outside the kept set: log p = -inf, no gradient through it
                 g = torch.where(kept.gather(-1, safe), g, torch.zeros((), device=g.device))
-            # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
-            # before the one rounding, so a confident prediction keeps its small gradient.
-            log_p_target = (_shifted(logits[bs, ts].gather(-1, safe), row_max[bs, ts].unsqueeze(-1), temp,
-                                     softcap, logit_scale) - log_sum[bs, ts].unsqueeze(-1))
-            target_term = g * -torch.expm1(log_p_target) + grad.gather(-1, safe)
-            grad.sub_(p.mul_(g))
+            target_term = g * -torch.expm1(log_p_target)
+            if grad_entropy is not None:
+                target_term = target_term + grad.gather(-1, safe)
+                grad.addcmul_(p, g, value=-1.0)  # - g p
+            else:
+                grad = torch.mul(p, -g, out=log_p)  # (-g) p: one pass, the same bits as 0 - g p
             # a row whose target is in another shard keeps its -g p entry at column 0
             target_term = torch.where(in_row.unsqueeze(-1), target_term, grad.gather(-1, safe))
             grad.scatter_(-1, safe, target_term)
-        _chain_rule_(grad, logits[bs, ts], temp, softcap, logit_scale)
-        grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read
-        out[bs, ts] = grad.to(out.dtype)
+        elif grad_entropy is None:
+            grad = log_p.zero_()
+        _chain_rule_(grad, x, temp, softcap, logit_scale, scratch=p)
+        if not all_valid:
+            grad.masked_fill_(~valid.unsqueeze(-1), 0.0)  # after the chain rule: a masked row is never read
+        if not in_out:
+            out[bs, ts] = grad  # (cast to out's dtype once)
     return out
-
-
-# Elements per block of rows in the fused pass (4 MiB of fp32; at least one row): the block's exp
-# buffer then comes from the allocator's heap instead of a fresh mapping faulted in on every call,
-# and the first of the sweeps over a block is the only one that reads memory. Measurements:
-# benchmarks/results/block_elements_cpu.md.
-BLOCK_ELEMENTS = 1 << 20
 
 
 class RowGradient(NamedTuple):
@@ -389,7 +426,7 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     logits [n, V] (contiguous rows the caller owns, any float dtype), targets [n]. After the first
     sweep ``coefficients(logp [n], entropy [n])`` (fp32) gives ``(d loss/d logp [n], d loss/d entropy
     [n] or None)``. The same maths as :func:`forward_rows` then :func:`backward_rows`, over blocks of
-    rows (:data:`BLOCK_ELEMENTS`). With ``z`` the logits over the temperature minus the row max,
+    rows (:func:`block_rows`). With ``z`` the logits over the temperature minus the row max,
     ``e = exp(z)``, ``s = sum e``, ``p = e / s``, ``log p = z - log s`` and ``H = log s - sum e z / s``:
 
         d z = g_logp (onehot - p) - g_entropy p (log p + H) = e (a z + b) + g_logp onehot,
@@ -415,7 +452,7 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
     device = logits.device
     f32 = dict(dtype=torch.float32, device=device)
     row_max, sums, dot, target_z = (torch.empty(n, 1, **f32) for _ in range(4))
-    block = max(1, BLOCK_ELEMENTS // v)
+    block = block_rows(v, device)
     fp32 = logits.dtype == torch.float32
     # fp32 logits hold z themselves unless factored (then they take e'); exp needs its own buffer
     # except when it is written straight over fp32 logits
