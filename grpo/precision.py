@@ -114,30 +114,173 @@ class MasterWeightAdamW(torch.optim.AdamW):
     parameters it is given; fp32 parameters are stepped as they are.
 
     ``step`` copies each 16-bit gradient into an fp32 gradient for its master, runs AdamW on the masters
-    (fused, when asked: ``fused=True``) and rounds them into the parameters. The fp32 gradients are
-    views of one buffer the size of the largest 16-bit parameter, kept between steps: the masters are
-    stepped in buckets that fit it (AdamW's update is elementwise, so the result is the one-call one,
-    bit for bit). A buffer allocated afresh at every step costs more than the step itself on a CPU (every
-    page of it faults in again; ``benchmarks/optimizer_step.py``, results in ``benchmarks/results/``);
-    one for all the gradients at once would hold 4 bytes per parameter through the backward pass.
-    Gradients that cannot be a view of a plain buffer (FSDP2's sharded ``DTensor``) are cast afresh.
+    and rounds them into the parameters. AdamW's update is elementwise, so any cut of the parameters
+    into pieces gives the one-call result, bit for bit:
+
+    - fused (``fused=True``, every group): the 16-bit parameters are cut into slices of at most
+      :attr:`slice_elements` elements (small parameters share a slice), and each slice runs the three
+      passes back to back while its fp32 gradient and master are still in cache: the 16-bit gradient
+      into a kept fp32 buffer of one slice, torch's fused AdamW kernel (``torch._fused_adamw_``, the
+      call ``torch.optim.adam._fused_adam`` makes) on flat views of the slice's master and moments, and
+      the master rounded into the weight. Parameter by parameter instead, the fp32 gradient and master
+      of a large parameter leave the cache between the passes (``benchmarks/optimizer_step.py``).
+    - otherwise (the foreach path): the fp32 gradients are views of one kept buffer the size of the
+      largest 16-bit parameter, and torch's ``AdamW.step`` steps the masters in buckets that fit it.
+
+    Either way the buffer is kept between steps (allocated afresh, every page of it faults in again,
+    which costs more than the step on a CPU), and gradients that cannot be a flat view of a plain tensor
+    (FSDP2's sharded ``DTensor``, non-contiguous or sparse ones) are cast afresh and stepped whole.
+    Parameters without a gradient are skipped, as torch's AdamW skips them (``_init_group`` chooses).
 
     ``param_groups`` (the learning rate) are the inner AdamW's; ``state_dict`` is torch's AdamW's plus the
     masters (``"master_weights"``, in parameter order), so a resumed run continues from the same fp32
     values rather than from the rounded weights.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs) -> None:
-        self.model_params = list(params)
+    slice_elements: int = 1 << 18
+    """Elements of one slice of the fused path: its fp32 gradient and master (8 bytes an element, 2 MiB)
+    stay in a core's L2 / the L3 between the passes (the size measured fastest on the CPU,
+    ``benchmarks/results/``)."""
+
+    _ALIGN = 64
+    """Where a parameter may be cut (elements from its start). torch's CPU kernel computes each tensor's
+    last ``numel % vector width`` elements in scalar code, in double (``adam_fused_step_impl``,
+    aten/src/ATen/native/cpu/FusedAdamKernel.cpp): a piece that ends elsewhere than at a multiple of the
+    vector width (8 or 16 floats) would round those elements differently from the whole parameter.
+    (CUDA's kernel is the same arithmetic on every element.)"""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict], **kwargs) -> None:
+        """``params``: parameters, or parameter groups (dicts with ``"params"`` and their own AdamW
+        options), as ``torch.optim.AdamW`` takes them; ``kwargs``: AdamW's options."""
+        groups = list(params)
+        if not all(isinstance(g, dict) for g in groups):
+            groups = [{"params": groups}]
+        groups = [{**g, "params": list(g["params"])} for g in groups]
+        self.model_params = [p for g in groups for p in g["params"]]
         masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.model_params]
-        super().__init__(masters, **kwargs)
+        master_of = {id(p): m for p, m in zip(self.model_params, masters)}
+        super().__init__([{**g, "params": [master_of[id(p)] for p in g["params"]]} for g in groups], **kwargs)
         self._pairs = [(p, m) for p, m in zip(self.model_params, masters) if m is not p]
         self._own = [m for p, m in zip(self.model_params, masters) if m is p]  # fp32 parameters: stepped as they are
-        self._largest: dict[torch.device, int] = {}  # per device: the buffer's size
+        self._largest: dict[torch.device, int] = {}  # per device: the foreach path's buffer size
         for p, _ in self._pairs:
             self._largest[p.device] = max(self._largest.get(p.device, 0), p.numel())
-        self._buffers: dict[torch.device, torch.Tensor] = {}  # fp32 gradients of one bucket, per device (made at the first step)
+        self._buffers: dict[torch.device, torch.Tensor] = {}  # fp32 gradients of one bucket or slice, per device (made at the first step)
 
+    def _buffer(self, device: torch.device, size: int) -> torch.Tensor:
+        """The kept fp32 gradient buffer of ``device``, of at least ``size`` elements."""
+        if device not in self._buffers or self._buffers[device].numel() < size:
+            self._buffers[device] = torch.empty(size, dtype=torch.float32, device=device)
+        return self._buffers[device]
+
+    # ------------------------------------------------------------------ the fused path: cache-sized slices
+    @staticmethod
+    def _sliceable(p: torch.Tensor, master: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient, ``p`` and its master can be cut into flat views (plain, dense,
+        contiguous tensors); otherwise the gradient is cast afresh and the master stepped whole."""
+        grad = p.grad
+        return (type(grad) is torch.Tensor and grad.layout == torch.strided and grad.is_contiguous()
+                and p.is_contiguous() and master.is_contiguous())
+
+    def _fused_step(self) -> None:
+        """One step of every group through torch's fused kernel, the 16-bit parameters slice by slice."""
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        weights = {id(master): p for p, master in self._pairs}
+        sliced: set[int] = set()
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+            elif self._sliceable(p, master):
+                master.grad = master.detach()  # (a stand-in of the right shape for _init_group; never read)
+                sliced.add(id(master))
+            else:
+                master.grad = p.grad.float()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            # torch's own selection (parameters with a gradient) and lazy state initialisation
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if not params:
+                continue
+            amsgrad = group["amsgrad"]
+            beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
+            options = dict(amsgrad=amsgrad, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                           eps=group["eps"], maximize=group["maximize"])
+            whole: dict[torch.device, list[list]] = {}  # per device: the op's six lists, tensors stepped whole
+            pieces: dict[torch.device, list] = {}  # per device: (weight, master, gradient, moments, step, start, end)
+            for i, master in enumerate(params):
+                lists = (master, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None, steps[i])
+                if id(master) in sliced:
+                    pieces.setdefault(master.device, []).append((weights[id(master)], *lists))
+                else:
+                    columns = whole.setdefault(master.device, [[] for _ in range(6)])
+                    for column, t in zip(columns, lists):
+                        if t is not None:
+                            column.append(t)
+            for device in {*whole, *pieces}:
+                lr = group["lr"]
+                if torch.is_tensor(lr) and lr.device.type != "cpu":  # (as _fused_adam: a CUDA lr to the device)
+                    lr = lr.to(device, non_blocking=True)
+                scale = grad_scale.to(device, non_blocking=True) if grad_scale is not None else None
+                inf = found_inf.to(device, non_blocking=True) if found_inf is not None else None
+                kw = dict(options, lr=lr, grad_scale=scale, found_inf=inf)
+                device_steps = [steps[i] for i, m in enumerate(params) if m.device == device]
+                # the op reads the step counters; torch's _fused_adam adds 1 before the call, once per
+                # parameter (however many slices share the counter)
+                torch._foreach_add_(device_steps, 1)
+                if device in whole:
+                    torch._fused_adamw_(*whole[device], **kw)
+                if device in pieces:
+                    self._step_slices(pieces[device], amsgrad, kw)
+                if inf is not None:  # (as _fused_adam: a skipped step does not count)
+                    torch._foreach_sub_(device_steps, [inf] * len(device_steps))
+        for p, master in self._pairs:
+            if id(master) not in sliced and p.grad is not None:
+                p.copy_(master)  # (the ones stepped whole) rounded to the parameter's dtype
+            master.grad = None
+
+    def _step_slices(self, entries: list, amsgrad: bool, kw: dict) -> None:
+        """The 16-bit parameters of one device and group (``entries``: weight, master, stand-in gradient,
+        exp_avg, exp_avg_sq, max_exp_avg_sq or None, step), cut into slices of at most
+        :attr:`slice_elements` elements; per slice: gradients into the buffer, one fused call, rounding."""
+        size = max(self._ALIGN, self.slice_elements // self._ALIGN * self._ALIGN)
+        buffer = self._buffer(entries[0][1].device, size)
+        chunk: list[tuple] = []  # (weight, master, exp_avg, exp_avg_sq, max_exp_avg_sq, step, start, end) of this slice
+        filled = 0
+
+        def flush() -> None:
+            lists = [[] for _ in range(6)]
+            offset = 0
+            for weight, master, exp_avg, exp_avg_sq, max_sq, step, start, end in chunk:
+                n = end - start
+                lists[0].append(master.view(-1)[start:end])
+                lists[1].append(buffer[offset : offset + n].copy_(weight.grad.view(-1)[start:end]))
+                lists[2].append(exp_avg.view(-1)[start:end])
+                lists[3].append(exp_avg_sq.view(-1)[start:end])
+                if amsgrad:
+                    lists[4].append(max_sq.view(-1)[start:end])
+                lists[5].append(step)  # (read only: incremented once, before)
+                offset += n
+            torch._fused_adamw_(*lists, **kw)
+            for (weight, _, _, _, _, _, start, end), master_slice in zip(chunk, lists[0]):
+                weight.view(-1)[start:end].copy_(master_slice)  # rounded to the parameter's dtype, once per step
+
+        for weight, master, _, exp_avg, exp_avg_sq, max_sq, step in entries:
+            start, n = 0, master.numel()
+            while start < n:
+                # the rest of the parameter, or as much of it as fills the slice, cut at a multiple of
+                # _ALIGN from the parameter's start
+                end = n if n - start <= size - filled else start + (size - filled) // self._ALIGN * self._ALIGN
+                if end > start:
+                    chunk.append((weight, master, exp_avg, exp_avg_sq, max_sq, step, start, end))
+                    filled += end - start
+                    start = end
+                if end < n or filled == size:
+                    flush()
+                    chunk, filled = [], 0
+        if chunk:
+            flush()
+
+    # ------------------------------------------------------------------ the foreach path: buckets through AdamW.step
     def _buckets(self) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
         """This step's (parameter, master, offset in its device's buffer) with a gradient, in order, cut
         into buckets whose plain gradients fit the buffers; a sharded gradient (offset -1) is cast apart."""
@@ -164,12 +307,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         step = step.__wrapped__ if getattr(step, "hooked", False) else step
         step(self)
 
-    @torch.no_grad()
-    def step(self, closure=None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _bucket_step(self) -> None:
         own_grads = [m.grad for m in self._own]
         for i, bucket in enumerate(self._buckets()):
             for _, master in self._pairs:
@@ -180,9 +318,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 if offset < 0:
                     master.grad = p.grad.float()
                     continue
-                if p.device not in self._buffers:
-                    self._buffers[p.device] = torch.empty(self._largest[p.device], dtype=torch.float32, device=p.device)
-                master.grad = self._buffers[p.device][offset : offset + p.numel()].view(p.shape).copy_(p.grad)
+                buffer = self._buffer(p.device, self._largest[p.device])
+                master.grad = buffer[offset : offset + p.numel()].view(p.shape).copy_(p.grad)
             self._adamw_step()
             for p, master, _ in bucket:
                 p.copy_(master)  # rounded to the parameter's dtype, once per step
@@ -190,6 +327,17 @@ class MasterWeightAdamW(torch.optim.AdamW):
             master.grad = None  # (views of the buffer, which the next bucket or step overwrites)
         for master, grad in zip(self._own, own_grads):
             master.grad = grad
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if all(group["fused"] for group in self.param_groups):
+            self._fused_step()
+        else:
+            self._bucket_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

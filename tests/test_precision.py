@@ -125,6 +125,55 @@ def test_masters_step_in_buckets_as_one_fused_call_would_with_fp32_and_gradless_
     assert torch.equal(params[1].detach().float(), plain[1].detach())  # (never stepped: not even decayed)
 
 
+def test_fused_masters_step_slice_by_slice_as_torchs_fused_adamw_bitwise():
+    """The fused path's slices (a tiny ``slice_elements``: parameters several slices long with a ragged
+    last one, small ones sharing a slice), two groups (weight decay, and amsgrad with none), a 16-bit
+    parameter without a gradient, an fp32 one, torch's AMP attributes (a gradient scale; a found inf,
+    which skips the step and its count), and a resume from the state dict mid-run: bit for bit torch's
+    fused AdamW on fp32 copies given the same gradients; each step counter counts each step once."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(9, 23), (5,), (4, 30), (3,), (200,), (2, 2)]
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16, torch.bfloat16, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in zip(shapes, dtypes)]
+    plain = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    gradless = 3  # (a 16-bit parameter never given a gradient)
+
+    def groups(ps):
+        return [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0, "amsgrad": True}]
+
+    def build(ps, like=None):
+        optimizer = precision.MasterWeightAdamW(groups(ps), fused=True, **{**HYPER, "weight_decay": 0.0})
+        optimizer.slice_elements = 64  # (207 = 3 x 64 + 15, 5 shares the 15's slice; 120 = 64 + 56; 200 = 3 x 64 + 8)
+        return optimizer
+
+    ours, torchs = build(params), torch.optim.AdamW(groups(plain), fused=True, **{**HYPER, "weight_decay": 0.0})
+    amp = [None, (2.0, 0.0), (4.0, 1.0), None, None, None]  # (grad_scale, found_inf) per step
+    for k, scale in enumerate(amp):
+        if k == 3:  # resume: a new optimizer from the state dict, on the weights as they are
+            state = copy.deepcopy(ours.state_dict())
+            params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            ours = build(params)
+            ours.load_state_dict(state)
+        for i, (p, q) in enumerate(zip(params, plain)):
+            grad = None if i == gradless else torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad, q.grad = grad, None if grad is None else grad.float().clone()  # (the op unscales in place)
+        for o in (ours, torchs):
+            o.grad_scale, o.found_inf = (None, None) if scale is None else (torch.tensor(scale[0]), torch.tensor(scale[1]))
+        ours.step()
+        torchs.step()
+        ours.zero_grad()
+        torchs.zero_grad()
+    masters = [m for group in ours.param_groups for m in group["params"]]
+    for p, master, q in zip(params, masters, plain):
+        assert torch.equal(master, q) and torch.equal(p.detach(), q.detach().to(p.dtype))
+        assert master.grad is None
+    for master, q in zip(masters, plain):
+        mine, theirs = ours.state[master], torchs.state[q]
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert [float(ours.state[m]["step"]) for i, m in enumerate(masters) if i != gradless] == [5.0] * 5  # (6 steps, one skipped)
+    assert not ours.state[masters[gradless]] and torch.equal(params[gradless].detach().float(), plain[gradless].detach())
+
+
 # ---------------------------------------------------------------------------- the state dict and resuming
 def old_format(state: dict) -> dict:
     """What ``torch.optim.AdamW`` (foreach, the trainer's optimizer before it was fused) writes for the
