@@ -114,8 +114,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
     parameters it is given; fp32 parameters are stepped as they are.
 
     ``step`` copies each 16-bit gradient into an fp32 gradient for its master, runs AdamW on the masters
-    and rounds them into the parameters. AdamW's update is elementwise, so any cut of the parameters
-    into pieces gives the one-call result, bit for bit:
+    and rounds them into the parameters. AdamW's update is elementwise, so the parameters can be cut into
+    pieces (where :attr:`_ALIGN` allows) and the result is the one-call one, bit for bit:
 
     - fused (``fused=True``, every group): the 16-bit parameters are cut into slices of at most
       :attr:`slice_elements` elements (small parameters share a slice), and each slice runs the three
@@ -123,7 +123,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
       into a kept fp32 buffer of one slice, torch's fused AdamW kernel (``torch._fused_adamw_``, the
       call ``torch.optim.adam._fused_adam`` makes) on flat views of the slice's master and moments, and
       the master rounded into the weight. Parameter by parameter instead, the fp32 gradient and master
-      of a large parameter leave the cache between the passes (``benchmarks/optimizer_step.py``).
+      of a large parameter leave the cache between the passes. (The two casts are passes torch's fused
+      kernel does not fuse: they, not the memory traffic, are most of what the step costs over the
+      fused fp32 step on a CPU; ``benchmarks/optimizer_step.py``, results in ``benchmarks/results/``.)
     - otherwise (the foreach path): the fp32 gradients are views of one kept buffer the size of the
       largest 16-bit parameter, and torch's ``AdamW.step`` steps the masters in buckets that fit it.
 
@@ -137,17 +139,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
     values rather than from the rounded weights.
     """
 
-    slice_elements: int = 1 << 18
-    """Elements of one slice of the fused path: its fp32 gradient and master (8 bytes an element, 2 MiB)
-    stay in a core's L2 / the L3 between the passes (the size measured fastest on the CPU,
-    ``benchmarks/results/``)."""
+    slice_elements: int = 1 << 19
+    """Elements of one slice of the fused path (rounded down to a multiple of :attr:`_ALIGN`): its fp32
+    gradient and master, 4 MiB, stay in cache (L3) between the passes. 2^18 .. 2^20 measure alike on the
+    CPU, 2^19 best or tied at 1 and 2 threads; smaller slices pay per-call overhead (and, threaded, a
+    parallel region each), larger ones fall out of cache (``benchmarks/results/``)."""
 
     _ALIGN = 64
     """Where a parameter may be cut (elements from its start). torch's CPU kernel computes each tensor's
     last ``numel % vector width`` elements in scalar code, in double (``adam_fused_step_impl``,
     aten/src/ATen/native/cpu/FusedAdamKernel.cpp): a piece that ends elsewhere than at a multiple of the
     vector width (8 or 16 floats) would round those elements differently from the whole parameter.
-    (CUDA's kernel is the same arithmetic on every element.)"""
+    (CUDA's kernel applies one arithmetic to every element; untested here.)"""
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict], **kwargs) -> None:
         """``params``: parameters, or parameter groups (dicts with ``"params"`` and their own AdamW
