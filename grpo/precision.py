@@ -209,7 +209,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
             options = dict(amsgrad=amsgrad, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                            eps=group["eps"], maximize=group["maximize"])
             whole: dict[torch.device, list[list]] = {}  # per device: the op's six lists, tensors stepped whole
-            pieces: dict[torch.device, list] = {}  # per device: (weight, master, gradient, moments, step, start, end)
+            pieces: dict[torch.device, list] = {}  # per device: (weight, master, stand-in, exp_avg, exp_avg_sq, max or None, step)
             for i, master in enumerate(params):
                 lists = (master, grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None, steps[i])
                 if id(master) in sliced:

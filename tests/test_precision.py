@@ -101,15 +101,17 @@ def test_the_fused_step_matches_float64_adamw(dtype):
         assert all(master.grad is None for master in stepped)
 
 
-def test_masters_step_in_buckets_as_one_fused_call_would_with_fp32_and_gradless_parameters():
-    """16-bit weights (stepped in buckets through one kept fp32 buffer: SHAPES make three), an fp32
-    weight among them (stepped once, as it is) and one without a gradient (not stepped): bit for bit
-    torch's fused AdamW in one call on fp32 copies given the same gradients."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_masters_step_as_one_torch_call_would_with_fp32_and_gradless_parameters(fused):
+    """16-bit weights (fused: in slices, here one; otherwise in buckets through one kept fp32 buffer:
+    SHAPES make three), an fp32 weight among them (stepped once, as it is) and one without a gradient
+    (not stepped): bit for bit torch's AdamW of the same implementation in one call on fp32 copies given
+    the same gradients."""
     params = parameters(torch.bfloat16) + [torch.nn.Parameter(torch.randn(6, dtype=torch.float32))]
     params.insert(1, torch.nn.Parameter(torch.randn(4, 3).to(torch.bfloat16)))  # (never has a gradient)
     plain = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-    ours, torchs = precision.adamw(params, **HYPER), torch.optim.AdamW(plain, fused=True, **HYPER)
-    assert type(ours) is precision.MasterWeightAdamW
+    ours = precision.MasterWeightAdamW(params, fused=fused, **HYPER)
+    torchs = torch.optim.AdamW(plain, fused=fused, **HYPER)
     for step_grads in gradients(4):
         grads = step_grads[:1] + [None] + step_grads[1:] + [torch.randn(6, dtype=torch.float64)]
         for p, q, g in zip(params, plain, grads):
