@@ -206,8 +206,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 continue
             amsgrad = group["amsgrad"]
             beta1, beta2 = (float(b) if torch.is_tensor(b) else b for b in group["betas"])
-            options = dict(amsgrad=amsgrad, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                           eps=group["eps"], maximize=group["maximize"])
+            options = {"amsgrad": amsgrad, "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"],
+                       "eps": group["eps"], "maximize": group["maximize"]}
             whole: dict[torch.device, list[list]] = {}  # per device: the op's six lists, tensors stepped whole
             pieces: dict[torch.device, list] = {}  # per device: (weight, master, stand-in, exp_avg, exp_avg_sq, max or None, step)
             for i, master in enumerate(params):
