@@ -558,6 +558,16 @@ def tile_columns(num_rows: int, vocab_size: int, device: torch.device) -> int:
     return max(1, min(vocab_size, max(MIN_TILE_COLUMNS, budget // max(num_rows, 1))))
 
 
+def frozen_head_bytes(num_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most bytes :func:`frozen_head_rows` holds for a chunk of ``num_rows`` rows: its [n, Vb] blocks
+    (the logits in ``dtype``, fp32 ``e``, an fp32 copy of 16-bit logits), the two fp32 [n, H]
+    accumulators and, for a 16-bit head with an entropy gradient, an fp32 copy of one [Vb, H] weight block."""
+    width = tile_columns(num_rows, vocab_size, device)
+    elt = torch.finfo(dtype).bits // 8
+    blocks = num_rows * width * (elt + 4 + (0 if elt == 4 else 4))
+    return blocks + 2 * num_rows * hidden_size * 4 + (0 if elt == 4 else width * hidden_size * 4)
+
+
 class FrozenHeadRows(NamedTuple):
     """What :func:`frozen_head_rows` gives for n rows: float32 [n] ``logp``, ``entropy`` (0 unless asked),
     ``row_max`` and ``log_sum`` (as :class:`RowStats`': :func:`backward_rows` reads them), ``sum_probs_sq``
