@@ -7,6 +7,10 @@ weight, bias -> (logp, entropy), where each chunk's logits exist only while that
 in the forward and again in the backward (4 matmuls). ``FusedLinearGRPOLossFunction``: hidden, weight, bias
 -> a token-level loss whose gradient is formed in the forward (3 matmuls, nothing recomputed) and
 handed over by the backward. :func:`default_chunk_size` sizes their chunks from N, H, V and the device.
+A head without weight or bias gradient (LoRA, ``no_grad``) on a backend that ``tiles_vocabulary``
+(torch, without top-k/top-p) never forms a chunk's [c, V] logits: each chunk walks the vocabulary in
+blocks (``backend.frozen_head_rows``; :func:`_tiled_row_stats`, :func:`_tiled_loss_rows`,
+:func:`_tiled_hidden_grad`).
 
 Each Function receives the backend object (``grpo_kernels.backends``) and calls only its methods.
 Backwards are first order: a double backward (``create_graph=True``) raises a RuntimeError instead
@@ -526,6 +530,9 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
     graph (``retain_graph=True``) raises instead of silently returning a consumed buffer.
 
     ``logp`` and ``entropy`` are outputs without gradient (for metrics and ``per_token_logps``).
+    ``entropy_grad``: whether ``coefficients`` may give a ``d loss / d entropy`` (an entropy bonus);
+    the vocabulary-tiled path of a frozen head forms ``d H / d hidden`` only then (it raises if an
+    undeclared one comes).
     """
 
     @staticmethod
