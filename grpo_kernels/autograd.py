@@ -378,12 +378,16 @@ def _tiled_hidden_grad(grad_hidden: torch.Tensor, hidden: torch.Tensor, weight: 
                     _as_rows(logits), _as_rows(_block_targets(targets[rows], v0, c, ignore_index)),
                     _as_rows(row_max[rows]), _as_rows(log_sum[rows]), _as_rows(entropy[rows]), g_logp, g_ent,
                     transform.rows(rows), ignore_index, _as_rows(logits))[0]
-                if v0 == 0:
-                    torch.mm(grad_logits, w_block, out=acc) if acc.dtype == grad_logits.dtype else acc.copy_(grad_logits @ w_block)
-                elif acc.dtype == grad_logits.dtype:
-                    acc.addmm_(grad_logits, w_block)
+                if acc.dtype != grad_logits.dtype:  # a 16-bit block's product, summed in fp32
+                    product = grad_logits @ w_block
+                    if v0 == 0:
+                        acc.copy_(product)
+                    else:
+                        acc.add_(product)
+                elif v0 == 0:
+                    torch.mm(grad_logits, w_block, out=acc)
                 else:
-                    acc.add_(grad_logits @ w_block)
+                    acc.addmm_(grad_logits, w_block)
             if not in_place:
                 grad_hidden[rows] = acc
 

@@ -209,15 +209,17 @@ def test_frozen_head_grpo_loss_in_vocabulary_blocks_matches_float64(monkeypatch,
     assert h.grad[0, 3].abs().max() == 0
 
 
-@pytest.mark.parametrize("n_rows", [1, 9])
-def test_frozen_head_logprobs_in_vocabulary_blocks_match_float64(monkeypatch, n_rows):
+@pytest.mark.parametrize("n_rows, dtype", [(1, torch.float32), (9, torch.float32), (9, torch.bfloat16)], ids=str)
+def test_frozen_head_logprobs_in_vocabulary_blocks_match_float64(monkeypatch, n_rows, dtype):
     """fused_linear_token_logprobs with a frozen head: the forward's statistics (log-prob, entropy, sum of
     squared probabilities) and the backward's d hidden (the vocabulary in blocks again, each block's
-    targets local to it) against float64; a per-row temperature, a soft cap, an ignored row; one row."""
+    targets local to it) against float64; a per-row temperature, a soft cap, an ignored row; one row;
+    bf16 (the reference's logits rounded to bf16 as the head's are, d hidden back in bf16)."""
     from helpers import assert_close64
     from spec64 import logprobs64
 
     hidden, weight, bias, ids, g = _frozen_head(n_rows + 3, n_rows)
+    hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
     if n_rows > 1:
         ids[0, 4] = -100
     temperature = 0.6 + torch.rand(1, n_rows, generator=g)
@@ -231,15 +233,19 @@ def test_frozen_head_logprobs_in_vocabulary_blocks_match_float64(monkeypatch, n_
     ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     h64 = hidden.double().requires_grad_()
     logits64 = h64 @ weight.double().T + bias.double()
+    if dtype != torch.float32:
+        logits64 = logits64 + (logits64.to(dtype).double() - logits64).detach()
     t64 = temperature.double()[..., None]
     lp64, ent64 = logprobs64(logits64, ids, t64, **kw)
     ((lp64 * g_logp.double()).sum() + (ent64 * g_ent.double()).sum()).backward()
     z64 = 5.0 * torch.tanh(logits64.detach() * 1.3 / 5.0) / t64
     sq64 = torch.where(ids != -100, torch.softmax(z64, -1).square().sum(-1), torch.zeros((), dtype=torch.float64))
-    assert_close64(logp, lp64, scale=5, what="logp")
-    assert_close64(ent, ent64, scale=5, what="entropy")
-    assert_close64(sum_sq, sq64, what="sum p^2")
-    assert_close64(h.grad, h64.grad, scale=0.1 * h64.grad.abs().max().item(), what="grad hidden")
+    value = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    assert_close64(logp, lp64, value, scale=5, what="logp")
+    assert_close64(ent, ent64, value, scale=5, what="entropy")
+    assert_close64(sum_sq, sq64, value, what="sum p^2")
+    assert h.grad.dtype == dtype
+    assert_close64(h.grad, h64.grad, dtype, scale=0.1 * h64.grad.abs().max().item(), what="grad hidden")
 
 
 def test_frozen_head_with_truncation_keeps_the_row_path(monkeypatch):
