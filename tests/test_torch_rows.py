@@ -154,3 +154,21 @@ def test_frozen_head_rows_nan_and_neg_inf():
     assert_close64(out.entropy[rows], ent64[rows], scale=5, what="entropy")
     assert out.logp[2] == torch.finfo(torch.float32).min  # a target at -inf: the floor (floor_logp)
     assert torch.isfinite(out.grad_logp[rows]).all() and torch.isfinite(out.grad_entropy[rows]).all()
+
+
+@pytest.mark.parametrize("n, h, v, dtype, grads", [(64, 16, 3000, torch.float32, 1), (64, 16, 3000, torch.float32, 2),
+                                                   (40, 8, 9000, torch.bfloat16, 2)], ids=str)
+def test_frozen_head_bytes_is_what_the_pass_holds(monkeypatch, n, h, v, dtype, grads):
+    """The memory plan's term for a frozen head (``frozen_head_bytes``) against the bytes the pass
+    allocates at its peak (torch's CPU allocator events), with blocks narrower than V."""
+    from benchmarks.harness import peak_extra_bytes
+
+    monkeypatch.setitem(torch_rows.TILE_ELEMENTS, "cpu", 1 << 16)
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(n, h, generator=g).to(dtype), torch.randn(v, h, generator=g).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    assert torch_rows.tile_columns(n, v, torch.device("cpu")) < v
+    got = peak_extra_bytes(lambda: torch_rows.frozen_head_rows(hidden, weight, None, targets, 1.0, -100, True, False, grads),
+                           torch.device("cpu"))[0]
+    planned = torch_rows.frozen_head_bytes(n, v, h, dtype, torch.device("cpu"))
+    assert 0.9 * planned <= got <= 1.05 * planned, (got, planned)

@@ -561,11 +561,12 @@ def tile_columns(num_rows: int, vocab_size: int, device: torch.device) -> int:
 def frozen_head_bytes(num_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """The most bytes :func:`frozen_head_rows` holds for a chunk of ``num_rows`` rows: its [n, Vb] blocks
     (the logits in ``dtype``, fp32 ``e``, an fp32 copy of 16-bit logits), the two fp32 [n, H]
-    accumulators and, for a 16-bit head with an entropy gradient, an fp32 copy of one [Vb, H] weight block."""
+    accumulators and the gradients formed from them (four [n, H] fp32 at the end) and, for a 16-bit head
+    with an entropy gradient, an fp32 copy of one [Vb, H] weight block."""
     width = tile_columns(num_rows, vocab_size, device)
     elt = torch.finfo(dtype).bits // 8
     blocks = num_rows * width * (elt + 4 + (0 if elt == 4 else 4))
-    return blocks + 2 * num_rows * hidden_size * 4 + (0 if elt == 4 else width * hidden_size * 4)
+    return blocks + 6 * num_rows * hidden_size * 4 + (0 if elt == 4 else width * hidden_size * 4)
 
 
 class FrozenHeadRows(NamedTuple):
@@ -684,6 +685,7 @@ def frozen_head_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
             _add_block_product(acc_b, eu, cap, w_product, x)
         acc_a.mul_(scale)
         _add_block_product(acc_a, e, cap, w_product, x)
+        del w_product  # (before the next block's copy exists)
     # the target's own terms: u_t = (y_t - m) k, e_t = exp(u_t); S = rest + e_t
     u_target = torch.where(in_row.unsqueeze(-1), (y_target - row_max) * k_col, zero)
     e_target = torch.where(in_row.unsqueeze(-1), u_target.exp(), zero)
