@@ -180,6 +180,84 @@ def frozen_head(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
              *H.timing_table(times, "trainable")])
 
 
+def frozen_tiles(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
+    """A frozen head (LoRA, ``no_grad``) on the torch backend: the row chunks of [c, V] logits ("rows",
+    the path before the vocabulary was tiled: ``TorchBackend.tiles_vocabulary`` off) against the
+    vocabulary in blocks ("tiles"), for the log-probs under ``no_grad`` (old/reference log-probs), the
+    GRPO loss fwd+bwd (its gradient in the forward; with and without an entropy bonus) and the
+    log-probs fwd+bwd (the recomputing backward): peak extra bytes (``harness.peak_extra_bytes``, once
+    each) and main-thread CPU time (``time.thread_time``, one torch thread), interleaved rounds."""
+    import time
+    from contextlib import contextmanager
+
+    from grpo_kernels import backends, fused_linear_grpo_loss, fused_linear_token_logprobs
+
+    torch.set_num_threads(1)  # (so the main thread's CPU time is all of it)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(1, N, H_) * 0.5, torch.randn(V, H_) * 0.02
+    ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
+    tiles = backends.TorchBackend.tiles_vocabulary
+
+    @contextmanager
+    def path(name: str):
+        backends.TorchBackend.tiles_vocabulary = tiles if name == "tiles" else (lambda self, transform: False)
+        try:
+            yield
+        finally:
+            backends.TorchBackend.tiles_vocabulary = tiles
+
+    def logprobs_no_grad():
+        with torch.no_grad():
+            fused_linear_token_logprobs(hidden, weight, ids, backend="torch")
+
+    def loss(entropy_coef: float):
+        def run():
+            h = hidden.clone().requires_grad_()
+            fused_linear_grpo_loss(h, weight, ids, adv, mask, loss_type="dapo", entropy_coef=entropy_coef,
+                                   backend="torch").loss.backward()
+        return run
+
+    def logprobs_backward():
+        h = hidden.clone().requires_grad_()
+        fused_linear_token_logprobs(h, weight, ids, backend="torch").sum().backward()
+
+    ops = {"log-probs, no_grad": logprobs_no_grad, "loss fwd+bwd": loss(0.0), "loss fwd+bwd, entropy bonus": loss(0.01),
+           "log-probs fwd+bwd": logprobs_backward}
+
+    def side(op: str, name: str) -> Callable[[], None]:
+        def run():
+            with path(name):
+                ops[op]()
+        return run
+
+    def thread_timed(fn: Callable[[], None]) -> Callable[[], float]:
+        def run():
+            t0 = time.thread_time()
+            fn()
+            return time.thread_time() - t0
+        return run
+
+    record: dict = {"N": N, "H": H_, "V": V, "rounds": rounds, "threads": 1, "ops": {}}
+    lines = [f"Frozen head, torch backend, N={N}, H={H_}, V={V}, fp32, one torch thread; rows: chunks of [c, V] logits "
+             f"(c = default_chunk_size), tiles: the vocabulary in blocks; {rounds} interleaved rounds, main-thread CPU time:", ""]
+    table = []
+    for op in ops:
+        peaks = {name: H.peak_extra_bytes(side(op, name), torch.device("cpu"))[0] for name in ("rows", "tiles")}
+        fns = {name: thread_timed(side(op, name)) for name in ("rows", "tiles")}
+        for fn in fns.values():  # warm-up
+            fn()
+        times: dict[str, list[float]] = {"rows": [], "tiles": []}
+        for r in range(rounds):
+            for name in H.rotated(list(fns), r):
+                times[name].append(fns[name]())
+        record["ops"][op] = {"peak_extra_bytes": peaks, "thread_cpu_s": times}
+        table.append([op, f"{peaks['rows'] / 2**20:.1f}", f"{peaks['tiles'] / 2**20:.1f}",
+                      f"{H.median(times['rows']) * 1e3:.0f}", f"{H.median(times['tiles']) * 1e3:.0f}",
+                      H.fmt_ratio(H.ratio(times, "tiles", "rows"))])
+    lines += H.table(["op", "peak extra MiB: rows", "tiles", "thread CPU ms: rows", "tiles", "tiles / rows"], table)
+    return record, lines
+
+
 def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dict, list[str]]:
     """Each CPU variant's step time against ``base``'s, interleaved in one process on one warm model."""
     from grpo import activations, models, trainer
@@ -270,6 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(list(SIZES), None, list(SIZES)),
             lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
     command("frozen-head", "fused linear loss fwd+bwd: trainable vs frozen lm_head", N=2048, H=512, V=151936)
+    command("frozen-tiles", "frozen lm_head: row chunks vs vocabulary blocks, peak extra bytes and thread CPU time",
+            N=256, H=256, V=151936)
     command("options", "issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
             tokens=(int, "tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)"),
             chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),
@@ -289,6 +369,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.cmd == "options":
         records, lines = options(args)
         rows += records
+        report.add(*lines)
+    elif args.cmd == "frozen-tiles":
+        record, lines = frozen_tiles(args.N, args.H, args.V, args.rounds)
+        rows.append(record)
         report.add(*lines)
     elif args.cmd == "frozen-head":
         record, lines = frozen_head(args.N, args.H, args.V, args.rounds)

@@ -59,7 +59,8 @@ Activations, per token (``a`` = the activations' bytes, ``b``; what an adapted l
   fused loss computes it in its forward), ``(4 + 2a)H + 4`` (+ ``aH`` for a trainable norm).
 - the loss's chunk: one [c, V] block of logits (``c`` = ``grpo_kernels``' default chunk rows on the
   device: the largest chunk of any micro-batch of at most N tokens, so that the peak never falls as N
-  grows) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator.
+  grows) and, for a trainable head in 16-bit, its fp32 ``d W`` accumulator; a frozen head (LoRA) on a
+  CPU walks the vocabulary in blocks instead: ``grpo_kernels.kernels.torch_rows.frozen_head_bytes``.
 - the rollout's KV cache: ``2 L kv N a`` for the step's tokens at once (Hugging Face generation on the
   training GPU; freed before the update).
 
@@ -638,6 +639,7 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
           lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
           activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, device: str) -> MemoryPlan:
     from grpo_kernels.autograd import default_chunk_size
+    from grpo_kernels.kernels.torch_rows import frozen_head_bytes, tile_columns
 
     import torch
 
@@ -664,6 +666,7 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
     # never falls as tokens grow
     chunk = default_chunk_size(V, H, dtype, kind, min(tokens, default_chunk_size(V, H, dtype, kind)))
     head_trainable = not use_peft
+    tiled_head = not head_trainable and device != "cuda"  # (CUDA's default backend, Triton, takes row chunks)
     final_norm = N * (4 * H + 4 + (b * H if not use_peft else 0))
     runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU}
     terms = {
@@ -681,7 +684,9 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         "attention workspace": layer["workspace"],
         "layer: gradients": layer["gradients"],
         "edges": final_norm + 2 * N * H * b,
-        "loss chunk": chunk * V * b + (V * H * 4 if head_trainable and b != 4 else 0),
+        # a frozen head on a CPU (the torch backend) walks the vocabulary in blocks: [c, Vb], not [c, V]
+        "loss chunk": (frozen_head_bytes(chunk, V, H, dtype, kind) if tiled_head
+                       else chunk * V * b + (V * H * 4 if head_trainable and b != 4 else 0)),
         "rollout KV cache": 2 * L * shape.kv * (rollout_tokens or tokens) * b,
     }
     lora_note = (f"{len([t for t in targets if t in ATTENTION_LINEARS])} adapters x N tokens, dropout {lora_dropout}"
@@ -714,7 +719,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         + (", dk/dv per head (GQA)" if shape.num_key_value_heads != shape.num_attention_heads else ""),
         "layer: gradients": "the gradient into and out of the layer, 2 x N x H",
         "edges": "final norm, the hidden states the loss reads and their gradient",
-        "loss chunk": f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else ""),
+        "loss chunk": (f"{chunk} rows x Vb={tile_columns(chunk, V, kind)} (the frozen head's vocabulary blocks)" if tiled_head
+                       else f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else "")),
         "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",
     }
     reserve, largest = {}, ""

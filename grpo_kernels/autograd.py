@@ -7,6 +7,10 @@ weight, bias -> (logp, entropy), where each chunk's logits exist only while that
 in the forward and again in the backward (4 matmuls). ``FusedLinearGRPOLossFunction``: hidden, weight, bias
 -> a token-level loss whose gradient is formed in the forward (3 matmuls, nothing recomputed) and
 handed over by the backward. :func:`default_chunk_size` sizes their chunks from N, H, V and the device.
+A head without weight or bias gradient (LoRA, ``no_grad``) on a backend that ``tiles_vocabulary``
+(torch, without top-k/top-p) never forms a chunk's [c, V] logits: each chunk walks the vocabulary in
+blocks (``backend.frozen_head_rows``; :func:`_tiled_row_stats`, :func:`_tiled_loss_rows`,
+:func:`_tiled_hidden_grad`).
 
 Each Function receives the backend object (``grpo_kernels.backends``) and calls only its methods.
 Backwards are first order: a double backward (``create_graph=True``) raises a RuntimeError instead
@@ -25,7 +29,7 @@ from typing import Callable, Dict, Optional, Protocol, Tuple
 import torch
 
 from .backends import RowBackend
-from .kernels.torch_rows import RowGradient, RowStats
+from .kernels.torch_rows import RowGradient, RowStats, tile_columns
 from .options import LogitTransform
 
 
@@ -311,6 +315,83 @@ def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     return RowStats(*stats)
 
 
+def _tiled_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                     chunk_size: int, dtype: torch.dtype, backend: RowBackend, transform: LogitTransform,
+                     ignore_index: int, with_entropy: bool, with_sum_sq: bool) -> RowStats:
+    """:func:`_chunked_row_stats` for a head without a weight gradient: each chunk's statistics from
+    ``backend.frozen_head_rows`` (the vocabulary in blocks; never a chunk's whole [c, V] logits)."""
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    logp, entropy, row_max, log_sum = (torch.empty(n, **f32) for _ in range(4))
+    sum_sq = torch.empty(n, **f32) if with_sum_sq else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            out = backend.frozen_head_rows(hidden[rows].to(dtype), w, b, targets[rows], transform.rows(rows),
+                                           ignore_index, with_entropy, with_sum_sq)
+            logp[rows], entropy[rows], row_max[rows], log_sum[rows] = out.logp, out.entropy, out.row_max, out.log_sum
+            if with_sum_sq:
+                sum_sq[rows] = out.sum_probs_sq
+    return RowStats(logp, entropy, row_max, log_sum, sum_sq)
+
+
+def _block_targets(targets: torch.Tensor, start: int, width: int, ignore_index: int) -> torch.Tensor:
+    """Targets as indices into the vocabulary block ``[start, start + width)``: a target elsewhere
+    becomes an index outside ``[0, width)`` (``backward_rows`` reads it as another shard's: no one-hot
+    term), never ``ignore_index`` by accident; ``ignore_index`` stays."""
+    outside = -1 if ignore_index != -1 else width
+    local = targets - start
+    inside = (local >= 0) & (local < width)
+    return torch.where(targets == ignore_index, targets,
+                       torch.where(inside, local, torch.full((), outside, dtype=targets.dtype, device=targets.device)))
+
+
+def _tiled_hidden_grad(grad_hidden: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor], targets: torch.Tensor, stats: tuple, grads: tuple,
+                       backend: RowBackend, transform: LogitTransform, ignore_index: int, chunk_size: int,
+                       dtype: torch.dtype) -> None:
+    """``d hidden`` [n, H] of the log-prob Function when the head has no gradient: per chunk of rows,
+    the vocabulary in blocks (``torch_rows.tile_columns``); each block's logits, their gradient from
+    the forward's whole-row statistics (``backend.backward_rows``, the block's targets local to it),
+    then ``d hidden += d logits_block @ W_block`` (fp32). Memory: a [c, Vb] block, not [c, V]."""
+    row_max, log_sum, entropy = stats
+    grad_logp, grad_entropy = grads
+    n, v = hidden.shape[0], weight.shape[0]
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            h = hidden[rows].to(dtype)
+            r = h.shape[0]
+            width = tile_columns(r, v, hidden.device)
+            buffer = torch.empty(r * width, dtype=dtype, device=hidden.device)  # flat: each block a contiguous view
+            in_place = grad_hidden.dtype == torch.float32
+            acc = grad_hidden[rows] if in_place else torch.empty(r, h.shape[1], dtype=torch.float32, device=h.device)
+            g_logp = None if grad_logp is None else _as_rows(grad_logp[rows])
+            g_ent = None if grad_entropy is None else _as_rows(grad_entropy[rows])
+            for v0 in range(0, v, width):
+                c = min(width, v - v0)
+                w_block = w[v0:v0 + c]
+                logits = _chunk_logits(h, w_block, None if b is None else b[v0:v0 + c], buffer[: r * c].view(r, c))
+                grad_logits = backend.backward_rows(
+                    _as_rows(logits), _as_rows(_block_targets(targets[rows], v0, c, ignore_index)),
+                    _as_rows(row_max[rows]), _as_rows(log_sum[rows]), _as_rows(entropy[rows]), g_logp, g_ent,
+                    transform.rows(rows), ignore_index, _as_rows(logits))[0]
+                if acc.dtype != grad_logits.dtype:  # a 16-bit block's product, summed in fp32
+                    product = grad_logits @ w_block
+                    if v0 == 0:
+                        acc.copy_(product)
+                    else:
+                        acc.add_(product)
+                elif v0 == 0:
+                    torch.mm(grad_logits, w_block, out=acc)
+                else:
+                    acc.addmm_(grad_logits, w_block)
+            if not in_place:
+                grad_hidden[rows] = acc
+
+
 def _hand_over(grad: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
     """An accumulated gradient in its input's dtype (rounded once, at the end)."""
     return None if grad is None or dtype is None else grad.to(dtype)
@@ -332,10 +413,14 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, backend: RowBackend, transform: LogitTransform, ignore_index: int,
                 with_entropy: bool, chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool = False,
                 with_sum_sq: bool = False):
-        stats = _chunked_row_stats(
-            hidden, weight, bias, targets, chunk_size, dtype,
-            lambda logits, tgt, rows: backend.forward_rows(logits, tgt, transform.rows(rows), ignore_index, with_entropy,
-                                                           with_sum_sq))
+        if not any(ctx.needs_input_grad[1:3]) and backend.tiles_vocabulary(transform):  # frozen head, or no_grad
+            stats = _tiled_row_stats(hidden, weight, bias, targets, chunk_size, dtype, backend, transform, ignore_index,
+                                     with_entropy, with_sum_sq)
+        else:
+            stats = _chunked_row_stats(
+                hidden, weight, bias, targets, chunk_size, dtype,
+                lambda logits, tgt, rows: backend.forward_rows(logits, tgt, transform.rows(rows), ignore_index,
+                                                               with_entropy, with_sum_sq))
         return logprob_forward_outputs(
             ctx, (hidden, weight, bias, targets, stats.row_max, stats.log_sum, stats.entropy, stats.threshold,
                   stats.tie_index),
@@ -352,6 +437,10 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+        if need_hidden and not need_weight and not need_bias and threshold is None and backend.tiles_vocabulary(transform):
+            _tiled_hidden_grad(grad_hidden, hidden, weight, bias, targets, (row_max, log_sum, entropy),
+                               (grad_logp, grad_entropy), backend, transform, ignore_index, chunk_size, dtype)
+            return (grad_hidden,) + (None,) * 11
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _operands(weight, bias, dtype)
             buffer = _logits_buffer(n, chunk_size, w)
@@ -445,12 +534,16 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
     graph (``retain_graph=True``) raises instead of silently returning a consumed buffer.
 
     ``logp`` and ``entropy`` are outputs without gradient (for metrics and ``per_token_logps``).
+    ``entropy_grad``: whether ``coefficients`` may give a ``d loss / d entropy`` (an entropy bonus);
+    the vocabulary-tiled path of a frozen head forms ``d H / d hidden`` only then (it raises if an
+    undeclared one comes).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, coefficients: LossCoefficients, backend: RowBackend,
                 transform: LogitTransform, ignore_index: int, chunk_size: int, dtype: torch.dtype,
-                needs_grad: Tuple[bool, bool, bool], accumulate_in_weight_dtype: bool = False):
+                needs_grad: Tuple[bool, bool, bool], accumulate_in_weight_dtype: bool = False,
+                entropy_grad: bool = True):
         need_hidden, need_weight, need_bias = needs_grad
         n = hidden.shape[0]
         device = hidden.device
@@ -459,34 +552,12 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = _new_weight_grad(weight, accumulate_in_weight_dtype, n) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_bias else None
-        with torch.autocast(device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            buffer = _logits_buffer(n, chunk_size, w)
-            for start in range(0, n, chunk_size):
-                rows = slice(start, min(n, start + chunk_size))
-                h = hidden[rows].to(dtype)
-                grad_logits = _chunk_logits(h, w, b, buffer)  # overwritten by its gradient below
-
-                def chunk_coefficients(lp, ent, rows=rows):
-                    chunk_loss, g_logp, g_entropy = coefficients(lp, ent, rows)
-                    loss.add_(chunk_loss)
-                    return g_logp, g_entropy
-
-                # factored unless the bias needs its gradient (a plain column sum of d logits)
-                out = backend.forward_backward_rows(grad_logits, targets[rows], transform.rows(rows), ignore_index,
-                                                    chunk_coefficients, factored=not need_bias)
-                logp[rows], entropy[rows] = out.logp, out.entropy
-                if out.row_scale is not None:
-                    _add_factored_grads(out, grad_logits, h, w, targets[rows], ignore_index,
-                                        grad_hidden[rows] if need_hidden else None,
-                                        grad_weight if need_weight else None, first=start == 0)
-                    continue
-                if need_hidden:
-                    _write_hidden_grad(grad_hidden[rows], grad_logits, w)
-                if need_weight:
-                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
-                if need_bias:
-                    grad_bias += grad_logits.sum(0, dtype=torch.float32)
+        if not need_weight and not need_bias and backend.tiles_vocabulary(transform):  # a frozen head (LoRA)
+            _tiled_loss_rows(hidden, weight, bias, targets, coefficients, backend, transform, ignore_index, chunk_size,
+                             dtype, grad_hidden, entropy_grad, (loss, logp, entropy))
+        else:
+            _chunked_loss_rows(hidden, weight, bias, targets, coefficients, backend, transform, ignore_index, chunk_size,
+                               dtype, (grad_hidden, grad_weight, grad_bias), (loss, logp, entropy))
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(logp, entropy)
@@ -508,4 +579,76 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
             if grad is not None and not unit:
                 grad.mul_(grad_loss)  # in the accumulator's dtype (fp32 for d W and d b), before rounding
             out.append(_hand_over(grad, dtype))
-        return (*out,) + (None,) * 9
+        return (*out,) + (None,) * 10
+
+
+def _tiled_loss_rows(hidden, weight, bias, targets, coefficients: LossCoefficients, backend: RowBackend,
+                     transform: LogitTransform, ignore_index: int, chunk_size: int, dtype: torch.dtype,
+                     grad_hidden: Optional[torch.Tensor], entropy_grad: bool, outputs: tuple) -> None:
+    """:class:`FusedLinearGRPOLossFunction`'s forward for a head without weight or bias gradient: per
+    chunk of rows, ``backend.frozen_head_rows`` gives the log-probs, entropies and ``d logp / d h``
+    (and ``d H / d h`` when ``entropy_grad``) walking the vocabulary in blocks; the loss's
+    coefficients then combine them: ``d hidden = g_logp d logp/d h + g_entropy d H/d h``. Same FLOPs
+    as the row chunks' three matmuls less ``d W`` (plus one [c, Vb] x [Vb, H] product per block for
+    the entropy term); memory [c, Vb] instead of [c, V]. Fills ``outputs`` = (loss 0-d, logp [N],
+    entropy [N]) and ``grad_hidden``."""
+    loss, logp, entropy = outputs
+    grads = (2 if entropy_grad else 1) if grad_hidden is not None else 0
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, min(hidden.shape[0], start + chunk_size))
+            out = backend.frozen_head_rows(hidden[rows].to(dtype), w, b, targets[rows], transform.rows(rows),
+                                           ignore_index, True, False, grads)
+            logp[rows], entropy[rows] = out.logp, out.entropy
+            chunk_loss, g_logp, g_entropy = coefficients(out.logp, out.entropy, rows)
+            loss.add_(chunk_loss)
+            if grad_hidden is None:
+                continue
+            if g_entropy is not None and out.grad_entropy is None and not torch.compiler.is_compiling():
+                raise RuntimeError("fused_linear_grpo_loss: the loss has an entropy gradient its caller did not declare "
+                                   "(entropy_grad=False)")
+            grad = out.grad_logp.mul_(g_logp.float().unsqueeze(-1))
+            if g_entropy is not None and out.grad_entropy is not None:
+                grad.addcmul_(out.grad_entropy, g_entropy.float().unsqueeze(-1))
+            grad_hidden[rows] = grad
+
+
+def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoefficients, backend: RowBackend,
+                       transform: LogitTransform, ignore_index: int, chunk_size: int, dtype: torch.dtype,
+                       grads: tuple, outputs: tuple) -> None:
+    """:class:`FusedLinearGRPOLossFunction`'s forward by chunks of rows (each chunk's [c, V] logits,
+    overwritten by their gradient): fills ``outputs`` = (loss, logp, entropy) and ``grads`` =
+    (d hidden, d W, d b), each None when not wanted."""
+    loss, logp, entropy = outputs
+    grad_hidden, grad_weight, grad_bias = grads
+    need_hidden, need_weight, need_bias = (g is not None for g in grads)
+    n = hidden.shape[0]
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        buffer = _logits_buffer(n, chunk_size, w)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(n, start + chunk_size))
+            h = hidden[rows].to(dtype)
+            grad_logits = _chunk_logits(h, w, b, buffer)  # overwritten by its gradient below
+
+            def chunk_coefficients(lp, ent, rows=rows):
+                chunk_loss, g_logp, g_entropy = coefficients(lp, ent, rows)
+                loss.add_(chunk_loss)
+                return g_logp, g_entropy
+
+            # factored unless the bias needs its gradient (a plain column sum of d logits)
+            out = backend.forward_backward_rows(grad_logits, targets[rows], transform.rows(rows), ignore_index,
+                                                chunk_coefficients, factored=not need_bias)
+            logp[rows], entropy[rows] = out.logp, out.entropy
+            if out.row_scale is not None:
+                _add_factored_grads(out, grad_logits, h, w, targets[rows], ignore_index,
+                                    grad_hidden[rows] if need_hidden else None,
+                                    grad_weight if need_weight else None, first=start == 0)
+                continue
+            if need_hidden:
+                _write_hidden_grad(grad_hidden[rows], grad_logits, w)
+            if need_weight:
+                _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+            if need_bias:
+                grad_bias += grad_logits.sum(0, dtype=torch.float32)

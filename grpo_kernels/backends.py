@@ -21,7 +21,7 @@ import torch
 
 from .kernels import torch_rows
 from .objective import is_token_local
-from .kernels.torch_rows import RowGradient, RowStats
+from .kernels.torch_rows import FrozenHeadRows, RowGradient, RowStats
 from .options import LogitTransform
 
 
@@ -108,6 +108,17 @@ class RowBackend:
                            stats.threshold, stats.tie_index)
         return RowGradient(stats.logp[0], stats.entropy[0])
 
+    def tiles_vocabulary(self, transform) -> bool:
+        """Whether :meth:`frozen_head_rows` serves this transform (the fused-linear path of a head
+        without a weight gradient then walks the vocabulary in blocks instead of the rows)."""
+        return False
+
+    def frozen_head_rows(self, hidden, weight, bias, targets, transform, ignore_index, with_entropy,
+                         with_sum_sq=False, hidden_grads=0) -> FrozenHeadRows:
+        """Only where :meth:`tiles_vocabulary`: see ``kernels.torch_rows.frozen_head_rows`` (hidden [n, H],
+        weight [V, H], bias [V] | None in one compute dtype, targets [n]; ``transform`` of these n rows)."""
+        raise NotImplementedError(f"backend {self.name!r} does not tile the vocabulary")
+
     def __repr__(self) -> str:
         return f"<{self.name} row backend>"
 
@@ -147,6 +158,16 @@ class TorchBackend(RowBackend):
             temperature = t.temperature.reshape(-1).double() / t.logit_scale if t.per_row else t.temperature / t.logit_scale
             return torch_rows.forward_backward_rows(logits, targets, temperature, ignore_index, coefficients, factored)
         return super().forward_backward_rows(logits, targets, t, ignore_index, coefficients)
+
+    def tiles_vocabulary(self, transform) -> bool:
+        return not LogitTransform.of(transform).truncates  # (a truncation needs the whole row's order)
+
+    def frozen_head_rows(self, hidden, weight, bias, targets, transform, ignore_index, with_entropy,
+                         with_sum_sq=False, hidden_grads=0) -> FrozenHeadRows:
+        t = LogitTransform.of(transform)
+        temperature = t.temperature.reshape(-1) if t.per_row else t.temperature
+        return torch_rows.frozen_head_rows(hidden, weight, bias, targets, temperature, ignore_index, with_entropy,
+                                           with_sum_sq, hidden_grads, softcap=t.softcap, logit_scale=t.logit_scale)
 
 
 @torch.compiler.assume_constant_result  # fixed for the process once Triton is imported: no guard, no graph break

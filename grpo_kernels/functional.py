@@ -304,6 +304,7 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     loss, logp, entropy = FusedLinearGRPOLossFunction.apply(
         rows.hidden, weight, bias, rows.targets, coefficients, row_backend, take_transform(rows, transform),
         IGNORE_INDEX, rows.chunk_size, rows.dtype, needs_grad, accumulate_in_weight_dtype,
+        bonus is not None,  # the only term with d loss / d entropy (objective.weighted_loss)
     )
     logp, entropy = scatter_rows(rows, logp, shape), scatter_rows(rows, entropy, shape)
     with torch.no_grad():  # metrics only: the same formulas, no autograd

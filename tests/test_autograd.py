@@ -137,3 +137,130 @@ def test_sum_of_squares_is_detached_and_chunks_agree(backend):
     for a, b in zip(*outs):
         assert torch.equal(torch.isinf(a), torch.isinf(b))
         torch.testing.assert_close(torch.where(torch.isfinite(a), a, 0), torch.where(torch.isfinite(b), b, 0))
+
+
+# --------------------------------------------------------------------------------------------------
+# a frozen head (LoRA, no_grad): the fused-linear Functions walk the vocabulary in blocks
+# --------------------------------------------------------------------------------------------------
+def _tiny_tiles(monkeypatch):
+    """Blocks of 30 elements (7 columns for a chunk of 4 rows: V = 157 is 22 blocks and one of 3), and
+    no chunk of [c, V] logits allowed (the row path's buffer raises), every float allocation NaN-poisoned."""
+    from grpo_kernels import autograd as ga
+    from grpo_kernels.kernels import torch_rows
+    from helpers import poison_
+
+    monkeypatch.setattr(torch_rows, "TILE_ELEMENTS", {"cpu": 30, "other": 30})
+    monkeypatch.setattr(torch_rows, "MIN_TILE_COLUMNS", 1)
+
+    def no_row_chunk(*args, **kwargs):
+        raise AssertionError("a frozen head formed a chunk's whole [c, V] logits")
+
+    monkeypatch.setattr(ga, "_logits_buffer", no_row_chunk)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return poison_(t) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+
+
+def _frozen_head(seed: int, n_rows: int, vocab: int = 157, width: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, n_rows, width, generator=g)
+    weight = torch.randn(vocab, width, generator=g) / width**0.5 * torch.linspace(0.5, 3.0, vocab).unsqueeze(-1)
+    bias = torch.randn(vocab, generator=g) * 0.5
+    ids = torch.randint(0, vocab, (1, n_rows), generator=g)
+    return hidden, weight, bias, ids, g
+
+
+@pytest.mark.parametrize("transform", [dict(temperature=0.8), dict(softcap=4.0, logit_scale=1.5, temperature=1.2),
+                                       dict(logit_scale=0.7)], ids=["temperature", "softcap", "scale"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_frozen_head_grpo_loss_in_vocabulary_blocks_matches_float64(monkeypatch, transform, loss_type):
+    """fused_linear_grpo_loss with a frozen weight and bias (torch backend): loss, log-probs, entropy
+    metric and d hidden against float64 through the whole logits; an entropy bonus (d H / d h), a KL,
+    masked tokens, chunks of 4 rows over 9 (the last of 1)."""
+    from spec64 import grpo64
+
+    hidden, weight, bias, ids, g = _frozen_head(7, 9)
+    mask = torch.ones(1, 9)
+    mask[0, 3] = 0
+    logits64 = hidden.double() @ weight.double().T + bias.double()
+    logp64 = torch.log_softmax(logits64, -1).gather(-1, ids[..., None])[..., 0]
+    old = (logp64 + 0.2 * torch.randn(1, 9, generator=g, dtype=torch.float64)).float()
+    ref = (logp64 + 0.2 * torch.randn(1, 9, generator=g, dtype=torch.float64)).float()
+    adv = torch.randn(1, generator=g)
+    kw = dict(old_logps=old, ref_logps=ref, beta=0.04, entropy_coef=0.05, loss_type=loss_type, **transform)
+    _tiny_tiles(monkeypatch)
+    h = hidden.clone().requires_grad_()
+    out = gk.fused_linear_grpo_loss(h, weight, ids, adv, mask, bias=bias, chunk_size=4, backend="torch", **kw)
+    out.loss.backward()
+    h64 = hidden.double().requires_grad_()
+    loss64, lp64, metrics64 = grpo64(h64 @ weight.double().T + bias.double(), ids, adv, mask, **kw)
+    loss64.backward()
+    from helpers import assert_close64
+
+    assert_close64(out.loss, loss64, what="loss")
+    assert_close64(out.per_token_logps, lp64, scale=5, what="logps")
+    assert_close64(out.metrics["entropy"], metrics64["entropy"], what="entropy")
+    assert_close64(h.grad, h64.grad, scale=0.1 * h64.grad.abs().max().item(), what="grad hidden")
+    assert h.grad[0, 3].abs().max() == 0
+
+
+@pytest.mark.parametrize("n_rows, dtype", [(1, torch.float32), (9, torch.float32), (9, torch.bfloat16)], ids=str)
+def test_frozen_head_logprobs_in_vocabulary_blocks_match_float64(monkeypatch, n_rows, dtype):
+    """fused_linear_token_logprobs with a frozen head: the forward's statistics (log-prob, entropy, sum of
+    squared probabilities) and the backward's d hidden (the vocabulary in blocks again, each block's
+    targets local to it) against float64; a per-row temperature, a soft cap, an ignored row; one row;
+    bf16 (the reference's logits rounded to bf16 as the head's are, d hidden back in bf16)."""
+    from helpers import assert_close64
+    from spec64 import logprobs64
+
+    hidden, weight, bias, ids, g = _frozen_head(n_rows + 3, n_rows)
+    hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
+    if n_rows > 1:
+        ids[0, 4] = -100
+    temperature = 0.6 + torch.rand(1, n_rows, generator=g)
+    g_logp, g_ent = torch.randn(1, n_rows, generator=g), torch.randn(1, n_rows, generator=g)
+    kw = dict(softcap=5.0, logit_scale=1.3)
+    _tiny_tiles(monkeypatch)
+    h = hidden.clone().requires_grad_()
+    logp, ent, sum_sq = gk.fused_linear_token_logprobs(h, weight, ids, bias=bias, return_entropy=True,
+                                                       return_sum_probs_sq=True, chunk_size=4, temperature=temperature,
+                                                       backend="torch", **kw)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    h64 = hidden.double().requires_grad_()
+    logits64 = h64 @ weight.double().T + bias.double()
+    if dtype != torch.float32:
+        logits64 = logits64 + (logits64.to(dtype).double() - logits64).detach()
+    t64 = temperature.double()[..., None]
+    lp64, ent64 = logprobs64(logits64, ids, t64, **kw)
+    ((lp64 * g_logp.double()).sum() + (ent64 * g_ent.double()).sum()).backward()
+    z64 = 5.0 * torch.tanh(logits64.detach() * 1.3 / 5.0) / t64
+    sq64 = torch.where(ids != -100, torch.softmax(z64, -1).square().sum(-1), torch.zeros((), dtype=torch.float64))
+    value = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    assert_close64(logp, lp64, value, scale=5, what="logp")
+    assert_close64(ent, ent64, value, scale=5, what="entropy")
+    assert_close64(sum_sq, sq64, value, what="sum p^2")
+    assert h.grad.dtype == dtype
+    assert_close64(h.grad, h64.grad, dtype, scale=0.1 * h64.grad.abs().max().item(), what="grad hidden")
+
+
+def test_frozen_head_with_truncation_keeps_the_row_path(monkeypatch):
+    """top_k / top_p need the whole row's order: a frozen head keeps the chunks of rows for them."""
+    from grpo_kernels.kernels import torch_rows
+    from helpers import assert_close64
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vocabulary was tiled under a truncation")
+
+    monkeypatch.setattr(torch_rows, "frozen_head_rows", refuse)
+    hidden, weight, _, ids, _ = _frozen_head(5, 6)
+    h = hidden.clone().requires_grad_()
+    logp = gk.fused_linear_token_logprobs(h, weight, ids, top_k=20, chunk_size=4, backend="torch")
+    logp.sum().backward()
+    want = gk.token_logprobs(hidden @ weight.T, ids, top_k=20, backend="reference")
+    assert_close64(logp, want.double(), scale=5, what="logp")
+    assert torch.isfinite(h.grad).all()

@@ -51,6 +51,9 @@ SCRIPTS = {
     "long_context-frozen-head": Script(
         "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
                          "--out", "{out}/frozen_head.md"), ("frozen_head.md", "frozen_head.json"), ("transformers",)),
+    "long_context-frozen-tiles": Script(
+        "long_context", ("frozen-tiles", "--N", "32", "--H", "16", "--V", "300", "--rounds", "1",
+                         "--out", "{out}/frozen_tiles.md"), ("frozen_tiles.md", "frozen_tiles.json"), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md", "rewards_hostile.json")),
     "optimizer_step": Script(

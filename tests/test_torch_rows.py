@@ -69,3 +69,106 @@ def test_row_passes_in_blocks_match_float64(shape, dtype, softcap, monkeypatch):
     assert grad.data_ptr() == out.data_ptr() and grad.dtype == dtype
     assert_close64(grad, z64.grad, dtype, scale=0.1 * z64.grad.abs().max().item(), what="d logits")
     assert grad[1, 1].abs().max() == 0
+
+
+def _frozen_head_case(n: int, v: int, h: int, dtype, seed: int):
+    """hidden [n, h], weight [v, h] whose rows grow in norm along the vocabulary (so later blocks raise
+    the running max: the rescaling is exercised), a bias, targets with one ignored row (n > 1) and
+    one confident row (its target's logit far above the rest)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / h**0.5 * torch.linspace(0.5, 3.0, v).unsqueeze(-1)
+    bias = torch.randn(v, generator=g) * 0.5
+    targets = torch.randint(0, v, (n,), generator=g)
+    if n > 2:
+        targets[1] = -100
+        targets[2] = v - 1
+        hidden[2] = weight[v - 1] * (20 / weight[v - 1].square().sum())  # confident: 1 - p_t ~ 1e-6
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("transform", ["plain", "per_row", "softcap", "scale"])
+@pytest.mark.parametrize("n, columns", [(6, 16), (1, 40), (6, 157)])  # 157 = V: one block; 16, 40 do not divide V
+def test_frozen_head_rows_match_float64(dtype, transform, n, columns):
+    """The vocabulary walked in blocks (online max and sums, the hidden-gradient accumulators rescaled
+    as the max grows) against float64 autograd through the whole [n, V] logits: logp, entropy, the sum
+    of squared probabilities, ``d logp / d h`` and ``d H / d h`` per row; ignored rows give 0."""
+    v, h = 157, 12
+    hidden, weight, bias, targets = _frozen_head_case(n, v, h, dtype, seed=n + columns)
+    g = torch.Generator().manual_seed(1)
+    temperature = {"per_row": 0.5 + torch.rand(n, generator=g)}.get(transform, 0.7)
+    softcap = 4.0 if transform == "softcap" else None
+    logit_scale = {"softcap": 1.5, "scale": 0.8}.get(transform, 1.0)
+    h64 = hidden.double().requires_grad_()
+    logits64 = h64 @ weight.double().T + bias.double()
+    if dtype != torch.float32:  # the bf16 head rounds its logits to bf16, as any bf16 lm_head
+        logits64 = logits64 + (logits64.to(dtype).double() - logits64).detach()
+    temp64 = temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature
+    lp64, ent64 = logprobs64(logits64, targets, temp64, softcap=softcap, logit_scale=logit_scale)
+    z64 = logits64 * logit_scale
+    z64 = (z64 if softcap is None else softcap * torch.tanh(z64 / softcap)) / temp64
+    sq64 = torch.softmax(z64, -1).square().sum(-1)
+    (d_logp64,) = torch.autograd.grad(lp64.sum(), h64, retain_graph=True)
+    (d_ent64,) = torch.autograd.grad(ent64.sum(), h64)
+
+    out = torch_rows.frozen_head_rows(hidden, weight, bias, targets, temperature, -100, True, True, 2,
+                                      softcap=softcap, logit_scale=logit_scale, columns=columns)
+    value = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    assert_close64(out.logp, lp64, value, scale=5, what="logp")
+    assert_close64(out.entropy, ent64, value, scale=5, what="entropy")
+    valid = targets != -100
+    assert_close64(out.sum_probs_sq[valid], sq64[valid], value, what="sum p^2")
+    for got, want, what in ((out.grad_logp, d_logp64, "d logp/d h"), (out.grad_entropy, d_ent64, "d H/d h")):
+        assert got.dtype == torch.float32
+        assert_close64(got, want, value, scale=0.1 * want.abs().max().item(), what=what)
+    if n > 2:
+        assert out.logp[1] == 0 and out.entropy[1] == 0 and out.grad_logp[1].abs().max() == 0
+        assert out.grad_entropy[1].abs().max() == 0 and out.sum_probs_sq[1] == 0
+        if dtype == torch.float32:  # the confident row's small gradient, relative to itself
+            assert_close64(out.grad_logp[2], d_logp64[2], scale=0.1 * d_logp64[2].abs().max().item(), what="confident")
+    # its row statistics are the row pass's: backward_rows reads them
+    stats = torch_rows.forward_rows((hidden.float() @ weight.float().T + bias.float()).to(dtype)[None], targets[None],
+                                    temperature if isinstance(temperature, float) else temperature[None], -100,
+                                    softcap=softcap, logit_scale=logit_scale)
+    assert_close64(out.row_max, stats.row_max[0].double(), what="row max")
+    assert_close64(out.log_sum, stats.log_sum[0].double(), scale=5, what="log sum")
+
+
+def test_frozen_head_rows_nan_and_neg_inf():
+    """A NaN logit makes its row NaN and no other; a block of -inf logits (a bias masking tokens) before
+    any finite one adds nothing (no NaN from rescaling an empty block)."""
+    v, h = 40, 6
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(3, h, generator=g), torch.randn(v, h, generator=g)
+    bias = torch.zeros(v)
+    bias[:10] = float("-inf")
+    targets = torch.tensor([12, 30, 5])
+    hidden[1, 0] = float("nan")
+    out = torch_rows.frozen_head_rows(hidden, weight, bias, targets, 1.0, -100, True, False, 2, columns=10)
+    logits = hidden.double() @ weight.double().T + bias.double()
+    lp64, ent64 = logprobs64(logits, targets)
+    assert torch.isnan(out.logp[1]) and torch.isnan(out.grad_logp[1]).all()
+    rows = [0, 2]
+    assert_close64(out.logp[0], lp64[0], scale=5, what="logp")
+    assert_close64(out.entropy[rows], ent64[rows], scale=5, what="entropy")
+    assert out.logp[2] == torch.finfo(torch.float32).min  # a target at -inf: the floor (floor_logp)
+    assert torch.isfinite(out.grad_logp[rows]).all() and torch.isfinite(out.grad_entropy[rows]).all()
+
+
+@pytest.mark.parametrize("n, h, v, dtype, grads", [(64, 16, 3000, torch.float32, 1), (64, 16, 3000, torch.float32, 2),
+                                                   (40, 8, 9000, torch.bfloat16, 2)], ids=str)
+def test_frozen_head_bytes_is_what_the_pass_holds(monkeypatch, n, h, v, dtype, grads):
+    """The memory plan's term for a frozen head (``frozen_head_bytes``) against the bytes the pass
+    allocates at its peak (torch's CPU allocator events), with blocks narrower than V."""
+    from benchmarks.harness import peak_extra_bytes
+
+    monkeypatch.setitem(torch_rows.TILE_ELEMENTS, "cpu", 1 << 16)
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(n, h, generator=g).to(dtype), torch.randn(v, h, generator=g).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    assert torch_rows.tile_columns(n, v, torch.device("cpu")) < v
+    got = peak_extra_bytes(lambda: torch_rows.frozen_head_rows(hidden, weight, None, targets, 1.0, -100, True, False, grads),
+                           torch.device("cpu"))[0]
+    planned = torch_rows.frozen_head_bytes(n, v, h, dtype, torch.device("cpu"))
+    assert 0.9 * planned <= got <= 1.05 * planned, (got, planned)

@@ -538,3 +538,197 @@ def forward_backward_rows(logits: torch.Tensor, targets: torch.Tensor, temperatu
         if grad is not x:  # (in-place ops return their tensor itself; no data_ptr, which dynamo cannot compare)
             x.copy_(grad)
     return RowGradient(logp, entropy)
+
+
+# --------------------------------------------------------------------------------------------------
+# a frozen head (no d W: LoRA, or no_grad): the vocabulary in blocks, the logits never a whole row
+# --------------------------------------------------------------------------------------------------
+# Elements of one [rows, Vb] block of the vocabulary-tiled pass (8 MiB of fp32 on a CPU, 32 MiB
+# elsewhere): Vb = this / rows, so the pass holds two or three such buffers instead of [rows, V].
+# Measurements: benchmarks/results/lora_vocab_tiles-cpu-20261202.md.
+TILE_ELEMENTS = {"cpu": 1 << 21, "other": 1 << 23}
+# Narrowest block of the vocabulary (a wide chunk of rows then holds more than TILE_ELEMENTS).
+MIN_TILE_COLUMNS = 256
+
+
+def tile_columns(num_rows: int, vocab_size: int, device: torch.device) -> int:
+    """Vb, the vocabulary block of :func:`frozen_head_rows`: :data:`TILE_ELEMENTS` / rows, at least
+    :data:`MIN_TILE_COLUMNS`, at most V."""
+    budget = TILE_ELEMENTS["cpu" if device.type == "cpu" else "other"]
+    return max(1, min(vocab_size, max(MIN_TILE_COLUMNS, budget // max(num_rows, 1))))
+
+
+def frozen_head_bytes(num_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most bytes :func:`frozen_head_rows` holds for a chunk of ``num_rows`` rows: its [n, Vb] blocks
+    (the logits in ``dtype``, fp32 ``e``, an fp32 copy of 16-bit logits), the two fp32 [n, H]
+    accumulators and the gradients formed from them (four [n, H] fp32 at the end) and, for a 16-bit head
+    with an entropy gradient, an fp32 copy of one [Vb, H] weight block."""
+    width = tile_columns(num_rows, vocab_size, device)
+    elt = torch.finfo(dtype).bits // 8
+    blocks = num_rows * width * (elt + 4 + (0 if elt == 4 else 4))
+    return blocks + 6 * num_rows * hidden_size * 4 + (0 if elt == 4 else width * hidden_size * 4)
+
+
+class FrozenHeadRows(NamedTuple):
+    """What :func:`frozen_head_rows` gives for n rows: float32 [n] ``logp``, ``entropy`` (0 unless asked),
+    ``row_max`` and ``log_sum`` (as :class:`RowStats`': :func:`backward_rows` reads them), ``sum_probs_sq``
+    (or None), and float32 [n, H] ``d logp / d hidden`` and ``d H / d hidden`` (or None each)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    row_max: torch.Tensor
+    log_sum: torch.Tensor
+    sum_probs_sq: Optional[torch.Tensor]
+    grad_logp: Optional[torch.Tensor]
+    grad_entropy: Optional[torch.Tensor]
+
+
+@torch.no_grad()
+def frozen_head_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                     temperature: Temperature, ignore_index: int, with_entropy: bool, with_sum_sq: bool = False,
+                     hidden_grads: int = 0, softcap: Optional[float] = None, logit_scale: float = 1.0,
+                     columns: Optional[int] = None) -> FrozenHeadRows:
+    """Row statistics of ``x = hidden [n, H] @ weight^T [H, V] + bias`` (hidden, weight and bias in one
+    compute dtype) and, with ``hidden_grads`` 1 (2), ``d logp / d hidden`` (and ``d H / d hidden``),
+    walking the vocabulary in blocks of ``columns`` (default :func:`tile_columns`) with every row at once:
+    one read of the weight, memory ``n x Vb`` instead of ``n x V``. For a head without a weight gradient
+    (the gradient w.r.t. the weight would need every column's ``d logits``): LoRA, or ``no_grad``.
+
+    With ``y`` the transformed logits before the slope ``k`` (:func:`_capped`, :func:`_slope`) and
+    ``c_v = dz_v / dx_v / k`` (1, or ``logit_scale (1 - (y_v / softcap)^2)`` under a soft cap), each row
+    keeps over the blocks seen so far the running max ``m`` of ``y`` and, with ``u_v = (y_v - m) k``
+    and ``e_v = exp(u_v)``: ``S = sum e``, ``D = sum e u``, ``Q = sum e^2``, and over ``v != t`` (the
+    target apart, for an accurate ``1 - p_t``) ``A = sum e_v c_v W_v``, ``B = sum e_v u_v c_v W_v`` [H].
+    When a block raises the max to ``m'``, ``u`` shifts by ``d = (m - m') k`` and ``e`` scales by
+    ``a = exp(d)``: ``S <- a S``, ``D <- a (D + d S)``, ``Q <- a^2 Q``, ``A <- a A``, ``B <- a (B + d A)``
+    (the online softmax's rescaling: Milakov and Gimelshein 2018; flash-attention's
+    ``flash_attn/flash_attn_triton.py``, ``_fwd_kernel``'s ``acc_o_scale``). At the end
+    ``logp = u_t - log S``, ``H = log S - D / S``, ``sum p^2 = Q / S^2`` and, from
+    ``d logp / d z_v = onehot - p_v`` and ``d H / d z_v = -p_v (log p_v + H)`` (``log p_v = u_v - log S``),
+
+        d logp / d h = k [ (1 - p_t) c_t W_t - A / S ]                   (1 - p_t = -expm1(logp))
+        d H / d h    = k [ -p_t (logp + H) c_t W_t - (B + (H - log S) A) / S ]
+
+    so the loss's per-token coefficients, known only once the row's statistics are, multiply them.
+    ``temperature``: a float or float [n]. Rows whose target is ``ignore_index`` give 0 throughout.
+    """
+    n, hidden_size = hidden.shape
+    v = weight.shape[0]
+    device = hidden.device
+    f32 = dict(dtype=torch.float32, device=device)
+    width = tile_columns(n, v, device) if columns is None else max(1, min(v, columns))
+    if hidden_grads >= 2 and hidden.dtype != torch.float32:  # (its fp32 copy of a weight block: as small)
+        width = min(width, tile_columns(hidden_size, v, device))
+    k = _slope(temperature, softcap, logit_scale)  # float, or float32 [n, 1]
+    k_col = k if isinstance(k, torch.Tensor) else torch.full((n, 1), k, **f32)
+    valid = targets != ignore_index
+    in_row = valid & (targets >= 0) & (targets < v)
+    target = targets.long().unsqueeze(-1)
+    need_dot = with_entropy or hidden_grads >= 2
+    row_max = torch.full((n, 1), float("-inf"), **f32)
+    sums, dot, sq, y_target = (torch.zeros(n, 1, **f32) for _ in range(4))  # (the sums over v != t)
+    zero = torch.zeros((), **f32)
+    acc_a = torch.zeros(n, hidden_size, **f32) if hidden_grads >= 1 else None
+    acc_b = torch.zeros(n, hidden_size, **f32) if hidden_grads >= 2 else None
+    fp32 = hidden.dtype == torch.float32
+    # flat buffers, each block a contiguous [n, c] view of their first n * c elements
+    x_buf = torch.empty(n * width, dtype=hidden.dtype, device=device)
+    y_buf = None if fp32 else torch.empty(n * width, **f32)  # fp32 logits are transformed in place
+    e_buf = torch.empty(n * width, **f32)
+    c_buf = torch.empty(n * width, **f32) if softcap is not None and hidden_grads else None
+    for v0 in range(0, v, width):
+        c = min(width, v - v0)
+        w_block = weight[v0:v0 + c]
+        x = _view(x_buf, (n, c))
+        if bias is None:
+            torch.mm(hidden, w_block.t(), out=x)
+        else:
+            torch.addmm(bias[v0:v0 + c], hidden, w_block.t(), out=x)
+        y = _capped(x, softcap, logit_scale, x if fp32 else _view(y_buf, (n, c)))
+        here = in_row & (target.squeeze(-1) >= v0) & (target.squeeze(-1) < v0 + c)
+        local = (target - v0).clamp_(0, c - 1)
+        y_target.copy_(torch.where(here.unsqueeze(-1), y.gather(-1, local), y_target))
+        new_max = torch.maximum(row_max, y.amax(-1, keepdim=True))
+        # the shift d = (m - m') k of what came before (0 before the first finite max: all sums are 0 then)
+        shift = torch.where(row_max == float("-inf"), torch.zeros((), **f32), (row_max - new_max) * k_col)
+        scale = shift.exp()
+        row_max = new_max
+        cap = None
+        if c_buf is not None:  # c_v / logit_scale = 1 - tanh^2 = 1 - (y / softcap)^2, before y is shifted
+            cap = _view(c_buf, (n, c))
+            torch.div(y, softcap, out=cap)
+            cap.square_().neg_().add_(1.0)
+        # (a block whose rows so far are all -inf, a bias masking tokens: shift by 0, not -inf, so e = 0, not NaN)
+        u = y.sub_(torch.where(row_max == float("-inf"), zero, row_max))
+        if not _is_one(k):
+            u.mul_(k)
+        e = torch.exp(u, out=_view(e_buf, (n, c)))
+        # the target's entry apart (added at the end): every sum below is over v != t, so 1 - p_t is a
+        # sum of the other masses, not 1 minus a rounded p_t, and the accumulators need no correction
+        e.scatter_(-1, local, torch.where(here.unsqueeze(-1), zero, e.gather(-1, local)))
+        if with_sum_sq:
+            sq.mul_(scale.square()).add_(torch.linalg.vecdot(e, e).unsqueeze(-1))
+        if need_dot:
+            dot.add_(sums * shift).mul_(scale)  # a (D + d S), with the S before this block
+        sums.mul_(scale).add_(e.sum(-1, keepdim=True))
+        if need_dot:
+            # a -inf logit has e = 0 and must add 0, not 0 * -inf (a NaN stays NaN through clamp)
+            eu = u.clamp_(min=_LOWEST).mul_(e)
+            dot.add_(eu.sum(-1, keepdim=True))
+        if not hidden_grads:
+            continue
+        # d H / d h combines A and B, which cancel (B + (H - log S) A): their products stay fp32 (a 16-bit
+        # weight's block converted once for both), where one 16-bit rounding of each would not survive
+        w_product = w_block.float() if acc_b is not None else w_block
+        if acc_b is not None:  # B <- a (B + d A) + sum_{v != t} e u c W, with the A before this block
+            acc_b.addcmul_(acc_a, shift).mul_(scale)
+            _add_block_product(acc_b, eu, cap, w_product, x)
+        acc_a.mul_(scale)
+        _add_block_product(acc_a, e, cap, w_product, x)
+        del w_product  # (before the next block's copy exists)
+    # the target's own terms: u_t = (y_t - m) k, e_t = exp(u_t); S = rest + e_t
+    u_target = torch.where(in_row.unsqueeze(-1), (y_target - row_max) * k_col, zero)
+    e_target = torch.where(in_row.unsqueeze(-1), u_target.exp(), zero)
+    rest = sums
+    sums = rest + e_target
+    log_sum = sums.log()
+    # log p_t = -log(1 + rest / e_t): accurate as p_t -> 1, where u_t - log S keeps only log S's rounding;
+    # u_t - log S for a target far below the max (e_t underflows)
+    near = u_target > -64.0
+    logp = torch.where(near, -torch.log1p(rest / torch.where(near, e_target, 1.0)), u_target - log_sum)
+    logp.clamp_(min=_LOWEST)  # see floor_logp
+    keep = lambda t: torch.where(valid, t.squeeze(-1), zero)  # noqa: E731
+    entropy = torch.zeros_like(logp)
+    if need_dot:  # H = log S - D / S, D = sum e u (a -inf target adds 0, as in the sums)
+        entropy = log_sum - (dot + e_target * u_target.clamp(min=_LOWEST)) / sums
+    grad_logp = grad_entropy = None
+    if hidden_grads:
+        w_target = weight.index_select(0, torch.where(in_row, targets, torch.zeros_like(targets)).long()).float()
+        c_target = torch.ones_like(y_target) if softcap is None else (1.0 - (y_target / softcap) ** 2) * logit_scale
+        if softcap is not None and logit_scale != 1.0:
+            acc_a.mul_(logit_scale)
+            if acc_b is not None:
+                acc_b.mul_(logit_scale)
+        c_target = torch.where(in_row.unsqueeze(-1), c_target, zero)  # (a target in another shard: no term)
+        mask = valid.unsqueeze(-1)
+        grad_logp = torch.where(mask, (w_target * (rest / sums * c_target) - acc_a / sums) * k_col, zero)
+        if acc_b is not None:
+            target_term = -(e_target / sums) * (logp + entropy) * c_target
+            grad_entropy = w_target * target_term - (acc_b + (entropy - log_sum) * acc_a) / sums
+            grad_entropy = torch.where(mask, grad_entropy * k_col, zero)
+    sum_sq = None
+    if with_sum_sq:
+        sum_sq = keep((sq + e_target.square()) / sums.square())
+    return FrozenHeadRows(keep(logp), keep(entropy), keep(row_max), keep(log_sum), sum_sq, grad_logp, grad_entropy)
+
+
+def _add_block_product(acc: torch.Tensor, values: torch.Tensor, cap: Optional[torch.Tensor], w_block: torch.Tensor,
+                       scratch: torch.Tensor) -> None:
+    """``acc [n, H] += (values times the soft cap's factor) @ w_block`` (``values`` fp32 [n, c], modified);
+    an fp32 ``w_block`` in fp32, a 16-bit one through ``scratch`` ([n, c], its dtype), the product rounded once."""
+    if cap is not None:
+        values.mul_(cap)
+    if w_block.dtype == torch.float32:
+        acc.addmm_(values, w_block)
+    else:
+        acc.add_(torch.mm(scratch.copy_(values), w_block))
