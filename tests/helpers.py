@@ -73,6 +73,19 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
+def poison_allocations(monkeypatch) -> None:
+    """Every floating-point ``torch.empty`` / ``torch.empty_like`` comes back poisoned (NaN-filled by
+    :func:`poison_`) for the rest of the test: an output element a kernel skips shows up."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return poison_(t) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+
+
 TINY_RUN = dict(
     seed=0, num_steps=1, prompts_per_step=2, num_generations=4, max_new_tokens=6, learning_rate=1e-3,
     backend="torch", progress=False, plot=False, save_every=0,

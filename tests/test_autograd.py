@@ -147,7 +147,7 @@ def _tiny_tiles(monkeypatch):
     no chunk of [c, V] logits allowed (the row path's buffer raises), every float allocation NaN-poisoned."""
     from grpo_kernels import autograd as ga
     from grpo_kernels.kernels import torch_rows
-    from helpers import poison_
+    from helpers import poison_allocations
 
     monkeypatch.setattr(torch_rows, "TILE_ELEMENTS", {"cpu": 30, "other": 30})
     monkeypatch.setattr(torch_rows, "MIN_TILE_COLUMNS", 1)
@@ -156,14 +156,7 @@ def _tiny_tiles(monkeypatch):
         raise AssertionError("a frozen head formed a chunk's whole [c, V] logits")
 
     monkeypatch.setattr(ga, "_logits_buffer", no_row_chunk)
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return poison_(t) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+    poison_allocations(monkeypatch)
 
 
 def _frozen_head(seed: int, n_rows: int, vocab: int = 157, width: int = 12):

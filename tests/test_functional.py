@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import BACKENDS, CORE_LOSS_TYPES, DEVICE, KERNEL_BACKENDS, assert_close64, poison_
+from helpers import BACKENDS, CORE_LOSS_TYPES, DEVICE, KERNEL_BACKENDS, assert_close64, poison_allocations
 from grpo_cases import OPTION_CASES, build_kwargs, make_batch
 from spec64 import grpo64, logprobs64
 
@@ -504,14 +504,7 @@ def test_any_leading_shape_and_int32_ids(backend):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_backends_agree_and_outputs_are_fully_written(backend, monkeypatch):
     """Outputs are allocated with torch.empty: poison that allocation so a row the kernel skips shows up."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return poison_(t) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+    poison_allocations(monkeypatch)
     g = torch.Generator().manual_seed(17)
     logits = torch.randn(3, 5, 211, generator=g).to(DEVICE)
     targets = torch.randint(0, 211, (3, 5), generator=g).to(DEVICE)
