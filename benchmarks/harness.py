@@ -61,16 +61,17 @@ def conditions(**extra: Any) -> dict:
 
 
 def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
-    """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README)."""
-    cuda = device.type == "cuda"
-    src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
-    dst = torch.empty_like(src)
-    copy_s = min(timed(lambda: dst.copy_(src), device) for _ in range(10 if cuda else 3))
-    n = 8192 if cuda else 1024
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README: measured
+    once by the kernel suites on a GPU; a shared CPU's are noise)."""
+    cuda, elements, n = device.type == "cuda", 2**30 if device.type == "cuda" else 2**26, 8192 if device.type == "cuda" else 1024
+    src, dst = torch.ones(elements, device=device), torch.empty(elements, device=device)  # 4 GiB / 256 MiB of fp32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b
-    mm_s = min(timed(lambda: a @ b, device) for _ in range(10 if cuda else 3))
-    return {"copy_gbps": round(2 * src.numel() * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
+    copy_s, mm_s = (min(timed(fn, device) for _ in range(10 if cuda else 3)) for fn in (lambda: dst.copy_(src), lambda: a @ b))
+    del src, dst, a, b
+    if cuda:
+        torch.cuda.empty_cache()  # (the cases' memory checks read what is free)
+    return {"copy_gbps": round(2 * elements * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
@@ -457,26 +458,15 @@ def parser(description: Optional[str] = None, rounds: Optional[int] = 3, add_hel
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m benchmarks.harness call MODULE:FUNCTION KWARGS_JSON``: what :func:`fresh_call` runs."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["call"]:  # what :func:`fresh_call` runs: call MODULE:FUNCTION KWARGS_JSON
-        module, name = argv[1].split(":")
-        result = getattr(importlib.import_module(module), name)(**json.loads(argv[2]))
-        if result is not None:
-            emit(result)
-        return 0
-    p = parser("`machine`: this machine's conditions and ceilings as JSON (gpu_check.sh's env.json); `call MODULE:FUNCTION "
-               "KWARGS_JSON`: its result as a result line (fresh_call)", rounds=None,
-               no_ceilings=(False, "leave out the copy and matmul measurements"))
-    p.add_argument("what", choices=["machine"])
-    args = p.parse_args(argv)
-    info = conditions()
-    if not args.no_ceilings:
-        device = torch.device(info["device"])
-        info.update(ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32))
-    text = json.dumps(info, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    if len(argv) != 3 or argv[0] != "call":
+        print(main.__doc__)
+        return 2
+    module, name = argv[1].split(":")
+    result = getattr(importlib.import_module(module), name)(**json.loads(argv[2]))
+    if result is not None:
+        emit(result)
     return 0
 
 
