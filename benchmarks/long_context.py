@@ -205,35 +205,6 @@ def frozen_head(args) -> tuple[list[dict], list[str]]:
     return records, lines
 
 
-def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dict, list[str]]:
-    """Each CPU variant's step time against ``base``'s, interleaved in one process on one warm model."""
-    from grpo import activations, models, trainer
-
-    dev = torch.device("cpu")
-    cfg = trainer.GRPOConfig(output_dir=tempfile.mkdtemp(), beta=0.0, gradient_checkpointing=True, padding_free=True,
-                             backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=tokens,
-                             mlp_chunk_tokens=chunk)
-    _, policy, _, optimizer = trainer.setup_training(H.qwen2(SIZES[size], tokens), cfg, dev)
-    inner, offload, batch = models.unwrap(policy), activations.ActivationOffload(dev), make_batch([tokens], 16, SIZES[size]["vocab_size"])
-    wrappers = {m: m._gradient_checkpointing_func for m in inner.modules() if m.__dict__.get("_gradient_checkpointing_func")}
-    policy.train()
-
-    def variant(name: str) -> Callable[[], None]:
-        def run() -> None:
-            activations.chunk_mlps(inner, chunk if name == "chunks" else tokens)  # (tokens: one chunk, the module as is)
-            for m, fn in wrappers.items():
-                m._gradient_checkpointing_func = fn
-            if name == "offload-copies":
-                offload.attach(inner)
-            trainer.update(policy, optimizer, batch, cfg, dev)
-        return run
-
-    times = H.interleave({v: variant(v) for v in ("base", "chunks", "offload-copies")}, rounds)
-    return ({"tokens": tokens, "mlp_chunk_tokens": chunk, "size": size, "times_s": times},
-            [f"Step time, one process, {rounds} interleaved rounds on one warm model, {tokens} tokens, mlp_chunk_tokens {chunk}:",
-             "", *H.timing_table(times, "base")])
-
-
 def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list[str]:
     """Per variant the peak and time beside the plan's; on CUDA the plan's runtime and reserve (README)."""
     key, planned = ("peak_allocated_gib", "predicted_allocator_peak_gib") if cuda else ("peak_rss_gib", "predicted_peak_gib")
@@ -263,14 +234,11 @@ def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list
 
 
 def options(args) -> tuple[list[dict], list[str]]:
-    """The ``options`` command: rounds of every variant, each in a fresh process (or ``--timing``)."""
+    """The ``options`` command: rounds of every variant, each in a fresh process."""
     cuda, smoke = args.device == "cuda", args.smoke
     size = "wide-mlp-smoke" if smoke else "qwen2.5-0.5b" if cuda else "wide-mlp"
     tokens, chunk = args.tokens or (96 if smoke else 32768 if cuda else 4096), min(args.chunk, 32) if smoke else args.chunk
     rounds = 1 if smoke else args.rounds
-    if args.timing:
-        record, lines = options_timing(tokens, chunk, rounds, size)
-        return [record], lines
     variants = args.variants or (["base", "chunks"] if smoke else ["base", "offload", "chunks"] if cuda else list(OPTIONS))
     peft = cuda and not H.missing("peft")  # CUDA: LoRA on bf16 weights where peft is installed
     rows = []
@@ -314,8 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             tokens=(int, "tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)"),
             chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),
             variants=([], "default: all on a CPU; base, offload, chunks on CUDA", list(OPTIONS)),
-            smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks"),
-            timing=(False, "CPU: the time ratios only, in one process on one warm model")).set_defaults(rounds=3)
+            smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks")).set_defaults(rounds=3)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     report.records, lines = COMMANDS[args.cmd](args)

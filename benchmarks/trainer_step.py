@@ -333,14 +333,8 @@ def main(argv=None) -> int:
                 one_process=(False, "the sides of a round in one process (a side in another interpreter still gets its own)"),
                 shapes=([], None, sorted(SHAPES)), sides=([], None, list(SIDES)),
                 timeout=(float, "seconds per process (default 120 with --quick, else 900)"),
-                threads=(int, "OMP_NUM_THREADS of the side processes (1 with --quick)"),
-                report=(str, "only render the tables of an earlier run's JSONL (its path) into the .md beside it"))
+                threads=(int, "OMP_NUM_THREADS of the side processes (1 with --quick)"))
     args = p.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        report(records, records[-1]["conditions"], {}, os.path.splitext(args.report)[0] + ".md")
-        return 0
     cuda = torch.cuda.is_available()
     shapes = args.shapes or (["tiny"] if args.quick else ["qwen2.5-0.5b"] if cuda else ["tiny", "qwen-vocab"])
     rounds, threads = args.rounds or (1 if args.quick else 3), args.threads or (1 if args.quick else None)
