@@ -63,15 +63,15 @@ def conditions(**extra: Any) -> dict:
 def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
     """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README: measured
     once by the kernel suites on a GPU; a shared CPU's are noise)."""
-    cuda, elements, n = device.type == "cuda", 2**30 if device.type == "cuda" else 2**26, 8192 if device.type == "cuda" else 1024
-    src, dst = torch.ones(elements, device=device), torch.empty(elements, device=device)  # 4 GiB / 256 MiB of fp32
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    cuda = device.type == "cuda"
+    src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
+    dst = torch.empty_like(src)
+    copy_s = min(timed(lambda: dst.copy_(src), device) for _ in range(10 if cuda else 3))
+    n = 8192 if cuda else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    copy_s, mm_s = (min(timed(fn, device) for _ in range(10 if cuda else 3)) for fn in (lambda: dst.copy_(src), lambda: a @ b))
-    del src, dst, a, b
-    if cuda:
-        torch.cuda.empty_cache()  # (the cases' memory checks read what is free)
-    return {"copy_gbps": round(2 * elements * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
+    mm_s = min(timed(lambda: a @ b, device) for _ in range(10 if cuda else 3))
+    return {"copy_gbps": round(2 * src.numel() * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 

@@ -192,9 +192,9 @@ def frozen_head(args) -> tuple[list[dict], list[str]]:
                 backends.TorchBackend.tiles_vocabulary = tiles
         return run
 
-    records, lines = [], [f"N={N}, H={H_}, V={V}, fp32, torch backend, one torch thread; rows: chunks of [c, V] logits "
-                          f"(c = default_chunk_size), frozen: the vocabulary in blocks; peak extra bytes of one call, main-thread "
-                          f"CPU time of {args.rounds} interleaved rounds, medians:", ""]
+    records, lines = [], [f"N={N}, H={H_}, V={V}, fp32, torch backend, one torch thread; rows: chunks of [c, V] logits (c = "
+                          f"default_chunk_size), frozen: the vocabulary in blocks; peak extra bytes of one call, main-thread CPU "
+                          f"time of {args.rounds} interleaved rounds, medians:", ""]
     for op in ops:
         names = ("frozen", "frozen, rows") if op == "log-probs, no_grad" else ("trainable", "frozen", "frozen, rows")
         fns = {name: side(op, name) for name in names}
