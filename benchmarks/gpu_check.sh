@@ -23,7 +23,6 @@ START=$SECONDS
 STATUS=0
 log() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
 fail() { local rc=$1; shift; log "FAILED ($rc): $*"; if [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi; }
-has_cuda() { $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; }
 run_step() {  # run_step SECONDS NAME LOGFILE COMMAND...: the command, killed at its limit
     local limit=$1 name=$2 file=$3 rc=0; shift 3
     log "$name, at most ${limit}s"
@@ -32,29 +31,24 @@ run_step() {  # run_step SECONDS NAME LOGFILE COMMAND...: the command, killed at
 }
 
 # --- 0-1. a CUDA device, the carried comparators, the machine ----------------------------------------
-if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! has_cuda; then log "no CUDA device visible to torch: nothing to check"; exit 3; fi
+if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ] && ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+    log "no CUDA device visible to torch: nothing to check"; exit 3
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$OUT_DIR/nvidia-smi.csv" 2>/dev/null || true
-WHEEL_DIR=${WHEEL_DIR:-.whl}
 shopt -s nullglob
-WHEELS=("$WHEEL_DIR"/*.whl)
+WHEELS=("${WHEEL_DIR:-.whl}"/*.whl)
 shopt -u nullglob
 if [ "${#WHEELS[@]}" -gt 0 ]; then
-    WHEEL_SITE="$(cd "$WHEEL_DIR" && pwd)/site"
+    WHEEL_SITE="$(cd "${WHEEL_DIR:-.whl}" && pwd)/site"
     log "installing ${#WHEELS[@]} carried wheel(s) offline into $WHEEL_SITE: ${WHEELS[*]##*/}"
     if $PY -m pip install --no-index --no-deps --quiet --upgrade --target "$WHEEL_SITE" "${WHEELS[@]}" >> "$LOG" 2>&1; then
         export PYTHONPATH="$WHEEL_SITE:$PYTHONPATH"
     else
-        fail 1 "offline install of $WHEEL_DIR/*.whl (the comparators are skipped)"
+        fail 1 "offline install of ${WHEEL_DIR:-.whl}/*.whl (the comparators are skipped)"
     fi
 fi
 $PY -c "from benchmarks import kernels; print('implementations importable here:', ', '.join(kernels.implementations('cuda')))" \
     2>> "$LOG" | tee -a "$LOG" || true
-CEILING_ARGS=()
-if ! has_cuda; then CEILING_ARGS=(--no-ceilings); fi  # (a CPU's are noise)
-$PY -m benchmarks.harness machine "${CEILING_ARGS[@]}" --out "$OUT_DIR/env.json" > /dev/null 2>> "$LOG" || fail 1 "harness machine"
-read -r COPY_GBPS MATMUL_TFLOPS < <($PY -c "
-import json; e = json.load(open('$OUT_DIR/env.json')); print(e.get('copy_gbps') or '', e.get('matmul_tflops') or '')" 2>/dev/null || echo "")
-log "copy ${COPY_GBPS:-?} GB/s, matmul ${MATMUL_TFLOPS:-?} TFLOP/s"
 
 # --- 2. GPU tests: the gpu-marked ones, then the kernel test files (time-capped together) --------------
 TEST_END=$((SECONDS + TEST_TIMEOUT_S))
@@ -68,10 +62,10 @@ else
 fi
 tail -q -n 1 "$OUT_DIR"/tests-*.log | tee -a "$LOG"
 
-# --- 3. the benchmark set, time-budgeted so the JSON is always written --------------------------------
+# --- 3. the benchmark set (the ceilings measured first on a GPU), time-budgeted so the JSON is always written --
 BUDGET=$((DEADLINE_S - (SECONDS - START) - 30 - 25 - TRAINER_STEP_S - LONG_CONTEXT_S))
 if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
-GRPO_BENCH_SET="$BENCH_SET" GRPO_BENCH_BUDGET_S="$BUDGET" GRPO_BENCH_COPY_GBPS="$COPY_GBPS" GRPO_BENCH_MATMUL_TFLOPS="$MATMUL_TFLOPS" \
+GRPO_BENCH_SET="$BENCH_SET" GRPO_BENCH_BUDGET_S="$BUDGET" \
     run_step $((BUDGET + 60)) "benchmarks ($BENCH_SET set, no case starts after ${BUDGET}s)" "$OUT_DIR/bench.log" \
     $PY -m pytest benchmarks/ --benchmark-only -q -p no:cacheprovider ${GPU_CHECK_BENCH_ARGS:-} \
     --benchmark-json "$OUT_DIR/gpu.json" --benchmark-columns=min,median,max,rounds
@@ -92,8 +86,9 @@ fi
 # --- 6. report -----------------------------------------------------------------------------------------
 if [ -s "$OUT_DIR/gpu.json" ]; then
     log "report"
-    $PY -m benchmarks.kernels report "$OUT_DIR/gpu.json" --env "$OUT_DIR/env.json" \
-        --title "grpo-kernels benchmarks: $BENCH_SET set" >> "$LOG" 2>&1 || fail $? "benchmarks.kernels report"
+    $PY -m benchmarks.kernels report "$OUT_DIR/gpu.json" --title "grpo-kernels benchmarks: $BENCH_SET set" >> "$LOG" 2>&1 \
+        || fail $? "benchmarks.kernels report"
+    grep -m1 "^Measured ceilings" "$OUT_DIR/gpu.md" | tee -a "$LOG" || true
     for md in "$OUT_DIR"/trainer_step-*.md "$OUT_DIR/long_context_options.md"; do
         if [ -s "$md" ] && [ -s "$OUT_DIR/gpu.md" ]; then { echo; cat "$md"; } >> "$OUT_DIR/gpu.md"; fi
     done

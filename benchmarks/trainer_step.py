@@ -245,25 +245,24 @@ SIDES.register("ours+vllm-uncorrected", "the same engine, vllm_importance_sampli
     lambda shape, device: run_ours(shape, device, use_vllm=True, vllm_importance_sampling_correction=False))
 
 
-def child(shape_name: str, *side_names: str) -> int:
-    """Each side's warm-up and measured step in this process, a result line each (an error line for one that raises)."""
+def child(shape: str, sides: list[str]) -> None:
+    """Each side's warm-up and measured step in this (fresh) process, a result line each (an error for one that raises)."""
     device = H.device()
-    for name in side_names:
+    for name in sides:
         gc.collect()  # (several sides in one process: the previous one's model and trainer go first)
         try:
-            result = SIDES[name].make(SHAPES[shape_name], device)
+            result = SIDES[name].make(SHAPES[shape], device)
         except Exception as exc:
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         H.emit({"side": name, "python": sys.executable, "transformers": H.version("transformers"), "load_1m": H.load(), **result})
-    return 0
 
 
 # -- the driver: fresh processes, interleaved rounds, tables -------------------------------------------
 def run_child(sides: list[str], shape: str, timeout_s: float, threads: Optional[int]) -> list[dict]:
     """``sides`` one after the other in one fresh process (their interpreter's); one result per side."""
-    results = H.fresh(["benchmarks.trainer_step", "child", shape, *sides], python=SIDES[sides[0]].python(),
-                      timeout_s=timeout_s, threads=threads)
+    results = H.fresh_call("benchmarks.trainer_step:child", {"shape": shape, "sides": sides}, python=SIDES[sides[0]].python(),
+                           timeout_s=timeout_s, threads=threads)
     error = next((r for r in results if "side" not in r), {"error": "no result"})
     by_side = {r["side"]: r for r in results if "side" in r}
     return [{k: v for k, v in by_side.get(side, error).items() if k != "side"} for side in sides]
@@ -329,23 +328,13 @@ def report(records: list[dict], cond: dict, skipped: dict[str, str], out: Option
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["child"]:
-        return child(*argv[1:])
     p = H.flags(argparse.ArgumentParser(description=__doc__.splitlines()[0]), rounds=int, out_dir="benchmarks/results",
                 quick=(False, "shape tiny, 1 round, --one-process, 1 thread, this interpreter's sides unless --sides names others"),
                 one_process=(False, "the sides of a round in one process (a side in another interpreter still gets its own)"),
                 shapes=([], None, sorted(SHAPES)), sides=([], None, list(SIDES)),
                 timeout=(float, "seconds per process (default 120 with --quick, else 900)"),
-                threads=(int, "OMP_NUM_THREADS of the side processes (1 with --quick)"),
-                list=(False, "print the shapes and sides and exit"),
-                report=(str, "only render the tables of an earlier run's JSONL (its path) into the .md beside it"))
+                threads=(int, "OMP_NUM_THREADS of the side processes (1 with --quick)"))
     args = p.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        report(records, records[-1]["conditions"], {}, os.path.splitext(args.report)[0] + ".md")
-        return 0
     cuda = torch.cuda.is_available()
     shapes = args.shapes or (["tiny"] if args.quick else ["qwen2.5-0.5b"] if cuda else ["tiny", "qwen-vocab"])
     rounds, threads = args.rounds or (1 if args.quick else 3), args.threads or (1 if args.quick else None)
@@ -355,12 +344,6 @@ def main(argv=None) -> int:
     if args.quick and not args.sides:  # CI's smoke run: this interpreter's sides (the vLLM venv's start-up is CI's slowest)
         skipped.update({s: "not in --quick unless named in --sides" for s in sides if SIDES[s].python() != sys.executable})
         sides = [s for s in sides if s not in skipped]
-    if args.list:
-        for name, shape in SHAPES.items():
-            print(f"shape {name}: {shape.describe()}")
-        for s in SIDES.values():
-            print(f"side {s.name}: {s.description}" + (f" -- skipped here: {skipped[s.name]}" if s.name in skipped else ""))
-        return 0
     for side, reason in skipped.items():
         print(f"[trainer_step] side {side} skipped: {reason}", flush=True)
     if not sides:

@@ -8,7 +8,6 @@ import json
 import os
 import tempfile
 import time
-from typing import Callable, Dict
 
 import torch
 import torch.multiprocessing as mp
@@ -16,28 +15,20 @@ import torch.multiprocessing as mp
 from benchmarks import harness as H
 
 
-class CollectiveMeter:
-    """Wraps ``all_reduce`` and ``all_gather``: elements, bytes and seconds, per step."""
-
-    def __init__(self, dist) -> None:
-        self.reset()
-        for name in ("all_reduce", "all_gather"):
-            original = getattr(dist, name)
-
-            def wrapped(first, *args, _original=original, **kwargs):
-                # all_reduce(tensor, ...), all_gather(list, tensor, ...): what this rank puts in
-                tensor = first if isinstance(first, torch.Tensor) else args[0]
-                self.bytes += tensor.numel() * tensor.element_size()
-                self.calls += 1
-                start = time.perf_counter()
-                out = _original(first, *args, **kwargs)
-                self.seconds += time.perf_counter() - start
-                return out
-
-            setattr(dist, name, wrapped)
-
-    def reset(self) -> None:
-        self.bytes, self.seconds, self.calls = 0, 0.0, 0
+def meter_collectives(dist) -> dict:
+    """Wraps ``all_reduce`` and ``all_gather``: the bytes this rank puts in, the calls and their seconds (reset per step)."""
+    meter = {"bytes": 0, "calls": 0, "seconds": 0.0}
+    for name in ("all_reduce", "all_gather"):
+        def wrapped(first, *args, _original=getattr(dist, name), **kwargs):
+            tensor = first if isinstance(first, torch.Tensor) else args[0]  # all_reduce(tensor), all_gather(list, tensor)
+            meter["bytes"] += tensor.numel() * tensor.element_size()
+            meter["calls"] += 1
+            meter["seconds"] -= time.perf_counter()
+            out = _original(first, *args, **kwargs)
+            meter["seconds"] += time.perf_counter()
+            return out
+        setattr(dist, name, wrapped)
+    return meter
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
@@ -48,10 +39,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    meter = CollectiveMeter(dist)
+    meter = meter_collectives(dist)
     sizes = [args.vocab // world + (1 if r < args.vocab % world else 0) for r in range(world)]
-    start = sum(sizes[:rank])
-    cols = slice(start, start + sizes[rank])
+    cols = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     b, t = 2, args.tokens // 2
     g = torch.Generator().manual_seed(0)
     logits_full = torch.randn(b, t, args.vocab, generator=g)
@@ -93,21 +83,20 @@ def _worker(rank: int, world: int, args: argparse.Namespace, store_path: str, ou
         gk.fused_linear_grpo_loss(h, w, ids, adv, mask, **kw).loss.backward()
         return w.grad[cols]
 
-    impls: Dict[str, Callable] = {"vp_logits": vp_logits, "gather_logits": gather_logits, "vp_linear": vp_linear,
-                                  "gather_weight": gather_weight}
+    impls = {fn.__name__: fn for fn in (vp_logits, gather_logits, vp_linear, gather_weight)}
     # the two ways agree (the tests check both against float64; this guards the benchmark itself)
     assert torch.allclose(vp_logits(), gather_logits(), rtol=1e-4, atol=1e-7)
     assert torch.allclose(vp_linear(), gather_weight(), rtol=1e-4, atol=1e-6)
     record = {name: {"comm_seconds": [], "bytes": 0, "collectives": 0} for name in impls}
 
     def after(_round: int, name: str) -> None:  # each timed call: what went through the collectives, then all wait
-        record[name]["comm_seconds"].append(meter.seconds)
-        record[name]["bytes"], record[name]["collectives"] = meter.bytes, meter.calls
+        record[name]["comm_seconds"].append(meter["seconds"])
+        record[name]["bytes"], record[name]["collectives"] = meter["bytes"], meter["calls"]
         dist.barrier()
-        meter.reset()
+        meter.update(bytes=0, calls=0, seconds=0.0)
 
     dist.barrier()
-    meter.reset()
+    meter.update(bytes=0, calls=0, seconds=0.0)
     for name, seconds in H.interleave(impls, args.rounds, warmup=False, progress=after).items():
         record[name]["seconds"] = seconds
     if rank == 0:

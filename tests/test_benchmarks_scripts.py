@@ -7,8 +7,8 @@ smallest meaningful size, its report written under a temporary directory (never 
 exists and is not empty, and that no record of its JSON is an error: a script that has rotted fails here.
 
 Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py`` only in
-``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick``, ``harness machine``
-and ``kernels report`` run in ``make bench-ci``. A script that needs a package this interpreter lacks is
+``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick`` and ``kernels report``
+run in ``make bench-ci``. A script that needs a package this interpreter lacks is
 skipped with its name: ``trainer_step-vllm`` (the ``ours+vllm`` side) runs where vLLM is (``make test``
 runs it with the vLLM venv).
 """
@@ -51,9 +51,6 @@ SCRIPTS = {
     "long_context-frozen-head": Script(
         "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
                          "--out", "{out}/frozen_head.md"), ("frozen_head.md", "frozen_head.json"), ("transformers",)),
-    "long_context-frozen-tiles": Script(
-        "long_context", ("frozen-tiles", "--N", "32", "--H", "16", "--V", "300", "--rounds", "1",
-                         "--out", "{out}/frozen_tiles.md"), ("frozen_tiles.md", "frozen_tiles.json"), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md", "rewards_hostile.json")),
     "optimizer_step": Script(
