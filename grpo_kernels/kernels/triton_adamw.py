@@ -58,9 +58,9 @@ def master_adamw_kernel(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, gra
                         AMSGRAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, W_BF16: tl.constexpr,
                         BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    if HAS_INF:  # (a found inf: no element is in range)
+        n = tl.where(tl.load(inf_ptr) == 1.0, 0, n)
     mask = offs < n
-    if HAS_INF:
-        mask = mask & (tl.load(inf_ptr) != 1.0)
     step_size = tl.load(scalars_ptr)  # lr / (1 - beta1^step)
     bc2_sqrt = tl.load(scalars_ptr + 1)  # sqrt(1 - beta2^step)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
