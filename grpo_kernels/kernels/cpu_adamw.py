@@ -55,7 +55,16 @@ _state: dict = {}  # "lib": the loaded library or None, "width", "reason"
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("GRPO_KERNELS_CACHE") or Path.home() / ".cache" / "grpo_kernels")
+    """``$GRPO_KERNELS_CACHE``, else ``~/.cache/grpo_kernels``; a per-user folder in the temporary directory
+    where that one cannot be written (a read-only home in CI)."""
+    try:
+        chosen = Path(os.environ.get("GRPO_KERNELS_CACHE") or Path.home() / ".cache" / "grpo_kernels")
+        chosen.mkdir(parents=True, exist_ok=True)
+        if os.access(chosen, os.W_OK):
+            return chosen
+    except (OSError, RuntimeError):  # (RuntimeError: no home directory)
+        pass
+    return Path(tempfile.gettempdir()) / f"grpo_kernels-{os.getuid()}"
 
 
 def _cpu_key() -> str:
@@ -70,9 +79,10 @@ def _cpu_key() -> str:
 
 def _build() -> Path:
     """The compiled library's path (compiled now unless cached); ``RuntimeError`` saying why it cannot be."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    name = os.environ.get("CXX", "g++")
+    compiler = shutil.which(name)
     if compiler is None:
-        raise RuntimeError("no C++ compiler (g++, or $CXX) on PATH")
+        raise RuntimeError(f"no C++ compiler: {name!r} (g++, or $CXX) is not on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, _cpu_key()]).encode()).hexdigest()[:20]
     target = _cache_dir() / f"cpu_adamw-{key}.so"
