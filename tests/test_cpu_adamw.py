@@ -82,7 +82,7 @@ def test_two_threads_over_several_blocks_step_every_element():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        sizes = (3 * cpu_adamw.BLOCK + 5, cpu_adamw.BLOCK - 1, 7)
+        sizes = (3 * cpu_adamw.BLOCK + 5, 0, cpu_adamw.BLOCK - 1, 7)  # (an empty tensor among them: no block)
         ours, theirs, _ = run_against_torch(sizes, torch.bfloat16, CASES["decay"], steps=2, seed=1)
     finally:
         torch.set_num_threads(threads)
