@@ -163,10 +163,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     _ALIGN = 64
     """Where a parameter may be cut (elements from its start). torch's CPU kernel computes each tensor's
-    last ``numel % vector width`` elements in scalar code, in double (``adam_fused_step_impl``,
-    aten/src/ATen/native/cpu/FusedAdamKernel.cpp): a piece that ends elsewhere than at a multiple of the
-    vector width (8 or 16 floats) would round those elements differently from the whole parameter.
-    (CUDA's kernel applies one arithmetic to every element; untested here.)"""
+    last ``numel % vector width`` elements in scalar code that rounds ``exp_avg_sq`` differently from its
+    vector body (``adam_fused_step_impl``, aten/src/ATen/native/cpu/FusedAdamKernel.cpp; the two forms:
+    ``grpo_kernels/kernels/cpu_adamw.cpp``): a piece that ends elsewhere than at a multiple of the vector
+    width (8 floats in torch 2.13's CPU build, 16 possible) would round those elements differently from
+    the whole parameter. (CUDA's kernel applies one arithmetic to every element; untested here.)"""
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict], **kwargs) -> None:
         """``params``: parameters, or parameter groups (dicts with ``"params"`` and their own AdamW
