@@ -13,20 +13,27 @@ optimizer steps:
   fp32 master copies of the 16-bit trainable parameters (4 bytes each, on top of AdamW's 8), steps
   them with torch's AdamW and rounds the result into the bf16 weights once per step.
 
-Either way the step is torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``: one pass over
-each parameter, its gradient and both moments, instead of the foreach path's dozen passes) wherever
-torch has one for the parameters' device and dtype (:func:`fused_supported`: CPU and CUDA, every
-floating dtype), and the foreach path elsewhere. The state dict is torch's AdamW's either way (plus the
-masters), so a checkpoint written by either path resumes on the other: :func:`adamw` keeps the
-optimizer's own implementation when it loads one (:func:`keep_implementation`).
+Either way the step is fused wherever torch has a fused AdamW kernel for the parameters' device and
+dtype (:func:`fused_supported`: CPU and CUDA, every floating dtype), and the foreach path elsewhere:
+fp32 weights take ``torch.optim.AdamW(fused=True)`` (one pass over each parameter, its gradient and both
+moments, instead of the foreach path's dozen passes); 16-bit weights take one pass too, a kernel that reads
+the 16-bit gradient, updates the fp32 master and moments and writes the rounded weight
+(``grpo_kernels.kernels.cpu_adamw`` on the CPU, bitwise torch's fused AdamW on the masters;
+``grpo_kernels.kernels.triton_adamw`` on CUDA), or torch's ops in three passes where that kernel is
+unavailable (no C++ compiler: logged). The state dict is torch's AdamW's on every path (plus the
+masters), so a checkpoint written by any path resumes on any other: :func:`adamw` keeps the optimizer's
+own implementation when it loads one (:func:`keep_implementation`).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
+
+from grpo_kernels.kernels import cpu_adamw, triton_adamw
+from grpo_kernels.kernels.master_adamw import DTYPES as FUSED_MASTER_DTYPES
 
 MODEL_DTYPES = ("float32", "bfloat16")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -113,23 +120,27 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """torch's AdamW (Loshchilov & Hutter, decoupled weight decay) on fp32 master copies of the 16-bit
     parameters it is given; fp32 parameters are stepped as they are.
 
-    ``step`` copies each 16-bit gradient into an fp32 gradient for its master, runs AdamW on the masters
-    and rounds them into the parameters. AdamW's update is elementwise, so the parameters can be cut into
-    pieces (where :attr:`_ALIGN` allows) and the result is the one-call one, bit for bit:
+    ``step`` runs AdamW on the masters from the 16-bit gradients and rounds the masters into the
+    parameters. AdamW's update is elementwise, so the parameters can be stepped in pieces, and the result
+    is the one-call one, bit for bit:
 
-    - fused (``fused=True``, every group): the 16-bit parameters are cut into slices of at most
-      :attr:`slice_elements` elements (small parameters share a slice), and each slice runs the three
-      passes back to back while its fp32 gradient and master are still in cache: the 16-bit gradient
-      into a kept fp32 buffer of one slice, torch's fused AdamW kernel (``torch._fused_adamw_``, the
-      call ``torch.optim.adam._fused_adam`` makes) on flat views of the slice's master and moments, and
-      the master rounded into the weight. Parameter by parameter instead, the fp32 gradient and master
-      of a large parameter leave the cache between the passes. (The two casts are passes torch's fused
-      kernel does not fuse: they, not the memory traffic, are most of what the step costs over the
-      fused fp32 step on a CPU; ``benchmarks/optimizer_step.py``, results in ``benchmarks/results/``.)
+    - fused (``fused=True``, every group), with :attr:`native` and a kernel for the device: one pass per
+      element (``grpo_kernels.kernels.cpu_adamw`` on the CPU: torch's fused AdamW arithmetic, bitwise;
+      ``grpo_kernels.kernels.triton_adamw`` on CUDA: to fp32 rounding): the bf16/fp16 gradient is read,
+      the master and moments updated and the weight written, rounded to nearest even. No fp32 gradient
+      exists at all.
+    - fused, without that kernel (no C++ compiler, or :attr:`native` off), or for a 16-bit dtype it does
+      not take: torch's ops on cache-sized slices of at most :attr:`slice_elements` elements (small
+      parameters share a slice). Each slice runs three passes back to back while its fp32 gradient and
+      master are still in cache: the 16-bit gradient into a kept fp32 buffer of one slice, torch's fused
+      AdamW kernel (``torch._fused_adamw_``, the call ``torch.optim.adam._fused_adam`` makes) on flat
+      views of the slice's master and moments, and the master rounded into the weight. (The two casts are
+      passes torch's fused kernel does not fuse: they cost ~0.7x of its step on a CPU, which the one-pass
+      kernel saves; ``benchmarks/optimizer_step.py``, results in ``benchmarks/results/``.)
     - otherwise (the foreach path): the fp32 gradients are views of one kept buffer the size of the
       largest 16-bit parameter, and torch's ``AdamW.step`` steps the masters in buckets that fit it.
 
-    Either way the buffer is kept between steps (allocated afresh, every page of it faults in again,
+    The buffers are kept between steps (allocated afresh, every page of it faults in again,
     which costs more than the step on a CPU), and gradients that cannot be a flat view of a plain tensor
     (FSDP2's sharded ``DTensor``, non-contiguous or sparse ones) are cast afresh and stepped whole.
     Parameters without a gradient are skipped, as torch's AdamW skips them (``_init_group`` chooses).
@@ -139,6 +150,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
     values rather than from the rounded weights.
     """
 
+    native: bool = True
+    """Whether the fused path steps the 16-bit weights with the one-pass kernel where there is one (see
+    above); False keeps torch's ops (the slices). The results and the state dict are the same (bitwise on
+    the CPU), so this is a choice of speed only: the benchmark sets it to time both."""
+
     slice_elements: int = 1 << 19
     """Elements of one slice of the fused path (rounded down to a multiple of :attr:`_ALIGN`): its fp32
     gradient and master, 4 MiB, stay in cache (L3) between the passes. 2^18 .. 2^20 measure alike on the
@@ -147,10 +163,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     _ALIGN = 64
     """Where a parameter may be cut (elements from its start). torch's CPU kernel computes each tensor's
-    last ``numel % vector width`` elements in scalar code, in double (``adam_fused_step_impl``,
-    aten/src/ATen/native/cpu/FusedAdamKernel.cpp): a piece that ends elsewhere than at a multiple of the
-    vector width (8 or 16 floats) would round those elements differently from the whole parameter.
-    (CUDA's kernel applies one arithmetic to every element; untested here.)"""
+    last ``numel % vector width`` elements in scalar code that rounds ``exp_avg_sq`` differently from its
+    vector body (``adam_fused_step_impl``, aten/src/ATen/native/cpu/FusedAdamKernel.cpp; the two forms:
+    ``grpo_kernels/kernels/cpu_adamw.cpp``): a piece that ends elsewhere than at a multiple of the vector
+    width (8 floats in torch 2.13's CPU build, 16 possible) would round those elements differently from
+    the whole parameter. (CUDA's kernel applies one arithmetic to every element; untested here.)"""
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict], **kwargs) -> None:
         """``params``: parameters, or parameter groups (dicts with ``"params"`` and their own AdamW
@@ -186,7 +203,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 and p.is_contiguous() and master.is_contiguous())
 
     def _fused_step(self) -> None:
-        """One step of every group through torch's fused kernel, the 16-bit parameters slice by slice."""
+        """One step of every group, fused: the fp32 parameters (and masters stepped whole) through torch's fused
+        kernel, the 16-bit parameters in one pass (:meth:`_native_kernel`) or slice by slice."""
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         weights = {id(master): p for p, master in self._pairs}
         sliced: set[int] = set()
@@ -233,13 +251,36 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 if device in whole:
                     torch._fused_adamw_(*whole[device], **kw)
                 if device in pieces:
-                    self._step_slices(pieces[device], amsgrad, kw)
+                    kernel = self._native_kernel(device)
+                    one_pass, rest = [], []  # (the kernel's dtypes; any other 16-bit dtype through torch's ops)
+                    for entry in pieces[device]:
+                        (one_pass if kernel is not None and entry[0].dtype in FUSED_MASTER_DTYPES else rest).append(entry)
+                    if one_pass:
+                        weight, master, _, exp_avg, exp_avg_sq, max_sq, step = (list(c) for c in zip(*one_pass))
+                        kernel(master, exp_avg, exp_avg_sq, max_sq if amsgrad else None, [w.grad for w in weight],
+                               weight, step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=amsgrad,
+                               maximize=group["maximize"], grad_scale=scale, found_inf=inf)
+                    if rest:
+                        self._step_slices(rest, amsgrad, kw)
                 if inf is not None:  # (as _fused_adam: a skipped step does not count)
                     torch._foreach_sub_(device_steps, [inf] * len(device_steps))
         for p, master in self._pairs:
             if id(master) not in sliced and p.grad is not None:
                 p.copy_(master)  # (the ones stepped whole) rounded to the parameter's dtype
             master.grad = None
+
+    def _native_kernel(self, device: torch.device) -> Optional[Callable]:
+        """The one-pass step for ``device`` (``master_adamw_step`` of ``grpo_kernels.kernels.cpu_adamw`` or
+        ``triton_adamw``), or ``None``: :attr:`native` off, no kernel for the device type, or the CPU's
+        unavailable (``cpu_adamw.library`` logs why, once)."""
+        if not self.native:
+            return None
+        if device.type == "cpu":
+            return cpu_adamw.master_adamw_step if cpu_adamw.library() is not None else None
+        if device.type == "cuda":
+            return triton_adamw.master_adamw_step
+        return None
 
     def _step_slices(self, entries: list, amsgrad: bool, kw: dict) -> None:
         """The 16-bit parameters of one device and group (``entries``: weight, master, stand-in gradient,

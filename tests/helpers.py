@@ -4,6 +4,7 @@
   interpreter: ``conftest.py`` sets TRITON_INTERPRET=1 before triton is first imported).
 - ``assert_close64``: compare a result with a float64 reference at a tolerance that fits the dtype.
 - ``poison_``: fill an output buffer with NaN before a kernel writes it.
+- ``adamw64_step``: one AdamW step written out in float64 (the fused optimizers' reference).
 - ``tiny_config``: a ``GRPOConfig`` for the trainer tests' tiny model (CPU, "torch" backend);
   ``TINY_UPDATE``: the fields of one update of ``tiny_qwen2`` on ``random_update_batch``.
 - ``timed``, ``SLACK``: a call that must return within a wall-clock budget (the rewards tests).
@@ -84,6 +85,24 @@ def poison_allocations(monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+
+
+def adamw64_step(x, m, v, vmax, g, step: int, *, lr: float, beta1: float, beta2: float, weight_decay: float,
+                 eps: float, amsgrad: bool = False, maximize: bool = False, grad_scale: float = 1.0):
+    """One AdamW step in float64, written out from ``torch.optim.AdamW``'s documented algorithm
+    (Loshchilov & Hutter 2019, Algorithm 2): the gradient unscaled (and negated to maximize), decoupled
+    weight decay, the two moments, the bias corrections, ``eps`` after the square root of the corrected
+    second moment. Float64 tensors in (``vmax`` ignored unless ``amsgrad``); returns the new
+    ``(x, m, v, vmax)``."""
+    g = g / grad_scale * (-1.0 if maximize else 1.0)
+    x = x * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    if amsgrad:
+        vmax = torch.maximum(vmax, v)
+    v_hat = (vmax if amsgrad else v) / (1 - beta2**step)
+    x = x - lr * (m / (1 - beta1**step)) / (v_hat.sqrt() + eps)
+    return x, m, v, vmax
 
 
 TINY_RUN = dict(

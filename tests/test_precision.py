@@ -14,6 +14,7 @@ import torch
 from helpers import assert_close64, tiny_config
 
 from grpo import precision
+from grpo_kernels.kernels import cpu_adamw
 from grpo.demo import build_model_and_tokenizer
 from grpo.trainer import make_optimizer, prepare_model
 
@@ -127,9 +128,11 @@ def test_masters_step_as_one_torch_call_would_with_fp32_and_gradless_parameters(
     assert torch.equal(params[1].detach().float(), plain[1].detach())  # (never stepped: not even decayed)
 
 
-def test_fused_masters_step_slice_by_slice_as_torchs_fused_adamw_bitwise():
-    """The fused path's slices (a tiny ``slice_elements``: parameters several slices long with a ragged
-    last one, small ones sharing a slice), two groups (weight decay, and amsgrad with none), a 16-bit
+@pytest.mark.parametrize("native", [True, False], ids=["one-pass", "slices"])
+def test_fused_masters_step_as_torchs_fused_adamw_bitwise(native):
+    """The fused path, in one pass (``native``: the CPU kernel) or through torch's ops in slices (a tiny
+    ``slice_elements``: parameters several slices long with a ragged last one, small ones sharing a
+    slice), two groups (weight decay, and amsgrad with none), a 16-bit
     parameter without a gradient, an fp32 one, torch's AMP attributes (a gradient scale; a found inf,
     which skips the step and its count), and a resume from the state dict mid-run: bit for bit torch's
     fused AdamW on fp32 copies given the same gradients; each step counter counts each step once."""
@@ -146,6 +149,7 @@ def test_fused_masters_step_slice_by_slice_as_torchs_fused_adamw_bitwise():
     def build(ps, like=None):
         optimizer = precision.MasterWeightAdamW(groups(ps), fused=True, **{**HYPER, "weight_decay": 0.0})
         optimizer.slice_elements = 64  # (207 = 3 x 64 + 15, 5 shares the 15's slice; 120 = 64 + 56; 200 = 3 x 64 + 8)
+        optimizer.native = native
         return optimizer
 
     ours, torchs = build(params), torch.optim.AdamW(groups(plain), fused=True, **{**HYPER, "weight_decay": 0.0})
@@ -247,3 +251,54 @@ def test_the_fused_optimizer_resumes_bitwise_from_its_own_state_dict():
     for a, b in zip(second_params + second.param_groups[0]["params"], straight_params + straight.param_groups[0]["params"]):
         assert torch.equal(a, b)
     assert not any(math.isnan(float(p.detach().double().sum())) for p in second_params)
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)], ids=["one-pass-then-slices", "slices-then-one-pass"])
+def test_a_checkpoint_resumes_bitwise_across_the_one_pass_and_slice_paths(first, second):
+    """Save -> load -> step equals the uninterrupted run bit for bit when the run that wrote the state dict
+    and the run that loads it step 16-bit weights on different paths (the format is the same)."""
+    grads = gradients(6)
+
+    def build(params, native):
+        optimizer = precision.adamw(params, **HYPER)
+        optimizer.native = native
+        return optimizer
+
+    straight_params = parameters(torch.bfloat16)
+    straight = build(straight_params, first)
+    run(straight, straight_params, grads)
+    params = parameters(torch.bfloat16)
+    before = build(params, first)
+    run(before, params, grads[:3])
+    state = copy.deepcopy(before.state_dict())
+    params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    after = build(params, second)
+    after.load_state_dict(state)
+    run(after, params, grads[3:])
+    for a, b in zip(params + after.param_groups[0]["params"], straight_params + straight.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    for a, b in zip(after.state.values(), straight.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler-grpo", "false"], ids=["missing", "failing"])
+def test_without_the_cpu_kernel_the_slices_step_and_the_reason_is_logged(monkeypatch, caplog, compiler):
+    """No C++ compiler (or one that fails): the 16-bit weights step through torch's ops, with a logged
+    reason, and the results are torch's fused AdamW's all the same."""
+    monkeypatch.setattr(cpu_adamw, "_state", {})  # (the built library forgotten for this test; restored after)
+    monkeypatch.setenv("CXX", compiler)
+    params = parameters(torch.bfloat16)
+    plain = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ours = precision.adamw(params, **HYPER)
+    torchs = torch.optim.AdamW(plain, fused=True, **HYPER)
+    with caplog.at_level("WARNING", logger=cpu_adamw.__name__):
+        for step_grads in gradients(2):
+            for p, q, g in zip(params, plain, step_grads):
+                p.grad = g.to(p.dtype)
+                q.grad = p.grad.float()
+            ours.step()
+            torchs.step()
+    assert cpu_adamw.library() is None and compiler in cpu_adamw.unavailable_reason()
+    assert sum("the fused CPU master-weight AdamW is unavailable" in r.getMessage() for r in caplog.records) == 1  # (once)
+    for p, master, q in zip(params, ours.param_groups[0]["params"], plain):
+        assert torch.equal(master, q) and torch.equal(p.detach(), q.detach().to(p.dtype))
