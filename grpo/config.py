@@ -32,6 +32,7 @@ from grpo_kernels.options import BACKENDS, OPTION_FIELDS, OPTION_NAMES, GRPOOpti
 from .activations import MLP_CHUNK_TOKENS, check_offload
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
+from .memory import RELEASE_POLICIES
 from .precision import MODEL_DTYPES
 
 
@@ -168,6 +169,11 @@ class GRPOConfig:
     lora_target_modules: str = option("all-linear", "modules that get adapters: 'all-linear' (every linear layer but "
                                       "lm_head) or module names, comma-separated (q_proj,v_proj)", words=True)
     bf16: bool = option(True, "bf16 autocast (on CUDA only)")
+    release_memory: str = option(
+        "phases", "glibc: give freed heap back to the OS: 'never' (glibc's default: it stays in the process for "
+        "later allocations), 'phases' (malloc_trim at the end of each phase of a step), 'always' (also every "
+        "buffer of 64 KiB or more mapped alone and unmapped when freed: the lowest peak, slower; process-wide); "
+        "grpo.memory", choices=RELEASE_POLICIES)
     # logging and checkpoints
     save_every: int = option(50, "write a checkpoint every this many steps (0: only at the end)", bounds=at_least(0))
     resume: bool = option(False, "continue from output_dir/checkpoint.pt when it exists (a run without it refuses a "
