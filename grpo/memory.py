@@ -38,10 +38,10 @@ MMAP_THRESHOLD_BYTES = 64 * 1024  # "always": buffers from this size on are mapp
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def status_kib(field: str, path: str = STATUS) -> Optional[int]:
+def status_kib(field: str) -> Optional[int]:
     """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), or None where there is none."""
     try:
-        with open(path) as f:
+        with open(STATUS) as f:
             return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except (OSError, ValueError, IndexError):
         return None
