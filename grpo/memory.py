@@ -9,8 +9,12 @@ reports as ``ru_maxrss`` (and what a parent's ``wait4`` sees at exit), so the tr
 process's peak itself (:attr:`PhaseMemory.process_peak_mb`) and :meth:`PhaseMemory.restore` raises the
 mark back to it at the end of a run by touching that many fresh pages, freed at once: measurements of
 the whole process (``/usr/bin/time``, ``ru_maxrss``) read what they would have read without the resets.
-Where the mark cannot be reset (not Linux, no permission) each phase's value is the process's peak so
-far (``per_phase`` False), which still names the phase that raised it; without ``/proc`` there are no
+The restore's cost is one pass over the pages between the resident set at the end and the peak, so the
+tracker resets only in a process whose peak so far is within :data:`RESET_SLACK` of its resident set
+when the tracker starts (a fresh ``python -m grpo train``); in one that freed a larger earlier workload
+(a notebook, a test session) the restore would touch all of that again. There, and where the mark
+cannot be reset (not Linux, no permission), each phase's value is the process's peak so far
+(``per_phase`` False), which still names the phase that raised it; without ``/proc`` there are no
 fields at all.
 
 Freed memory (``release_memory``, glibc only; a no-op elsewhere): glibc keeps the heap a program frees
@@ -33,6 +37,8 @@ from typing import Optional
 STATUS = "/proc/self/status"
 CLEAR_REFS = "/proc/self/clear_refs"
 RELEASE_POLICIES = ("never", "phases", "always")  # GRPOConfig.release_memory's choices
+# reset the high-water mark only while the process's peak so far is at most this fraction above its resident set
+RESET_SLACK = 0.25
 MMAP_THRESHOLD_BYTES = 64 * 1024  # "always": buffers from this size on are mapped alone and unmapped on free
 # mallopt(3)'s parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -101,7 +107,8 @@ class PhaseMemory:
         peak = status_kib("VmHWM")
         self.available = peak is not None
         self.process_peak_kib = peak or 0
-        self.per_phase = self.available and reset and reset_peak()
+        fresh = peak is not None and peak <= (1 + RESET_SLACK) * (status_kib("VmRSS") or 0)
+        self.per_phase = fresh and reset and reset_peak()
         self.phases: dict[str, float] = {}
         if release == "always":
             map_large_buffers()

@@ -79,6 +79,19 @@ def test_without_resets_the_mark_is_left_alone_and_each_phase_gets_the_process_p
     assert out["memory/after_mb"] == out["memory/big_mb"] == pytest.approx(out["hwm"], abs=0.5)
 
 
+@LINUX_PEAKS
+def test_a_process_that_freed_a_larger_workload_is_not_reset():
+    """Its peak is far above its resident set: a restore would touch all of that again, so the tracker
+    leaves the mark alone (``per_phase`` False)."""
+    out = run_fresh("""
+        big = touched(128); del big
+        hwm = m.status_kib("VmHWM")
+        p = m.PhaseMemory()
+        print(json.dumps({"per_phase": p.per_phase, "kept": m.status_kib("VmHWM") >= hwm}))
+    """)
+    assert out == {"per_phase": False, "kept": True}
+
+
 @GLIBC
 @pytest.mark.parametrize("policy", ["never", "phases", "always"])
 def test_release_policies_give_a_fragmented_heap_back(policy):
