@@ -1,4 +1,4 @@
-"""Run logs: one JSON object per step in ``log.jsonl``, and a PNG of the curves at the end.
+"""Run logs: one JSON object per step in ``log.jsonl`` (the PNG of its curves: ``grpo.plot``).
 
 Only the main process writes (the trainer decides, in one place, by passing ``enabled``).
 """
@@ -14,7 +14,6 @@ import torch
 
 from . import distributed
 from .atomic import write_atomically
-from .plot import PLOTTED, plot_curves  # noqa: F401  (drawn at a run's end, in another process: grpo.plot)
 
 
 # metrics of the loss that are extremes over sequences or tokens (TRL's clip extremes, the rollout correction's)

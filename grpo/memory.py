@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
 from typing import Optional
 
 STATUS = "/proc/self/status"

@@ -67,7 +67,7 @@ def plot_in_subprocess(records: list[dict], path: str, title: str = "GRPO") -> O
     if not records:
         return None
     done = subprocess.run([sys.executable, os.path.abspath(__file__), path, title], input=json.dumps(records),
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"drawing {path} failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return path

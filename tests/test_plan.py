@@ -617,3 +617,29 @@ def test_the_peak_never_falls_as_tokens_grow(model, dtype, device):
         if previous is not None:
             assert p.peak >= previous.peak and p.terms["loss chunk"] >= previous.terms["loss chunk"], n
         previous = p
+
+
+def test_lora_s_persistent_terms_are_what_a_trainer_step_leaves(tmp_path):
+    """The plan's LoRA gradients and optimizer state against the trainer's own set-up after one AdamW step
+    (grpo.trainer.setup_training with use_peft: peft's adapters, grpo.precision.adamw): the bytes of every
+    gradient and every moment tensor. benchmarks/results/lora_memory-cpu-20261202.md compares the whole
+    CLI run's peak with the plan."""
+    pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import GRPOConfig
+    from grpo.trainer import setup_training
+
+    config = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_peft=True, lora_r=8, beta=0.04, backend="torch")
+    _, policy, _, optimizer = setup_training(Qwen2ForCausalLM(config), cfg, torch.device("cpu"))
+    policy.train()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12))
+    policy.model(input_ids=ids).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads = sum(p.grad.nbytes for p in params)
+    moments = sum(t.nbytes for p in params for t in optimizer.state[p].values() if t.dim())  # (not the step counts)
+    terms = plan.plan(plan.ModelShape.from_config(config), 24, use_peft=True, lora_r=8, beta=0.04).terms
+    assert terms["gradients"] == grads and terms["optimizer state"] == moments
