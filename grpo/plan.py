@@ -586,7 +586,7 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
-         bf16: bool = True, gradient_checkpointing: bool = False, activation_offload: bool = False,
+         bf16: bool = True, gradient_checkpointing: bool = True, activation_offload: bool = False,
          mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
          sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
     """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``

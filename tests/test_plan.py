@@ -444,7 +444,7 @@ def test_config_json_path_and_bad_model(tmp_path):
     (["--gpu-memory", "-8GB"], "--gpu-memory"),
     (["--mlp-chunk-tokens", "0"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "-4"], "--mlp-chunk-tokens"),
     (["--mlp-chunk-tokens", "2.5"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "many"], "--mlp-chunk-tokens"),
-    (["--activation-offload"], "--activation-offload"), (["--activation-offload", "yes"], "unrecognized arguments: yes"),
+    (["--activation-offload", "--no-gradient-checkpointing"], "--activation-offload"), (["--activation-offload", "yes"], "unrecognized arguments: yes"),
 ])
 def test_cli_usage_errors_name_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_:
