@@ -136,6 +136,12 @@ class PhaseMemory:
         out, self.phases = {**self.phases, "memory/per_phase": self.per_phase}, {}
         return out
 
+    def __enter__(self) -> "PhaseMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
     def restore(self) -> None:
         """Raise the high-water mark (and so ``ru_maxrss``) back to the process's peak: touch the pages
         between the current resident set and the peak once, then unmap them."""

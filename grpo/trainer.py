@@ -769,54 +769,55 @@ def train(
     distributed.setup(cfg.distributed)
     device = device or default_device()
     main_process = distributed.is_main_process()
-    memory = PhaseMemory(cfg.release_memory)  # every phase's peak resident memory (grpo.memory), for the log
-    set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
-    start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
-    # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
-    # step, with a checkpoint
-    with run_lock(cfg.output_dir, main_process), checkpoint.StopOnSigterm() as sigterm:
-        checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # (again, under the lock)
-        if rollout is None:  # (a vLLM engine starts from the model's config alone, before the model changes)
-            rollout = default_rollout(model, tokenizer, cfg)
-            if callable(getattr(rollout, "check_prompts", None)):  # (the engine's own context length)
-                rollout.check_prompts([row["prompt"] for row in rows])
-        model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
-        ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
-        if checks.resume_state is not None:
-            start_step = checkpoint.restore(checks.resume_state, checkpoint_path, policy, ref_weights, optimizer)
-        log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
-        zero_signal = ZeroSignalWatch(log.records)
-        if main_process:  # the predicted peak of a step, term by term (grpo.plan)
-            plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()),
-                             device.type)
-        memory.mark("setup")  # (from the process's start: the model's loading included; in the first step's record)
+    # every phase's peak resident memory, for the log (grpo.memory); on leaving, also when the run raises or
+    # stops on SIGTERM, the high-water mark goes back to the run's peak for whoever measures this process
+    with PhaseMemory(cfg.release_memory) as memory:
+        set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
+        start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
+        # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
+        # step, with a checkpoint
+        with run_lock(cfg.output_dir, main_process), checkpoint.StopOnSigterm() as sigterm:
+            checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # (again, under the lock)
+            if rollout is None:  # (a vLLM engine starts from the model's config alone, before the model changes)
+                rollout = default_rollout(model, tokenizer, cfg)
+                if callable(getattr(rollout, "check_prompts", None)):  # (the engine's own context length)
+                    rollout.check_prompts([row["prompt"] for row in rows])
+            model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
+            ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
+            if checks.resume_state is not None:
+                start_step = checkpoint.restore(checks.resume_state, checkpoint_path, policy, ref_weights, optimizer)
+            log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
+            zero_signal = ZeroSignalWatch(log.records)
+            if main_process:  # the predicted peak of a step, term by term (grpo.plan)
+                plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()),
+                                 device.type)
+            memory.mark("setup")  # (from the process's start: the model's loading included; in the first step's record)
 
-        bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
-                   disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
-        for step in bar:
-            record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device, memory)
-            record.update(zero_signal.update(record))
-            record = log.write(record)
-            postfix = {k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None}
-            if "warning" in record:
-                postfix["no signal"] = f"{record['zero_signal_steps']} steps"
-                if record["zero_signal_steps"] == zero_signal.patience and main_process:
-                    warnings.warn(record["warning"], RuntimeWarning, stacklevel=2)
-            bar.set_postfix(postfix)
-            done = step + 1
-            stopping = sigterm.agreed()
-            if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
-                checkpoint.save(checkpoint_path, done, policy, ref_weights, optimizer, dataclasses.asdict(cfg))
-                memory.mark("save")  # (the log's writing included) added to the step's record, after the fact
-                log.amend({k: distributed.all_reduce(v, "max") for k, v in memory.record().items()})
-            if stopping:
-                bar.close()
-                sigterm.exit(checkpoint_path, done)
-        bar.close()
-    distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
-    if cfg.use_peft and main_process:
-        lora.save_adapter(model, cfg.output_dir, tokenizer)
-    if cfg.plot and main_process:  # (matplotlib in another process: it never adds to this one's peak)
-        plot_in_subprocess(log.records, os.path.join(cfg.output_dir, "curves.png"))
-    memory.restore()  # the high-water mark back at the run's peak, for whoever measures this process
+            bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
+                       disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
+            for step in bar:
+                record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device, memory)
+                record.update(zero_signal.update(record))
+                record = log.write(record)
+                postfix = {k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None}
+                if "warning" in record:
+                    postfix["no signal"] = f"{record['zero_signal_steps']} steps"
+                    if record["zero_signal_steps"] == zero_signal.patience and main_process:
+                        warnings.warn(record["warning"], RuntimeWarning, stacklevel=2)
+                bar.set_postfix(postfix)
+                done = step + 1
+                stopping = sigterm.agreed()
+                if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
+                    checkpoint.save(checkpoint_path, done, policy, ref_weights, optimizer, dataclasses.asdict(cfg))
+                    memory.mark("save")  # (the log's writing included) added to the step's record, after the fact
+                    log.amend({k: distributed.all_reduce(v, "max") for k, v in memory.record().items()})
+                if stopping:
+                    bar.close()
+                    sigterm.exit(checkpoint_path, done)
+            bar.close()
+        distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
+        if cfg.use_peft and main_process:
+            lora.save_adapter(model, cfg.output_dir, tokenizer)
+        if cfg.plot and main_process:  # (matplotlib in another process: it never adds to this one's peak)
+            plot_in_subprocess(log.records, os.path.join(cfg.output_dir, "curves.png"))
     return log.records
