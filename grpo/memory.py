@@ -2,7 +2,7 @@
 
 :class:`PhaseMemory` gives the trainer's log its ``memory/<phase>_mb`` fields: the peak resident set
 (MiB) of each phase of a step (generation, scoring, old/ref log-probs, forward + loss + backward,
-optimizer, log, checkpoint save). On Linux a phase's peak is ``VmHWM`` of ``/proc/self/status`` at its
+optimizer, checkpoint save; and, once, the set-up: from the process's start to the first step). On Linux a phase's peak is ``VmHWM`` of ``/proc/self/status`` at its
 end after the high-water mark was reset at its start (``echo 5 > /proc/self/clear_refs``,
 proc(5)): two small file operations per phase. Resetting the mark also resets what ``getrusage``
 reports as ``ru_maxrss`` (and what a parent's ``wait4`` sees at exit), so the tracker keeps the
