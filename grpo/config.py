@@ -32,6 +32,7 @@ from grpo_kernels.options import BACKENDS, OPTION_FIELDS, OPTION_NAMES, GRPOOpti
 from .activations import MLP_CHUNK_TOKENS, check_offload
 from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
+from .memory import RELEASE_POLICIES
 from .precision import MODEL_DTYPES
 
 
@@ -148,7 +149,8 @@ class GRPOConfig:
         bounds=at_least(1))
     micro_batch_size: Optional[int] = option(None, "padded steps (padding_free off): completions per forward/backward "
                                              "(None: the whole batch)", bounds=at_least(1))
-    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool = option(True, "recompute each decoder layer's activations in backward instead of "
+                                          "keeping them (TRL's default too)")
     activation_offload: bool = option(
         False, "gradient_checkpointing: keep each checkpointed layer input in host memory (pinned) between the forward "
         "and its recompute, copied on a side stream with one layer prefetched; on a CPU a no-op (grpo.activations)")
@@ -168,6 +170,11 @@ class GRPOConfig:
     lora_target_modules: str = option("all-linear", "modules that get adapters: 'all-linear' (every linear layer but "
                                       "lm_head) or module names, comma-separated (q_proj,v_proj)", words=True)
     bf16: bool = option(True, "bf16 autocast (on CUDA only)")
+    release_memory: str = option(
+        "always", "glibc: give freed heap back to the OS: 'never' (glibc's default: it stays in the process for "
+        "later allocations), 'phases' (malloc_trim at the end of each phase of a step), 'always' (also every "
+        "buffer of 64 KiB or more mapped alone and unmapped when freed: the lowest peak, slower; process-wide); "
+        "grpo.memory", choices=RELEASE_POLICIES)
     # logging and checkpoints
     save_every: int = option(50, "write a checkpoint every this many steps (0: only at the end)", bounds=at_least(0))
     resume: bool = option(False, "continue from output_dir/checkpoint.pt when it exists (a run without it refuses a "

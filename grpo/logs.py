@@ -1,4 +1,4 @@
-"""Run logs: one JSON object per step in ``log.jsonl``, and a PNG of the curves at the end.
+"""Run logs: one JSON object per step in ``log.jsonl`` (the PNG of its curves: ``grpo.plot``).
 
 Only the main process writes (the trainer decides, in one place, by passing ``enabled``).
 """
@@ -14,19 +14,6 @@ import torch
 
 from . import distributed
 from .atomic import write_atomically
-
-# The curves drawn by plot_curves, in order; missing keys are skipped.
-PLOTTED = (
-    ("reward", "reward (mean)"),
-    ("accuracy", "accuracy"),
-    ("kl", "KL to reference"),
-    ("entropy", "entropy"),
-    ("completion_length/mean", "completion length"),
-    ("truncated_frac", "truncated fraction"),
-    ("zero_signal_frac", "zero-signal groups (fraction)"),
-    ("clip_ratio/region_mean", "clip ratio"),
-    ("grad_norm", "grad norm"),
-)
 
 
 # metrics of the loss that are extremes over sequences or tokens (TRL's clip extremes, the rollout correction's)
@@ -136,12 +123,12 @@ class ZeroSignalWatch:
 
 # What a step's record says about the machine, not the run: a resumed run logs the same record except these.
 MEASURED_KEYS = ("step_time", "generate_time", "tokens_per_s", "peak_memory_mb")
-MEASURED_PREFIX = "time/"  # the phase timings, time/generate ... time/update
+MEASURED_PREFIXES = ("time/", "memory/")  # the phase timings (time/generate ... time/update) and peaks (grpo.memory)
 
 
 def run_values(record: dict) -> dict:
-    """``record`` without its measurements of the machine (:data:`MEASURED_KEYS`, ``time/*``)."""
-    return {k: v for k, v in record.items() if k not in MEASURED_KEYS and not k.startswith(MEASURED_PREFIX)}
+    """``record`` without its measurements of the machine (:data:`MEASURED_KEYS`, ``time/*``, ``memory/*``)."""
+    return {k: v for k, v in record.items() if k not in MEASURED_KEYS and not k.startswith(MEASURED_PREFIXES)}
 
 
 class RunLog:
@@ -158,6 +145,17 @@ class RunLog:
         if enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_jsonl_atomic(path, self.records)  # a resumed run drops the steps after its checkpoint
+
+    def amend(self, fields: dict) -> dict:
+        """Add ``fields`` to the last record (measured after it was written: a checkpoint's save), rewriting
+        the log atomically; returns the record."""
+        if not self.records or not fields:
+            return self.records[-1] if self.records else {}
+        self.records[-1] = {**self.records[-1], **{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                                   for k, v in fields.items()}}
+        if self.enabled:
+            write_jsonl_atomic(self.path, self.records)
+        return self.records[-1]
 
     def write(self, record: dict) -> dict:
         """Append one step's record; NaN / inf values (e.g. a mean over nothing) are written as null."""
@@ -197,34 +195,3 @@ def read_jsonl(path: str) -> list[dict]:
 
 def write_jsonl_atomic(path: str, records: Iterable[dict]) -> None:
     write_atomically(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in records).encode()))
-
-
-def plot_curves(records: list[dict], path: str, title: str = "GRPO") -> Optional[str]:
-    """Draw every curve of ``PLOTTED`` that the records have against ``step``; returns the PNG path."""
-    if not records:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(k, label) for k, label in PLOTTED if any(r.get(k) is not None for r in records)]
-    cols = 3
-    rows = max(1, math.ceil(len(panels) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, (key, label) in zip(axes.flat, panels):
-        xs = [r["step"] for r in records if r.get(key) is not None]
-        ys = [r[key] for r in records if r.get(key) is not None]
-        ax.plot(xs, ys, lw=1.2)
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path

@@ -28,7 +28,8 @@ Persistent (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: al
   with ``beta > 0`` (none with LoRA: the policy with its adapters off); gradients ``P_t`` in their dtype
   (+ fp32 master gradients for 16-bit trainable weights); AdamW's moments 8 B per trainable parameter
   (+ a 4 B fp32 master copy for 16-bit ones).
-- runtime: on a CPU the Python process (:data:`RUNTIME_BYTES_CPU`, measured); on a GPU
+- runtime: on a CPU the Python process (:data:`RUNTIME_BYTES_CPU`, measured) and its tokenizer
+  (:data:`TOKENIZER_BYTES_PER_ENTRY_CPU` per vocabulary entry, measured); on a GPU
   :data:`CUDA_RUNTIME_BYTES`: the CUDA context (local memory for every resident thread, the device heap,
   the driver's state), the kernels' images loaded on first use, and cuBLAS/cuBLASLt's workspaces
   (an estimate for a Hopper GPU, derived in docs/memory.md, to be checked on the first lent GPU).
@@ -111,6 +112,10 @@ MiB = 2**20
 # A fresh CPU process with torch, transformers, peft and grpo imported, before any model: its peak
 # RSS on this project's 2-core machine was 0.41 GiB (torch alone 0.21 GiB), measured 2026-12-01.
 RUNTIME_BYTES_CPU = int(0.42 * 2**30)
+# ... and the run's tokenizer, per vocabulary entry: resident growth of AutoTokenizer.from_pretrained for
+# character tokenizers of 151,936 and 32,000 entries, 384 and 519 B (56 and 16 MiB), measured 2026-12-02
+# (benchmarks/results/lora_memory-cpu-20261202.md); a CPU step's whole process holds it.
+TOKENIZER_BYTES_PER_ENTRY_CPU = 450
 # What a CUDA process holds besides its tensors, on a Hopper GPU (H100 SXM / H200: 132 SMs of compute
 # capability 9.0), with lazy module loading (CUDA >= 11.7; torch's default). docs/memory.md derives each
 # part; together an ESTIMATE (0.66 GiB), to be checked on the first lent GPU: `benchmarks.
@@ -586,7 +591,7 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
-         bf16: bool = True, gradient_checkpointing: bool = False, activation_offload: bool = False,
+         bf16: bool = True, gradient_checkpointing: bool = True, activation_offload: bool = False,
          mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
          sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
     """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
@@ -668,7 +673,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
     head_trainable = not use_peft
     tiled_head = not head_trainable and device != "cuda"  # (CUDA's default backend, Triton, takes row chunks)
     final_norm = N * (4 * H + 4 + (b * H if not use_peft else 0))
-    runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU}
+    runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU,
+                                                                 "the tokenizer": TOKENIZER_BYTES_PER_ENTRY_CPU * V}
     terms = {
         "weights": P * b + adapters * 4,
         "reference": P * b if beta > 0 and not use_peft else 0,

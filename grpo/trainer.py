@@ -56,10 +56,12 @@ from grpo_kernels.bounds import OptionError
 from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
 
 from . import activations, checkpoint, distributed, lora, packing, plan, precision
+from .memory import PhaseMemory
 from .advantages import group_advantages, zero_signal_groups
 from .config import GRPOConfig
 from .data import check_reward_columns, check_rows, columns_of, prompts_for_step, shard_for_rank
-from .logs import LossMetrics, RunLog, ZeroSignalWatch, plot_curves
+from .logs import LossMetrics, RunLog, ZeroSignalWatch
+from .plot import plot_in_subprocess
 from .models import (Policy, ReferenceWithoutAdapters, as_policy, completion_hidden, default_device, head_transform,  # noqa: F401
                      lm_head, load_model, make_reference_model, prepare_model, unwrap)
 from .rollout import (Completions, HFGenerate, Rollout, VLLMRollout, check_prompt_lengths, engine_context_length,
@@ -321,8 +323,10 @@ def policy_loss(model, mb: MicroBatch, totals: BatchTotals, cfg: GRPOConfig, dev
     return out.loss * factor, out.metrics
 
 
-def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device) -> dict[str, float]:
-    """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches.
+def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.device,
+           memory: Optional[PhaseMemory] = None) -> dict[str, float]:
+    """``num_iterations`` optimizer steps on one batch, each accumulating gradients over micro-batches;
+    ``memory`` closes the phases ``backward`` (forward, loss, backward, clipping) and ``optimizer``.
 
     Under data parallelism ``batch`` is this rank's share (possibly empty); the logs are global.
     An iteration whose loss (on any rank) or gradient norm is not finite does not step the optimizer:
@@ -345,12 +349,16 @@ def update(model, optimizer, batch: UpdateBatch, cfg: GRPOConfig, device: torch.
             metrics.add(mb_metrics, tokens=float(mb.loss_mask.sum()), sequences=mb.sequences_in_loss)
         grad_norms.append(total_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
         losses.append(loss_sum)
+        if memory is not None:
+            memory.mark("backward")
         if distributed.all_reduce(float(not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1]))), "max"):
             skipped += 1  # (every rank skips: the gradient norm is global, the flag all-reduced)
             optimizer.zero_grad(set_to_none=True)
             warnings.warn(f"optimizer step skipped: the loss ({loss_sum}) or gradient norm ({grad_norms[-1]}) is not finite", RuntimeWarning, stacklevel=2)
             continue
         optimizer.step()
+        if memory is not None:
+            memory.mark("optimizer")
     logs, losses = metrics.reduce(losses, iterations=cfg.num_iterations)  # (over every rank)
     logs.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms), skipped_updates=skipped)
     return logs
@@ -386,10 +394,16 @@ def train_step(
     reward_fns: Mapping[str, RewardFn],
     cfg: GRPOConfig,
     device: torch.device,
+    memory: Optional[PhaseMemory] = None,
 ) -> dict[str, Any]:
-    """Rollouts, rewards, advantages and the update for one batch of prompts; returns the step's log."""
+    """Rollouts, rewards, advantages and the update for one batch of prompts; returns the step's log.
+
+    memory: the run's :class:`grpo.memory.PhaseMemory` (``grpo.train``'s); None: one for this step that
+    never resets the resident set's high-water mark (so a caller's own measurement of the step stands),
+    whose ``memory/<phase>_mb`` are then the process's peak at each phase's end."""
     start = time.perf_counter()
     clock = PhaseClock(device)
+    memory = memory if memory is not None else PhaseMemory(cfg.release_memory, reset=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for group in optimizer.param_groups:
@@ -398,10 +412,12 @@ def train_step(
     # 1. rollouts, for this rank's share of the step's prompts (all of them in a single process)
     batch_rows, rollout = sample(step, model, rollout_engine, rows, cfg)
     clock.lap("generate")
+    memory.mark("generation")
 
     # 2. rewards -> group-relative advantages
     scores = score_rollout(reward_fns, rollout, batch_rows, cfg)
     clock.lap("score")
+    memory.mark("scoring")
 
     # 3. the update: the loss's batch, the ratios' denominators, then the optimizer steps
     batch = update_batch(rollout, scores, cfg, device)
@@ -409,13 +425,14 @@ def train_step(
     if distributed.all_reduce(batch.loss_mask.sum()) > 0:  # (then every rank updates, even with no rows)
         add_denominators(batch, model, ref_model, cfg, device)
         clock.lap("logps")
+        memory.mark("logps")
         model.train()
-        update_logs = update(model, optimizer, batch, cfg, device)
+        update_logs = update(model, optimizer, batch, cfg, device, memory)
     clock.lap("update")
 
     # 4. the step's log, over every rank's completions
     return step_log(step, rollout, scores, batch, update_logs, list(reward_fns), clock, time.perf_counter() - start,
-                    cfg, device)
+                    cfg, device, memory)
 
 
 def sample(step: int, model, rollout_engine: Rollout, rows: list[dict[str, Any]],
@@ -502,8 +519,8 @@ def add_denominators(batch: UpdateBatch, model, ref_model, cfg: GRPOConfig, devi
 
 def step_log(step: int, rollout: Completions, scores: Scores, batch: UpdateBatch, update_logs: dict[str, float],
              reward_names: list[str], clock: "PhaseClock", step_time: float, cfg: GRPOConfig,
-             device: torch.device) -> dict[str, Any]:
-    """The step's log line, over every rank's completions."""
+             device: torch.device, memory: PhaseMemory) -> dict[str, Any]:
+    """The step's log line, over every rank's completions (memory: the largest rank's)."""
     rewards = scores.rewards
     per_fn, penalty, zero_signal, lengths, truncated = (
         distributed.all_gather(t)
@@ -529,7 +546,8 @@ def step_log(step: int, rollout: Completions, scores: Scores, batch: UpdateBatch
         "generate_time": clock.times["time/generate"],
         **clock.times,  # time/generate, time/score, time/logps (old and reference), time/update (loss, backward, optimizer)
         "tokens_per_s": float(lengths.sum()) / step_time,  # completion tokens sampled and trained on
-        "peak_memory_mb": distributed.all_reduce(peak_memory_mb(device), "max"),
+        "peak_memory_mb": distributed.all_reduce(peak_memory_mb(device, memory), "max"),
+        **{k: distributed.all_reduce(v, "max") for k, v in memory.record().items()},  # memory/<phase>_mb (grpo.memory)
         "sample": rollout.prompts[0] + rollout.completions[0],
     }
 
@@ -567,11 +585,13 @@ class PhaseClock:
         return self.times[f"time/{phase}"]
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated in this step, or the process's peak resident memory on CPU."""
+def peak_memory_mb(device: torch.device, memory: Optional[PhaseMemory] = None) -> float:
+    """Peak GPU memory allocated in this step, or the process's peak resident memory on CPU (``memory``'s,
+    which counts across its resets of the high-water mark; else ``ru_maxrss``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return max(memory.process_peak_mb, rusage) if memory is not None and memory.available else rusage
 
 
 # --------------------------------------------------------------------------------------------------
@@ -749,49 +769,55 @@ def train(
     distributed.setup(cfg.distributed)
     device = device or default_device()
     main_process = distributed.is_main_process()
-    set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
-    start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
-    # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
-    # step, with a checkpoint
-    with run_lock(cfg.output_dir, main_process), checkpoint.StopOnSigterm() as sigterm:
-        checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # (again, under the lock)
-        if rollout is None:  # (a vLLM engine starts from the model's config alone, before the model changes)
-            rollout = default_rollout(model, tokenizer, cfg)
-            if callable(getattr(rollout, "check_prompts", None)):  # (the engine's own context length)
-                rollout.check_prompts([row["prompt"] for row in rows])
-        model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
-        ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
-        if checks.resume_state is not None:
-            start_step = checkpoint.restore(checks.resume_state, checkpoint_path, policy, ref_weights, optimizer)
-        log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
-        zero_signal = ZeroSignalWatch(log.records)
-        if main_process:  # the predicted peak of a step, term by term (grpo.plan)
-            plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()),
-                             device.type)
+    # every phase's peak resident memory, for the log (grpo.memory); on leaving, also when the run raises or
+    # stops on SIGTERM, the high-water mark goes back to the run's peak for whoever measures this process
+    with PhaseMemory(cfg.release_memory) as memory:
+        set_seed(cfg.seed + distributed.rank())  # each rank samples its own completions
+        start_step, checkpoint_path = 0, checkpoint.path_in(cfg.output_dir)
+        # one run per output directory (rank 0 holds the lock); SIGTERM ends the run after the current
+        # step, with a checkpoint
+        with run_lock(cfg.output_dir, main_process), checkpoint.StopOnSigterm() as sigterm:
+            checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # (again, under the lock)
+            if rollout is None:  # (a vLLM engine starts from the model's config alone, before the model changes)
+                rollout = default_rollout(model, tokenizer, cfg)
+                if callable(getattr(rollout, "check_prompts", None)):  # (the engine's own context length)
+                    rollout.check_prompts([row["prompt"] for row in rows])
+            model, policy, ref_policy, optimizer = setup_training(model, cfg, device)
+            ref_weights = None if cfg.use_peft else ref_policy  # what a checkpoint holds of the reference
+            if checks.resume_state is not None:
+                start_step = checkpoint.restore(checks.resume_state, checkpoint_path, policy, ref_weights, optimizer)
+            log = RunLog(os.path.join(cfg.output_dir, "log.jsonl"), enabled=main_process, resume_step=start_step or None)
+            zero_signal = ZeroSignalWatch(log.records)
+            if main_process:  # the predicted peak of a step, term by term (grpo.plan)
+                plan.log_for_run(unwrap(policy).config, cfg, plan.micro_batch_tokens(rows, tokenizer, cfg, distributed.world_size()),
+                                 device.type)
+            memory.mark("setup")  # (from the process's start: the model's loading included; in the first step's record)
 
-        bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
-                   disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
-        for step in bar:
-            record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device)
-            record.update(zero_signal.update(record))
-            record = log.write(record)
-            postfix = {k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None}
-            if "warning" in record:
-                postfix["no signal"] = f"{record['zero_signal_steps']} steps"
-                if record["zero_signal_steps"] == zero_signal.patience and main_process:
-                    warnings.warn(record["warning"], RuntimeWarning, stacklevel=2)
-            bar.set_postfix(postfix)
-            done = step + 1
-            stopping = sigterm.agreed()
-            if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
-                checkpoint.save(checkpoint_path, done, policy, ref_weights, optimizer, dataclasses.asdict(cfg))
-            if stopping:
-                bar.close()
-                sigterm.exit(checkpoint_path, done)
-        bar.close()
-    distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
-    if cfg.use_peft and main_process:
-        lora.save_adapter(model, cfg.output_dir, tokenizer)
-    if cfg.plot and main_process:
-        plot_curves(log.records, os.path.join(cfg.output_dir, "curves.png"))
+            bar = tqdm(range(start_step, cfg.num_steps), initial=start_step, total=cfg.num_steps,
+                       disable=not (cfg.progress and main_process), desc="GRPO", dynamic_ncols=True)
+            for step in bar:
+                record = train_step(step, policy, ref_policy, rollout, optimizer, rows, reward_fns, cfg, device, memory)
+                record.update(zero_signal.update(record))
+                record = log.write(record)
+                postfix = {k: f"{record[k]:.3f}" for k in ("reward", "accuracy", "kl") if record.get(k) is not None}
+                if "warning" in record:
+                    postfix["no signal"] = f"{record['zero_signal_steps']} steps"
+                    if record["zero_signal_steps"] == zero_signal.patience and main_process:
+                        warnings.warn(record["warning"], RuntimeWarning, stacklevel=2)
+                bar.set_postfix(postfix)
+                done = step + 1
+                stopping = sigterm.agreed()
+                if done == cfg.num_steps or (cfg.save_every and done % cfg.save_every == 0) or stopping:
+                    checkpoint.save(checkpoint_path, done, policy, ref_weights, optimizer, dataclasses.asdict(cfg))
+                    memory.mark("save")  # (the log's writing included) added to the step's record, after the fact
+                    log.amend({k: distributed.all_reduce(v, "max") for k, v in memory.record().items()})
+                if stopping:
+                    bar.close()
+                    sigterm.exit(checkpoint_path, done)
+            bar.close()
+        distributed.copy_back(policy, model)  # FSDP2 trained a sharded copy
+        if cfg.use_peft and main_process:
+            lora.save_adapter(model, cfg.output_dir, tokenizer)
+        if cfg.plot and main_process:  # (matplotlib in another process: it never adds to this one's peak)
+            plot_in_subprocess(log.records, os.path.join(cfg.output_dir, "curves.png"))
     return log.records

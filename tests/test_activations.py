@@ -122,7 +122,7 @@ def test_offload_needs_checkpointing():
     from grpo.config import GRPOConfig
 
     with pytest.raises(ValueError, match="GRPOConfig.activation_offload.*GRPOConfig.gradient_checkpointing"):
-        GRPOConfig(activation_offload=True)
+        GRPOConfig(activation_offload=True, gradient_checkpointing=False)
     with pytest.raises(TypeError, match=r"GRPOConfig.activation_offload must be a bool \(True or False\)"):
         GRPOConfig(activation_offload="yes", gradient_checkpointing=True)
 

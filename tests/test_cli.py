@@ -74,7 +74,7 @@ def test_every_optional_field_takes_none_on_the_command_line():
     (("--loss-mode", "nope"), "--loss-mode"),
     (("--vllm-importance-sampling-clip-max=-1",), "--vllm-importance-sampling-clip-max"),  # (the flag, as typed)
     (("--mlp-chunk-tokens", "0"), "--mlp-chunk-tokens"), (("--mlp-chunk-tokens", "2.5"), "--mlp-chunk-tokens"),
-    (("--activation-offload",), "--activation-offload"),  # (it needs --gradient-checkpointing: issue 35)
+    (("--activation-offload", "--no-gradient-checkpointing"), "--activation-offload"),  # (it needs checkpointing: issue 35)
 ])
 def test_bad_values_are_usage_errors_before_any_model_loads(flags, named, tmp_path, capsys):
     """Exit 2, the error line naming the flag, with a model path that does not exist (loading it would

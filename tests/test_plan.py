@@ -231,7 +231,8 @@ def test_the_runtime_term_is_the_cuda_context_kernels_and_workspaces():
     # torch.cuda.max_memory_allocated sees the workspaces (the caching allocator's) but not the context or kernels
     assert gpu.peak - gpu.allocator_peak == sum(v for k, v in parts.items() if k != "cuBLAS workspaces")
     cpu = plan.plan("Qwen2.5-0.5B", 4096, device="cpu")
-    assert cpu.terms["runtime"] == plan.RUNTIME_BYTES_CPU and cpu.allocator_peak == cpu.peak
+    tokenizer = plan.TOKENIZER_BYTES_PER_ENTRY_CPU * plan.KNOWN_CONFIGS["Qwen2.5-0.5B"]["vocab_size"]
+    assert cpu.terms["runtime"] == plan.RUNTIME_BYTES_CPU + tokenizer and cpu.allocator_peak == cpu.peak
     assert cpu.reserve == {} and cpu.needed == cpu.peak  # (no caching allocator on a CPU)
 
 
@@ -444,7 +445,7 @@ def test_config_json_path_and_bad_model(tmp_path):
     (["--gpu-memory", "-8GB"], "--gpu-memory"),
     (["--mlp-chunk-tokens", "0"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "-4"], "--mlp-chunk-tokens"),
     (["--mlp-chunk-tokens", "2.5"], "--mlp-chunk-tokens"), (["--mlp-chunk-tokens", "many"], "--mlp-chunk-tokens"),
-    (["--activation-offload"], "--activation-offload"), (["--activation-offload", "yes"], "unrecognized arguments: yes"),
+    (["--activation-offload", "--no-gradient-checkpointing"], "--activation-offload"), (["--activation-offload", "yes"], "unrecognized arguments: yes"),
 ])
 def test_cli_usage_errors_name_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -465,7 +466,7 @@ def test_python_api_refuses_bad_settings_naming_them():
                              (dict(mlp_chunk_tokens=1.5), TypeError, "mlp_chunk_tokens"),
                              (dict(mlp_chunk_tokens=0), ValueError, "mlp_chunk_tokens"),
                              (dict(activation_offload="yes", gradient_checkpointing=True), TypeError, "activation_offload"),
-                             (dict(activation_offload=True), ValueError, "activation_offload"),
+                             (dict(activation_offload=True, gradient_checkpointing=False), ValueError, "activation_offload"),
                              (dict(gpu_memory=0), ValueError, "gpu_memory"),
                              (dict(gpu_memory=math.inf), ValueError, "gpu_memory"),
                              (dict(gpu_memory=-1.0), ValueError, "gpu_memory")):
@@ -617,3 +618,29 @@ def test_the_peak_never_falls_as_tokens_grow(model, dtype, device):
         if previous is not None:
             assert p.peak >= previous.peak and p.terms["loss chunk"] >= previous.terms["loss chunk"], n
         previous = p
+
+
+def test_lora_s_persistent_terms_are_what_a_trainer_step_leaves(tmp_path):
+    """The plan's LoRA gradients and optimizer state against the trainer's own set-up after one AdamW step
+    (grpo.trainer.setup_training with use_peft: peft's adapters, grpo.precision.adamw): the bytes of every
+    gradient and every moment tensor. benchmarks/results/lora_memory-cpu-20261202.md compares the whole
+    CLI run's peak with the plan."""
+    pytest.importorskip("peft")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo.config import GRPOConfig
+    from grpo.trainer import setup_training
+
+    config = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_peft=True, lora_r=8, beta=0.04, backend="torch")
+    _, policy, _, optimizer = setup_training(Qwen2ForCausalLM(config), cfg, torch.device("cpu"))
+    policy.train()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12))
+    policy.model(input_ids=ids).logits.float().pow(2).mean().backward()
+    optimizer.step()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads = sum(p.grad.nbytes for p in params)
+    moments = sum(t.nbytes for p in params for t in optimizer.state[p].values() if t.dim())  # (not the step counts)
+    terms = plan.plan(plan.ModelShape.from_config(config), 24, use_peft=True, lora_r=8, beta=0.04).terms
+    assert terms["gradients"] == grads and terms["optimizer state"] == moments

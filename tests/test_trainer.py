@@ -113,6 +113,10 @@ def test_two_step_run_writes_logs_plot_checkpoint_and_changes_the_policy(tmp_pat
     assert [r["step"] for r in lines] == [1, 2]
     assert (out / "checkpoint.pt").exists() and (out / "curves.png").stat().st_size > 1000
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
+    if os.path.exists("/proc/self/status"):  # each phase's peak resident memory (grpo.memory); the save's after the fact
+        phases = ("generation", "scoring", "logps", "backward", "optimizer")
+        assert all(0 < records[1][f"memory/{p}_mb"] <= records[1]["peak_memory_mb"] for p in phases), records[1]
+        assert "memory/setup_mb" in records[0] and "memory/save_mb" in records[-1] and records[-1] == lines[-1]
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
