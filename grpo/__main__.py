@@ -103,7 +103,8 @@ def train_command(argv: list[str]) -> None:
         usage_error(parser, e, GRPOConfig)
     from .precision import torch_dtype
 
-    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype))
+    del skeleton  # (the checks' meta-device model; the tokenizer they checked is the run's)
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(cfg.model_dtype), tokenizer=tokenizer)
     records = train(model, tokenizer, rows, reward_fns, cfg)
     main_process = distributed.is_main_process()
     distributed.teardown()

@@ -43,14 +43,20 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_model(name_or_path: str, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
-    """A causal LM (weights in ``dtype``) and its (left-padding) tokenizer from a local path or a hub name."""
+def load_model(name_or_path: str, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
+               tokenizer=None):
+    """A causal LM (weights in ``dtype``) and its (left-padding) tokenizer from a local path or a hub name.
+
+    tokenizer: one already loaded from ``name_or_path`` (the CLI's, from its checks), returned as it is:
+    a second copy would cost its bytes again (tens of MiB at a 150k vocabulary) for the rest of the run,
+    since glibc keeps the first's freed heap."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
         name_or_path, attn_implementation=attention_implementation(device), dtype=dtype
     )
