@@ -264,6 +264,31 @@ def test_honest_stdlib_solutions_all_pass():
     assert [i for i, o in enumerate(out) if o != 1.0] == []
 
 
+def test_constant_set_displays_are_built_at_run_time_from_their_tuple():
+    """A constant set display becomes a set comprehension over the tuple of its items (one insertion
+    order, whatever the compilation merged); a display with a name is left as it is."""
+    plan = _sandbox.plan_assert_tests("", ["assert [f(w) for w in {'ab', 'cd', 'ef'}] == [{w, 'z'} for w in 'ab']"])
+    assert not plan.refused
+    source = plan.judge[0]
+    assert "('ab', 'cd', 'ef')" in source and "{'ab', 'cd', 'ef'}" not in source and "{w, 'z'}" in source, source
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_a_set_s_order_is_one_on_both_sides_of_a_split_test(monkeypatch):
+    """``[f(w) for w in {...}] == [w[::-1] for w in {...}]`` holds in plain Python under any hash seed (one
+    compilation, one frozenset constant); split between the sandbox (the probe) and the judge (the other
+    side) it once failed a correct program under some seeds (on CPython 3.11: 9, 12, 14 of 0-15), each
+    side's frozenset rebuilt in its own order by constant merging. Every seed of 0-15, forced."""
+    code = "def f(w):\n    return w[::-1]"
+    tests = ["for w in {'ab', 'cd', 'ef', 'gh', 'ij', 'kl'}:\n    assert f(w) == w[::-1]",  # (its constants are
+             "assert [f(w) for w in {'ab', 'cd', 'ef'}] == [w[::-1] for w in {'ab', 'cd', 'ef'}]"]  # merged too)
+    for seed in range(16):
+        monkeypatch.setattr(_sandbox.secrets, "randbelow", lambda n, seed=seed: seed)  # the run's PYTHONHASHSEED
+        (job,) = _sandbox.assert_jobs(code, tests, timeout=20.0)
+        assert job() == [(0, True), (1, True)], seed
+
+
 @needs_jail
 @pytest.mark.timeout(300)
 def test_attacks_forge_no_test():

@@ -1364,6 +1364,35 @@ class _Rename(ast.NodeTransformer):
         return node
 
 
+SET_ELEMENT = "__grpo_e__"  # the variable of the set comprehension a constant set display becomes
+
+
+class _RuntimeConstantSets(ast.NodeTransformer):
+    """A set display of constants, ``{'ab', 'cd', 'ef'}``, as ``{e for e in ('ab', 'cd', 'ef')}``.
+
+    CPython compiles such a display (three items or more, or any in a ``for``/``in`` position) to a
+    frozenset constant, and the constants of a compilation are merged, which rebuilds a frozenset
+    from its own iteration order: its order then depends on what else that compilation holds. A
+    test split between the sandbox (its probes) and the judge (its other side) is compiled twice,
+    differently, so the two sides of ``[f(w) for w in {...}] == [g(w) for w in {...}]`` could
+    iterate the set in two orders under one ``PYTHONHASHSEED``, failing a correct program (plain
+    Python compiles the test once: both sides share one constant). A set built at run time from a
+    tuple inserts in the tuple's order: one order on both sides, whatever the compilation."""
+
+    def visit_Set(self, node: ast.Set) -> ast.AST:
+        self.generic_visit(node)
+        if not node.elts or not all(isinstance(e, ast.Constant) for e in node.elts):
+            return node  # (a display with a name or a starred item is built at run time already)
+        comp = ast.SetComp(ast.Name(SET_ELEMENT, ast.Load()), [ast.comprehension(
+            ast.Name(SET_ELEMENT, ast.Store()), ast.Tuple(node.elts, ast.Load()), [], 0)])
+        return ast.copy_location(comp, node)
+
+
+def _runtime_constant_sets(tree: ast.Module) -> ast.Module:
+    """``tree`` with its constant set displays built at run time (:class:`_RuntimeConstantSets`)."""
+    return ast.fix_missing_locations(_RuntimeConstantSets().visit(tree))  # (the same Module, its notes kept)
+
+
 def _inline_checkers(tree: ast.Module) -> ast.Module:
     """HumanEval's form -- ``def check(candidate): assert candidate(...) == ...`` then
     ``check(f)`` -- as the asserts themselves: each top-level call of such a checker with
@@ -1542,7 +1571,7 @@ def _parse_tests(tests: list[str], trusted: frozenset) -> tuple[dict, dict]:
         except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
             refused[i] = f"test does not parse ({type(e).__name__})"
             continue
-        tree = _inline_checkers(tree)
+        tree = _runtime_constant_sets(_inline_checkers(tree))
         checked = getattr(tree, "grpo_candidates", set()) & trusted
         if checked:
             refused[i] = (f"trusted_code defines {min(checked)}, the function the test checks "
