@@ -267,10 +267,12 @@ def test_honest_stdlib_solutions_all_pass():
 def test_constant_set_displays_are_built_at_run_time_from_their_tuple():
     """A constant set display becomes a set comprehension over the tuple of its items (one insertion
     order, whatever the compilation merged); a display with a name is left as it is."""
-    plan = _sandbox.plan_assert_tests("", ["assert [f(w) for w in {'ab', 'cd', 'ef'}] == [{w, 'z'} for w in 'ab']"])
+    plan = _sandbox.plan_assert_tests("", ["assert [f(w) for w in {'ab', 'cd', 'ef'}] == [{w, 'z'} for w in 'ab']",
+                                           "assert [f(w) for w in {(1, 'a'), (-2, 'b')}] == [1]"])
     assert not plan.refused
     source = plan.judge[0]
     assert "('ab', 'cd', 'ef')" in source and "{'ab', 'cd', 'ef'}" not in source and "{w, 'z'}" in source, source
+    assert "((1, 'a'), (-2, 'b'))" in plan.judge[1] and "{(1, 'a')" not in plan.judge[1], plan.judge[1]
 
 
 @needs_jail

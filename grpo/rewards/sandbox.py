@@ -1368,7 +1368,8 @@ SET_ELEMENT = "__grpo_e__"  # the variable of the set comprehension a constant s
 
 
 class _RuntimeConstantSets(ast.NodeTransformer):
-    """A set display of constants, ``{'ab', 'cd', 'ef'}``, as ``{e for e in ('ab', 'cd', 'ef')}``.
+    """A set display of constants, ``{'ab', 'cd', 'ef'}`` (or of constant tuples, ``{(1, 'a'), (2, 'b')}``), as
+    ``{e for e in ('ab', 'cd', 'ef')}``.
 
     CPython compiles such a display (three items or more, or any in a ``for``/``in`` position) to a
     frozenset constant, and the constants of a compilation are merged, which rebuilds a frozenset
@@ -1381,11 +1382,18 @@ class _RuntimeConstantSets(ast.NodeTransformer):
 
     def visit_Set(self, node: ast.Set) -> ast.AST:
         self.generic_visit(node)
-        if not node.elts or not all(isinstance(e, ast.Constant) for e in node.elts):
+        if not node.elts or not all(_folds_to_constant(e) for e in node.elts):
             return node  # (a display with a name or a starred item is built at run time already)
         comp = ast.SetComp(ast.Name(SET_ELEMENT, ast.Load()), [ast.comprehension(
             ast.Name(SET_ELEMENT, ast.Store()), ast.Tuple(node.elts, ast.Load()), [], 0)])
         return ast.copy_location(comp, node)
+
+
+def _folds_to_constant(node: ast.AST) -> bool:
+    """Whether CPython's compiler folds ``node`` into one constant: constants, and tuples and arithmetic
+    of them (``(1, 'a')``, ``-2``)."""
+    return all(isinstance(n, (ast.Constant, ast.Tuple, ast.UnaryOp, ast.BinOp, ast.unaryop, ast.operator,
+                              ast.expr_context)) for n in ast.walk(node))
 
 
 def _runtime_constant_sets(tree: ast.Module) -> ast.Module:
