@@ -32,7 +32,7 @@ LOCK_FILENAME = "run.lock"
 RESUMABLE_CHANGES = frozenset({
     "output_dir", "num_steps", "save_every", "resume", "resume_with_changes", "progress", "plot", "backend",
     "chunk_size", "padding_free", "max_tokens_per_microbatch", "micro_batch_size", "gradient_checkpointing",
-    "distributed",
+    "distributed", "release_memory",
 })
 
 

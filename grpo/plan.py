@@ -29,7 +29,8 @@ Persistent (``b``: bytes of the weights' dtype; trainable parameters ``P_t``: al
   (+ fp32 master gradients for 16-bit trainable weights); AdamW's moments 8 B per trainable parameter
   (+ a 4 B fp32 master copy for 16-bit ones).
 - runtime: on a CPU the Python process (:data:`RUNTIME_BYTES_CPU`, measured) and its tokenizer
-  (:data:`TOKENIZER_BYTES_PER_ENTRY_CPU` per vocabulary entry, measured); on a GPU
+  (:data:`TOKENIZER_BYTES_PER_ENTRY_CPU` per vocabulary entry, measured), freed memory assumed returned
+  (``release_memory`` 'always'; with another policy the runtime's note says what is not counted); on a GPU
   :data:`CUDA_RUNTIME_BYTES`: the CUDA context (local memory for every resident thread, the device heap,
   the driver's state), the kernels' images loaded on first use, and cuBLAS/cuBLASLt's workspaces
   (an estimate for a Hopper GPU, derived in docs/memory.md, to be checked on the first lent GPU).
@@ -495,7 +496,7 @@ def check_packing(tokens: int, sequences: int) -> None:
 
 # GRPOConfig's fields the plan reads (their flags and declarations are the config's)
 PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "bf16",
-                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "beta")
+                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "beta", "release_memory")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -593,7 +594,8 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
          bf16: bool = True, gradient_checkpointing: bool = True, activation_offload: bool = False,
          mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
-         sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None) -> MemoryPlan:
+         sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None,
+         release_memory: str = "always") -> MemoryPlan:
     """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
     sequences (``rollout_tokens``: tokens generated at once, default ``tokens``) with these ``GRPOConfig``
     settings (``bf16``: autocast, on CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether
@@ -603,7 +605,8 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
     decoder's linear layers: ``grpo_kernels.bounds.OptionError`` (a ``ValueError``) naming it."""
     config = dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
                   model_dtype=model_dtype, bf16=bf16, gradient_checkpointing=gradient_checkpointing,
-                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, beta=beta)
+                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, beta=beta,
+                  release_memory=release_memory)
     check_fields(GRPOConfig, config, convert=False)  # (the trainer's declarations: the same ranges)
     check_offload(activation_offload, gradient_checkpointing)
     check_fields(PlanSettings, dict(tokens=tokens, sequences=sequences, rollout_tokens=rollout_tokens, device=device),
@@ -642,7 +645,8 @@ def _largest_tokens(fits: Callable[[int], bool]) -> int:
 
 def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequences: int, *, use_peft: bool, lora_r: int,
           lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
-          activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, device: str) -> MemoryPlan:
+          activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, release_memory: str,
+          device: str) -> MemoryPlan:
     from grpo_kernels.autograd import default_chunk_size
     from grpo_kernels.kernels.torch_rows import frozen_head_bytes, tile_columns
 
@@ -706,7 +710,10 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         "runtime": ("CUDA context " + gib(sum(v for k, v in runtime.items() if k.startswith("context")))
                     + f" + kernel images {gib(runtime['kernel images'])} + cuBLAS workspaces "
                     + f"{gib(runtime['cuBLAS workspaces'])} (Hopper, lazy loading: an estimate, docs/memory.md)"
-                    if device == "cuda" else "torch + transformers in a CPU process (measured)"),
+                    if device == "cuda" else "torch + transformers in a CPU process (measured)"
+                    + ("" if release_memory == "always" else f"; release_memory={release_memory!r}: the heap glibc "
+                       "keeps after free is not counted (LoRA runs measured 0.1-2.1 W above the plan, "
+                       "benchmarks/results/lora_memory-cpu-20261202.md)")),
         "checkpointed layer inputs": (
             "checkpointing off: none kept (every layer keeps its saved tensors)" if not gradient_checkpointing else
             f"offloaded: 2 layers on the device (recomputed + prefetched) of {L} x N x H x {b} B in host memory"
@@ -757,7 +764,7 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
                     lora_target_modules=lora_target_modules, lora_dropout=lora_dropout, model_dtype=model_dtype,
                     gradient_checkpointing=gradient_checkpointing, beta=beta, device=device, chunk_rows=chunk,
                     trainable_parameters=trainable, activation_offload=activation_offload,
-                    mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16, autocast=autocast,
+                    mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16, autocast=autocast, release_memory=release_memory,
                     attention="flash-attn 2 varlen (assumed)" if device == "cuda" else "packed SDPA")
     return MemoryPlan(terms, settings, notes, host=host, layer_saved=layer["saved"], runtime=runtime, reserve=reserve,
                       largest_transient=largest)

@@ -582,11 +582,22 @@ def test_plan_function_refuses_what_the_trainer_refuses():
                      (dict(lora_dropout=3.0), "lora_dropout"), (dict(beta=float("nan")), "beta"),
                      (dict(use_peft=True, lora_target_modules="nope_proj"), "lora_target_modules"),
                      (dict(model_dtype="float16"), "model_dtype"), (dict(rollout_tokens=0), "rollout_tokens"),
-                     (dict(gpu_memory=0), "gpu_memory"), (dict(device="tpu"), "device")):
+                     (dict(gpu_memory=0), "gpu_memory"), (dict(device="tpu"), "device"),
+                     (dict(release_memory="sometimes"), "release_memory"), (dict(release_memory=True), "release_memory")):
         with pytest.raises(ValueError, match=name):
             plan.plan("Qwen2.5-0.5B", 64, **kw)
     with pytest.raises(ValueError, match="tokens"):
         plan.plan("Qwen2.5-0.5B", 0)
+
+
+def test_a_cpu_plan_says_when_freed_heap_is_not_counted(capsys):
+    """The CPU plan counts what is live; with release_memory 'never' or 'phases' glibc keeps freed heap the plan
+    does not model, and its runtime note says so (the CLI's flag reaches it)."""
+    notes = {policy: plan.plan("Qwen2.5-0.5B", 64, device="cpu", release_memory=policy).notes["runtime"]
+             for policy in ("never", "phases", "always")}
+    assert "not counted" in notes["never"] and "not counted" in notes["phases"] and "not counted" not in notes["always"]
+    plan_cli("--model", "Qwen2.5-0.5B", "--tokens", "64", "--device", "cpu", "--release-memory", "phases")
+    assert "release_memory='phases'" in capsys.readouterr().out
 
 
 def test_gpu_memory_is_in_gigabytes_and_the_verdict_is_printed(capsys):
