@@ -22,7 +22,7 @@ import torch
 
 trl = pytest.importorskip("trl", minversion="1.15", reason="trl >= 1.15 is not installed (pip install -e '.[trl]')")
 
-from helpers import assert_close64, tiny_causal_lm, tolerance  # noqa: E402
+from helpers import assert_close64, leave_gloo_worker, tiny_causal_lm, tolerance  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM  # noqa: E402
@@ -580,8 +580,10 @@ def _fsdp2_head_worker(rank: int, world: int, store_path: str) -> None:
                        scale=8.0, what="FSDP2 d lm_head")
         assert_close64(ours.model.norm.weight.grad.full_tensor(), stock.model.norm.weight.grad.full_tensor().double(),
                        scale=8.0, what="FSDP2 d norm")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_gloo_worker()
 
 
 @pytest.mark.timeout(600)

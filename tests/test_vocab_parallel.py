@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import assert_close64
+from helpers import assert_close64, leave_gloo_worker
 from grpo_cases import OPTION_CASES, build_kwargs, make_batch
 from spec64 import grpo64, logprobs64
 
@@ -112,9 +112,9 @@ def _worker(rank: int, world: int, scenarios, store_path: str) -> None:
                 rank, world, backend)
     except BaseException:
         traceback.print_exc()
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    leave_gloo_worker()
 
 
 def _shard(world: int, rank: int):
