@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
-import tempfile
 import time
 from typing import Callable, Optional
 
@@ -80,7 +80,7 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
         torch.zeros(1, device=dev)
         out["context_gib"] = outside() / 2**30
     cfg = trainer.GRPOConfig(**{"beta": 0.0, "backend": "torch", "gradient_checkpointing": gc == "gc", **MODES[base], **config},
-                             output_dir=tempfile.mkdtemp(), learning_rate=1e-6, progress=False, plot=False,
+                             output_dir=os.devnull, learning_rate=1e-6, progress=False, plot=False,
                              max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
     shape = {**SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {})}
     model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
