@@ -77,11 +77,19 @@ def save(
     Every rank calls this: full (unsharded) weights and optimizer state are gathered for rank 0, which
     writes them with every rank's RNG state; the others wait until the file is there. ``config`` is
     stored for the record (``dataclasses.asdict`` of the run's config); ``load`` does not read it.
+
+    The policy's frozen parameters (under LoRA the whole base model: all but the adapters) are not
+    written, as peft's and transformers' checkpoints leave them out: the run never changes them, so the
+    resuming run's model (``--model``) holds them. Their names and shapes are (``"frozen"``), and a
+    resume checks them against its model. Nor are they read here: the save touches no page of a base
+    weight that the run itself did not (a memory-mapped model's unread embedding rows stay on disk).
     """
     ranks = distributed.world_size()
+    weights, frozen = distributed.model_state(policy), distributed.frozen_parameter_names(policy)
     state = {
         "step": step,
-        "model": distributed.model_state(policy),
+        "model": {k: v for k, v in weights.items() if k not in frozen},
+        "frozen": {k: list(v.shape) for k, v in weights.items() if k in frozen},
         "ref_model": distributed.model_state(ref_policy) if ref_policy is not None else None,
         "optimizer": distributed.optimizer_state(policy, optimizer),
         "rng": rng_state() if ranks == 1 else distributed.all_gather_objects(rng_state()),  # a list: one per rank
@@ -180,6 +188,10 @@ def _structure_problem(state: Any) -> str:
             continue
         if not isinstance(weights, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
             return f"its {key!r} is not a state dict of tensors"
+    frozen = state.get("frozen", {})  # (absent from checkpoints written before frozen weights were left out)
+    if not isinstance(frozen, dict) or not all(isinstance(k, str) and isinstance(v, list) and all(
+            isinstance(d, int) and not isinstance(d, bool) for d in v) for k, v in frozen.items()):
+        return "its 'frozen' is not a map of names to shapes"
     if not isinstance(state["optimizer"], dict) or not {"state", "param_groups"} <= set(state["optimizer"]):
         return "its 'optimizer' is not an optimizer state dict"
     if not isinstance(state["config"], (dict, type(None))):
@@ -187,11 +199,11 @@ def _structure_problem(state: Any) -> str:
     return ""
 
 
-def _base_names(weights: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    """A saved model state dict as the plain model's names and shapes: a LoRA run's peft names
-    (``base_model.model.`` prefix, ``.base_layer`` of an adapted layer) mapped back, its adapters left out."""
-    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): tuple(v.shape)
-            for k, v in weights.items() if ".lora_" not in k}
+def _base_names(shapes: dict[str, Any]) -> dict[str, tuple]:
+    """A model's names and shapes (``{name: tensor or shape}``) as the plain model's: a LoRA run's peft
+    names (``base_model.model.`` prefix, ``.base_layer`` of an adapted layer) mapped back, its adapters left out."""
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): tuple(getattr(v, "shape", v))
+            for k, v in shapes.items() if ".lora_" not in k}
 
 
 def check_resumable(state: dict[str, Any], path: str, model: Optional[torch.nn.Module], config: Optional[dict[str, Any]],
@@ -213,7 +225,7 @@ def check_resumable(state: dict[str, Any], path: str, model: Optional[torch.nn.M
     for key in ("model", "ref_model"):
         if state[key] is None:
             continue
-        saved = _base_names(state[key])
+        saved = _base_names({**state[key], **(state.get("frozen", {}) if key == "model" else {})})
         if saved != expected:
             missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
             shapes = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
@@ -230,7 +242,7 @@ def restore(state: dict[str, Any], path: str, policy: torch.nn.Module, ref_polic
     states (every rank); returns the steps done. A state that does not fit is a :class:`CheckpointError`
     naming the file."""
     try:
-        distributed.load_model_state(policy, state["model"])
+        distributed.load_model_state(policy, state["model"], frozenset(state.get("frozen", ())))
         if ref_policy is not None and state["ref_model"] is not None:
             distributed.load_model_state(ref_policy, state["ref_model"])
         distributed.load_optimizer_state(policy, optimizer, state["optimizer"])

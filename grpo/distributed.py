@@ -227,14 +227,27 @@ def model_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     return unwrap_ddp(policy).model.state_dict()
 
 
-def load_model_state(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict (every rank has read it) into the policy, sharding it under FSDP2."""
+def frozen_parameter_names(policy: torch.nn.Module) -> set[str]:
+    """The names (``model_state``'s keys) of the parameters that do not train: a run never changes them
+    (under LoRA, the whole base model), so a checkpoint need not hold them. Tied names are all listed."""
+    return {n for n, p in unwrap_ddp(policy).model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def load_model_state(policy: torch.nn.Module, state: dict[str, torch.Tensor], absent: frozenset[str] = frozenset()) -> None:
+    """Load a state dict (every rank has read it) into the policy, sharding it under FSDP2. ``absent``:
+    the keys the state leaves out on purpose (the frozen weights, which the policy already holds); any
+    other missing or unexpected key is a ``RuntimeError`` before anything is loaded, as a strict load's."""
+    expected = set(unwrap_ddp(policy).model.state_dict())  # (under FSDP2 its shards: the names, nothing gathered)
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing != absent or unexpected:
+        raise RuntimeError(f"the state does not fit the model: missing {sorted(missing - absent)[:3]}, unexpected "
+                           f"{sorted(unexpected)[:3]}, left out as frozen but not the model's {sorted(absent - missing)[:3]}")
     if is_fsdp(policy):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(policy, {"model." + k: v for k, v in state.items()}, options=_options())
+        set_model_state_dict(policy, {"model." + k: v for k, v in state.items()}, options=_options(strict=not absent))
     else:
-        unwrap_ddp(policy).model.load_state_dict(state)
+        unwrap_ddp(policy).model.load_state_dict(state, strict=not absent)
 
 
 def optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

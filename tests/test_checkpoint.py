@@ -122,7 +122,7 @@ def _saved(tmp_path, model=None):
 
 
 @pytest.mark.parametrize("content", [
-    b"", b"garbage", "truncate", "pickle", "code", "list", "missing keys", "step", "weights", "optimizer"])
+    b"", b"garbage", "truncate", "pickle", "code", "list", "missing keys", "step", "weights", "optimizer", "frozen"])
 def test_an_unusable_checkpoint_is_refused_naming_the_file(content, tmp_path, monkeypatch):
     import pickle
 
@@ -141,7 +141,8 @@ def test_an_unusable_checkpoint_is_refused_naming_the_file(content, tmp_path, mo
         torch.save([1, 2], path)
     else:
         broken = {"missing keys": lambda s: s.pop("optimizer"), "step": lambda s: s.update(step=-1),
-                  "weights": lambda s: s.update(model={"a": 1.0}), "optimizer": lambda s: s.update(optimizer={"x": 1})}
+                  "weights": lambda s: s.update(model={"a": 1.0}), "optimizer": lambda s: s.update(optimizer={"x": 1}),
+                  "frozen": lambda s: s.update(frozen={"lm_head.weight": [5, True]})}
         broken[content](state)
         torch.save(state, path)
     with pytest.raises(checkpoint.CheckpointError, match=str(path)):
@@ -172,6 +173,53 @@ def test_a_checkpoint_reads_back_and_is_checked_against_the_model_before_it_chan
     lora_path = str(tmp_path / "lora.pt")
     torch.save({**state, "model": lora.state_dict()}, lora_path)
     checkpoint.check_resumable(checkpoint.read(lora_path), lora_path, plain, None)
+
+
+def test_a_lora_checkpoint_leaves_the_frozen_base_out_and_resumes_against_it(tmp_path):
+    """Under LoRA the checkpoint holds what trains (the adapters) and the base's names and shapes, never
+    its weights (peft's checkpoints leave them out too; the resuming run's model holds them): a fresh
+    LoRA model restores the adapters bit for bit, a base of another shape is refused by name, and a
+    state that leaves out a weight it does not declare frozen is refused before anything loads."""
+    pytest.importorskip("peft")
+    from grpo import lora
+
+    cfg = tiny_config(tmp_path, use_peft=True, lora_r=2)
+    model = lora.add_adapters(build_model_and_tokenizer(seed=0)[0], cfg)
+    policy = prepare_model(model, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_()  # (B starts at zero: any value restored must be the saved one)
+    trained = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    frozen = {n: list(p.shape) for n, p in policy.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    assert trained and frozen and all("lora_" in n for n in trained)
+    path = checkpoint.path_in(cfg.output_dir)
+    checkpoint.save(path, 2, policy, None, make_optimizer(policy, cfg), {})
+    state = checkpoint.read(path)
+    assert state["model"].keys() == trained.keys() and state["frozen"] == frozen
+    frozen_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters() if not p.requires_grad)
+    assert os.path.getsize(path) < frozen_bytes / 2  # (with the base in it, the file would be larger than the base)
+
+    fresh_model = build_model_and_tokenizer(seed=0)[0]
+    checkpoint.check_resumable(state, path, fresh_model, None)  # the plain model, before its adapters
+    fresh = prepare_model(lora.add_adapters(fresh_model, cfg), cfg, torch.device("cpu"))
+    fresh_opt = make_optimizer(fresh, cfg)
+    assert checkpoint.restore(state, path, fresh, None, fresh_opt) == 2
+    for n, p in fresh.model.named_parameters():
+        if n in trained:
+            assert torch.equal(p, trained[n]), n
+
+    other = build_model_and_tokenizer(seed=0)[0]
+    other.lm_head = torch.nn.Linear(64, 5, bias=False)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{path}.*another model.*lm_head"):
+        checkpoint.check_resumable(state, path, other, None)
+    name = next(iter(trained))
+    before = {n: p.detach().clone() for n, p in fresh.model.named_parameters()}
+    for broken in ({**state, "model": {k: v for k, v in state["model"].items() if k != name}},
+                   {**state, "frozen": {**state["frozen"], "not.a.weight": [1]}}):
+        with pytest.raises(checkpoint.CheckpointError, match=rf"cannot resume from {path}.*does not fit"):
+            checkpoint.restore(broken, path, fresh, None, fresh_opt)
+    assert all(torch.equal(p, before[n]) for n, p in fresh.model.named_parameters())  # refused: nothing loaded
 
 
 def test_the_lock_probe_creates_nothing_and_sees_a_live_run(tmp_path):
