@@ -171,16 +171,22 @@ def _dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type == "cpu":
         noise = torch.empty_like(x).bernoulli_(1 - p)
         mask = noise.bool()
-        return x * noise.div_(1 - p), mask
+        return noise.div_(1 - p).mul_(x), mask  # (x * noise, into the noise's own storage: IEEE products commute)
     out, mask = torch.native_dropout(x, p, True)
     return out, mask
 
 
+def _kept_scale(p: float, dtype: torch.dtype) -> torch.Tensor:
+    """A kept element's value in :func:`_dropout`'s CPU noise, ``1 / (1 - p)`` rounded as ``noise.div_(1 - p)``
+    rounds it in ``dtype`` (a 0-dim tensor): times it, a kept element is what ``x * noise`` made it."""
+    return torch.ones((), dtype=dtype).div_(1 - p)
+
+
 def _undrop(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """The gradient through :func:`_dropout` (as the op it mirrors computes it): ``grad * noise`` on a CPU,
-    ``native_dropout_backward`` elsewhere."""
-    if grad.device.type == "cpu":
-        return grad * mask.to(grad.dtype).div_(1 - p)
+    """The gradient through :func:`_dropout` (as the op it mirrors computes it): ``grad * noise`` on a CPU
+    (in place on ``grad``, which the caller has just made), ``native_dropout_backward`` elsewhere."""
+    if grad.device.type == "cpu":  # (no noise-sized fp32 temporaries: one bool ~mask; a dropped element is
+        return grad.masked_fill_(~mask, 0).mul_(_kept_scale(p, grad.dtype))  # +0 where grad * 0 may be -0)
     return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1 - p))
 
 
@@ -192,7 +198,9 @@ class DropoutLinearFunction(torch.autograd.Function):
     mask / (1 - p)``). peft's pair keeps both as fp32 tensors of x's size (the dropped copy, which the
     matmul saves, and on a CPU dropout's fp32 noise: 8 bytes an element); this op keeps ``x`` itself,
     which the q/k/v (and gate/up) adapters of a layer share, and a bool mask (1 byte), and recomputes
-    the dropped input in backward. Same draws, same arithmetic: bit for bit peft's values and gradients,
+    the dropped input in backward, in place where it can (no noise-sized fp32 temporaries: at its height
+    backward holds d x and a bool ``~mask``). Same draws, same arithmetic: peft's values and gradients bit for
+    bit (a dropped element's +0 where peft's product may give -0),
     with and without bf16 autocast. (Under CUDA's bf16 autocast peft's pair keeps less than without it, a
     bool mask and ``A``'s bf16 copy, 3 bytes an element, and this op, which keeps peft's fp32 cast of a
     16-bit ``x``, 5: ``grpo.plan.adapter_bytes`` counts what it keeps; docs/memory.md.)"""
@@ -213,18 +221,21 @@ class DropoutLinearFunction(torch.autograd.Function):
         # is bf16 (the backward itself runs outside autocast): the matmuls below take the same casts, and
         # each gradient returns to its input's dtype, as the backward of autocast's casts does in peft's
         # pair. Without autocast every cast here is a no-op.
-        if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout)
-            dx = _undrop(dy2.mm(weight.to(dy.dtype)).view(x.shape).to(x.dtype), mask, ctx.p)
+        # (d A first: the dropped input it needs is freed before d x's input-sized matmul is made)
         if ctx.needs_input_grad[1]:  # (as linear's, for its transposed weight: dy^T dropped)
             dropped = _dropout_again(x, mask, ctx.p)
             dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype)
+            del dropped
+        if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout, in place on that product;
+            # matmul folds to the same mm and returns no view, so autograd may add the base layer's d x into it)
+            dx = _undrop(torch.matmul(dy, weight.to(dy.dtype)).to(x.dtype), mask, ctx.p)
         return dx, dw, None
 
 
 def _dropout_again(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """:func:`_dropout`'s output from its mask, without drawing: the same values."""
     if x.device.type == "cpu":
-        return x * mask.to(x.dtype).div_(1 - p)
+        return x.masked_fill(~mask, 0).mul_(_kept_scale(p, x.dtype))
     return torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1 - p))  # (x * mask * scale, as native_dropout)
 
 

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -188,6 +189,37 @@ def saved_for_backward(fn: Callable[[], R], exclude=()) -> tuple[R, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(kept.values())
+
+
+def peak_new_bytes(fn: Callable[[], R]) -> tuple[R, int]:
+    """(fn(), the most bytes that storages made while it ran held at once): an op's output whose storage
+    is none of its inputs' (not a view, not in place) counts from the op until the storage is freed, so a
+    transient that a later op frees counts at its height. Ops autograd's backward runs here count too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live: dict[int, int] = {}
+    state = {"now": 0, "peak": 0}
+
+    def freed(ptr: int) -> None:
+        state["now"] -= live.pop(ptr, 0)
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
+                if ptr and ptr not in inputs and ptr not in live:
+                    live[ptr] = t.untyped_storage().nbytes()
+                    state["now"] += live[ptr]
+                    weakref.finalize(t.untyped_storage(), freed, ptr)
+            state["peak"] = max(state["peak"], state["now"])
+            return out
+
+    with Track():
+        out = fn()
+    return out, state["peak"]
 
 
 # ---------------------------------------------------------------------------- tiny models, built in code

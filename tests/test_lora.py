@@ -17,7 +17,7 @@ from grpo import lora, precision
 from grpo.demo import accuracy, build_model_and_tokenizer, problems
 from grpo.trainer import GRPOConfig, ReferenceWithoutAdapters, completion_logps, prepare_model, train
 from helpers import (
-    assert_close64, generate_rollouts, save_demo_model, saved_for_backward, tiny_config, torchrun, update_batch, write_prompts,
+    assert_close64, generate_rollouts, peak_new_bytes, save_demo_model, saved_for_backward, tiny_config, torchrun, update_batch, write_prompts,
 )
 
 pytest.importorskip("peft")
@@ -289,6 +289,23 @@ def test_dropout_inside_lora_a_matches_float64_and_keeps_a_bool_mask():
     assert_close64(dA, dy.reshape(-1, 4).T @ dropped.reshape(-1, 7), torch.float64)
     assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
         [("torch.float64", (3, 5, 7)), ("torch.float64", (4, 7)), ("torch.bool", (3, 5, 7))])
+
+
+def test_adapter_dropout_backward_makes_no_fp32_noise_sized_temporaries():
+    """DropoutLinearFunction's backward at its height holds d x (4 bytes an input element) and one bool
+    ``~mask`` (1 byte): no fp32 copy of the mask, no product beside d x, and the recomputed dropped
+    input (for d A) is freed before d x is made. (aten's dropout backward on a CPU, ``grad * noise``,
+    makes an fp32 noise and a product: 8 more bytes an element.)"""
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    A = torch.randn(8, 256, requires_grad=True)
+    y = lora.DropoutLinearFunction.apply(x, A, 0.25)
+    dy = torch.randn_like(y)
+    (dx, dA), peak = peak_new_bytes(lambda: torch.autograd.grad(y, (x, A), dy))
+    small = dy.nbytes + dA.nbytes * 4  # (d A, the [N, r] matmuls' outputs)
+    assert x.nbytes <= peak <= x.nbytes + x.numel() + small, (peak, x.nbytes)
+    keep = (dx != 0)  # (a dropped element's gradient is 0; a kept one is (dy A) / (1 - p) there)
+    torch.testing.assert_close(dx[keep], (dy @ A.detach())[keep] / 0.75, rtol=1e-6, atol=1e-6)
 
 
 def test_adapter_dropout_is_pefts_bit_for_bit_and_backward_keeps_far_less():
