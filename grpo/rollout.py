@@ -125,10 +125,54 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Op
     return float(temperature), top_k, 1.0 if top_p is None else top_p
 
 
+@torch.no_grad()
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
+                  workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B] int64: a token for each row of ``logits`` [B, V] (float32), drawn from the distribution the loss's
+    log-probs replay (``grpo_kernels.token_logprobs`` with the same ``temperature``, ``top_k``, ``top_p``):
+    ``z = (y - max y) / T`` (scaled as the loss scales, by ``1 / T`` rounded once to float32), vLLM's kept
+    set when truncating (``grpo_kernels.reference.kept_tokens``: top-k, then top-p, ties at the k-th value
+    kept), then ``softmax(z)``. One uniform draw per row (torch's global RNG), times the row's total, is
+    inverted through the float64 running sum of ``exp(z)``: the first token whose running sum exceeds it,
+    so a token of weight 0 is never drawn. (``torch.multinomial``, transformers' sampler, draws V
+    exponentials per row instead; on a CPU at a 150k vocabulary those draws were the largest part of a
+    rollout: benchmarks/results.) ``workspace``: a float64 [B, V] buffer to reuse across calls (no
+    page faults for a fresh one each token). ``ValueError`` when a row has a NaN, or no finite logit
+    (no distribution), as ``torch.multinomial`` refuses one."""
+    weights = (logits - logits.amax(-1, keepdim=True)).mul_(1.0 / temperature)
+    if top_k is not None or top_p < 1.0:
+        from grpo_kernels.reference import kept_tokens
+
+        weights.masked_fill_(~kept_tokens(logits, weights, top_k, None if top_p >= 1.0 else top_p), float("-inf"))
+    running = (weights.exp_().double() if workspace is None else workspace.copy_(weights.exp_())).cumsum_(-1)
+    total = running[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("sample_tokens: a row of logits has a NaN or no finite logit: there is no distribution to sample")
+    draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)  # in [0, total)
+    return torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+class _SampleAsVLLM:
+    """A transformers logits processor for greedy ``generate``: it draws the token (:func:`sample_tokens`) and
+    leaves it the only finite score, which greedy decoding's argmax then takes. It holds the float64
+    workspace for the generation's rows (freed with it)."""
+
+    def __init__(self, temperature: float, top_k: Optional[int], top_p: float) -> None:
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.workspace: Optional[torch.Tensor] = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.workspace is None or self.workspace.shape != scores.shape or self.workspace.device != scores.device:
+            self.workspace = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
+        tokens = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.workspace)
+        return scores.fill_(float("-inf")).scatter_(-1, tokens.unsqueeze(-1), 0.0)
+
+
 class HFGenerate:
     """Rollouts with Hugging Face ``generate``: sampling at ``temperature``, then ``top_k`` (None: off), then
     ``top_p``, the order and the rules (ties at the k-th value kept, the nucleus' cumulative threshold)
-    of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``).
+    of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``). The
+    draw is :func:`sample_tokens`' (a logits processor on transformers' greedy loop), not ``multinomial``'s.
 
     tokenizer: pads on the left (``load_model`` and the demo's tokenizer do). eos_token_id: an id or a
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
@@ -168,8 +212,10 @@ class HFGenerate:
             raise ValueError(f"all {len(prompts)} prompts are empty after tokenization: a completion needs a prompt token to follow")
         was_training = policy.training
         policy.eval()
-        # (transformers: temperature, then top-k, then top-p, as vLLM; top_k=0 is its "off")
-        sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0)
+        # (the draw in a logits processor, after transformers' own processors; greedy decoding takes it)
+        from transformers import LogitsProcessorList
+
+        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([_SampleAsVLLM(self.temperature, self.top_k, self.top_p)]))
         with autocast(device, self.bf16):
             out = policy(
                 "generate",
