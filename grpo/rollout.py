@@ -141,15 +141,34 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     (no distribution), as ``torch.multinomial`` refuses one."""
     weights = (logits - logits.amax(-1, keepdim=True)).mul_(1.0 / temperature)
     if top_k is not None or top_p < 1.0:
-        from grpo_kernels.reference import kept_tokens
-
-        weights.masked_fill_(~kept_tokens(logits, weights, top_k, None if top_p >= 1.0 else top_p), float("-inf"))
+        weights.masked_fill_(~_kept(logits, weights, top_k, None if top_p >= 1.0 else top_p), float("-inf"))
     running = (weights.exp_().double() if workspace is None else workspace.copy_(weights.exp_())).cumsum_(-1)
     total = running[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("sample_tokens: a row of logits has a NaN or no finite logit: there is no distribution to sample")
     draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)  # in [0, total)
     return torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """Bool [B, V]: ``grpo_kernels.reference.kept_tokens(logits, weights, top_k, top_p)`` (vLLM's rules), without
+    sorting the whole vocabulary when ``top_k`` is set: top-k keeps what is at or above the k-th largest logit
+    (``torch.topk``'s k-th value; ties kept), and top-p then runs on those tokens alone, gathered in vocabulary
+    order (the ties' order of the stable sort), the rest at -inf (probability 0: their place in the ascending
+    running sum adds nothing)."""
+    from grpo_kernels.reference import kept_tokens
+
+    if top_k is None or top_k >= logits.shape[-1]:
+        return kept_tokens(logits, weights, top_k, top_p)
+    keep = logits >= torch.topk(logits, top_k, dim=-1).values[:, -1:]
+    if top_p is None:
+        return keep
+    index = torch.topk(logits, int(keep.sum(-1).max()), dim=-1).indices.sort(-1).values  # [B, m], every kept token
+    inside = keep.gather(-1, index)
+    minus_inf = torch.full((), float("-inf"), device=logits.device)
+    nucleus = kept_tokens(torch.where(inside, logits.gather(-1, index), minus_inf),
+                          torch.where(inside, weights.gather(-1, index), minus_inf), None, top_p)
+    return torch.zeros_like(keep).scatter_(-1, index, nucleus & inside)
 
 
 class _SampleAsVLLM:

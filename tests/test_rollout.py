@@ -237,6 +237,19 @@ def test_sample_tokens_draws_the_tempered_truncated_softmax(temperature, top_k, 
     assert ((freq - want).abs() <= 5 * stderr + 1e-12).all(), (freq, want)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(1, None), (5, None), (5, 0.7), (12, 0.95), (40, 0.5), (3, 0.999)])
+def test_the_samplers_kept_set_is_the_loss_rules(top_k, top_p):
+    """The sampler's kept set (top-k by its k-th value, top-p over those tokens only) is
+    ``grpo_kernels.reference.kept_tokens``' on the whole row, ties included (logits on a coarse grid)."""
+    from grpo.rollout import _kept
+    from grpo_kernels.reference import kept_tokens
+
+    g = torch.Generator().manual_seed(top_k)
+    logits = (torch.randn(64, 40, generator=g) * 4).round() / 2  # (many ties, at the k-th value too)
+    weights = (logits - logits.amax(-1, keepdim=True)) * (1.0 / 0.8)
+    assert torch.equal(_kept(logits, weights, top_k, top_p), kept_tokens(logits, weights, top_k, top_p))
+
+
 def test_sample_tokens_refuses_a_row_without_a_distribution():
     for bad in ([0.0, float("nan"), 1.0], [float("-inf")] * 3):
         logits = torch.tensor([[0.0, 1.0, 2.0], bad])
