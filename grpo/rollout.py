@@ -146,7 +146,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     total = running[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("sample_tokens: a row of logits has a NaN or no finite logit: there is no distribution to sample")
-    draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)  # in [0, total)
+    draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)
+    draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))  # [0, total): the product may round up to it
     return torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 
 
