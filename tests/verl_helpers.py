@@ -120,9 +120,15 @@ def tp_worker(rank: int, store_path: str) -> None:
             dist.barrier()
     except BaseException:
         traceback.print_exc()
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # Passed: leave as tests/helpers.leave_gloo_worker does (barrier, destroy, no interpreter teardown,
+    # whose C++ static destructors once aborted a passing gloo rank under load), without importing it here.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _tp_group_checks(rank: int, world: int, group) -> None:
