@@ -161,10 +161,12 @@ def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top
 
     if top_k is None or top_k >= logits.shape[-1]:
         return kept_tokens(logits, weights, top_k, top_p)
-    keep = logits >= torch.topk(logits, top_k, dim=-1).values[:, -1:]
+    top = torch.topk(logits, top_k, dim=-1)
+    keep = logits >= top.values[:, -1:]
     if top_p is None:
         return keep
-    index = torch.topk(logits, int(keep.sum(-1).max()), dim=-1).indices.sort(-1).values  # [B, m], every kept token
+    m = int(keep.sum(-1).max())  # (more than k only where the k-th value is tied)
+    index = (top.indices if m == top_k else torch.topk(logits, m, dim=-1).indices).sort(-1).values  # [B, m], every kept token
     inside = keep.gather(-1, index)
     minus_inf = torch.full((), float("-inf"), device=logits.device)
     nucleus = kept_tokens(torch.where(inside, logits.gather(-1, index), minus_inf),
