@@ -226,9 +226,8 @@ class DropoutLinearFunction(torch.autograd.Function):
             dropped = _dropout_again(x, mask, ctx.p)
             dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype)
             del dropped
-        if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout, in place on that product;
-            # matmul folds to the same mm and returns no view, so autograd may add the base layer's d x into it)
-            dx = _undrop(torch.matmul(dy, weight.to(dy.dtype)).to(x.dtype), mask, ctx.p)
+        if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout, in place on that product)
+            dx = _undrop(dy2.mm(weight.to(dy.dtype)).view(x.shape).to(x.dtype), mask, ctx.p)
         return dx, dw, None
 
 

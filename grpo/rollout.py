@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_c
 import torch
 
 from grpo_kernels.options import check_top_k, check_top_p
+from grpo_kernels.reference import kept_tokens
 
 from .models import unwrap
 from .precision import autocast
@@ -157,8 +158,6 @@ def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top
     (``torch.topk``'s k-th value; ties kept), and top-p then runs on those tokens alone, gathered in vocabulary
     order (the ties' order of the stable sort), the rest at -inf (probability 0: their place in the ascending
     running sum adds nothing)."""
-    from grpo_kernels.reference import kept_tokens
-
     if top_k is None or top_k >= logits.shape[-1]:
         return kept_tokens(logits, weights, top_k, top_p)
     top = torch.topk(logits, top_k, dim=-1)
