@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from grpo.memory import reset_peak, status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = "BENCH_RESULT "  # the line a fresh process prints its result on
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,6 +75,32 @@ def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
     mm_s = min(timed(lambda: a @ b, device) for _ in range(10 if cuda else 3))
     return {"copy_gbps": round(2 * src.numel() * 4 / copy_s / 1e9, 1), "matmul_tflops": round(2 * n**3 / mm_s / 1e12, 2),
             "matmul_dtype": str(dtype).replace("torch.", "")}
+
+
+# Qwen2-shaped models by name (``Qwen2Config`` fields; untied head unless said): random weights, the real
+# 151,936-token vocabulary unless said. wide-mlp: an MLP 16x the hidden size (long_context options: its term is
+# large beside the rest); qwen2.5-0.5b: that model's shape, where 24 layers' checkpointed inputs at 32k tokens
+# (1.4 GB) are a visible share.
+MODELS = {
+    "tiny": dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1),
+    "81M": dict(vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2),
+    "180M": dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2),
+    "wide-mlp": dict(vocab_size=4096, hidden_size=256, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4),
+    "wide-mlp-smoke": dict(vocab_size=256, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def describe_model(name: str) -> str:
+    m = MODELS[name]
+    return (f"Qwen2 {m['num_hidden_layers']} layers, H={m['hidden_size']}, MLP {m['intermediate_size']}, heads "
+            f"{m['num_attention_heads']}/{m['num_key_value_heads']} kv, V={m['vocab_size']:,}")
 
 
 def qwen2(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] = None, device: Any = None, seed: int = 0):
@@ -216,30 +244,16 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> Tuple[int, 
     return peak, "torch.profiler memory events"
 
 
-def proc_kib(field: str, path: str = "/proc/self/status") -> Optional[int]:
-    """A ``kB`` field of a /proc file (``VmRSS`` of ``/proc/PID/status``, ``MemAvailable`` of ``/proc/meminfo``)."""
-    try:
-        with open(path) as f:
-            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
-    except OSError:
-        return None
-
-
 class RSS:
     """The peak resident set (MiB) of a span of this process (README: Memory)."""
 
     def start(self) -> "RSS":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.since_start = True
-        except OSError:
-            self.since_start = False
-        self.start_mib = (proc_kib("VmRSS") or 0) / 1024
+        self.since_start = reset_peak()
+        self.start_mib = (status_kib("VmRSS") or 0) / 1024
         return self
 
     def stop(self) -> dict:
-        return {"rss_start_mib": self.start_mib, "peak_rss_mib": (proc_kib("VmHWM") or 0) / 1024,
+        return {"rss_start_mib": self.start_mib, "peak_rss_mib": (status_kib("VmHWM") or 0) / 1024,
                 "peak_rss_is_span_only": self.since_start,
                 "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -260,7 +274,7 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
         proc = subprocess.Popen([python or sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
         start, seen, killed = time.monotonic(), 0.0, None
         while proc.poll() is None:
-            seen = max(seen, (proc_kib("VmRSS", f"/proc/{proc.pid}/status") or 0) / 2**20)
+            seen = max(seen, (status_kib("VmRSS", f"/proc/{proc.pid}/status") or 0) / 2**20)
             if budget_gib is not None and seen > budget_gib:
                 killed = f"over the {budget_gib} GiB budget"
             elif timeout_s is not None and time.monotonic() - start > timeout_s:

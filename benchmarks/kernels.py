@@ -6,6 +6,7 @@ Commands: ``compare`` (side by side), ``report RESULTS.json`` (markdown + PNGs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -20,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from benchmarks import harness as H
+from grpo.memory import status_kib
 
 LOGITS_OPS = ("token_logprobs", "grpo_loss")
 LINEAR_OPS = ("fused_linear_grpo_loss", "fused_linear_token_logprobs")
@@ -29,13 +31,14 @@ BETA = 0.04  # the fused-linear loss cases' GRPO settings (issue 14): dapo, KL w
 # impl: (the operations it has, those that need CUDA, the module it needs)
 IMPLS = {
     "reference": (OPS, (), None), "torch": (OPS, (), None), "triton": (OPS, OPS, "triton"),
+    "triton-ops": (OPS, OPS, "triton"),  # ours' Triton launches through their torch.library custom ops (issue 27)
     "liger": (LOGITS_OPS + ("fused_linear_grpo_loss",), LOGITS_OPS, "liger_kernel"),
     "trl": (LINEAR_OPS, (), "trl"),
     "quack": (("token_logprobs",), ("token_logprobs",), "quack"),
     "cce": (("fused_linear_token_logprobs",), ("fused_linear_token_logprobs",), "cut_cross_entropy"),
     "verl": (("fused_linear_token_logprobs",), ("fused_linear_token_logprobs",), "verl"),
 }
-OURS = ("reference", "torch", "triton")
+OURS = ("reference", "torch", "triton", "triton-ops")
 # (rtol, atol) of one rounding at O(1) magnitudes; atol is scaled by each output's largest magnitude.
 TOLERANCES = {"fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
 # The largest [N, V] an agreement check materialises: larger cases are checked on their first rows.
@@ -102,9 +105,10 @@ def unavailable(impl: str, op: str, device: str, installed: bool = True) -> Opti
 
 
 def implementations(device: str) -> List[str]:
-    """Every implementation whose package is here (``GRPO_BENCH_IMPLS=a,b`` narrows them)."""
-    only = os.environ.get("GRPO_BENCH_IMPLS")
-    return [i for i in IMPLS if (not only or i in only.split(",")) and not (IMPLS[i][2] and H.missing(IMPLS[i][2]))]
+    """Every implementation whose package is here (``GRPO_BENCH_IMPLS=a,b`` narrows them; ``triton-ops`` only
+    where named: the sets time it in one case)."""
+    only = os.environ.get("GRPO_BENCH_IMPLS", "").split(",")
+    return [i for i in IMPLS if (i in only or only == [""] and i != "triton-ops") and not (IMPLS[i][2] and H.missing(IMPLS[i][2]))]
 
 
 # -- the sets ------------------------------------------------------------------------------------------
@@ -144,6 +148,8 @@ def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
                 out.append(prio(c, (n, v, c.pass_) == (16384, big, head_pass), (n, v) == (16384, big)))
     out += [Case("token_logprobs", "triton", 16384, big, "bf16", "fwd", T=1024, rounds=10, priority=3, sampling=s)
             for s in SAMPLINGS if "triton" in impls]
+    out += [Case("grpo_loss", "triton-ops", n, big, "bf16", "fwd+bwd", T=1024, rounds=10, priority=3)
+            for n in (1024, 16384) if "triton" in impls]  # the custom ops' dispatch, small and headline N
     for n, v, p in ((16384, big, "fwd+bwd"), (4096, big, "fwd+bwd"), (8192, big, "fwd+bwd"), (32768, big, "fwd+bwd"),
                     (16384, big, "fwd"), (16384, 32000, "fwd+bwd"), (16384, 128256, "fwd+bwd")):
         for c in _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)],
@@ -254,6 +260,22 @@ def _ours(case: Case, x: dict, gk=None) -> Callable[[], dict]:
     }[case.op]
 
 
+@contextlib.contextmanager
+def _through_custom_ops(case: Case):
+    """For ``triton-ops``: every Triton launch through ``torch.ops.grpo_kernels.*``, as while torch.compile traces
+    (the dispatch's cost beside ``triton``, which calls the launchers directly in eager mode: issue 27)."""
+    from grpo_kernels import backends
+    from grpo_kernels.kernels import triton_ops
+
+    launchers = backends.TritonBackend.__dict__["_launchers"]
+    if case.impl == "triton-ops":
+        backends.TritonBackend._launchers = classmethod(lambda cls: triton_ops)
+    try:
+        yield
+    finally:
+        backends.TritonBackend._launchers = launchers
+
+
 def _liger(case: Case, x: dict) -> Callable[[], dict]:
     """Liger-Kernel's from-logits ops (the whole buffer) and ``LigerFusedLinearGRPOLoss`` (README)."""
     if case.op == "token_logprobs":
@@ -315,7 +337,7 @@ def _verl(case: Case, x: dict) -> Callable[[], dict]:
     return lambda: dict(zip(("logp", "entropy"), (t.view(x["ids"].shape) for t in fn(x["hidden"], x["weight"], x["ids"], 1.0, "none"))))
 
 
-MAKERS = {**{i: _ours for i in OURS}, "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce, "verl": _verl}
+MAKERS = {**{i: _ours for i in OURS}, "triton-ops": lambda case, x: _ours(dataclasses.replace(case, impl="triton"), x), "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce, "verl": _verl}
 
 
 @dataclass
@@ -328,7 +350,7 @@ class Runner:
     fn: Callable[[], dict]
 
     def __call__(self) -> dict:
-        with torch.set_grad_enabled(self.case.pass_ == "fwd+bwd"):
+        with torch.set_grad_enabled(self.case.pass_ == "fwd+bwd"), _through_custom_ops(self.case):
             out = self.fn()
             out = _grads(self.case, self.x, out, *out.pop("_wrt", ()))
         H.sync(self.device)  # the timer must see the device's work, not just the launches
@@ -346,7 +368,7 @@ def build(case: Case, device: torch.device) -> Runner:
     reason = unavailable(case.impl, case.op, device.type)
     if reason:
         raise Unavailable(reason)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1024 * (H.proc_kib("MemAvailable", "/proc/meminfo") or 2**60)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1024 * (status_kib("MemAvailable", "/proc/meminfo") or 2**60)
     need = estimated_bytes(case)
     if need > free:  # (on a CPU the kernel would kill the whole run instead of raising)
         raise Unavailable(f"shape too large for this {device.type}: needs at least {need / 2**30:.1f} GiB, "

@@ -14,20 +14,6 @@ import torch
 
 from benchmarks import harness as H
 
-SIZES = {  # Qwen2-shaped, random weights, untied head, the real 151,936-token vocabulary
-    "81M": dict(vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2),
-    "180M": dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=2),
-    # `options`: an MLP 16x the hidden size (its term is large beside the rest); on CUDA Qwen2.5-0.5B's shape, where
-    # the 24 layers' checkpointed inputs at 32k tokens (1.4 GB) are a visible share
-    "wide-mlp": dict(vocab_size=4096, hidden_size=256, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=4),
-    "wide-mlp-smoke": dict(vocab_size=256, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=4),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, tie_word_embeddings=True),
-}
 # the trainer's settings of each mode (each may take "+gc": gradient checkpointing); naive: padded rows,
 # [rows, T, V] fp32 logits and log_softmax (the reference loss)
 MODES = {"packed": dict(padding_free=True), "padded": dict(padding_free=False, micro_batch_size=1),
@@ -82,7 +68,7 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
     cfg = trainer.GRPOConfig(**{"beta": 0.0, "backend": "torch", "gradient_checkpointing": gc == "gc", **MODES[base], **config},
                              output_dir=os.devnull, learning_rate=1e-6, progress=False, plot=False,
                              max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
-    shape = {**SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {})}
+    shape = {**H.MODELS[size], **({"vocab_size": vocab_size} if vocab_size else {})}
     model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
     out["rss_after_model_gib"] = peak_gib()  # the baseline: interpreter, imports and model
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, dev)
@@ -274,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bis = command("bisect", "longest single sequence that fits in a memory budget", lo=1024, hi=32768, rel_tol=0.1)
     bis.add_argument("--mode", required=True)
     bis.add_argument("--budget-gib", type=float, required=True)
-    command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(list(SIZES), None, list(SIZES)),
+    command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(["81M", "180M"], None, list(H.MODELS)),
             lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
     command("frozen-head", "frozen vs trainable lm_head, vocabulary blocks vs row chunks: peak extra bytes, thread CPU time",
             N=2048, H=512, V=151936)

@@ -26,32 +26,29 @@ PHASES = ("generation", "scoring", "logps", "loss+backward", "optimizer", "other
 
 @dataclass(frozen=True)
 class Shape:
-    """A Qwen2-shaped model and the step's batch: P prompts x G completions of T tokens after the prompt."""
+    """The step's batch on ``model`` (``harness.MODELS``): P prompts x G completions of T tokens after the prompt."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
+    model: str
     prompts_per_step: int  # P
     num_generations: int  # G
     max_new_tokens: int  # T
     prompt_tokens: int
 
+    @property
+    def vocab_size(self) -> int:
+        return H.MODELS[self.model]["vocab_size"]
+
     def describe(self) -> str:
-        return (f"Qwen2 {self.num_hidden_layers} layers, H={self.hidden_size}, MLP {self.intermediate_size}, heads "
-                f"{self.num_attention_heads}/{self.num_key_value_heads} kv, V={self.vocab_size:,}; P={self.prompts_per_step} "
-                f"prompts x G={self.num_generations}, prompt {self.prompt_tokens} + completion {self.max_new_tokens} tokens")
+        return (f"{H.describe_model(self.model)}; P={self.prompts_per_step} prompts x G={self.num_generations}, prompt "
+                f"{self.prompt_tokens} + completion {self.max_new_tokens} tokens")
 
 
 SHAPES = {
-    "tiny": Shape(4096, 64, 128, 2, 2, 1, prompts_per_step=2, num_generations=4, max_new_tokens=16, prompt_tokens=12),  # CI's
-    # the real Qwen2/2.5 vocabulary on a small body (benchmarks/long_context.py's model): the head dominates
-    "qwen-vocab": Shape(151936, 256, 1024, 4, 4, 2, prompts_per_step=2, num_generations=4, max_new_tokens=32, prompt_tokens=32),
-    # Qwen2.5-0.5B's shape (24 layers, H 896, V 151,936), random weights: the GPU set's
-    "qwen2.5-0.5b": Shape(151936, 896, 4864, 24, 14, 2, prompts_per_step=4, num_generations=8, max_new_tokens=128,
-                          prompt_tokens=64),
+    "tiny": Shape("tiny", prompts_per_step=2, num_generations=4, max_new_tokens=16, prompt_tokens=12),  # CI's
+    # the real Qwen2/2.5 vocabulary on a small body (benchmarks/long_context.py's 81M): the head dominates
+    "qwen-vocab": Shape("81M", prompts_per_step=2, num_generations=4, max_new_tokens=32, prompt_tokens=32),
+    # Qwen2.5-0.5B's shape, random weights: the GPU set's
+    "qwen2.5-0.5b": Shape("qwen2.5-0.5b", prompts_per_step=4, num_generations=8, max_new_tokens=128, prompt_tokens=64),
 }
 # Every side's options, in TRL's names. beta > 0: the reference log-probs are part of the step; epsilon: ours
 # eps_low = eps_high; top_k off; a constant learning rate; scale_rewards "group": ours advantage_std
@@ -63,7 +60,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?."
 
 def build_model(shape: Shape):
     """The policy: seeded random weights, fp32, EOS 1, pad 0; no completion stops early."""
-    model = H.qwen2({f.name: getattr(shape, f.name) for f in dataclasses.fields(Shape)[:6]} | dict(
+    model = H.qwen2(H.MODELS[shape.model] | dict(
         pad_token_id=0, eos_token_id=1, bos_token_id=None), shape.prompt_tokens + shape.max_new_tokens, seed=OPTIONS["seed"])
     model.generation_config.update(min_new_tokens=shape.max_new_tokens, eos_token_id=1, pad_token_id=0)
     return model
@@ -349,7 +346,7 @@ def main(argv=None) -> int:
     if not sides:
         return 0
     one_process = args.quick or args.one_process
-    cond = H.conditions(shapes={s: dataclasses.asdict(SHAPES[s]) for s in shapes}, options=OPTIONS, rounds=rounds, side_threads=threads,
+    cond = H.conditions(shapes={s: {**dataclasses.asdict(SHAPES[s]), **H.MODELS[SHAPES[s].model]} for s in shapes}, options=OPTIONS, rounds=rounds, side_threads=threads,
                         warmup_steps=WARMUP_STEPS, process_per_side=not one_process,
                         dtype="fp32 weights" + (", bf16 autocast" if cuda else ""))
     os.makedirs(args.out_dir, exist_ok=True)

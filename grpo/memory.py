@@ -43,10 +43,11 @@ MMAP_THRESHOLD_BYTES = 64 * 1024  # "always": buffers from this size on are mapp
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def status_kib(field: str) -> Optional[int]:
-    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``), or None where there is none."""
+def status_kib(field: str, path: Optional[str] = None) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) or of another such file (``VmRSS`` of
+    ``/proc/PID/status``, ``MemAvailable`` of ``/proc/meminfo``), or None where there is none."""
     try:
-        with open(STATUS) as f:
+        with open(path or STATUS) as f:
             return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except (OSError, ValueError, IndexError):
         return None

@@ -37,14 +37,11 @@ class Script(NamedTuple):
 
 SCRIPTS = {
     "kernels-compare": Script("kernels", ("compare", "--ops", "fused_linear_grpo_loss", "--shapes", "64x32x512", "--impls",
-                                          "reference,torch,liger,trl", "--chunks", "16", "--rounds", "1", "--out",
+                                          "reference,torch,liger,trl,triton-ops", "--chunks", "16", "--rounds", "1", "--out",
                                           "{out}/compare.md"), ("compare.md", "compare.json")),
     "kernels-compare-rss": Script("kernels", ("compare", "--ops", "fused_linear_token_logprobs", "--shapes", "64x32x512",
                                               "--impls", "torch,trl,cce,verl", "--rss", "--rounds", "1", "--out",
                                               "{out}/head.md"), ("head.md", "head.json")),
-    "custom_op_overhead": Script(
-        "custom_op_overhead", ("--rounds", "1", "--reps", "1", "--shape", "1", "4", "32", "--dispatch-calls", "10",
-                               "--out", "{out}/custom_ops.md"), ("custom_ops.md", "custom_ops.json"), ("triton",)),
     "vocab_parallel": Script(
         "vocab_parallel", ("--world", "2", "--tokens", "32", "--vocab", "64", "--hidden", "16", "--rounds", "1",
                            "--out", "{out}/vocab_parallel.md"), ("vocab_parallel.md", "vocab_parallel.json")),
