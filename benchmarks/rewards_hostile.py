@@ -9,63 +9,12 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from rewards_corpus import (ATTACK_TESTS, ATTACKS, FORGED_UNSCORABLE, HONEST,  # noqa: E402
-                            HONEST_STDIO, JUDGE_FORGERIES, TRUSTED_PROBLEMS)
+                            HONEST_STDIO, HOSTILE_CODE, HOSTILE_MATH, JUDGE_FORGERIES, LIAR,
+                            PROTOCOL_PRINTER, TRUSTED_PROBLEMS, WORST_FORMS, WORST_PROGRAMS)
 
 from benchmarks import harness as H  # noqa: E402
 from grpo.rewards import code_reward, code_rewards, math_equal  # noqa: E402
 from grpo.rewards.sandbox import JUDGE_SECONDS, check_trusted_code  # noqa: E402
-
-HOSTILE_CODE = {
-    "colliding_hash_set": "M = (1 << 61) - 1\ndef f(x):\n    return {i * M for i in range(1, 200000)}",
-    "colliding_hash_stdout": "M = (1 << 61) - 1\nimport sys\nfor i in range(1, 400000):\n    sys.stdout.write('%d\\n' % (i * M))",
-    "huge_int": "def f(x):\n    return 7 ** 1000000",
-    "deep_list": "def f(x):\n    v = []\n    for _ in range(10 ** 6):\n        v = [v]\n    return v",
-    "wide_list": "def f(x):\n    return [0.5] * (5 * 10 ** 6)",
-    "long_string": "def f(x):\n    return 'a' * (10 ** 8)",
-    "stdout_flood": "import sys\nwhile True:\n    sys.stdout.write('2' * 65536)",
-    "infinite_loop": "def f(x):\n    while True:\n        pass",
-    "sleep": "import time\ntime.sleep(60)",
-    "big_float_repr": "def f(x):\n    return [1e308, float('inf'), float('nan')] * 10 ** 5",
-}
-# The worst row: each against every test form below (what a row can cost the trainer).
-WORST_PROGRAMS = {
-    "sleep": "import time\ntime.sleep(600)\ndef f(*a): return 0",
-    "busy_loop_in_call": "def f(*a):\n    while True:\n        pass",
-    "exit_in_call": "import os\ndef f(*a):\n    os._exit(0)",
-    "slow_generator": "import time\ndef f(*a):\n    def g():\n        while True:\n            time.sleep(0.01)\n            yield 1\n    return g()",
-    "8MiB_of_tuples": "def f(*a):\n    return [(i,) for i in range(10 ** 6)]",
-    "deep_recursion": "import sys\nsys.setrecursionlimit(10 ** 6)\ndef f(*a):\n    def d(n):\n        return d(n + 1)\n    return d(0)",
-    "alarm_self": "import signal\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ndef f(*a): return 0",
-}
-WORST_FORMS = {
-    "plain asserts": (["assert f(1) == 2", "assert f(2) == 4"], None),
-    "traced loop": (["import random\nfor _ in range(50):\n    x = random.randint(0, 99)\n    assert f(x) == 2 * x"], None),
-    "trusted helper": (["def check(candidate):\n    assert candidate(double(3)) == 12\ncheck(f)"],
-                       "def double(x: int):\n    return 2 * x\n"),
-    "stdin/stdout": ([{"input": "1", "output": "2"}], None),
-}
-HOSTILE_MATH = [
-    (r"10^{10^{10^{10}}}", "1"), (r"9^{9^{9^{9}}}", r"9^{9^{9^{9}}}"), ("(" * 500 + "1" + ")" * 500, "1"),
-    ("1" * 1999, "1"), (r"\frac{" * 200 + "1" + "}{2}" * 200, "1"), ("x=" * 600 + "1", "1"),
-    (r"100000!", "1"), (r"\sum_{k=1}^{10^{12}} k", "1"), (r"\int_0^1 e^{x^{x^{x}}} dx", "1"),
-    ("1,\\!" * 400 + "1", "1"), (r"\sqrt{" * 30 + "2" + "}" * 30, r"\sqrt{2}"),
-    ("; ".join(["(1, 2)"] * 300), "(1, 2)"),
-]
-
-
-# An answer that says yes to everything it can be asked (a float subclass: its value is -1.0).
-LIAR = ("class Liar(float):\n    def __new__(cls):\n        return float.__new__(cls, -1.0)\n"
-        + "".join(f"    def {m}(s, *a):\n        return {v}\n" for m, v in (
-            ("__eq__", "True"), ("__ne__", "False"), ("__lt__", "True"), ("__le__", "True"),
-            ("__gt__", "True"), ("__ge__", "True"), ("__bool__", "True"), ("__len__", "0"),
-            ("__float__", "0.0"), ("__index__", "0"), ("__hash__", "0"), ("__abs__", "0.0"),
-            ("__contains__", "True"), ("__iter__", "iter(())"), ("__str__", "''"), ("__sub__", "0.0"))))
-# Lines that look like every verdict protocol, on every descriptor and stdout, then an exit.
-PROTOCOL_PRINTER = ("import os, sys\nfor fd in range(64):\n    for t in range(64):\n        try:\n"
-                    "            os.write(fd, b'PASS %d\\nPYTH %d\\n%d D\\n' % (t, t, t))\n"
-                    "        except OSError:\n            pass\nprint('PASS 0')\nos._exit(0)\n")
-
-
 
 
 def _scores(codes: list, tests: list, timeout: float, trusted: list | None = None) -> list:

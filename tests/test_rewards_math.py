@@ -13,6 +13,7 @@ import pytest
 
 from grpo.rewards import extract_answer, math_accuracy, math_equal
 from helpers import SLACK, timed
+from rewards_corpus import HOSTILE_MATH
 
 
 # --------------------------------------------------------------------------------------------
@@ -34,6 +35,19 @@ def test_adversarial_inputs_are_bounded(bad):
     assert math_equal(bad, "2", timeout=2.0) is False
     assert math_equal("2", bad, timeout=2.0) is False
     assert time.monotonic() - start < 2 * 2.0 + 3.0  # two calls, plus a worker restart
+
+
+# HOSTILE_MATH (tests/rewards_corpus.py): (prediction, gold) pairs that try to stall the worker.
+# Every pair compares not equal but two: the prediction that is its gold spelled the same, and
+# the chain ``x=x=...=x=1`` (``x = 5`` equals ``5``, repeated) against ``1``. The two over 2000
+# characters are refused before any work.
+HOSTILE_EQUAL = {r"9^{9^{9^{9}}}", "x=" * 600 + "1"}
+
+
+@pytest.mark.parametrize("pred,gold", HOSTILE_MATH, ids=range(len(HOSTILE_MATH)))
+def test_hostile_math_pairs_are_bounded(pred, gold):
+    math_equal("x + 1", "1 + x", timeout=60.0)  # a warm worker (a timeout before kills one): its start is not timed
+    assert timed(lambda: math_equal(pred, gold, timeout=2.0), 2.0 + SLACK) is (pred in HOSTILE_EQUAL)
 
 
 # --------------------------------------------------------------------------------------------

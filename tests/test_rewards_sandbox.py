@@ -30,8 +30,8 @@ from grpo.rewards import sandbox as _sandbox
 from grpo.rewards import worker as math_worker
 from grpo.rewards import code_reward, code_rewards
 from helpers import SLACK, timed
-from rewards_corpus import (ATTACK_TESTS, DOUBLE, FORGED_UNSCORABLE, HONEST, HONEST_STDIO,
-                            JUDGE_FORGERIES, TRUSTED_PROBLEMS)
+from rewards_corpus import (ATTACK_TESTS, DOUBLE, FORGED_UNSCORABLE, HONEST, HONEST_STDIO, HOSTILE_CODE,
+                            JUDGE_FORGERIES, TRUSTED_PROBLEMS, WORST_FORMS, WORST_PROGRAMS)
 from rewards_corpus import ATTACKS as CORPUS_ATTACKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -339,6 +339,48 @@ def test_colliding_hash_results_do_not_stall_the_parent():
                        timeout=2.0)
     assert time.monotonic() - start < 2.0 + _sandbox.JUDGE_SECONDS + 2 * SLACK
     assert out == [0.0, 0.0]
+
+
+def _batch_bound(units: int, timeout: float, workers: int) -> float:
+    """Wall-clock bound of one ``code_rewards`` call of ``units`` units of sandboxed work (here one per
+    program: its tests share one run) on ``workers`` threads. A unit takes at most its run
+    (``timeout``) and one judge run (``JUDGE_SECONDS``), plus process starts (``SLACK``): ``T``. All
+    units are queued at once and a thread takes the next as soon as it is free, so the call ends within
+    r = ceil(units / workers) x ``T``: a unit that started after (r - 1) x ``T`` waited while every
+    thread was busy, each through at least r units of its own, so more than ``units`` units would have
+    started. One ``SLACK`` more for the parent's own work (planning, reading results)."""
+    return -(-units // workers) * (timeout + _sandbox.JUDGE_SECONDS + SLACK) + SLACK
+
+
+# The default pool on 2 cores (``code_rewards``: 2 x cpu_count, at least 2); explicit, so the bounds
+# below hold whatever the machine's default.
+BATCH_WORKERS = 4
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_hostile_code_scores_zero_in_one_bounded_call():
+    # tests/rewards_corpus.py's HOSTILE_CODE (colliding hashes, huge values, floods, loops, sleeps), all
+    # in one call, each against the test benchmarks/rewards_hostile.py times it on.
+    codes = list(HOSTILE_CODE.values())
+    tests = [["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}] for code in codes]
+    bound = _batch_bound(len(codes), 1.0, BATCH_WORKERS)
+    out = timed(lambda: code_rewards([f"```python\n{c}\n```" for c in codes], tests, timeout=1.0,
+                                     max_workers=BATCH_WORKERS), bound)
+    assert dict(zip(HOSTILE_CODE, out)) == dict.fromkeys(HOSTILE_CODE, 0.0)
+
+
+@needs_jail
+@pytest.mark.timeout(120)
+def test_worst_programs_score_zero_in_one_bounded_call():
+    # WORST_PROGRAMS (sleeps, loops and exits inside the call, slow generators, 8 MiB results, deep
+    # recursion, a self-alarm) against WORST_FORMS' plain asserts, all in one call.
+    tests, trusted = WORST_FORMS["plain asserts"]
+    codes = list(WORST_PROGRAMS.values())
+    bound = _batch_bound(len(codes), 1.0, BATCH_WORKERS)
+    out = timed(lambda: code_rewards([f"```python\n{c}\n```" for c in codes], [tests] * len(codes), timeout=1.0,
+                                     max_workers=BATCH_WORKERS, trusted_code=[trusted] * len(codes)), bound)
+    assert dict(zip(WORST_PROGRAMS, out)) == dict.fromkeys(WORST_PROGRAMS, 0.0)
 
 
 # --------------------------------------------------------------------------------------------
