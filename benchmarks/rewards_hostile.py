@@ -96,14 +96,15 @@ def main(argv=None) -> int:
     args = H.parser(__doc__.splitlines()[0], rounds=None, timeout=2.0, smoke=(
         False, "CI's run: the first two of every list, timeout at most 0.5 s; proves the script runs, measures nothing")).parse_args(argv)
     smoke = args.smoke
-    honest, attacks = _first(HONEST, 2, smoke) + _first(HONEST_STDIO, 1, smoke), _first(ATTACKS, 2, smoke)
+    stdio, attacks = _first(HONEST_STDIO, 1, smoke), _first(ATTACKS, 2, smoke)
+    honest = _first(HONEST, 2, smoke) + stdio
     args.timeout = min(args.timeout, 0.5) if smoke else args.timeout
     report = H.Report("Rewards under attack (`python -m benchmarks.rewards_hostile`)")
     report.add(*["Smoke run (--smoke): two items of each list; not a measurement.", ""] * smoke)
     out = _scores([c for c, _ in honest], [t for _, t in honest], 20.0)
     honest_ok = sum(o == 1.0 for o in out)
     report.add(f"- honest solutions passing all their tests: {honest_ok}/{len(honest)} "
-               f"({100 * honest_ok / len(honest):.0f} %; {len(HONEST_STDIO)} of them stdin/stdout)"
+               f"({100 * honest_ok / len(honest):.0f} %; {len(stdio)} of them stdin/stdout)"
                f"{'' if honest_ok == len(honest) else ': not 1.0: ' + str([(i, o) for i, o in enumerate(out) if o != 1.0])}")
     out = _scores(list(attacks.values()), [ATTACK_TESTS] * len(attacks), 5.0)
     forged, pairs = sum(round(o * len(ATTACK_TESTS)) for o in out), len(attacks) * len(ATTACK_TESTS)
