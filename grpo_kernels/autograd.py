@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, Optional, Protocol, Tuple
 
 import torch
 
@@ -221,8 +221,19 @@ def _chunk_logits(hidden_chunk, weight, bias, buffer: torch.Tensor) -> torch.Ten
     return torch.addmm(bias, hidden_chunk, weight.t(), out=out)
 
 
-def _logits_buffer(num_rows: int, chunk_size: int, weight: torch.Tensor) -> torch.Tensor:
-    return torch.empty(min(num_rows, chunk_size), weight.shape[0], dtype=weight.dtype, device=weight.device)
+def _logit_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], chunk_size: int,
+                  dtype: torch.dtype) -> Iterator[Tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(rows, h, w, logits)`` per chunk of ``chunk_size`` of the n rows of ``hidden [n, H]``: the chunk's
+    slice, its hidden ``h [r, H]`` and the weight ``w [V, H]`` in ``dtype``, and its ``logits [r, V] = h @ w^T
+    + bias``, written into one buffer that every chunk reuses (:func:`_chunk_logits`): a chunk's logits are
+    valid until the next is drawn. The callers run the loop with autocast off (the dtype is chosen)."""
+    n = hidden.shape[0]
+    w, b = _operands(weight, bias, dtype)
+    buffer = torch.empty(min(n, chunk_size), w.shape[0], dtype=w.dtype, device=w.device)
+    for start in range(0, n, chunk_size):
+        rows = slice(start, min(n, start + chunk_size))
+        h = hidden[rows].to(dtype)
+        yield rows, h, w, _chunk_logits(h, w, b, buffer)
 
 
 _ADDMM_OUT_DTYPE: Dict[Tuple[str, torch.dtype], bool] = {}
@@ -298,11 +309,7 @@ def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     n = hidden.shape[0]
     stats: Optional[list] = None
     with torch.autocast(hidden.device.type, enabled=False):
-        w, b = _operands(weight, bias, dtype)
-        buffer = _logits_buffer(n, chunk_size, w)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(n, start + chunk_size))
-            logits = _chunk_logits(hidden[rows].to(dtype), w, b, buffer)
+        for rows, _, _, logits in _logit_chunks(hidden, weight, bias, chunk_size, dtype):
             chunk = row_stats(_as_rows(logits), _as_rows(targets[rows]), rows)
             if stats is None:
                 stats = [None if x is None else torch.empty(n, dtype=x.dtype, device=hidden.device) for x in chunk]
@@ -442,12 +449,7 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
                                (grad_logp, grad_entropy), backend, transform, ignore_index, chunk_size, dtype)
             return (grad_hidden,) + (None,) * 11
         with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            buffer = _logits_buffer(n, chunk_size, w)
-            for start in range(0, n, chunk_size):
-                rows = slice(start, min(n, start + chunk_size))
-                h = hidden[rows].to(dtype)
-                logits = _chunk_logits(h, w, b, buffer)
+            for rows, h, w, logits in _logit_chunks(hidden, weight, bias, chunk_size, dtype):
                 g_logp = None if grad_logp is None else _as_rows(grad_logp[rows])
                 g_ent = None if grad_entropy is None else _as_rows(grad_entropy[rows])
                 kept = (None, None) if threshold is None else (_as_rows(threshold[rows]), _as_rows(tie_index[rows]))
@@ -458,7 +460,7 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
                 if need_hidden:
                     _write_hidden_grad(grad_hidden[rows], grad_logits, w)
                 if need_weight:
-                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+                    _accumulate_weight_grad(grad_weight, grad_logits, h, first=rows.start == 0)
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=torch.float32)  # no fp32 copy of the chunk
         return (
@@ -623,14 +625,9 @@ def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoeffici
     loss, logp, entropy = outputs
     grad_hidden, grad_weight, grad_bias = grads
     need_hidden, need_weight, need_bias = (g is not None for g in grads)
-    n = hidden.shape[0]
     with torch.autocast(hidden.device.type, enabled=False):
-        w, b = _operands(weight, bias, dtype)
-        buffer = _logits_buffer(n, chunk_size, w)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, min(n, start + chunk_size))
-            h = hidden[rows].to(dtype)
-            grad_logits = _chunk_logits(h, w, b, buffer)  # overwritten by its gradient below
+        # each chunk's logits are overwritten by their gradient below
+        for rows, h, w, grad_logits in _logit_chunks(hidden, weight, bias, chunk_size, dtype):
 
             def chunk_coefficients(lp, ent, rows=rows):
                 chunk_loss, g_logp, g_entropy = coefficients(lp, ent, rows)
@@ -644,11 +641,11 @@ def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoeffici
             if out.row_scale is not None:
                 _add_factored_grads(out, grad_logits, h, w, targets[rows], ignore_index,
                                     grad_hidden[rows] if need_hidden else None,
-                                    grad_weight if need_weight else None, first=start == 0)
+                                    grad_weight if need_weight else None, first=rows.start == 0)
                 continue
             if need_hidden:
                 _write_hidden_grad(grad_hidden[rows], grad_logits, w)
             if need_weight:
-                _accumulate_weight_grad(grad_weight, grad_logits, h, first=start == 0)
+                _accumulate_weight_grad(grad_weight, grad_logits, h, first=rows.start == 0)
             if need_bias:
                 grad_bias += grad_logits.sum(0, dtype=torch.float32)

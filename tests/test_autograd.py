@@ -144,7 +144,7 @@ def test_sum_of_squares_is_detached_and_chunks_agree(backend):
 # --------------------------------------------------------------------------------------------------
 def _tiny_tiles(monkeypatch):
     """Blocks of 30 elements (7 columns for a chunk of 4 rows: V = 157 is 22 blocks and one of 3), and
-    no chunk of [c, V] logits allowed (the row path's buffer raises), every float allocation NaN-poisoned."""
+    no chunk of [c, V] logits allowed (the row path's chunks raise), every float allocation NaN-poisoned."""
     from grpo_kernels import autograd as ga
     from grpo_kernels.kernels import torch_rows
     from helpers import poison_allocations
@@ -155,7 +155,7 @@ def _tiny_tiles(monkeypatch):
     def no_row_chunk(*args, **kwargs):
         raise AssertionError("a frozen head formed a chunk's whole [c, V] logits")
 
-    monkeypatch.setattr(ga, "_logits_buffer", no_row_chunk)
+    monkeypatch.setattr(ga, "_logit_chunks", no_row_chunk)
     poison_allocations(monkeypatch)
 
 
