@@ -264,12 +264,14 @@ def _ours(case: Case, x: dict, gk=None) -> Callable[[], dict]:
 def _through_custom_ops(case: Case):
     """For ``triton-ops``: every Triton launch through ``torch.ops.grpo_kernels.*``, as while torch.compile traces
     (the dispatch's cost beside ``triton``, which calls the launchers directly in eager mode: issue 27)."""
+    if case.impl != "triton-ops":
+        yield
+        return
     from grpo_kernels import backends
     from grpo_kernels.kernels import triton_ops
 
     launchers = backends.TritonBackend.__dict__["_launchers"]
-    if case.impl == "triton-ops":
-        backends.TritonBackend._launchers = classmethod(lambda cls: triton_ops)
+    backends.TritonBackend._launchers = classmethod(lambda cls: triton_ops)
     try:
         yield
     finally:
@@ -337,7 +339,8 @@ def _verl(case: Case, x: dict) -> Callable[[], dict]:
     return lambda: dict(zip(("logp", "entropy"), (t.view(x["ids"].shape) for t in fn(x["hidden"], x["weight"], x["ids"], 1.0, "none"))))
 
 
-MAKERS = {**{i: _ours for i in OURS}, "triton-ops": lambda case, x: _ours(dataclasses.replace(case, impl="triton"), x), "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce, "verl": _verl}
+MAKERS = {**{i: _ours for i in OURS}, "triton-ops": lambda case, x: _ours(dataclasses.replace(case, impl="triton"), x),
+          "liger": _liger, "trl": _trl, "quack": _quack, "cce": _cce, "verl": _verl}
 
 
 @dataclass
