@@ -40,22 +40,21 @@ def test_a_chunk_size_is_ours_at_that_chunk_and_agrees():
 
 def test_the_custom_ops_side_launches_through_torch_ops_and_agrees(monkeypatch):
     # the triton-ops side is CUDA-only in the sets; here its runner runs under the interpreter (tests/conftest.py)
-    from grpo_kernels import backends
+    from grpo_kernels import backends, reference
     from grpo_kernels.kernels import triton_ops
 
     case = K.Case("grpo_loss", "triton-ops", 16, 33, "fp32", "fwd+bwd", T=8, rounds=1)
     calls, launchers = [], backends.TritonBackend.__dict__["_launchers"]
     for name in ("grpo_forward_rows", "backward_rows"):
-        monkeypatch.setattr(triton_ops, name, lambda *a, _f=getattr(triton_ops, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+        op = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _op=op, _name=name, **k: calls.append(_name) or _op(*a, **k))
     x = K.inputs(case, CPU)
     out = K.Runner(case, CPU, x, K.MAKERS["triton-ops"](case, x))()
     assert calls == ["grpo_forward_rows", "backward_rows"] and backends.TritonBackend.__dict__["_launchers"] is launchers
     y = {**x, "buf": x["buf"].detach().requires_grad_()}
     y["logits"] = y["buf"][:, :-1]
-    from grpo_kernels import reference
-
-    expected = K._grads(case, y, K._ours(case, y, reference)())
-    assert all(o["ok"] for o in K.compare(out, expected, "fp32").values())
+    agreement = K.compare(out, K._grads(case, y, K._ours(case, y, reference)()), "fp32")
+    assert set(agreement) == {"loss", "logp", "grad_logits"} and all(o["ok"] for o in agreement.values()), agreement
 
 
 def test_compare_catches_an_error_a_nan_and_passes_rounding():
