@@ -70,6 +70,7 @@ class Case:
     priority: int = 10  # lower runs first (the headline numbers come first)
     chunk: Optional[int] = None  # ours' chunk_size (None: its default)
     sampling: Optional[str] = None  # a key of SAMPLINGS (token_logprobs)
+    frozen: bool = False  # fused linear: the weight (lm_head) without a gradient, as under LoRA
 
     @property
     def B(self) -> int:
@@ -78,7 +79,7 @@ class Case:
     @property
     def id(self) -> str:
         return (f"{self.op}-{self.pass_}-{self.impl}" + (f"@{self.chunk}" if self.chunk else "") + f"-N{self.N}-V{self.V}"
-                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}" + (f"-{self.sampling}" if self.sampling else ""))
+                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}" + (f"-{self.sampling}" if self.sampling else "") + "-frozen" * self.frozen)
 
     @property
     def group(self) -> str:
@@ -211,7 +212,7 @@ def inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
         x["old"], x["ref"] = logp + 0.1 * rand(*logp.shape), logp + 0.1 * rand(*logp.shape)
     for k in ("buf", "hidden", "weight"):
         if k in x:
-            x[k].requires_grad_(grad)
+            x[k].requires_grad_(grad and not (k == "weight" and case.frozen))
     if "buf" in x:
         x["logits"] = x["buf"][:, :-1]
     return x
@@ -224,7 +225,8 @@ def _grads(case: Case, x: dict, out: dict, wrt: Optional[torch.Tensor] = None, t
         if case.op in LOGITS_OPS:
             out["grad_logits"] = to_logits(torch.autograd.grad(target, [x["logits"] if wrt is None else wrt])[0])
         else:
-            out["grad_hidden"], out["grad_weight"] = torch.autograd.grad(target, [x["hidden"], x["weight"]])
+            wrt = [x["hidden"]] + [x["weight"]] * (not case.frozen)
+            out.update(zip(("grad_hidden", "grad_weight"), torch.autograd.grad(target, wrt)))
     return out
 
 
@@ -422,7 +424,8 @@ def check_agreement(case: Case, device: torch.device) -> dict:
     try:
         actual = runner()
         grad = small.pass_ == "fwd+bwd"
-        y = {**runner.x, **{k: runner.x[k].detach().requires_grad_(grad) for k in ("buf", "hidden", "weight") if k in runner.x}}
+        y = {**runner.x, **{k: runner.x[k].detach().requires_grad_(runner.x[k].requires_grad) for k in ("buf", "hidden", "weight")
+                            if k in runner.x}}
         if "buf" in y:
             y["logits"] = y["buf"][:, :-1]
         with torch.set_grad_enabled(grad):
@@ -543,7 +546,8 @@ def _key(r: dict) -> tuple:
 
 
 def _name(r: dict) -> str:
-    return r["impl"] + (f"@{r['chunk']}" if r.get("chunk") else "") + (f" {r['sampling']}" if r.get("sampling") else "")
+    return r["impl"] + (f"@{r['chunk']}" if r.get("chunk") else "") + (f" {r['sampling']}" if r.get("sampling") else "") + \
+        " frozen" * bool(r.get("frozen"))
 
 
 def _throughput_cells(r: dict) -> List[str]:
@@ -628,7 +632,8 @@ def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args
     base = dict(op=op, N=n, V=rest[-1], dtype=args.dtype, pass_="fwd+bwd", T=min(512, n), H=rest[0] if len(rest) > 1 else None,
                 rounds=args.rounds)
     runners, records = {}, []
-    for case in [Case(impl=i, **base) for i in impls] + [Case(impl="torch", chunk=c, **base) for c in chunks]:
+    again = [dict(chunk=c) for c in chunks] + [dict(frozen=True)] * (args.frozen and op in LINEAR_OPS)
+    for case in [Case(impl=i, **base) for i in impls] + [Case(impl="torch", **base, **kw) for kw in again]:
         name = _name(case.info())
         try:
             runners[name], rec = prepare(case, device)
@@ -652,6 +657,7 @@ def compare_main(argv: List[str]) -> int:
                     shapes=(["1024x512x32000", "4096x512x32000", "1024x1024x151936"], "NxHxV (fused linear) or NxV (from logits)"),
                     impls=("reference,torch,liger,trl", "comma-separated (those an op lacks are left out)"),
                     chunks=("", "ours (torch) again at these chunk sizes, comma-separated"),
+                    frozen=(False, "ours (torch) again with the head frozen (LoRA's lm_head: no weight gradient)"),
                     rss=(False, "each case's peak RSS in a fresh process too")).parse_args(argv)
     device = H.device()
     report = H.Report("Kernels side by side (`python -m benchmarks.kernels compare`)")

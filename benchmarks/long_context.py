@@ -7,8 +7,7 @@ import math
 import os
 import resource
 import sys
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -106,108 +105,27 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
     return out
 
 
-def measure(lengths: list[int], budget_gib: Optional[float] = None, timeout_s: Optional[float] = None, **kwargs) -> dict:
-    """:func:`step` in a fresh process, killed past ``budget_gib`` of RSS (``{"fits": False}``)."""
-    result = H.fresh_call("benchmarks.long_context:step", {"lengths": lengths, **kwargs}, timeout_s=timeout_s,
-                          budget_gib=budget_gib)[-1]
-    if "error" in result:
-        return {"lengths": lengths, **kwargs, "fits": False if "budget" in result["error"] else None, **result}
-    return {**result, "fits": None if budget_gib is None else result["peak_rss_gib"] <= budget_gib}
+def measure(lengths: list[int], timeout_s: Optional[float] = None, **kwargs) -> dict:
+    """:func:`step` in a fresh process (its arguments beside the error of one that failed)."""
+    result = H.fresh_call("benchmarks.long_context:step", {"lengths": lengths, **kwargs}, timeout_s=timeout_s)[-1]
+    return {"lengths": lengths, **kwargs, **result} if "error" in result else result
 
 
-def bisect(mode: str, budget_gib: float, lo: int, hi: int, rel_tol: float = 0.1) -> dict:
-    """The longest single-sequence length in [lo, hi] whose step fits in ``budget_gib`` (to ``rel_tol``)."""
-    probes = []
-
-    def fits(n: int) -> bool:
-        r = measure([n], budget_gib=budget_gib, mode=mode)
-        probes.append({"length": n, "fits": r.get("fits"), "peak_rss_gib": r.get("peak_rss_gib", r.get("rss_seen_gib")),
-                       "step_s": r.get("step_s")})
-        print(json.dumps(probes[-1]), flush=True)
-        return bool(r.get("fits"))
-
-    if not fits(lo):
-        return {"mode": mode, "budget_gib": budget_gib, "longest": None, "below": lo, "probes": probes}
-    if fits(hi):
-        return {"mode": mode, "budget_gib": budget_gib, "longest": hi, "at_least": True, "probes": probes}
-    while hi / lo > 1 + rel_tol:
-        mid = int(round(math.sqrt(lo * hi) / 64) * 64) or lo + 1
-        if mid <= lo or mid >= hi:
-            break
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return {"mode": mode, "budget_gib": budget_gib, "longest": lo, "first_failing": hi, "probes": probes}
-
-
-def memory_rows(rows: list[dict]) -> list[str]:
-    """Peak RSS of full fine-tuning, LoRA and LoRA + bf16 beside the plan's."""
-    full = {(r["size"], r["tokens"]): r["peak_rss_gib"] for r in rows if r.get("variant") == "full" and "peak_rss_gib" in r}
-    cells = [[r.get("size"), r.get("variant"), r.get("tokens"), None, r.get("error")] if "peak_rss_gib" not in r else
-             [f"{r['size']} ({r['parameters'] / 1e6:.0f}M)", r["variant"], r["tokens"], f"{r['peak_rss_gib']:.2f}",
-              f"{r['predicted_peak_gib']:.2f}", f"{r['predicted_peak_gib'] / r['peak_rss_gib']:.2f}",
-              H.fmt_ratio(r["peak_rss_gib"] / full[r["size"], r["tokens"]]) if (r["size"], r["tokens"]) in full else None,
-              H.fmt_time(r["step_s"])] for r in rows]
-    return H.table(["size", "variant", "tokens", "peak RSS GiB", "predicted GiB", "pred / meas", "× full FT", "step"], cells)
-
-
-def frozen_head(args) -> tuple[list[dict], list[str]]:
-    """A frozen head (LoRA) against a trainable one, and its vocabulary blocks against the row chunks of [c, V]
-    logits (``rows``: ``TorchBackend.tiles_vocabulary`` off), torch backend, one torch thread (README)."""
-    from grpo_kernels import backends, fused_linear_grpo_loss as loss, fused_linear_token_logprobs as logprobs
-
-    torch.set_num_threads(1)  # (so the main thread's CPU time is all of it)
-    torch.manual_seed(0)
-    N, H_, V, tiles = args.N, args.H, args.V, backends.TorchBackend.tiles_vocabulary
-    hidden, weight = torch.randn(1, N, H_) * 0.5, torch.randn(V, H_) * 0.02
-    ids, adv, mask = torch.randint(0, V, (1, N)), torch.randn(1), torch.ones(1, N)
-    ops = {"loss fwd+bwd": lambda h, w: loss(h, w, ids, adv, mask, loss_type="dapo", backend="torch").loss.backward(),
-           "loss fwd+bwd, entropy bonus": lambda h, w: loss(h, w, ids, adv, mask, loss_type="dapo", entropy_coef=0.01,
-                                                            backend="torch").loss.backward(),
-           "log-probs fwd+bwd": lambda h, w: logprobs(h, w, ids, backend="torch").sum().backward(),
-           "log-probs, no_grad": lambda h, w: logprobs(h, w, ids, backend="torch")}
-
-    def side(op: str, name: str) -> Callable[[], None]:
-        grad = op != "log-probs, no_grad"
-        h, w = hidden.clone().requires_grad_(grad), weight.clone().requires_grad_(name == "trainable")
-
-        def run() -> None:
-            backends.TorchBackend.tiles_vocabulary = (lambda self, transform: False) if name == "frozen, rows" else tiles
-            try:
-                with torch.set_grad_enabled(grad):
-                    ops[op](h, w)
-            finally:
-                backends.TorchBackend.tiles_vocabulary = tiles
-        return run
-
-    records, lines = [], [f"N={N}, H={H_}, V={V}, fp32, torch backend, one torch thread; rows: chunks of [c, V] logits (c = "
-                          f"default_chunk_size), frozen: the vocabulary in blocks; peak extra bytes of one call, main-thread CPU "
-                          f"time of {args.rounds} interleaved rounds, medians:", ""]
-    for op in ops:
-        names = ("frozen", "frozen, rows") if op == "log-probs, no_grad" else ("trainable", "frozen", "frozen, rows")
-        fns = {name: side(op, name) for name in names}
-        peaks = {name: H.peak_extra_bytes(fn, torch.device("cpu"))[0] for name, fn in fns.items()}
-        times = H.interleave(fns, args.rounds, clock=time.thread_time)
-        records.append({"op": op, "N": N, "H": H_, "V": V, "threads": 1, "peak_extra_bytes": peaks, "thread_cpu_s": times})
-        lines += [f"**{op}**", "", *H.timing_table(times, "frozen", ["peak extra"], lambda n: [H.fmt_bytes(peaks[n])]), ""]
-    return records, lines
-
-
-def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list[str]:
-    """Per variant the peak and time beside the plan's; on CUDA the plan's runtime and reserve (README)."""
+def variants_lines(rows: list[dict], base: str, cuda: bool = False) -> list[str]:
+    """Per (size, tokens, variant): the median peak beside the plan's and the step, each against ``base``'s (the step:
+    the median of the per-round ratios); on CUDA the allocator's peak and the plan's runtime and reserve (README)."""
     key, planned = ("peak_allocated_gib", "predicted_allocator_peak_gib") if cuda else ("peak_rss_gib", "predicted_peak_gib")
-    ok: dict[str, list[dict]] = {}
+    ok: dict[tuple, list[dict]] = {}
     for r in (r for r in rows if "error" not in r):
-        ok.setdefault(r["variant"], []).append(r)
-    base = [r["step_s"] for r in ok.get("base", [])]
-    lines = [f"One trainer step, {tokens} tokens (one packed sequence), gradient checkpointing; mlp_chunk_tokens {chunk}.", "",
-             *H.table(["variant", "runs", f"peak {'allocated' if cuda else 'RSS'} GiB", "plan's GiB", "step", "× base"],
-                      [[v, len(rs), f"{H.median([r[key] for r in rs]):.3f}", f"{rs[0][planned]:.3f}",
-                        H.fmt_time(H.median([r["step_s"] for r in rs])),
-                        H.fmt_ratio(H.median([r["step_s"] / b for r, b in zip(rs, base)]))] for v, rs in ok.items()]), ""]
-    if ok.get("base") and ok.get("chunks"):
-        measured = H.median([r[key] for r in ok["base"]]) - H.median([r[key] for r in ok["chunks"]])
-        predicted = ok["base"][0]["predicted_peak_gib"] - ok["chunks"][0]["predicted_peak_gib"]
-        lines += [f"mlp_chunk_tokens lowers the peak by {measured:.3f} GiB measured, {predicted:.3f} GiB by the plan (its MLP "
-                  f"term): measured / plan = {measured / predicted:.2f}." if predicted else "The plan predicts no drop.", ""]
+        ok.setdefault((r["size"], r["tokens"], r["variant"]), []).append(r)
+    cells = []
+    for (size, n, v), rs in ok.items():
+        peak, b = H.median([r[key] for r in rs]), ok.get((size, n, base), [])
+        cells.append([size, n, v, len(rs), f"{peak:.3f}", f"{rs[0][planned]:.3f}", f"{rs[0][planned] / peak:.2f}",
+                      H.fmt_ratio(peak / H.median([r[key] for r in b])) if b else None, H.fmt_time(H.median([r["step_s"] for r in rs])),
+                      H.fmt_ratio(H.median([r["step_s"] / x["step_s"] for r, x in zip(rs, b)])) if b else None])
+    lines = H.table(["size", "tokens", "variant", "runs", f"peak {'allocated' if cuda else 'RSS'} GiB", "plan's GiB", "plan / measured",
+                     f"peak × {base}", "step", f"step × {base}"], cells) + [""]
     if cuda:  # docs/memory.md: the runtime and allocator-reserve estimates
         gib = lambda d, pick=lambda k: True: sum(v for k, v in d.items() if pick(k)) / 2**30  # noqa: E731
         lines += H.table(["variant", "CUDA context GiB (measured / plan)", "outside the allocator after the step (context + "
@@ -215,8 +133,8 @@ def options_lines(rows: list[dict], tokens: int, chunk: int, cuda: bool) -> list
                          [[v, f"{r['context_gib']:.3f} / {gib(r['predicted_runtime'], lambda k: k.startswith('context')):.3f}",
                            f"{r['outside_allocator_gib']:.3f} / {gib(r['predicted_runtime'], lambda k: k.startswith(('context', 'kernel images'))):.3f}",
                            f"{r['peak_reserved_gib'] - r['peak_allocated_gib']:.3f} / {gib(r['predicted_reserve']):.3f}"]
-                          for v, (r, *_) in ok.items()]) + [""]
-    return lines + [f"{r['variant']}: {r['error'][-500:]}" for r in rows if "error" in r]
+                          for (_, _, v), (r, *_) in ok.items()]) + [""]
+    return lines + [f"{r.get('variant')}: {r['error'][-500:]}" for r in rows if "error" in r]
 
 
 def options(args) -> tuple[list[dict], list[str]]:
@@ -227,43 +145,40 @@ def options(args) -> tuple[list[dict], list[str]]:
     rounds = 1 if smoke else args.rounds
     variants = args.variants or (["base", "chunks"] if smoke else ["base", "offload", "chunks"] if cuda else list(OPTIONS))
     peft = cuda and not H.missing("peft")  # CUDA: LoRA on bf16 weights where peft is installed
-    rows = []
+    rows, lines = [], [f"One trainer step, {tokens} tokens (one packed sequence), gradient checkpointing; mlp_chunk_tokens {chunk}.", ""]
     for _ in range(rounds):
         for v in dict.fromkeys(["base", *variants]):
             config = {k: chunk if k == "mlp_chunk_tokens" else x for k, x in OPTIONS[v].items()}
             rows.append({"variant": v, **measure([tokens], mode="packed+gc", size=size, device=args.device, steps=2 if cuda else 1,
                                                   prompt_tokens=16, use_peft=peft, model_dtype="bfloat16" if cuda else "float32", **config)})
             print(json.dumps({k: x for k, x in rows[-1].items() if not k.startswith("predicted")}, default=str), flush=True)
-    return rows, options_lines(rows, tokens, chunk, cuda)
+    key = "peak_allocated_gib" if cuda else "peak_rss_gib"
+    drop = [(H.median([r[key] for r in rs]), rs[0]["predicted_peak_gib"]) for v in ("base", "chunks")
+            if (rs := [r for r in rows if r["variant"] == v and "error" not in r])]
+    if len(drop) == 2:
+        (peak, plan), (peak_c, plan_c) = drop
+        lines += [f"mlp_chunk_tokens lowers the peak by {peak - peak_c:.3f} GiB measured, {plan - plan_c:.3f} GiB by the plan (its MLP "
+                  f"term): measured / plan = {(peak - peak_c) / (plan - plan_c):.2f}." if plan != plan_c else "The plan predicts no drop.", ""]
+    return rows, lines + variants_lines(rows, "base", cuda)
 
 
 def memory(args) -> tuple[list[dict], list[str]]:
     """Full fine-tuning vs LoRA vs LoRA + bf16, beta 0.04 (the reference model and its log-probs are part of the step)."""
-    rows = [{"size": size, "variant": v, "tokens": n, **measure([n], size=size, beta=0.04, **VARIANTS[v],
+    rows = [{"variant": v, **measure([n], size=size, beta=0.04, **VARIANTS[v],
                                                                 gradient_checkpointing=args.gradient_checkpointing)}
             for size in args.sizes for n in args.lengths for v in args.variants]
-    return rows, memory_rows(rows)
+    return rows, variants_lines(rows, "full")
 
 
-def bisect_command(args) -> tuple[list[dict], list[str]]:
-    result = bisect(args.mode, args.budget_gib, args.lo, args.hi, args.rel_tol)
-    return [result], ["```json", json.dumps(result, indent=1), "```"]
-
-
-COMMANDS = {"bisect": bisect_command, "memory": memory, "frozen-head": frozen_head, "options": options}
+COMMANDS = {"memory": memory, "options": options}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p, common = H.parser(__doc__.splitlines()[0], rounds=None), H.parser(rounds=5, add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     command = lambda name, help_, **flags: H.flags(sub.add_parser(name, help=help_, parents=[common]), **flags)  # noqa: E731
-    bis = command("bisect", "longest single sequence that fits in a memory budget", lo=1024, hi=32768, rel_tol=0.1)
-    bis.add_argument("--mode", required=True)
-    bis.add_argument("--budget-gib", type=float, required=True)
     command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(["81M", "180M"], None, list(H.MODELS)),
             lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
-    command("frozen-head", "frozen vs trainable lm_head, vocabulary blocks vs row chunks: peak extra bytes, thread CPU time",
-            N=2048, H=512, V=151936)
     command("options", "issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",
             tokens=(int, "tokens of the one sequence (default 4096 on a CPU, 32768 on CUDA)"),
             chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),

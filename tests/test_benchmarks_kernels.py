@@ -38,6 +38,14 @@ def test_a_chunk_size_is_ours_at_that_chunk_and_agrees():
     assert "@7" in case.id and K.check_agreement(case, CPU)["ok"]
 
 
+@pytest.mark.parametrize("op", K.LINEAR_OPS)
+def test_a_frozen_head_has_no_weight_gradient_and_agrees(op):
+    case = K.Case(op, "torch", 64, 300, "fp32", "fwd+bwd", T=32, H=16, frozen=True)
+    result = K.check_agreement(case, CPU)
+    assert case.id.endswith("-frozen") and result["ok"], K.format_agreement(case, result)
+    assert "grad_hidden" in result["outputs"] and "grad_weight" not in result["outputs"]
+
+
 def test_the_custom_ops_side_launches_through_torch_ops_and_agrees(monkeypatch):
     # the triton-ops side is CUDA-only in the sets; here its runner runs under the interpreter (tests/conftest.py)
     from grpo_kernels import backends, reference

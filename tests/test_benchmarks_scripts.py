@@ -37,7 +37,7 @@ class Script(NamedTuple):
 
 SCRIPTS = {
     "kernels-compare": Script("kernels", ("compare", "--ops", "fused_linear_grpo_loss", "--shapes", "64x32x512", "--impls",
-                                          "reference,torch,liger,trl,triton-ops", "--chunks", "16", "--rounds", "1", "--out",
+                                          "reference,torch,liger,trl,triton-ops", "--chunks", "16", "--frozen", "--rounds", "1", "--out",
                                           "{out}/compare.md"), ("compare.md", "compare.json")),
     "kernels-compare-rss": Script("kernels", ("compare", "--ops", "fused_linear_token_logprobs", "--shapes", "64x32x512",
                                               "--impls", "torch,trl,cce,verl", "--rss", "--rounds", "1", "--out",
@@ -45,9 +45,8 @@ SCRIPTS = {
     "vocab_parallel": Script(
         "vocab_parallel", ("--world", "2", "--tokens", "32", "--vocab", "64", "--hidden", "16", "--rounds", "1",
                            "--out", "{out}/vocab_parallel.md"), ("vocab_parallel.md", "vocab_parallel.json")),
-    "long_context-frozen-head": Script(
-        "long_context", ("frozen-head", "--N", "64", "--H", "32", "--V", "512", "--rounds", "1",
-                         "--out", "{out}/frozen_head.md"), ("frozen_head.md", "frozen_head.json"), ("transformers",)),
+    "long_context-memory": Script("long_context", ("memory", "--sizes", "tiny", "--lengths", "64", "--variants", "full", "lora",
+                                                   "--out", "{out}/memory.md"), ("memory.md", "memory.json"), ("transformers", "peft")),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md", "rewards_hostile.json")),
     "optimizer_step": Script(
