@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from grpo.memory import reset_peak, status_kib
+from grpo.plan import KNOWN_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = "BENCH_RESULT "  # the line a fresh process prints its result on
@@ -92,8 +93,7 @@ MODELS = {
                      num_key_value_heads=4),
     "wide-mlp-smoke": dict(vocab_size=256, hidden_size=32, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=4),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-0.5b": KNOWN_CONFIGS["Qwen2.5-0.5B"],
 }
 
 
