@@ -136,31 +136,24 @@ def cpu_cases(impls: List[str], device: str = "cpu") -> List[Case]:
 
 def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
     """Real sizes, bf16, T = 1024: the headline cases first, then every peer at that shape, then the rest."""
-    big, out = 151936, []
-
-    def prio(case: Case, headline: bool, near: bool) -> Case:
-        p = 0 if headline else 3 if near else 10
-        return dataclasses.replace(case, priority=p + (5 if case.impl == "torch" and p else 0))
-
-    for op in LOGITS_OPS:
-        head_pass = "fwd" if op == "token_logprobs" else "fwd+bwd"
-        for n, v in ((16384, big), (4096, big), (8192, big), (32768, big), (16384, 32000), (16384, 128256)):
-            for c in _cases(impls, device, op, [(n, v, None)], dtype="bf16", T=1024, rounds=10):
-                out.append(prio(c, (n, v, c.pass_) == (16384, big, head_pass), (n, v) == (16384, big)))
-    out += [Case("token_logprobs", "triton", 16384, big, "bf16", "fwd", T=1024, rounds=10, priority=3, sampling=s)
-            for s in SAMPLINGS if "triton" in impls]
-    out += [Case("grpo_loss", "triton-ops", n, big, "bf16", "fwd+bwd", T=1024, rounds=10, priority=3)
-            for n in (1024, 16384) if "triton" in impls]  # the custom ops' dispatch, small and headline N
-    for n, v, p in ((16384, big, "fwd+bwd"), (4096, big, "fwd+bwd"), (8192, big, "fwd+bwd"), (32768, big, "fwd+bwd"),
-                    (16384, big, "fwd"), (16384, 32000, "fwd+bwd"), (16384, 128256, "fwd+bwd")):
-        for c in _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)],
-                        (p,), dtype="bf16", T=1024, rounds=5, sweep=p == "fwd+bwd" and v == big):
-            out.append(prio(c, (n, p) == (16384, "fwd+bwd") and v == big, n == 16384 and v == big))
+    big, head = 151936, {("token_logprobs", "fwd"), ("grpo_loss", "fwd+bwd"), ("fused_linear_grpo_loss", "fwd+bwd")}
+    sizes = [(16384, big), (4096, big), (8192, big), (32768, big), (16384, 32000), (16384, 128256)]
+    out = [c for op in LOGITS_OPS for n, v in sizes for c in _cases(impls, device, op, [(n, v, None)], dtype="bf16", T=1024, rounds=10)]
+    for n, v, p in [(n, v, "fwd+bwd") for n, v in sizes[:4]] + [(16384, big, "fwd")] + [(n, v, "fwd+bwd") for n, v in sizes[4:]]:
+        out += _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)], (p,), dtype="bf16", T=1024, rounds=5,
+                      sweep=p == "fwd+bwd" and v == big)
     for v in (big, 32000):  # the fused log-prob head: ours, TRL's, Cut Cross-Entropy, verl
-        for c in _cases([i for i in impls if i != "reference"], device, "fused_linear_token_logprobs", [(16384, v, 4096)],
-                        dtype="bf16", T=1024, rounds=5):
-            out.append(prio(c, False, v == big))
-    return out
+        out += _cases([i for i in impls if i != "reference"], device, "fused_linear_token_logprobs", [(16384, v, 4096)],
+                      dtype="bf16", T=1024, rounds=5)
+    for i, c in enumerate(out):  # 0: a headline case; 3: another at its shape; 10: the rest (torch's after the others)
+        p = 0 if (c.N, c.V) == (16384, big) and (c.op, c.pass_) in head else 3 if (c.N, c.V) == (16384, big) else 10
+        out[i] = dataclasses.replace(c, priority=p + (5 if c.impl == "torch" and p else 0))
+    extra = [Case("token_logprobs", "triton", 16384, big, "bf16", "fwd", T=1024, rounds=10, priority=3, sampling=s)
+             for s in SAMPLINGS if "triton" in impls]
+    extra += [Case("grpo_loss", "triton-ops", n, big, "bf16", "fwd+bwd", T=1024, rounds=10, priority=3)
+              for n in (1024, 16384) if "triton" in impls]  # the custom ops' dispatch, small and headline N
+    n_logits = sum(c.op in LOGITS_OPS for c in out)
+    return out[:n_logits] + extra + out[n_logits:]
 
 
 def smoke_cases(impls: List[str], device: str = "cpu") -> List[Case]:
