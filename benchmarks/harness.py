@@ -264,8 +264,9 @@ def emit(result: Any) -> None:
 
 
 def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional[float] = None,
-          threads: Optional[int] = None) -> List[dict]:
-    """Every :func:`emit` line of ``python -m <args>`` in a fresh process, killed past ``timeout_s`` (README: Memory)."""
+          budget_gib: Optional[float] = None, threads: Optional[int] = None) -> List[dict]:
+    """Every :func:`emit` line of ``python -m <args>`` in a fresh process, killed past ``timeout_s`` or past
+    ``budget_gib`` of resident memory (README: Memory)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if threads:
@@ -275,8 +276,11 @@ def fresh(args: Sequence[str], python: Optional[str] = None, timeout_s: Optional
         start, seen, killed = time.monotonic(), 0.0, None
         while proc.poll() is None:
             seen = max(seen, (status_kib("VmRSS", f"/proc/{proc.pid}/status") or 0) / 2**20)
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
+            if budget_gib is not None and seen > budget_gib:
+                killed = f"over the {budget_gib} GiB budget"
+            elif timeout_s is not None and time.monotonic() - start > timeout_s:
                 killed = f"timed out after {timeout_s:.0f} s"
+            if killed:
                 proc.kill()
                 break
             time.sleep(0.05)

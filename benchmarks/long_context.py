@@ -105,10 +105,36 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
     return out
 
 
-def measure(lengths: list[int], timeout_s: Optional[float] = None, **kwargs) -> dict:
-    """:func:`step` in a fresh process (its arguments beside the error of one that failed)."""
-    result = H.fresh_call("benchmarks.long_context:step", {"lengths": lengths, **kwargs}, timeout_s=timeout_s)[-1]
-    return {"lengths": lengths, **kwargs, **result} if "error" in result else result
+def measure(lengths: list[int], budget_gib: Optional[float] = None, timeout_s: Optional[float] = None, **kwargs) -> dict:
+    """:func:`step` in a fresh process, killed past ``budget_gib`` of RSS (``"fits"``: False; None after another failure)."""
+    result = H.fresh_call("benchmarks.long_context:step", {"lengths": lengths, **kwargs}, timeout_s=timeout_s,
+                          budget_gib=budget_gib)[-1]
+    if "error" in result:
+        return {"lengths": lengths, **kwargs, "fits": False if "budget" in result["error"] else None, **result}
+    return {**result, "fits": None if budget_gib is None else result["peak_rss_gib"] <= budget_gib}
+
+
+def bisect(args) -> tuple[list[dict], list[str]]:
+    """The ``bisect`` command: the longest single sequence in [lo, hi] whose step fits in ``--budget-gib`` of RSS,
+    to ``--rel-tol``; probes ``lo`` (it must fit), ``hi``, then geometric midpoints, each killed past the budget."""
+    lo, hi, result = args.lo, args.hi, {"mode": args.mode, "budget_gib": args.budget_gib, "probes": []}
+
+    def fits(n: int) -> bool:
+        r = measure([n], budget_gib=args.budget_gib, mode=args.mode)
+        result["probes"].append({"length": n, "fits": r.get("fits"), "peak_rss_gib": r.get("peak_rss_gib", r.get("rss_seen_gib")),
+                                 "step_s": r.get("step_s")})
+        print(json.dumps(result["probes"][-1]), flush=True)
+        return bool(r.get("fits"))
+
+    if not fits(lo):
+        result.update(longest=None, below=lo)
+    elif fits(hi):
+        result.update(longest=hi, at_least=True)
+    else:
+        while hi / lo > 1 + args.rel_tol and lo < (mid := int(round(math.sqrt(lo * hi) / 64) * 64)) < hi:
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        result.update(longest=lo, first_failing=hi)
+    return [result], ["```json", json.dumps(result, indent=1), "```"]
 
 
 def variants_lines(rows: list[dict], base: str, cuda: bool = False) -> list[str]:
@@ -170,13 +196,16 @@ def memory(args) -> tuple[list[dict], list[str]]:
     return rows, variants_lines(rows, "full")
 
 
-COMMANDS = {"memory": memory, "options": options}
+COMMANDS = {"bisect": bisect, "memory": memory, "options": options}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p, common = H.parser(__doc__.splitlines()[0], rounds=None), H.parser(rounds=5, add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     command = lambda name, help_, **flags: H.flags(sub.add_parser(name, help=help_, parents=[common]), **flags)  # noqa: E731
+    bis = command("bisect", "longest single sequence that fits in a memory budget (issue 18)", lo=1024, hi=32768, rel_tol=0.1)
+    bis.add_argument("--mode", required=True)
+    bis.add_argument("--budget-gib", type=float, required=True)
     command("memory", "full FT vs LoRA vs LoRA+bf16: peak RSS and step time beside the plan", sizes=(["81M", "180M"], None, list(H.MODELS)),
             lengths=[1024, 2048], variants=(list(VARIANTS), None, list(VARIANTS)), gradient_checkpointing=False)
     command("options", "issue 35's mlp_chunk_tokens / activation_offload: peak and time beside the plan",

@@ -47,6 +47,8 @@ SCRIPTS = {
                            "--out", "{out}/vocab_parallel.md"), ("vocab_parallel.md", "vocab_parallel.json")),
     "long_context-memory": Script("long_context", ("memory", "--sizes", "tiny", "--lengths", "64", "--variants", "full", "lora",
                                                    "--out", "{out}/memory.md"), ("memory.md", "memory.json"), ("transformers", "peft")),
+    "long_context-bisect": Script("long_context", ("bisect", "--mode", "packed", "--budget-gib", "0.3", "--lo", "64", "--hi", "128",
+                                                   "--out", "{out}/bisect.md"), ("bisect.md", "bisect.json"), ("transformers",)),
     "rewards_hostile": Script("rewards_hostile", ("--smoke", "--out", "{out}/rewards_hostile.md"),
                               ("rewards_hostile.md", "rewards_hostile.json")),
     "optimizer_step": Script(
