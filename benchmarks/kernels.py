@@ -79,7 +79,8 @@ class Case:
     @property
     def id(self) -> str:
         return (f"{self.op}-{self.pass_}-{self.impl}" + (f"@{self.chunk}" if self.chunk else "") + f"-N{self.N}-V{self.V}"
-                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}" + (f"-{self.sampling}" if self.sampling else "") + "-frozen" * self.frozen)
+                + (f"-H{self.H}" if self.H else "") + f"-{self.dtype}" + (f"-{self.sampling}" if self.sampling else "")
+                + "-frozen" * self.frozen)
 
     @property
     def group(self) -> str:

@@ -190,8 +190,7 @@ def options(args) -> tuple[list[dict], list[str]]:
 
 def memory(args) -> tuple[list[dict], list[str]]:
     """Full fine-tuning vs LoRA vs LoRA + bf16, beta 0.04 (the reference model and its log-probs are part of the step)."""
-    rows = [{"variant": v, **measure([n], size=size, beta=0.04, **VARIANTS[v],
-                                                                gradient_checkpointing=args.gradient_checkpointing)}
+    rows = [{"variant": v, **measure([n], size=size, beta=0.04, **VARIANTS[v], gradient_checkpointing=args.gradient_checkpointing)}
             for size in args.sizes for n in args.lengths for v in args.variants]
     return rows, variants_lines(rows, "full")
 
