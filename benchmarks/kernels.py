@@ -641,7 +641,7 @@ def compare_shape(op: str, shape: str, impls: List[str], chunks: List[int], args
     for rec in records:
         if rec["name"] in times:
             rec.update(times_s=times[rec["name"]], median_s=H.median(times[rec["name"]]), ratio_to=first,
-                       ratio=H.ratio(times, rec["name"], first))
+                       ratio=H.ratio(times, rec["name"], first), ratio_to_torch=H.ratio(times, rec["name"], "torch"))
     return records
 
 
@@ -664,9 +664,10 @@ def compare_main(argv: List[str]) -> int:
             report.records += records
             rss = lambda r: r["rss"].get("error", "")[:80] or f"{r['rss']['peak_rss_mib'] - r['rss']['rss_start_mib']:,.0f} MiB"  # noqa: E731
             report.add(f"## `{op}` {shape}", "", *H.table(
-                ["impl", "median", f"× {next((r['ratio_to'] for r in records if r.get('ratio_to')), '?')}", "peak extra",
+                ["impl", "median", f"× {next((r['ratio_to'] for r in records if r.get('ratio_to')), '?')}", "× torch", "peak extra",
                  "RSS growth (fresh process)", "agrees", "skipped"],
-                [[r["name"], H.fmt_time(r.get("median_s")), H.fmt_ratio(r.get("ratio")), H.fmt_bytes(r.get("peak_mem_bytes")),
+                [[r["name"], H.fmt_time(r.get("median_s")), H.fmt_ratio(r.get("ratio")), H.fmt_ratio(r.get("ratio_to_torch")),
+                  H.fmt_bytes(r.get("peak_mem_bytes")),
                   rss(r) if r.get("rss") else None, "—" if "agreement" not in r else "yes" if r["agreement"]["ok"] else "no",
                   r.get("skipped", "")] for r in records]), "")
     report.write(args.out)
