@@ -6,9 +6,8 @@ smallest meaningful size, its report written under a temporary directory (never 
 ``benchmarks/results/``), and asserts only that it exited 0, that every file it was asked to write
 exists and is not empty, and that no record of its JSON is an error: a script that has rotted fails here.
 
-Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``; ``bench_long_context.py`` only in
-``make bench-smoke`` / ``make bench-ci BENCH_CI_ARGS=``), ``trainer_step --quick`` and ``kernels report``
-run in ``make bench-ci``. A script that needs a package this interpreter lacks is
+Elsewhere: the pytest-benchmark suites (``benchmarks/bench_*.py``, their smoke sets), ``trainer_step --quick``
+and ``kernels report`` run in ``make bench-ci``. A script that needs a package this interpreter lacks is
 skipped with its name: ``trainer_step-vllm`` (the ``ours+vllm`` side) runs where vLLM is (``make test``
 runs it with the vLLM venv).
 """

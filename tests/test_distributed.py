@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from helpers import CORE_LOSS_TYPES, TINY_UPDATE, random_update_batch, tiny_qwen2, torchrun
+from helpers import CORE_LOSS_TYPES, TINY_UPDATE, leave_gloo_worker, random_update_batch, tiny_qwen2, torchrun
 
 from grpo.logs import run_values
 
@@ -192,3 +192,4 @@ if __name__ == "__main__":  # a worker, started by torchrun
     scenario, out_path = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     {"equivalence": worker_equivalence, "resume": worker_resume}[scenario](out_path)
+    leave_gloo_worker()

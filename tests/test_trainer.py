@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import generate_rollouts, random_update_batch, tiny_qwen2, torchrun, update_batch
+from helpers import generate_rollouts, leave_gloo_worker, random_update_batch, tiny_qwen2, torchrun, update_batch
 from grpo import checkpoint, logs
 from grpo.logs import run_values
 from grpo_kernels.options import LOSS_AGG_MODES, LOSS_MODES
@@ -763,7 +763,6 @@ def worker_ddp(out_path: str) -> None:
                for kind, case, split in DDP_RUNS}
     if distributed.is_main_process():
         torch.save(results, out_path)
-    distributed.teardown()
 
 
 def test_two_ranks_give_the_single_process_update(tmp_path, references):
@@ -782,6 +781,7 @@ def test_two_ranks_give_the_single_process_update(tmp_path, references):
 if __name__ == "__main__":  # a worker, started by torchrun
     torch.set_num_threads(1)
     {"ddp": worker_ddp}[sys.argv[1]](sys.argv[2])
+    leave_gloo_worker()
 
 
 # --------------------------------------------------------------------------------------------------
