@@ -139,22 +139,28 @@ def gpu_cases(impls: List[str], device: str = "cuda") -> List[Case]:
     """Real sizes, bf16, T = 1024: the headline cases first, then every peer at that shape, then the rest."""
     big, head = 151936, {("token_logprobs", "fwd"), ("grpo_loss", "fwd+bwd"), ("fused_linear_grpo_loss", "fwd+bwd")}
     sizes = [(16384, big), (4096, big), (8192, big), (32768, big), (16384, 32000), (16384, 128256)]
-    out = [c for op in LOGITS_OPS for n, v in sizes for c in _cases(impls, device, op, [(n, v, None)], dtype="bf16", T=1024, rounds=10)]
+
+    def ranked(cases: List[Case]) -> List[Case]:
+        """0: a headline case; 3: another at the headline shape; 10: the rest; torch's 5 later than its peers'."""
+        def priority(c: Case) -> int:
+            at_head = (c.N, c.V) == (16384, big)
+            p = 0 if at_head and (c.op, c.pass_) in head else 3 if at_head else 10
+            return p + (5 if c.impl == "torch" and p else 0)
+        return [dataclasses.replace(c, priority=priority(c)) for c in cases]
+
+    logits = [c for op in LOGITS_OPS for n, v in sizes for c in _cases(impls, device, op, [(n, v, None)], dtype="bf16", T=1024, rounds=10)]
+    linear = []
     for n, v, p in [(n, v, "fwd+bwd") for n, v in sizes[:4]] + [(16384, big, "fwd")] + [(n, v, "fwd+bwd") for n, v in sizes[4:]]:
-        out += _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)], (p,), dtype="bf16", T=1024, rounds=5,
-                      sweep=p == "fwd+bwd" and v == big)
+        linear += _cases(impls, device, "fused_linear_grpo_loss", [(n, v, 4096)], (p,), dtype="bf16", T=1024, rounds=5,
+                         sweep=p == "fwd+bwd" and v == big)
     for v in (big, 32000):  # the fused log-prob head: ours, TRL's, Cut Cross-Entropy, verl
-        out += _cases([i for i in impls if i != "reference"], device, "fused_linear_token_logprobs", [(16384, v, 4096)],
-                      dtype="bf16", T=1024, rounds=5)
-    for i, c in enumerate(out):  # 0: a headline case; 3: another at its shape; 10: the rest (torch's after the others)
-        p = 0 if (c.N, c.V) == (16384, big) and (c.op, c.pass_) in head else 3 if (c.N, c.V) == (16384, big) else 10
-        out[i] = dataclasses.replace(c, priority=p + (5 if c.impl == "torch" and p else 0))
+        linear += _cases([i for i in impls if i != "reference"], device, "fused_linear_token_logprobs", [(16384, v, 4096)],
+                         dtype="bf16", T=1024, rounds=5)
     extra = [Case("token_logprobs", "triton", 16384, big, "bf16", "fwd", T=1024, rounds=10, priority=3, sampling=s)
              for s in SAMPLINGS if "triton" in impls]
     extra += [Case("grpo_loss", "triton-ops", n, big, "bf16", "fwd+bwd", T=1024, rounds=10, priority=3)
               for n in (1024, 16384) if "triton" in impls]  # the custom ops' dispatch, small and headline N
-    n_logits = sum(c.op in LOGITS_OPS for c in out)
-    return out[:n_logits] + extra + out[n_logits:]
+    return ranked(logits) + extra + ranked(linear)
 
 
 def smoke_cases(impls: List[str], device: str = "cpu") -> List[Case]:
