@@ -331,11 +331,11 @@ def run_cli(*args: str, env: Optional[dict] = None, timeout: float = 300) -> sub
 
 
 def leave_gloo_worker() -> None:
-    """The end of a spawned (or torchrun-started) gloo rank whose checks all passed: every rank reaches the barrier (no peer is
-    still in a collective), the group is destroyed, and the process ends without the interpreter's
-    teardown, whose C++ static destructors once aborted a rank that had passed ("terminate called without
-    an active exception", SIGABRT, under load). A rank that raised never gets here: its error travels as
-    torch.multiprocessing reports it."""
+    """The end of a spawned (or torchrun-started) gloo rank whose checks all passed: every rank reaches the
+    barrier (no peer is still in a collective), the group is destroyed, and the process ends without the
+    interpreter's teardown, whose C++ static destructors once aborted a rank that had passed ("terminate
+    called without an active exception", SIGABRT, under load). A rank that raised never gets here: its
+    error travels as torch.multiprocessing (or torchrun) reports it."""
     import torch.distributed as dist
 
     if dist.is_initialized():

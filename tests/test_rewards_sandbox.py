@@ -361,7 +361,7 @@ BATCH_WORKERS = 4
 @pytest.mark.timeout(120)
 def test_hostile_code_scores_zero_in_one_bounded_call():
     # tests/rewards_corpus.py's HOSTILE_CODE (colliding hashes, huge values, floods, loops, sleeps), all
-    # in one call, each against the test benchmarks/rewards_hostile.py times it on.
+    # in one call, each against a test it cannot pass (an assert for a program defining f, else stdin/stdout).
     codes = list(HOSTILE_CODE.values())
     tests = [["assert f(1) == 2"] if "def f" in code else [{"input": "", "output": "2"}] for code in codes]
     bound = _batch_bound(len(codes), 1.0, BATCH_WORKERS)
