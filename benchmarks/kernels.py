@@ -519,13 +519,13 @@ def checks_lines(checks: List[dict]) -> List[str]:
     out = []
     for c in checks:
         out += [f"**fused_linear_grpo_loss fwd+bwd, {c['impl']} vs reference, {c['dtype']}, V={c['V']}, H={c['H']}**", ""]
-        out += H.table(["N", "ours peak", "reference peak", "ratio"], [
+        out += H.table(["N", f"{c['impl']} peak", "reference peak", "ratio"], [
             [p["N"], H.fmt_bytes(p["peak_bytes"]), H.fmt_bytes(p["reference_peak_bytes"]),
              f"{p['ratio_to_reference']:.4f} (1/{1 / p['ratio_to_reference']:.0f})" if p.get("ratio_to_reference") else None]
             for p in c["points"]]) + [""]
         if c["ratio_check"]:
             rc = c["ratio_check"]
-            out.append(f"- ours ≤ 1/8 of the reference at N={rc['N']}: ratio {rc['ratio']:.4f} → **{'PASS' if rc['ok'] else 'FAIL'}**")
+            out.append(f"- {c['impl']} ≤ 1/8 of the reference at N={rc['N']}: ratio {rc['ratio']:.4f} → **{'PASS' if rc['ok'] else 'FAIL'}**")
         out += [f"- N {g['from_N']} → {g['to_N']}: peak grows {H.fmt_bytes(g['delta_bytes'])}, allowed (hidden + its gradient) "
                 f"{H.fmt_bytes(g['allowed_bytes'])} → **{'PASS' if g['ok'] else 'FAIL'}**" for g in c["growth"]] + [""]
     return out
