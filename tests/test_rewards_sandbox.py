@@ -1074,6 +1074,21 @@ def test_enforcement_as_an_ordinary_user():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_the_package_keeps_the_one_module_names_and_a_patch_reaches_its_modules(monkeypatch):
+    # grpo.rewards.sandbox was one module: its names, private ones too, stay on the package, and a name set
+    # there (a test's monkeypatch) is set in the modules whose code reads it.
+    from grpo.rewards.sandbox import jail, planner, policy, verdicts
+
+    assert _sandbox.run is jail.run and _sandbox.judge is verdicts.judge and _sandbox._Planner is planner._Planner
+    monkeypatch.setattr(_sandbox, "MAX_RESULT_BYTES", 7)
+    assert policy.MAX_RESULT_BYTES == jail.MAX_RESULT_BYTES == verdicts.MAX_RESULT_BYTES == 7
+    stand_in = object()
+    monkeypatch.setattr(_sandbox, "run", stand_in)
+    assert jail.run is stand_in and verdicts.run is stand_in
+    monkeypatch.undo()
+    assert verdicts.MAX_RESULT_BYTES == 8 << 20 and verdicts.run is jail.run is _sandbox.run is not stand_in
+
+
 # --------------------------------------------------------------------------------------------
 # The bootstrap, and the test process after all of the above
 # --------------------------------------------------------------------------------------------
@@ -1084,6 +1099,7 @@ def test_bootstrap_is_a_packaged_file():
 
     text = resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text()
     assert text == _sandbox._bootstrap_source()
+    assert text == resources.files("grpo.rewards.sandbox").joinpath("bootstrap.py").read_text()  # (the link's target)
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
     assert math_worker.main.__module__ == "grpo.rewards.worker"
 
