@@ -20,7 +20,6 @@ from importlib import resources
 
 from .policy import MAX_RESULT_BYTES
 
-
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_FILE_MB = 16
 DEFAULT_TMP_MB = 64

@@ -12,7 +12,6 @@ import sys
 
 from .policy import _BUILTIN_NAMES, JUDGE_BUILTINS, _judge_import, _stateful_import
 
-
 PROBE = "__grpo_probe__"
 INPUT = "__grpo_in%d__"  # a value the judge computed, bound inside before a step runs
 AT, VAL, STEP = "__grpo_at__", "__grpo_val__", "__grpo_step__"

@@ -9,7 +9,6 @@ import ast
 import builtins
 from functools import lru_cache
 
-
 MAX_TEST_CHARS = 100_000  # one test string; longer ones are refused
 MAX_PLAN_PASSES = 24  # planning passes over a completion's tests (names moving inside settle in a few)
 MAX_RESULT_BYTES = 8 << 20  # the probe records of one run; more and every test of the run fails
