@@ -14,7 +14,7 @@ import pathlib
 from typing import Dict, List, Optional, Set
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("grpo_kernels", "grpo", "benchmarks")
+PACKAGES = ("grpo_kernels", "grpo", "benchmarks", "tools")
 
 
 def _modules() -> Dict[str, pathlib.Path]:

@@ -1,7 +1,7 @@
 """grpo_kernels/kernels/triton_rows.py: the epilogue equals the objective, and the row kernels compile ahead of time for sm_80 and sm_90a (GPU readiness without a GPU).
 
 Triton's NVIDIA backend needs no driver: ``triton.compile(ASTSource(...), target=GPUTarget("cuda",
-cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``grpo_kernels.kernels.aot``
+cc, 32))`` runs LLVM and the ``ptxas`` shipped in Triton's wheel. ``tools/aot.py`` (a CI tool)
 captures the exact launch ``forward_rows`` / ``backward_rows`` make (meta tensors, so nothing is
 allocated), specializes it as Triton's launcher would (16-byte alignment -> ``tt.divisibility``),
 compiles it, and reads the cubin back with the wheel's ``cuobjdump``.
@@ -25,18 +25,29 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import verl_cases as vc
 from helpers import DEVICE
 
-from grpo_kernels.kernels import aot
-from grpo_kernels import objective
-from grpo_kernels.options import GRPOInputs, GRPOOptions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/
+from tools import aot  # noqa: E402
+
+from grpo_kernels import objective  # noqa: E402
+from grpo_kernels.options import GRPOInputs, GRPOOptions  # noqa: E402
 
 VARIANTS = aot.default_variants()
 IDS = [v.label for v in VARIANTS]
+
+
+def test_the_tools_former_path_is_the_tool():
+    """``grpo_kernels.kernels.aot`` (where the tool was) gives ``tools.aot`` itself, in a checkout."""
+    from grpo_kernels.kernels import aot as former
+
+    assert former is aot and former.compile_in_subprocess is aot.compile_in_subprocess
 
 
 @pytest.fixture(scope="module")
@@ -452,7 +463,7 @@ def test_plain_kernels_read_a_temperature_per_row(splits, monkeypatch):
 _SAMPLED_COMPILE = r"""
 import json, sys
 import torch
-from grpo_kernels.kernels import aot
+from tools import aot
 from grpo_kernels.kernels import triton_rows
 out = []
 for dtype in (torch.bfloat16, torch.float32):
