@@ -18,8 +18,8 @@ dtype (:func:`fused_supported`: CPU and CUDA, every floating dtype), and the for
 fp32 weights take ``torch.optim.AdamW(fused=True)`` (one pass over each parameter, its gradient and both
 moments, instead of the foreach path's dozen passes); 16-bit weights take one pass too, a kernel that reads
 the 16-bit gradient, updates the fp32 master and moments and writes the rounded weight
-(``grpo_kernels.kernels.cpu_adamw`` on the CPU, bitwise torch's fused AdamW on the masters;
-``grpo_kernels.kernels.triton_adamw`` on CUDA), or torch's ops in three passes where that kernel is
+(``grpo.optim.cpu_adamw`` on the CPU, bitwise torch's fused AdamW on the masters;
+``grpo.optim.triton_adamw`` on CUDA), or torch's ops in three passes where that kernel is
 unavailable (no C++ compiler: logged). The state dict is torch's AdamW's on every path (plus the
 masters), so a checkpoint written by any path resumes on any other: :func:`adamw` keeps the optimizer's
 own implementation when it loads one (:func:`keep_implementation`).
@@ -32,8 +32,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from grpo_kernels.kernels import cpu_adamw, triton_adamw
-from grpo_kernels.kernels.master_adamw import DTYPES as FUSED_MASTER_DTYPES
+from .optim import cpu_adamw, triton_adamw
+from .optim.master_adamw import DTYPES as FUSED_MASTER_DTYPES
 
 MODEL_DTYPES = ("float32", "bfloat16")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -125,8 +125,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
     is the one-call one, bit for bit:
 
     - fused (``fused=True``, every group), with :attr:`native` and a kernel for the device: one pass per
-      element (``grpo_kernels.kernels.cpu_adamw`` on the CPU: torch's fused AdamW arithmetic, bitwise;
-      ``grpo_kernels.kernels.triton_adamw`` on CUDA: to fp32 rounding): the bf16/fp16 gradient is read,
+      element (``grpo.optim.cpu_adamw`` on the CPU: torch's fused AdamW arithmetic, bitwise;
+      ``grpo.optim.triton_adamw`` on CUDA: to fp32 rounding): the bf16/fp16 gradient is read,
       the master and moments updated and the weight written, rounded to nearest even. No fp32 gradient
       exists at all.
     - fused, without that kernel (no C++ compiler, or :attr:`native` off), or for a 16-bit dtype it does
@@ -165,7 +165,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """Where a parameter may be cut (elements from its start). torch's CPU kernel computes each tensor's
     last ``numel % vector width`` elements in scalar code that rounds ``exp_avg_sq`` differently from its
     vector body (``adam_fused_step_impl``, aten/src/ATen/native/cpu/FusedAdamKernel.cpp; the two forms:
-    ``grpo_kernels/kernels/cpu_adamw.cpp``): a piece that ends elsewhere than at a multiple of the vector
+    ``grpo/optim/cpu_adamw.cpp``): a piece that ends elsewhere than at a multiple of the vector
     width (8 floats in torch 2.13's CPU build, 16 possible) would round those elements differently from
     the whole parameter. (CUDA's kernel applies one arithmetic to every element; untested here.)"""
 
@@ -271,7 +271,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
             master.grad = None
 
     def _native_kernel(self, device: torch.device) -> Optional[Callable]:
-        """The one-pass step for ``device`` (``master_adamw_step`` of ``grpo_kernels.kernels.cpu_adamw`` or
+        """The one-pass step for ``device`` (``master_adamw_step`` of ``grpo.optim.cpu_adamw`` or
         ``triton_adamw``), or ``None``: :attr:`native` off, no kernel for the device type, or the CPU's
         unavailable (``cpu_adamw.library`` logs why, once)."""
         if not self.native:

@@ -14,8 +14,8 @@ import torch
 from helpers import assert_close64, tiny_config
 
 from grpo import precision
-from grpo_kernels.kernels import cpu_adamw
 from grpo.demo import build_model_and_tokenizer
+from grpo.optim import cpu_adamw
 from grpo.trainer import make_optimizer, prepare_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

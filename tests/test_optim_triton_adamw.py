@@ -1,4 +1,4 @@
-"""grpo_kernels/kernels/triton_adamw.py: the one-pass fp32-master-weight AdamW kernel (CUDA's; on the CPU
+"""grpo/optim/triton_adamw.py: the one-pass fp32-master-weight AdamW kernel (CUDA's; on the CPU
 through Triton's interpreter) against an independent float64 AdamW and torch.optim.AdamW on fp32 copies
 given the same 16-bit gradients, to fp32 rounding; the weights written as the masters rounded to nearest
 even, exactly; every option; a found inf; the launcher's argument checks. Sizes around the kernel's block
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import DEVICE, adamw64_step, assert_close64, poison_
 
-from grpo_kernels.kernels import triton_adamw
+from grpo.optim import triton_adamw
 
 SIZES = (1, 37, triton_adamw.BLOCK + 3)
 CASES = {

@@ -1,4 +1,4 @@
-"""grpo_kernels/kernels/cpu_adamw.py (and master_adamw.py's argument checks): the one-pass fp32-master-weight
+"""grpo/optim/cpu_adamw.py (and master_adamw.py's argument checks): the one-pass fp32-master-weight
 AdamW on the CPU against an independent float64 AdamW and, bit for bit, torch's fused AdamW on the fp32
 masters given the 16-bit gradients; every option that changes the arithmetic; sizes that leave a scalar
 tail at every vector width; two threads over several blocks. Tiny tensors: ~1 s, plus one compile of the
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import adamw64_step, assert_close64, poison_
 
-from grpo_kernels.kernels import cpu_adamw
+from grpo.optim import cpu_adamw
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the library cannot be built here")]
@@ -120,3 +120,14 @@ def test_bad_arguments_are_refused_by_name_before_anything_is_written():
     with pytest.raises(ValueError, match="max_exp_avg_sqs"):
         cpu_adamw.master_adamw_step(masters, exp_avgs, exp_avg_sqs, None, grads, weights, counters, **{**kw, "amsgrad": True})
     assert all(torch.equal(a, b) for a, b in zip((*masters, *exp_avgs, *exp_avg_sqs, *weights), before))
+
+
+def test_the_former_paths_are_the_moved_modules():
+    """``grpo_kernels.kernels.{master_adamw, cpu_adamw, triton_adamw}``, where the steps were, give the
+    ``grpo.optim`` modules themselves (a patch of one is a patch of the other)."""
+    from grpo.optim import master_adamw, triton_adamw
+    from grpo_kernels.kernels import cpu_adamw as former_cpu
+    from grpo_kernels.kernels import master_adamw as former_master
+    from grpo_kernels.kernels import triton_adamw as former_triton
+
+    assert former_cpu is cpu_adamw and former_master is master_adamw and former_triton is triton_adamw
