@@ -88,7 +88,8 @@ test-verl: install-verl
 
 # OpenRLHF's own Actor (tiny Qwen2, CPU, SDPA / eager) patched against unpatched.
 test-openrlhf: install-openrlhf
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(OPENRLHF_PY) -m pytest -q tests/test_integrations_openrlhf.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(OPENRLHF_PY) -m pytest -q tests/test_integrations_openrlhf.py \
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[openrlhf_memory]"
 
 demo: install
 	$(PY) -m grpo demo

@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -257,6 +258,38 @@ def test_plugin_entry_point_patched_verl_on_import():
     if not PLUGINS_ON:
         pytest.skip("VERL_USE_EXTERNAL_PLUGINS=none: verl loaded no plugin")
     assert PATCHED_BY_IMPORTING_VERL
+
+
+def test_host_checks_refuse_another_kernel_and_note_an_untested_release(monkeypatch, caplog):
+    """patch() checks verl's kernel's signature, not verl's version: another one is refused naming
+    verl's version and the piece (nothing patched); an untested release whose checks pass is patched
+    with one INFO record."""
+    from grpo_kernels.integrations import _host
+
+    was = gk_verl.is_patched()
+    gk_verl.unpatch()
+    try:
+        version = _host.installed_version("verl")
+        assert _host.is_tested("verl", version), f"make test-verl runs verl {version}, not in the tested table"
+
+        def other_kernel(hidden, weight, labels, temperature=1.0):
+            raise AssertionError("never called")
+
+        monkeypatch.setattr(verl_kernel_module, "linear_cross_entropy", other_kernel)
+        with pytest.raises(_host.HostMismatchError, match=rf"verl {re.escape(version)}: .*linear_cross_entropy has"):
+            gk_verl.patch()
+        assert verl_kernel_module.linear_cross_entropy is other_kernel and not gk_verl.is_patched()
+        monkeypatch.undo()
+        monkeypatch.setitem(_host.TESTED, "verl", ("0.0.1",))
+        with caplog.at_level(logging.INFO, logger=gk_verl.__name__):
+            gk_verl.patch()
+        assert gk_verl.is_patched()
+        assert any("not a release this integration was tested against" in r.getMessage() for r in caplog.records)
+    finally:
+        monkeypatch.undo()
+        gk_verl.unpatch()
+        if was:
+            gk_verl.patch()
 
 
 def test_patch_unpatch_is_patched(caplog):

@@ -68,11 +68,17 @@ def require(condition: bool, distribution: str, version: str, piece: str) -> Non
 
 
 def require_parameters(fn: Callable, expected: Sequence[str], distribution: str, version: str, what: str) -> None:
-    """``fn``'s parameter names must be ``expected``, in order (``what`` names ``fn`` in the error)."""
+    """``fn``'s parameter names must be ``expected``, in order (``what`` names ``fn`` in the error). An
+    autograd Function's ``apply`` (verl's kernel is ``LinearCrossEntropy.apply``) is judged by its
+    ``forward``, less ``ctx``."""
+    owner = getattr(fn, "__self__", None)
+    function_apply = isinstance(owner, type) and getattr(fn, "__name__", "") == "apply"
     try:
-        names = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
+        names = tuple(inspect.signature(owner.forward if function_apply else fn).parameters)
+    except (TypeError, ValueError, AttributeError):
         names = None
+    if function_apply and names and names[0] == "ctx":
+        names = names[1:]
     require(names == tuple(expected), distribution, version,
             f"{what} has the parameters {names}, not {tuple(expected)}")
 
