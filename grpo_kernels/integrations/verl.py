@@ -34,7 +34,8 @@ read in 0.9.1, and what we keep of it:
 - ``hidden [..., H]`` is flattened to ``[N, H]`` and ``labels`` (any shape with ``N`` elements) to
   ``[N]``, in their own element orders: HF ``[B, L, H]`` with ``[B, L]``, ``[1, nnz, H]`` with
   ``[1, nnz]``, Megatron ``[S, 1, H]`` with ``[1, S]``. ``weight [V_r, H]``.
-- With ``z = hidden @ weight.T / temperature`` (fp32), ``log_probs[i] = z[i, labels[i]] -
+- With ``z = hidden @ weight.T / temperature`` (fp32: the products of 16-bit operands are kept in fp32,
+  never rounded to 16 bits; ``fused_linear_token_logprobs(fp32_logits=True)``), ``log_probs[i] = z[i, labels[i]] -
   logsumexp(z[i])`` and ``entropy[i] = logsumexp(z[i]) - sum_j softmax(z[i])_j z[i, j]``, both fp32.
   ``reduction="none"``: ``log_probs [N]``; ``"sum"``: the 0-d sum of the ``N`` log-probs; ``"mean"``:
   that sum divided by ``N`` (every row, as verl's kernel divides by ``num_tokens``; 0 for ``N = 0``).
@@ -220,8 +221,9 @@ def linear_cross_entropy(
     # then replaced by a constant 0, which also stops its gradient.
     ignored = labels == IGNORE_INDEX
     targets = labels.masked_fill(ignored, 0)
+    # fp32_logits: verl's kernel keeps each logit's products in fp32 (never rounded to bf16)
     log_probs, entropy = fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature,
-                                                     return_entropy=True, process_group=group)
+                                                     return_entropy=True, process_group=group, fp32_logits=True)
     log_probs = log_probs.masked_fill(ignored, 0.0).reshape(-1)
     entropy = entropy.reshape(-1)
     if reduction == "sum":
