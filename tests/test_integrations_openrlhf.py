@@ -296,3 +296,20 @@ def test_host_checks(monkeypatch, caplog):
 def test_tested_version_is_installed():
     """make test-openrlhf runs these tests on a release the tested table lists."""
     assert _host.is_tested("openrlhf", _host.installed_version("openrlhf")), _host.installed_version("openrlhf")
+
+
+def test_moe_router_logits_fall_back_with_one_warning(tmp_path):
+    """OpenRLHF turns on a MoE model's router logits (its aux_loss): the causal LM's own head serves."""
+    model = tiny_causal_lm("Qwen2Moe", 0, vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                           moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                           num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    actor = make_actor(str(tmp_path), "fp32")
+    assert actor.model.config.output_router_logits
+    batch = ppo_batch(seed=6)
+    want, want_out = OPENRLHF_FORWARD(actor, batch[0], batch[2], attention_mask=batch[1], return_output=True)
+    gk.patch()
+    with pytest.warns(UserWarning, match="MoE router logits"):
+        got, out = actor(batch[0], batch[2], attention_mask=batch[1], return_output=True)
+    assert torch.equal(got, want) and torch.equal(out.aux_loss, want_out.aux_loss)
