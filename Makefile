@@ -25,7 +25,30 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 MEGATRON_SPEC ?= megatron-core==0.16.1
 
-.PHONY: install install-vllm install-verl demo test test-verl bench bench-ci bench-smoke clean
+# The OpenRLHF tests (tests/test_integrations_openrlhf.py) run in a venv of their own too: OpenRLHF 0.11.2
+# pins transformers 5.15 and DeepSpeed 0.19.6. Installed with --no-deps plus what `openrlhf.models` imports
+# (peft, deepspeed, einops, pylatexenc); not installed: ray, vllm, bitsandbytes, wandb and the rest of its
+# training stack, which `openrlhf.models` does not import. Its flash-attn cannot build without CUDA: the
+# two pure-PyTorch modules openrlhf.models imports (padding, all_gather) are installed from flash-attn's
+# own source release by tools/flash_attn_padding.py. ~2 GB.
+OPENRLHF_VENV ?= .venv-openrlhf
+OPENRLHF_PY := $(OPENRLHF_VENV)/bin/python
+OPENRLHF_SPEC ?= openrlhf==0.11.2
+OPENRLHF_PINS ?= transformers==5.15.0 deepspeed==0.19.6
+FLASH_ATTN_SPEC ?= flash-attn==2.8.3
+
+# A fast subset (the functions, a trainer step, the integrations' host checks and TRL parity) runs in a
+# venv with the newest torch and transformers the index serves (pip's constraints permitting), so a new
+# release that breaks us shows up on every run: .venv-newest, installed in the background like the others.
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_TESTS ?= tests/test_prepare.py tests/test_integrations_host.py \
+	tests/test_trainer.py::test_two_step_run_writes_logs_plot_checkpoint_and_changes_the_policy \
+	tests/test_integrations_trl.py::test_host_checks_refuse_another_head_and_note_an_untested_release \
+	tests/test_integrations_trl.py::test_head_matches_float64_and_trl
+NEWEST_FUNCTIONS ?= tests/test_functional.py::test_fused_linear_grpo_loss_matches_float64 -k "torch and float32"
+
+.PHONY: install install-vllm install-verl install-openrlhf install-newest demo test test-verl test-openrlhf test-newest bench bench-ci bench-smoke clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,27 +77,68 @@ $(VERL_VENV)/.installed: pyproject.toml Makefile
 
 install-verl: $(VERL_VENV)/.installed
 
+# deepspeed ships only a source release: built against the torch installed first (--no-build-isolation).
+$(OPENRLHF_VENV)/.installed: pyproject.toml Makefile tools/flash_attn_padding.py
+	$(PYTHON) -m venv $(OPENRLHF_VENV)
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check -e ".[test,peft]" einops pylatexenc \
+		$(filter transformers%,$(OPENRLHF_PINS))
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation $(filter-out transformers%,$(OPENRLHF_PINS))
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(OPENRLHF_SPEC)"
+	rm -rf $(OPENRLHF_VENV)/flash-attn-sdist
+	FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE $(OPENRLHF_PY) -m pip download --quiet --disable-pip-version-check --no-deps \
+		--no-build-isolation "$(FLASH_ATTN_SPEC)" -d $(OPENRLHF_VENV)/flash-attn-sdist
+	$(OPENRLHF_PY) tools/flash_attn_padding.py $(OPENRLHF_VENV)/flash-attn-sdist/*.tar.gz
+	touch $@
+
+install-openrlhf: $(OPENRLHF_VENV)/.installed
+
+$(NEWEST_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --disable-pip-version-check --upgrade torch transformers
+	$(NEWEST_PY) -m pip install --quiet --disable-pip-version-check -e ".[test,trl,peft]"
+	touch $@
+
+install-newest: $(NEWEST_VENV)/.installed
+
+# It prints the versions it ran on first.
+test-newest: install-newest
+	$(NEWEST_PY) -c "import torch, transformers, trl; print('newest: torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(NEWEST_PY) -m pytest -q $(NEWEST_TESTS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(NEWEST_PY) -m pytest -q $(NEWEST_FUNCTIONS)
+
 # verl's own forwards, its FSDP2 engine (one gloo rank) and gloo tensor-parallel groups against ours.
 test-verl: install-verl
 	$(VERL_PY) -m pytest -q tests/test_integrations_verl.py
 
+# OpenRLHF's own Actor (tiny Qwen2, CPU, SDPA / eager) patched against unpatched.
+test-openrlhf: install-openrlhf
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(OPENRLHF_PY) -m pytest -q tests/test_integrations_openrlhf.py \
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[openrlhf_memory]"
+
 demo: install
 	$(PY) -m grpo demo
 
-# The vLLM and verl venvs install one after the other (a few minutes each, mostly I/O) while the main
-# suite runs; their tests run once all are done; a failed install prints its log.
+# The vLLM, verl and OpenRLHF venvs install one after the other (a few minutes each, mostly I/O) while
+# the main suite runs; their tests run once all are done; a failed install prints its log.
 test: install
 	( $(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).log 2>&1; vllm=$$?; \
 	  $(MAKE) --no-print-directory install-verl > $(VERL_VENV).log 2>&1; verl=$$?; \
-	  exit $$(( ($$vllm != 0) + 2 * ($$verl != 0) )) ) & installing=$$!; \
+	  $(MAKE) --no-print-directory install-openrlhf > $(OPENRLHF_VENV).log 2>&1; openrlhf=$$?; \
+	  $(MAKE) --no-print-directory install-newest > $(NEWEST_VENV).log 2>&1; newest=$$?; \
+	  exit $$(( ($$vllm != 0) + 2 * ($$verl != 0) + 4 * ($$openrlhf != 0) + 8 * ($$newest != 0) )) ) & installing=$$!; \
 	$(PY) -m pytest -q tests; tests=$$?; \
 	wait $$installing; installed=$$?; \
 	if [ $$(( installed & 1 )) -ne 0 ]; then cat $(VLLM_VENV).log; echo "make install-vllm failed (its log above)"; fi; \
 	if [ $$(( installed & 2 )) -ne 0 ]; then cat $(VERL_VENV).log; echo "make install-verl failed (its log above)"; fi; \
+	if [ $$(( installed & 4 )) -ne 0 ]; then cat $(OPENRLHF_VENV).log; echo "make install-openrlhf failed (its log above)"; fi; \
+	if [ $$(( installed & 8 )) -ne 0 ]; then cat $(NEWEST_VENV).log; echo "make install-newest failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py \
 		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[trainer_step-vllm]"
 	$(MAKE) --no-print-directory test-verl
+	$(MAKE) --no-print-directory test-openrlhf
+	$(MAKE) --no-print-directory test-newest
 	$(MAKE) --no-print-directory bench-ci
 
 # After the tests, CI proves the benchmarks: gpu_check.sh end to end on the CPU with the smoke set (every
@@ -103,4 +167,4 @@ bench: install
 	$(PY) -m benchmarks.kernels report $(BENCH_OUT).json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(OPENRLHF_VENV) $(NEWEST_VENV) .pytest_cache .benchmarks

@@ -22,7 +22,8 @@ _START, _CPU_START, _LOAD_START = time.monotonic(), cpu_s(), H.load()
 # The cpu set's default GRPO_BENCH_BUDGET_S: with the imports and the report, `make bench` ends within 15
 # minutes on 2 cores even when other jobs slow it 2-3x (the set is ~8 CPU-minutes).
 CPU_BUDGET_S = 600.0
-STATE: dict = {"results": [], "skipped": [], "disagreed": [], "ceilings": {}, "done": 0.0, "total": 0.0, "count": 0}
+STATE: dict = {"results": [], "skipped": [], "disagreed": [], "cut": [], "ceilings": {}, "done": 0.0, "total": 0.0,
+               "count": 0}
 
 
 def pytest_addoption(parser):
@@ -103,18 +104,29 @@ def _case(item) -> Optional[K.Case]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Lowest priority first; each item's cost (``Case.cost``, a module's ``cost(params)``) for the ETA."""
-    items.sort(key=lambda item: _case(item).priority if _case(item) else 100)
+    """Whole comparisons in ``kernels.run_order`` (the kernel cases; the other modules' items after them,
+    each its own comparison); each item's cost (``Case.cost``, a module's ``cost(params)``) for the ETA."""
+    order = {id(c): i for i, c in enumerate(K.run_order([c for c in map(_case, items) if c is not None]))}
+    items.sort(key=lambda item: order.get(id(_case(item)), len(order)))
+    STATE["comparison"] = {item.nodeid: K.comparison(_case(item)) if _case(item) else item.nodeid for item in items}
+    STATE["started"] = set()
     STATE["costs"] = {item.nodeid: _case(item).cost if _case(item) else getattr(item.module, "cost", lambda p: 1e9)(_params(item))
                       for item in items}
     STATE["total"], STATE["items"] = sum(STATE["costs"].values()), len(items)
 
 
 def pytest_runtest_setup(item):
+    """The budget is checked when a comparison starts: one begun runs to its end (all its sides), one not
+    begun is cut whole, and the report lists what was cut."""
     seconds, elapsed = budget(item.config)[0], time.monotonic() - _START
+    comparison = STATE.get("comparison", {}).get(item.nodeid, item.nodeid)
+    if comparison in STATE.setdefault("started", set()):
+        return
     if seconds is not None and elapsed > seconds:
         STATE["skipped"].append((item.name, f"time budget spent ({elapsed:.0f} s of {seconds:.0f} s)"))
+        STATE["cut"].append(item.name)
         pytest.skip(f"GRPO_BENCH_BUDGET_S spent ({elapsed:.0f} s of {seconds:.0f} s)")
+    STATE["started"].add(comparison)
 
 
 def pytest_runtest_logreport(report):
@@ -183,13 +195,16 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         STATE["ceilings"], load_end_1m=H.load(), wall_s=round(time.monotonic() - _START), cpu_s=round(cpu_s() - _CPU_START))
     output_json["grpo_memory_checks"] = K.memory_checks(STATE["results"])
     output_json["grpo_skipped"] = [{"case": c, "reason": r} for c, r in STATE["skipped"]]
+    output_json["grpo_cut_by_budget"] = list(STATE["cut"])  # whole comparisons not begun when the budget ran out
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     checks = K.memory_checks(STATE["results"])
     for title, lines in (("fused-linear peak memory checks", K.checks_lines(checks) if checks else []),
                          ("benchmark cases that disagree with the reference", STATE["disagreed"]),
-                         ("benchmark cases not run", [f"{c}: {r}" for c, r in STATE["skipped"]])):
+                         ("benchmark cases not run", [f"{c}: {r}" for c, r in STATE["skipped"]]),
+                         ("cut by the time budget (whole comparisons; every comparison begun ran to its end)",
+                          [f"{len(STATE['cut'])} cases: " + ", ".join(STATE["cut"])] if STATE["cut"] else [])):
         if lines:
             terminalreporter.section(title)
             for line in lines:

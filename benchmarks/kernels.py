@@ -96,6 +96,29 @@ class Case:
         return {**dataclasses.asdict(self), "pass": self.pass_, "B": self.B}
 
 
+def comparison(case: Case) -> tuple:
+    """The shape a case measures: the cases with one value of it are one comparison (its sides)."""
+    return (case.op, case.pass_, case.N, case.V, case.H, case.T, case.dtype, case.sampling, case.frozen, case.chunk)
+
+
+def side_rank(case: Case) -> tuple:
+    """Within a comparison: ours (torch, triton) and the peers by the case's priority, the reference
+    implementation (the slowest: full fp32 logits) last."""
+    return (case.impl == "reference", case.priority, case.impl not in OURS, case.impl)
+
+
+def run_order(cases: List[Case]) -> List[Case]:
+    """``make bench``'s order: whole comparisons, one after another (each shape's sides together, so a
+    time budget cut between comparisons leaves each run one complete), by their best priority, then
+    cheapest first (the summed cost of their cases); inside one, :func:`side_rank`."""
+    groups: dict = {}
+    for case in cases:
+        groups.setdefault(comparison(case), []).append(case)
+    ranked = sorted(groups.values(), key=lambda g: (min(c.priority for c in g), sum(c.cost for c in g),
+                                                    repr(comparison(g[0]))))
+    return [case for group in ranked for case in sorted(group, key=side_rank)]
+
+
 def unavailable(impl: str, op: str, device: str, installed: bool = True) -> Optional[str]:
     """Why ``impl`` cannot run ``op`` on ``device`` (None if it can); ``installed=False``: its package aside."""
     ops, cuda_ops, module = IMPLS[impl]
@@ -619,6 +642,10 @@ def render(data: dict, out_dir: str, stem: str, title: Optional[str] = None) -> 
                        H.fmt_bytes(r["peak_rss_gib"] * 2**30 if r.get("peak_rss_gib") else None)] for r in steps]), ""]
     if data.get("grpo_memory_checks"):
         lines += ["## Fused-linear memory: flat in N for ours, growing for the reference", ""] + checks_lines(data["grpo_memory_checks"])
+    if data.get("grpo_cut_by_budget"):
+        lines += ["## Cut by the time budget", "", f"{len(data['grpo_cut_by_budget'])} cases, whole comparisons not "
+                  "begun when GRPO_BENCH_BUDGET_S ran out (every comparison begun ran all its sides): "
+                  + ", ".join(f"`{c}`" for c in data["grpo_cut_by_budget"]), ""]
     if data.get("grpo_skipped"):
         lines += ["## Cases not run", ""] + [f"- `{s['case']}`: {s['reason']}" for s in data["grpo_skipped"]] + [""]
     cond.setdefault("load_end_1m", None)

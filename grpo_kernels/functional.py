@@ -21,7 +21,7 @@ from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, Fused
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import (check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_targets,
+from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_targets,
                       prepare_grpo, scatter_rows, take_rows, take_transform)
 
 
@@ -232,12 +232,12 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
 # fused linear: hidden states and lm_head weight in, the [N, V] logits never exist at once
 # --------------------------------------------------------------------------------------------------
 def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform, ignore_index, with_entropy, chunk_size,
-                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False):
+                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False, fp32_logits=FP32_LOGITS_DEFAULT):
     """(logp, entropy, sum of squared probabilities or a 0-d 0) of ``hidden @ weight.T + bias`` with the
     shape of ``targets``; the backward recomputes each chunk's logits (4 matmuls). Only rows whose
     target is not ``ignore_index`` are read; ``transform``'s temperature a float or of ``targets``' shape."""
     row_backend = backends.resolve(backend, hidden.device)
-    rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype, fp32_logits)
     logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
         rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
         with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
@@ -248,14 +248,14 @@ def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform,
 
 def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs: GRPOInputs,
                                   options: GRPOOptions, chunk_size, backend, accumulate_in_weight_dtype,
-                                  transform: LogitTransform) -> GRPOLossOutput:
+                                  transform: LogitTransform, fp32_logits: bool = FP32_LOGITS_DEFAULT) -> GRPOLossOutput:
     """Token-level GRPO from hidden states, its gradient formed in the forward (3 matmuls a chunk).
 
     The per-token coefficients come from autograd over ``objective.per_token_loss`` on fp32 leaf
     tensors of one chunk's log-probs and entropies (O(chunk) work): the objective is written once.
     """
     row_backend = backends.resolve(backend, hidden.device)
-    rows = linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, ids, IGNORE_INDEX, chunk_size, accumulate_in_weight_dtype, fp32_logits)
     shape = ids.shape
     sequences = objective.Sequences(mask, inputs.segment_ids)
     objective.check_spec_inputs(inputs, options, *shape)
@@ -322,6 +322,7 @@ def fused_linear_token_logprobs(
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
+    fp32_logits: bool = FP32_LOGITS_DEFAULT,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
@@ -340,7 +341,10 @@ def fused_linear_token_logprobs(
     memory for a bf16 head); each chunk's contribution is then rounded to bf16 as it is added, an error
     of ~2^-9 * sqrt(number of chunks) of the largest entry (benchmarks/results/accumulate_in_weight_dtype.md).
     Under autocast the matmuls run in autocast's dtype, forward and backward alike; gradients come back
-    in each input's dtype.
+    in each input's dtype. ``fp32_logits`` (default False: the chunk's logits in that dtype, rounded to
+    bf16 for a bf16 head, as ``lm_head(hidden)`` gives them): True forms them from fp32 products, never
+    rounded to 16 bits (verl's kernel's numerics; a transient fp32 copy of the weight per call;
+    ``prepare.FP32_LOGITS_DEFAULT`` has the contract).
     ``process_group``: vocabulary-parallel, ``weight [V_r, H]`` (and ``bias [V_r]``) is this rank's
     shard (a DTensor ``Shard(0)`` on a 1-D mesh implies the group); ``d hidden`` is then this rank's
     partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
@@ -348,17 +352,18 @@ def fused_linear_token_logprobs(
     kw = check_logprob_flags(logprob_kwargs)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
+    fp32_logits = V.check_flag("fp32_logits", fp32_logits)
     group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
     if _several_ranks(group):
         return vocab_parallel.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, group=group, reduce_hidden_grad=reduce_hidden_grad,
             chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend,
-            **kw._asdict())
+            fp32_logits=fp32_logits, **kw._asdict())
     V.check_linear(hidden, weight, bias)
     targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden")
     logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, kw.ignore_index,
                                                kw.return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                               kw.return_sum_probs_sq)
+                                               kw.return_sum_probs_sq, fp32_logits)
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
@@ -374,6 +379,7 @@ def fused_linear_grpo_loss(
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
+    fp32_logits: bool = FP32_LOGITS_DEFAULT,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
@@ -390,17 +396,19 @@ def fused_linear_grpo_loss(
     GSPO (``importance_sampling_level="sequence"``) recomputes each chunk's logits in the backward;
     under ``no_grad`` only the forward runs. ``chunk_size`` rows per chunk (default:
     :func:`grpo_kernels.autograd.default_chunk_size`, from N, H, V and the device);
-    ``accumulate_in_weight_dtype``, ``process_group`` and ``reduce_hidden_grad`` as in
+    ``accumulate_in_weight_dtype``, ``fp32_logits``, ``process_group`` and ``reduce_hidden_grad`` as in
     :func:`fused_linear_token_logprobs`.
     """
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
+    fp32_logits = V.check_flag("fp32_logits", fp32_logits)
     group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
     if _several_ranks(group):
         return vocab_parallel.fused_linear_grpo_loss(
             hidden, weight, completion_ids, advantages, completion_mask, bias=bias, group=group,
             reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
-            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs)
+            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs,
+            fp32_logits=fp32_logits)
     V.check_linear(hidden, weight, bias)
     inputs, options, mask, ids, transform = prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids,
                                                          advantages, completion_mask, grpo_kwargs)
@@ -409,7 +417,7 @@ def fused_linear_grpo_loss(
     # log-probs: those calls take the backward that recomputes the logits)
     if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates:
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
-                                             backend, accumulate_in_weight_dtype, transform)
+                                             backend, accumulate_in_weight_dtype, transform, fp32_logits)
     logp, entropy, _ = _fused_linear_rows(hidden, weight, bias, ids, transform, IGNORE_INDEX, True, chunk_size,
-                                          backend, accumulate_in_weight_dtype)
+                                          backend, accumulate_in_weight_dtype, fp32_logits=fp32_logits)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

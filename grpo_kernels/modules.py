@@ -23,7 +23,7 @@ class _GRPOLossModule(torch.nn.Module):
         super().__init__()
         own = {k: config.pop(k) for k in ("backend",) + self._extra_keywords if k in config}
         V.check_choice("backend", own.get("backend", "auto"), BACKENDS)
-        for name in ("inplace_backward", "accumulate_in_weight_dtype"):
+        for name in ("inplace_backward", "accumulate_in_weight_dtype", "fp32_logits"):
             if name in own:
                 own[name] = V.check_flag(name, own[name])
         if "chunk_size" in own:
@@ -53,7 +53,7 @@ class GRPOLoss(_GRPOLossModule):
 class FusedLinearGRPOLoss(_GRPOLossModule):
     """``FusedLinearGRPOLoss(**config)(hidden, weight, completion_ids, advantages, completion_mask=None, bias=None, **per_call)``."""
 
-    _extra_keywords = ("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad")
+    _extra_keywords = ("chunk_size", "accumulate_in_weight_dtype", "fp32_logits", "process_group", "reduce_hidden_grad")
     _function_name = "fused_linear_grpo_loss"
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,

@@ -123,10 +123,27 @@ class LinearRows(NamedTuple):
     dtype: torch.dtype  # of the matmuls; the Functions cast to it inside, so gradients keep each input's dtype
 
 
-def linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype) -> LinearRows:
+#: ``fp32_logits``, the fused-linear functions' one option on how a chunk's logits are formed (the
+#: public signatures name it; its meaning lives here). False (the default): in the compute dtype
+#: (:func:`~grpo_kernels.autograd.compute_dtype`: autocast's, else the hidden states'), so 16-bit
+#: operands give 16-bit logits, rounded once, as ``lm_head(hidden)`` of a bf16 model gives them (TRL's and
+#: OpenRLHF's heads); then every reduction runs in fp32. True: from the products kept in fp32 (verl's
+#: kernel): the operands are upcast to fp32 (a bf16 x bf16 product is exact in fp32), so the logits are
+#: never rounded to 16 bits; costs a transient fp32 copy of the weight per call and fp32 chunks.
+FP32_LOGITS_DEFAULT = False
+
+
+def logits_dtype(hidden: torch.Tensor, fp32_logits: bool) -> torch.dtype:
+    """The dtype a fused-linear call forms its chunks' logits (and runs its matmuls) in: see
+    :data:`FP32_LOGITS_DEFAULT`."""
+    return torch.float32 if fp32_logits else compute_dtype(hidden)
+
+
+def linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype,
+                fp32_logits: bool = FP32_LOGITS_DEFAULT) -> LinearRows:
     """Keep the rows whose target is not ``ignore_index`` (the others are never read, so a NaN hidden
     state at a padded position changes nothing, and cost nothing); fix the compute dtype and chunk."""
-    dtype = compute_dtype(hidden)
+    dtype = logits_dtype(hidden, fp32_logits)
     flat_targets = targets.reshape(-1)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     if torch.compiler.is_compiling():  # a row count set by the data would break the graph: every row stays,

@@ -17,7 +17,7 @@ from . import objective
 from .kernels.torch_rows import floor_logp
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords
-from .prepare import check_logprob_flags, logprob_keywords, logprob_outputs, logprob_targets
+from .prepare import FP32_LOGITS_DEFAULT, check_logprob_flags, logprob_keywords, logprob_outputs, logprob_targets
 
 
 @logprob_keywords
@@ -129,20 +129,27 @@ def grpo_loss(
 # --------------------------------------------------------------------------------------------------
 # fused-linear variants: here the logits are materialised, as a trainer's lm_head does
 # --------------------------------------------------------------------------------------------------
-def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T + bias``, with the rows that have no target zeroed first (never read)."""
+def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], valid: torch.Tensor,
+             fp32_logits: bool) -> torch.Tensor:
+    """``hidden @ weight.T + bias``, with the rows that have no target zeroed first (never read): in the
+    inputs' dtype, or from fp32 operands with ``fp32_logits`` (``prepare.FP32_LOGITS_DEFAULT``)."""
+    V.check_flag("fp32_logits", fp32_logits)
     hidden = torch.where(valid.unsqueeze(-1), hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    if fp32_logits:
+        return torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
 @logprob_keywords
 def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                                bias: Optional[torch.Tensor] = None, **logprob_kwargs: Any):
+                                bias: Optional[torch.Tensor] = None, fp32_logits: bool = FP32_LOGITS_DEFAULT,
+                                **logprob_kwargs: Any):
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
     kw = check_logprob_flags(logprob_kwargs)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
-    return token_logprobs(_project(hidden, weight, bias, targets != kw.ignore_index), targets, **kw._asdict())
+    return token_logprobs(_project(hidden, weight, bias, targets != kw.ignore_index, fp32_logits), targets,
+                          **kw._asdict())
 
 
 @grpo_keywords
@@ -154,6 +161,7 @@ def fused_linear_grpo_loss(
     completion_mask: Optional[torch.Tensor] = None,
     *,
     bias: Optional[torch.Tensor] = None,
+    fp32_logits: bool = FP32_LOGITS_DEFAULT,
     **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """``grpo_loss(hidden @ weight.T + bias, ...)``; hidden [B, T, H], weight [V, H]."""
@@ -161,4 +169,5 @@ def fused_linear_grpo_loss(
     inputs, options = split_grpo_keywords(grpo_kwargs, "fused_linear_grpo_loss")
     V.check_grpo_inputs(hidden.shape, completion_ids, advantages, completion_mask, inputs, options, "hidden")
     valid = objective.effective_mask(completion_ids, completion_mask) != 0
-    return grpo_loss(_project(hidden, weight, bias, valid), completion_ids, advantages, completion_mask, **grpo_kwargs)
+    return grpo_loss(_project(hidden, weight, bias, valid, fp32_logits), completion_ids, advantages, completion_mask,
+                     **grpo_kwargs)

@@ -498,9 +498,10 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
-                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad, with_sum_sq=False):
+                       chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad, with_sum_sq=False,
+                       fp32_logits=False):
     row_backend = backends.resolve(backend, hidden.device)
-    rows = linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype)
+    rows = linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype, fp32_logits)
     codes = local_targets(rows.targets, shard, ignore_index)
     logp, entropy, sum_sq = VocabParallelFusedLinearFunction.apply(
         rows.hidden, weight, bias, codes, row_backend, take_transform(rows, transform), with_entropy, rows.chunk_size,
@@ -513,7 +514,7 @@ def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_hidden_grad, temperature,
                                 ignore_index, return_entropy, softcap, logit_scale, chunk_size,
                                 accumulate_in_weight_dtype, backend, top_k=None, top_p=None,
-                                return_sum_probs_sq=False):
+                                return_sum_probs_sq=False, fp32_logits=False):
     """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard (local
     tensors: ``resolve_sharded_head``); ``group``, the temperature and ``top_k`` / ``top_p`` as in
     :func:`token_logprobs`."""
@@ -533,13 +534,13 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_
     check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
     logp, entropy, sum_sq = _linear_shard_rows(hidden, weight, bias, targets, agree.shard, transform, ignore_index,
                                                return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                               reduce_hidden_grad, return_sum_probs_sq)
+                                               reduce_hidden_grad, return_sum_probs_sq, fp32_logits)
     return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
 def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, bias, group,
                            reduce_hidden_grad, chunk_size, accumulate_in_weight_dtype, backend,
-                           grpo_kwargs) -> GRPOLossOutput:
+                           grpo_kwargs, fp32_logits=False) -> GRPOLossOutput:
     """``functional.fused_linear_grpo_loss`` with this rank's ``weight [V_r, H]`` shard: the merged
     log-probs and entropies, then the single-device objective. Every objective takes the backward
     that recomputes each chunk's logits (4 matmuls a chunk): the per-token coefficients need the
@@ -556,5 +557,6 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
         agree.declare("reduce_hidden_grad", reduce_hidden_grad)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
     logp, entropy, _ = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, transform, IGNORE_INDEX, True,
-                                          chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad)
+                                          chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad,
+                                          fp32_logits=fp32_logits)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

@@ -107,6 +107,27 @@ def test_sets_order_the_headline_cases_first_and_name_unknown_sets():
         K.cases("nope", "cpu")
 
 
+@pytest.mark.parametrize("name", ["cpu_cases", "gpu_cases", "smoke_cases"])
+def test_run_order_keeps_each_comparison_together_reference_last_cheapest_first(name):
+    impls = ["reference", "torch", "triton", "liger", "trl", "cce", "verl", "quack"]
+    cases = getattr(K, name)(impls, "cuda" if name == "gpu_cases" else "cpu")
+    ordered = K.run_order(cases)
+    assert sorted(map(id, ordered)) == sorted(map(id, cases))
+    shapes = [K.comparison(c) for c in ordered]
+    runs = [s for i, s in enumerate(shapes) if i == 0 or shapes[i - 1] != s]
+    assert len(runs) == len(set(runs)), "a comparison's sides are split apart"
+    for shape in set(shapes):
+        sides = [c for c in ordered if K.comparison(c) == shape]
+        if any(c.impl == "reference" for c in sides):
+            assert sides[-1].impl == "reference", [c.impl for c in sides]
+        assert [c.priority for c in sides if c.impl != "reference"] == sorted(c.priority for c in sides if c.impl != "reference")
+    groups = {}
+    for c in ordered:
+        groups.setdefault(K.comparison(c), []).append(c)
+    keys = [(min(c.priority for c in g), sum(c.cost for c in g)) for g in groups.values()]
+    assert keys == sorted(keys), "comparisons not by priority, then cheapest first"
+
+
 @pytest.mark.timeout(300)
 def test_a_set_without_a_case_skips_with_the_reason():
     """The regression of issue 26: an empty parametrisation crashed the session (INTERNALERROR)."""

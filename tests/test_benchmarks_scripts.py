@@ -57,6 +57,9 @@ SCRIPTS = {
                                               "--out", "{out}/sampling_cost.md"), ("sampling_cost.md", "sampling_cost.json")),
     "trainer_step-vllm": Script("trainer_step", ("--quick", "--sides", "ours+vllm", "--out-dir", "{out}"),
                                 ("trainer_step-*-quick.md", "trainer_step-*-quick.json"), ("vllm",)),
+    "openrlhf_memory": Script("openrlhf_memory", ("--seq", "32", "--vocab", "257", "--hidden", "32", "--rounds", "1",
+                                                  "--out", "{out}/openrlhf_memory.md"),
+                              ("openrlhf_memory.md", "openrlhf_memory.json"), ("openrlhf",)),
     "long_context-options": Script("long_context", ("options", "--smoke", "--out", "{out}/options.md"),
                                    ("options.md", "options.json"), ("transformers",)),
 }

@@ -429,6 +429,36 @@ def test_bad_settings_raise():
     assert not gk_trl.is_patched()
 
 
+def test_host_checks_refuse_another_head_and_note_an_untested_release(monkeypatch, caplog):
+    """patch() checks TRL's add_fused_lm_head and FusedCausalLMOutput, not TRL's version: another
+    signature is refused naming TRL's version and the piece (nothing patched); an untested release
+    whose checks pass is patched with one INFO record."""
+    from grpo_kernels.integrations import _host
+
+    assert _host.is_tested("trl", trl.__version__), f"make test runs TRL {trl.__version__}, not in the tested table"
+
+    def other_head(model, temperature=1.0, outputs=("log_probs",)):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(gk_trl, "_TRL_ADD_FUSED_LM_HEAD", other_head)
+    with pytest.raises(_host.HostMismatchError, match=rf"trl {re.escape(trl.__version__)}: add_fused_lm_head has"):
+        gk_trl.patch()
+    assert not gk_trl.is_patched()
+    monkeypatch.undo()
+    monkeypatch.delattr(trl.trainer.utils.FusedCausalLMOutput, "__dataclass_fields__")
+    with pytest.raises(_host.HostMismatchError, match="FusedCausalLMOutput lacks"):
+        gk_trl.patch()
+    monkeypatch.undo()
+    monkeypatch.setitem(_host.TESTED, "trl", ("0.0.1",))
+    try:
+        with caplog.at_level("INFO", logger=gk_trl.__name__):
+            gk_trl.patch()
+        assert gk_trl.is_patched()
+        assert any("not a release this integration was tested against" in r.getMessage() for r in caplog.records)
+    finally:
+        gk_trl.unpatch()
+
+
 def trl_vs_ours_on_model(make, outputs=("log_probs", "entropy")):
     """Add TRL's head to one copy and ours to another; return both forwards' outputs on one batch."""
     stock, ours = make(), make()

@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -257,6 +258,55 @@ def test_plugin_entry_point_patched_verl_on_import():
     if not PLUGINS_ON:
         pytest.skip("VERL_USE_EXTERNAL_PLUGINS=none: verl loaded no plugin")
     assert PATCHED_BY_IMPORTING_VERL
+
+
+def test_bf16_logits_keep_fp32_products_as_verls_kernel():
+    """verl's kernel keeps each logit's products in fp32 (never rounded to bf16): so does the drop-in
+    (fp32_logits=True). Coarse bf16 inputs make every fp32 sum exact, so the check is exact: float64
+    of the exact products to fp32 rounding, and far from the logits rounded to bf16."""
+    g = torch.Generator().manual_seed(5)
+    hidden = (torch.randint(-8, 9, (11, 40), generator=g) / 4).to(torch.bfloat16)
+    weight = (torch.randint(-8, 9, (29, 40), generator=g) / 8).to(torch.bfloat16)
+    labels = torch.randint(0, 29, (11,), generator=g)
+    log_probs, entropy = gk_verl.linear_cross_entropy(hidden, weight, labels, 0.7)
+    z = hidden.double() @ weight.double().T
+    for logits, close in ((z, True), (z.to(torch.bfloat16).double(), False)):
+        want = torch.log_softmax(logits / 0.7, -1).gather(-1, labels[:, None])[:, 0]
+        assert torch.allclose(log_probs.double(), want, rtol=1e-5, atol=4e-5) is close
+    p = torch.softmax(z / 0.7, -1)
+    assert_close64(entropy, -(p * torch.log_softmax(z / 0.7, -1)).sum(-1), torch.float32, scale=4.0, what="entropy")
+
+
+def test_host_checks_refuse_another_kernel_and_note_an_untested_release(monkeypatch, caplog):
+    """patch() checks verl's kernel's signature, not verl's version: another one is refused naming
+    verl's version and the piece (nothing patched); an untested release whose checks pass is patched
+    with one INFO record."""
+    from grpo_kernels.integrations import _host
+
+    was = gk_verl.is_patched()
+    gk_verl.unpatch()
+    try:
+        version = _host.installed_version("verl")
+        assert _host.is_tested("verl", version), f"make test-verl runs verl {version}, not in the tested table"
+
+        def other_kernel(hidden, weight, labels, temperature=1.0):
+            raise AssertionError("never called")
+
+        monkeypatch.setattr(verl_kernel_module, "linear_cross_entropy", other_kernel)
+        with pytest.raises(_host.HostMismatchError, match=rf"verl {re.escape(version)}: .*linear_cross_entropy has"):
+            gk_verl.patch()
+        assert verl_kernel_module.linear_cross_entropy is other_kernel and not gk_verl.is_patched()
+        monkeypatch.undo()
+        monkeypatch.setitem(_host.TESTED, "verl", ("0.0.1",))
+        with caplog.at_level(logging.INFO, logger=gk_verl.__name__):
+            gk_verl.patch()
+        assert gk_verl.is_patched()
+        assert any("not a release this integration was tested against" in r.getMessage() for r in caplog.records)
+    finally:
+        monkeypatch.undo()
+        gk_verl.unpatch()
+        if was:
+            gk_verl.patch()
 
 
 def test_patch_unpatch_is_patched(caplog):

@@ -1,4 +1,4 @@
-"""grpo-kernels as the log-prob head of TRL's ``GRPOTrainer`` (trl >= 1.15).
+"""grpo-kernels as the log-prob head of TRL's ``GRPOTrainer`` (trl >= 1.16, checked by patch(): docs/integrations.md).
 
     from grpo_kernels.integrations import trl as gk_trl
     gk_trl.patch()                      # once, before building the trainer
@@ -66,15 +66,17 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from packaging.version import Version
 
+from ._host import TESTED as _TESTED
+
+_TESTED_TRL = _TESTED["trl"]
 try:
     import trl
     from trl.trainer import grpo_trainer as _grpo_trainer_module
     from trl.trainer import utils as _trl_utils
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError(
-        "grpo_kernels.integrations.trl needs TRL >= 1.15 (pip install 'grpo-kernels[trl]')"
+        f"grpo_kernels.integrations.trl needs TRL (pip install 'grpo-kernels[trl]'; tested: {', '.join(_TESTED_TRL)})"
     ) from exc
 
 import grpo_kernels
@@ -82,16 +84,38 @@ from grpo_kernels.autograd import compute_dtype
 from grpo_kernels.kernels.torch_rows import floor_logp
 from grpo_kernels.options import IGNORE_INDEX, check_top_k, check_top_p
 
-MIN_TRL_VERSION = "1.15"
-if Version(trl.__version__) < Version(MIN_TRL_VERSION):
-    raise ImportError(
-        f"grpo_kernels.integrations.trl needs trl >= {MIN_TRL_VERSION} (its fused LM head), found {trl.__version__}"
-    )
+from . import _host
+
+#: The lowest TRL release this integration is tested against (the "trl" extra's floor); a newer or
+#: older one is patched when :func:`check_trl` passes (an untested one with an INFO record).
+MIN_TRL_VERSION = _host.MINIMUM["trl"]
+# trl.trainer.utils.add_fused_lm_head's parameters, as TRL 1.16 declares them (new in 1.15).
+TRL_HEAD_PARAMETERS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
+# FusedCausalLMOutput's fields this integration fills.
+_TRL_OUTPUT_FIELDS = ("loss", "log_probs", "entropy", "label_mask")
 
 __all__ = ["patch", "unpatch", "is_patched", "GRPOTrainer", "add_fused_lm_head"]
 
 # TRL's own head factory, as defined by TRL: what we delegate to, and what unpatch() puts back.
-_TRL_ADD_FUSED_LM_HEAD: Callable[..., None] = _trl_utils.add_fused_lm_head
+_TRL_ADD_FUSED_LM_HEAD: Optional[Callable[..., None]] = getattr(_trl_utils, "add_fused_lm_head", None)
+
+
+def check_trl() -> None:
+    """What this integration replaces and fills must be in the installed TRL, with the signature it was
+    written for: ``add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`` in
+    ``trl.trainer.utils`` and ``trl.trainer.grpo_trainer`` (the name the trainer calls), and
+    ``FusedCausalLMOutput`` with the fields we fill. Raises ``HostMismatchError`` naming TRL's version
+    and the missing piece; an untested release that passes is noted at INFO (once, on ``patch``)."""
+    version = trl.__version__
+    _host.require(callable(_TRL_ADD_FUSED_LM_HEAD), "trl", version, "trl.trainer.utils has no add_fused_lm_head")
+    _host.require(callable(getattr(_grpo_trainer_module, "add_fused_lm_head", None)), "trl", version,
+                  "trl.trainer.grpo_trainer does not call add_fused_lm_head")
+    _host.require_parameters(_TRL_ADD_FUSED_LM_HEAD, TRL_HEAD_PARAMETERS, "trl", version, "add_fused_lm_head")
+    output = getattr(_trl_utils, "FusedCausalLMOutput", None)
+    fields = tuple(getattr(output, "__dataclass_fields__", {}))
+    missing = [f for f in _TRL_OUTPUT_FIELDS if f not in fields]
+    _host.require(output is not None and not missing, "trl", version,
+                  f"trl.trainer.utils.FusedCausalLMOutput lacks {missing or 'everything'}")
 # Per-token outputs of TRL's FusedCausalLMOutput that fused_linear_token_logprobs computes.
 _SERVED_OUTPUTS = frozenset({"log_probs", "entropy"})
 # dtypes fused_linear_token_logprobs accepts for hidden states and weight.
@@ -376,7 +400,9 @@ def patch(*, backend: str = "auto", chunk_size: Optional[int] = None, top_k: Opt
     """
     global _trl_head_before_patch
     head = _make_add_fused_lm_head(backend, chunk_size, top_k, top_p)
+    check_trl()
     if _trl_head_before_patch is None:
+        _host.note_untested(logger, "trl", trl.__version__)
         _trl_head_before_patch = _grpo_trainer_module.add_fused_lm_head
     _grpo_trainer_module.add_fused_lm_head = head
 
@@ -421,5 +447,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         # TRL calls add_fused_lm_head from its __init__ only: install ours for that call.
         head = _make_add_fused_lm_head(grpo_kernels_backend, grpo_kernels_chunk_size, grpo_kernels_top_k,
                                        grpo_kernels_top_p)
+        check_trl()
         with _head_installed(head):
             super().__init__(*args, **kwargs)

@@ -34,7 +34,8 @@ read in 0.9.1, and what we keep of it:
 - ``hidden [..., H]`` is flattened to ``[N, H]`` and ``labels`` (any shape with ``N`` elements) to
   ``[N]``, in their own element orders: HF ``[B, L, H]`` with ``[B, L]``, ``[1, nnz, H]`` with
   ``[1, nnz]``, Megatron ``[S, 1, H]`` with ``[1, S]``. ``weight [V_r, H]``.
-- With ``z = hidden @ weight.T / temperature`` (fp32), ``log_probs[i] = z[i, labels[i]] -
+- With ``z = hidden @ weight.T / temperature`` (fp32: the products of 16-bit operands are kept in fp32,
+  never rounded to 16 bits; ``fused_linear_token_logprobs(fp32_logits=True)``), ``log_probs[i] = z[i, labels[i]] -
   logsumexp(z[i])`` and ``entropy[i] = logsumexp(z[i]) - sum_j softmax(z[i])_j z[i, j]``, both fp32.
   ``reduction="none"``: ``log_probs [N]``; ``"sum"``: the 0-d sum of the ``N`` log-probs; ``"mean"``:
   that sum divided by ``N`` (every row, as verl's kernel divides by ``num_tokens``; 0 for ``N = 0``).
@@ -74,7 +75,6 @@ rank instead of hanging a collective.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
 import sys
@@ -88,6 +88,7 @@ from .. import _validation as V
 from .. import vocab_parallel
 from ..functional import fused_linear_token_logprobs
 from ..options import IGNORE_INDEX, LogitTransform
+from . import _host
 
 __all__ = ["linear_cross_entropy", "patch", "unpatch", "is_patched", "REDUCTIONS", "VERL_KERNEL_MODULE",
            "MEGATRON_FORWARD_MODULES"]
@@ -101,8 +102,8 @@ VERL_KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
 KERNEL_NAME = "linear_cross_entropy"
 # Modules that copy the name at import (they need megatron-core).
 MEGATRON_FORWARD_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
-# The verl releases this integration is tested against (the "verl" extra's range).
-TESTED_VERL = "0.9"
+# verl's linear_cross_entropy's parameters, as verl 0.9.1 declares them; patch() refuses another signature.
+KERNEL_PARAMETERS = ("hidden", "weight", "labels", "temperature", "reduction", "dist_process_group")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,8 +221,9 @@ def linear_cross_entropy(
     # then replaced by a constant 0, which also stops its gradient.
     ignored = labels == IGNORE_INDEX
     targets = labels.masked_fill(ignored, 0)
+    # fp32_logits: verl's kernel keeps each logit's products in fp32 (never rounded to bf16)
     log_probs, entropy = fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature,
-                                                     return_entropy=True, process_group=group)
+                                                     return_entropy=True, process_group=group, fp32_logits=True)
     log_probs = log_probs.masked_fill(ignored, 0.0).reshape(-1)
     entropy = entropy.reshape(-1)
     if reduction == "sum":
@@ -275,7 +277,9 @@ def patch() -> None:
     imported (after this, they copy ours), and every copy already held by a loaded verl module. Imports
     no Megatron code (that costs seconds in every verl process, FSDP ones included). Logs one INFO
     record on this module's logger naming what it replaced. Calling it again is harmless. Raises
-    ImportError without verl.
+    ImportError without verl, and ``HostMismatchError`` (changing nothing) when verl's kernel is missing or
+    has another signature than :data:`KERNEL_PARAMETERS`; an untested verl that passes is patched with
+    one INFO record.
     """
     global _patching, _verl_kernel
     with _lock:
@@ -286,27 +290,22 @@ def patch() -> None:
             try:
                 kernel_module = importlib.import_module(VERL_KERNEL_MODULE)
             except ImportError as error:
-                raise ImportError("grpo_kernels.integrations.verl.patch() needs verl 0.9 "
+                raise ImportError(f"grpo_kernels.integrations.verl.patch() needs verl >= {_host.MINIMUM['verl']} "
                                   "(pip install 'grpo-kernels[verl]')") from error
+            version = _host.installed_version("verl")
             current = getattr(kernel_module, KERNEL_NAME, None)
-            if current is None:
-                raise ImportError(f"{VERL_KERNEL_MODULE} has no {KERNEL_NAME}: this verl is not one this "
-                                  f"integration knows (tested: verl {TESTED_VERL})")
+            _host.require(callable(current), "verl", version, f"{VERL_KERNEL_MODULE} has no {KERNEL_NAME}")
             first = _verl_kernel is None
+            _host.require_parameters(current if first else _verl_kernel, KERNEL_PARAMETERS, "verl", version,
+                                     f"{VERL_KERNEL_MODULE}.{KERNEL_NAME}")
             if first:
                 _verl_kernel = current
+                _host.note_untested(logger, "verl", version)
             swapped = _swap(_verl_kernel, linear_cross_entropy)
-            try:
-                version = importlib.metadata.version("verl")
-            except importlib.metadata.PackageNotFoundError:
-                version = "unknown"
             if swapped:
                 logger.info("grpo_kernels.integrations.verl: verl %s's fused log-prob/entropy kernel is now "
                             "grpo_kernels.integrations.verl.linear_cross_entropy in %s%s", version,
                             ", ".join(swapped), _megatron_note())
-            if first and not version.startswith(TESTED_VERL + "."):
-                logger.warning("grpo_kernels.integrations.verl is tested with verl %s.x, found %s", TESTED_VERL,
-                               version)
         finally:
             _patching = False
 
