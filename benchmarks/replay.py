@@ -1,0 +1,307 @@
+"""Sampling-mask replay (issue 47): what the kept sets save the fused-linear head, and the vLLM experiment (benchmarks/README.md).
+
+Commands: ``timing`` (the default: the head with the rollout's kept sets against the full head and against
+recomputing top-p, time and peak memory), ``vllm`` (a real vLLM engine samples with top-k / top-p; the trainer's
+log-probs of the sampled tokens by replay, recompute and the full softmax against the engine's processed ones).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from benchmarks import harness as H
+
+SIDES = ("full", "recompute", "replay")  # the full softmax; top-p recomputed from the logits; the kept sets replayed
+AGREEMENT_ROWS = 64  # rows each side's log-probs and entropies are checked on against a float64 reference
+TOLERANCES = {"fp32": 1e-4, "bf16": 5e-2}  # |err| <= tol * (1 + |ref|) on log-probs / entropies (fp32 head: one rounding
+# of a H-term dot product in each logit, so ~1e-5 relative; bf16 inputs, fp32 accumulation: the logits' bf16 rounding)
+
+
+# -- inputs ----------------------------------------------------------------------------------------------
+def set_sizes(n: int, median: float, mean: float, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """[n] int64 kept-set sizes, lognormal with the given median and mean (sigma^2 = 2 ln(mean / median)),
+    rounded, in [1, vocab]: most sets are a token or two, a long tail of flat rows keeps hundreds."""
+    sigma = math.sqrt(2 * math.log(mean / median)) if mean > median else 0.0
+    x = torch.randn(n, generator=g, dtype=torch.float64) * sigma + math.log(median)
+    return x.exp().round().clamp(1, vocab).long()
+
+
+def peaked_hidden(weight: torch.Tensor, sizes: torch.Tensor, g: torch.Generator, mass: float = 0.97) -> torch.Tensor:
+    """[N, H] fp32 hidden states whose logits ``hidden @ weight.T`` put ~``mass`` of each row's softmax on
+    ``sizes[i]`` random tokens (a boost ``b`` over an N(0, 1) background: ``k e^b = mass / (1 - mass) V e^{1/2}``),
+    so that a row's top-k_i tokens are a nucleus of ~``mass``, as a top-p sampler's kept set is."""
+    V, Hd = weight.shape
+    N = sizes.numel()
+    hidden = torch.randn(N, Hd, generator=g)  # with weight rows of norm ~1: logits ~ N(0, 1)
+    boost = math.log(mass / (1 - mass) * V * math.exp(0.5)) - sizes.double().log()
+    ids = torch.randint(0, V, (int(sizes.sum()),), generator=g)
+    rows = torch.repeat_interleave(torch.arange(N), sizes)
+    w = weight[ids].float()
+    hidden.index_add_(0, rows, w * (boost[rows].float() / w.pow(2).sum(-1)).unsqueeze(-1))
+    return hidden
+
+
+def flat_hidden(n: int, hidden_size: int, g: torch.Generator) -> torch.Tensor:
+    """[n, H] hidden states of flat rows: logits ~ N(0, 1), whose top-p nucleus at 0.99 keeps ~90% of V."""
+    return torch.randn(n, hidden_size, generator=g)
+
+
+def kept_sets(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator, sizes: Optional[torch.Tensor] = None,
+              top_p: Optional[float] = None, chunk: int = 256) -> dict:
+    """The kept sets of the logits ``hidden @ weight.T`` (fp32): each row's ``sizes[i]`` highest logits, or its
+    top-p nucleus (the highest tokens until their probability reaches ``top_p``); a target drawn from each set
+    by its renormalised softmax. Returns token_ids [K] int64 (each set by descending logit), offsets [N + 1],
+    targets [N], sizes [N] and kept_mass [N] (the set's share of the full softmax)."""
+    ids, sizes_out, targets, mass = [], [], [], []
+    for start in range(0, hidden.shape[0], chunk):
+        logits = hidden[start:start + chunk].float() @ weight.float().T
+        lse = logits.logsumexp(-1)
+        if top_p is None:
+            k = sizes[start:start + chunk]
+            vals, top = logits.topk(int(k.max()), -1)
+        else:
+            vals, top = logits.sort(-1, descending=True)
+            before = (vals - lse[:, None]).exp().cumsum(-1) - (vals - lse[:, None]).exp()  # mass of the tokens above
+            k = (before < top_p).sum(-1)
+        keep = torch.arange(vals.shape[1]) < k[:, None]
+        probs = (vals - vals[:, :1]).exp() * keep
+        pick = torch.multinomial(probs, 1, generator=g).squeeze(-1)
+        ids.append(top[keep])
+        sizes_out.append(k)
+        targets.append(top.gather(-1, pick[:, None]).squeeze(-1))
+        mass.append((vals.masked_fill(~keep, -math.inf).logsumexp(-1) - lse).exp())
+        del logits, vals, top, keep, probs
+    sizes_t = torch.cat(sizes_out)
+    offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
+    offsets[1:] = sizes_t.cumsum(0)
+    return dict(token_ids=torch.cat(ids), offsets=offsets, targets=torch.cat(targets), sizes=sizes_t, kept_mass=torch.cat(mass))
+
+
+def describe_sets(sets: dict) -> dict:
+    s = sets["sizes"].double()
+    return dict(K=int(s.sum()), size_mean=round(float(s.mean()), 2), size_median=float(s.median()), size_max=int(s.max()),
+                size_p90=float(s.quantile(0.9)), kept_mass_mean=round(float(sets["kept_mass"].mean()), 4))
+
+
+def sampling_mask(sets: dict, device: torch.device):
+    """The sets as ``grpo_kernels.SamplingMask`` (imported here: the replay path is issue 47's)."""
+    from grpo_kernels.sampling_mask import SamplingMask
+
+    return SamplingMask(token_ids=sets["token_ids"].to(device), offsets=sets["offsets"].to(device))
+
+
+# -- the sides -------------------------------------------------------------------------------------------
+def side_kwargs(side: str, sets: dict, top_p: float, device: torch.device) -> dict:
+    if side == "full":
+        return {}
+    if side == "recompute":
+        return {"top_p": top_p}
+    return {"sampling_mask": sampling_mask(sets, device)}
+
+
+def make_side(side: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, kwargs: dict, backend: str,
+              device: torch.device) -> Callable[[], Tuple[torch.Tensor, ...]]:
+    """One forward + backward of the fused-linear log-prob head: ``autograd.grad`` of the sum of the finite
+    log-probs and the entropies to ``hidden`` (and ``weight`` when it requires grad): the gradients count in the peak."""
+    import grpo_kernels as gk
+
+    wrt = [hidden] + [weight] * weight.requires_grad
+
+    def run() -> Tuple[torch.Tensor, ...]:
+        logp, entropy = gk.fused_linear_token_logprobs(hidden, weight, targets, return_entropy=True, backend=backend, **kwargs)
+        target = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp)).sum() + entropy.sum()
+        grads = torch.autograd.grad(target, wrt)
+        H.sync(device)
+        return grads
+    return run
+
+
+def reference64(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, side: str, sets: dict,
+                top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float64 log-probs and entropies of the first rows, by side: log_softmax over V, over vLLM's top-p nucleus
+    (``grpo_kernels.reference.kept_tokens``), or over the kept sets (masked here, one row at a time)."""
+    logits = hidden.double() @ weight.double().T
+    if side == "recompute":
+        from grpo_kernels.reference import kept_tokens
+
+        keep = kept_tokens(logits, logits, None, top_p)
+    else:
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        if side == "replay":
+            keep = torch.zeros_like(keep)
+            for i in range(logits.shape[0]):
+                keep[i, sets["token_ids"][sets["offsets"][i]:sets["offsets"][i + 1]]] = True
+    logp = logits.masked_fill(~keep, -math.inf).log_softmax(-1)
+    entropy = -(logp.exp() * logp.masked_fill(~keep, 0)).sum(-1)
+    return logp.gather(-1, targets[:, None].cpu()).squeeze(-1), entropy
+
+
+def agreement(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, side: str, sets: dict, kwargs: dict,
+              top_p: float, backend: str, dtype: str) -> dict:
+    """Max |err| / (1 + |ref|) of the side's log-probs and entropies on its first rows against :func:`reference64`."""
+    import grpo_kernels as gk
+
+    n = min(AGREEMENT_ROWS, hidden.shape[0])
+    h, t = hidden[:n].detach(), targets[:n]
+    if "sampling_mask" in kwargs:
+        kwargs = {"sampling_mask": kwargs["sampling_mask"].rows(slice(0, n))}
+    with torch.no_grad():
+        logp, entropy = gk.fused_linear_token_logprobs(h, weight.detach(), t, return_entropy=True, backend=backend, **kwargs)
+    ref_logp, ref_entropy = reference64(h.cpu(), weight.detach().cpu(), t, side, sets, top_p)
+    err = 0.0
+    for a, e in ((logp, ref_logp), (entropy, ref_entropy)):
+        a = a.double().cpu()
+        same_inf = (torch.isinf(a) & torch.isinf(e) & (a.sign() == e.sign())) | (torch.isfinite(a) & torch.isfinite(e))
+        if not bool(same_inf.all()):
+            return {"ok": False, "err": math.inf, "rows": n}
+        fin = torch.isfinite(e)
+        err = max(err, float(((a - e).abs() / (1 + e.abs()))[fin].max()) if bool(fin.any()) else 0.0)
+    return {"ok": err <= TOLERANCES[dtype], "err": err, "rows": n, "tol": TOLERANCES[dtype]}
+
+
+def output_bytes(hidden: torch.Tensor, weight: torch.Tensor) -> int:
+    """Bytes of the gradients the pass returns: d hidden, and d weight [V, H] when the head is trainable."""
+    return sum(t.numel() * t.element_size() for t in [hidden] + [weight] * weight.requires_grad)
+
+
+def measure(case: str, hidden: torch.Tensor, weight: torch.Tensor, sets: dict, sides: List[str], top_p: float, rounds: int,
+            backend: str, dtype: str, device: torch.device) -> List[dict]:
+    """Every side: agreement on the first rows, one call's peak extra memory (also the warm-up), then ``rounds``
+    interleaved rounds (harness.interleave), ratios the medians of the per-round ratios."""
+    head = "trainable" if weight.requires_grad else "frozen"
+    base = dict(case=case, dtype=dtype, head=head, N=hidden.shape[0], H=hidden.shape[1], V=weight.shape[0], top_p=top_p,
+                backend=backend, device=device.type, **describe_sets(sets))
+    targets = sets["targets"].to(device)
+    runners, records = {}, {}
+    for side in sides:
+        rec = dict(base, side=side)
+        try:
+            kwargs = side_kwargs(side, sets, top_p, device)
+            rec["agreement"] = agreement(hidden, weight, targets, side, sets, kwargs, top_p, backend, dtype)
+            run = make_side(side, hidden, weight, targets, kwargs, backend, device)
+            if device.type == "cuda":
+                run()  # compilation, workspaces: outside the peak
+            rec["peak_bytes"], rec["peak_method"] = H.peak_extra_bytes(run, device)
+            rec["grad_output_bytes"] = output_bytes(hidden, weight)
+            rec["workspace_bytes"] = rec["peak_bytes"] - rec["grad_output_bytes"]
+            runners[side] = run
+        except Exception as exc:  # the replay path not there yet, a keyword this version lacks: said in the table
+            rec["skipped"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        records[side] = rec
+        print(f"[replay] {case} {dtype} {head} {side}: " + (rec.get("skipped") or
+              f"peak {H.fmt_bytes(rec['peak_bytes'])}, agreement {rec['agreement']}"), flush=True)
+    times = H.interleave(runners, rounds, device, warmup=False,
+                         progress=lambda r, name: print(f"[replay] {case} {dtype} {head} round {r + 1}/{rounds} {name} done", flush=True))
+    for side, t in times.items():
+        records[side].update(times_s=t, median_s=H.median(t), ratio_full=H.ratio(times, side, "full"),
+                             ratio_recompute=H.ratio(times, side, "recompute"))
+    for rec in records.values():
+        for other in ("full", "recompute"):
+            o = records.get(other, {})
+            for key in ("peak_bytes", "workspace_bytes"):
+                if rec.get(key) is not None and o.get(key):
+                    rec[f"{key}_ratio_{other}"] = rec[key] / o[key]
+    return list(records.values())
+
+
+def table_lines(records: List[dict]) -> List[str]:
+    r0 = records[0]
+    lines = [f"### {r0['case']}: {r0['dtype']}, {r0['head']} head, N = {r0['N']:,}, H = {r0['H']:,}, V = {r0['V']:,}", "",
+             f"Kept sets: K = {r0['K']:,} ids, size mean {r0['size_mean']}, median {r0['size_median']:g}, p90 {r0['size_p90']:g}, "
+             f"max {r0['size_max']:,}; the sets hold {r0['kept_mass_mean']:.3f} of the full softmax on average. "
+             f"Gradients returned (counted in the peak): {H.fmt_bytes(r0.get('grad_output_bytes'))}.", ""]
+    rows = [[r["side"] + (" (top_p=%g)" % r["top_p"] if r["side"] == "recompute" else ""), H.fmt_time(r.get("median_s")),
+             H.fmt_ratio(r.get("ratio_full")), H.fmt_ratio(r.get("ratio_recompute")), H.fmt_bytes(r.get("peak_bytes")),
+             H.fmt_ratio(r.get("peak_bytes_ratio_full")), H.fmt_ratio(r.get("peak_bytes_ratio_recompute")),
+             H.fmt_bytes(r.get("workspace_bytes")), H.fmt_ratio(r.get("workspace_bytes_ratio_full")),
+             "—" if "agreement" not in r else f"{'yes' if r['agreement']['ok'] else 'NO'} ({r['agreement']['err']:.1e})",
+             r.get("skipped", "")] for r in records]
+    return lines + H.table(["side", "median", "× full", "× recompute", "peak extra", "× full", "× recompute",
+                            "workspace (peak − gradients)", "× full", "agrees (first rows)", "skipped"], rows) + [""]
+
+
+SMOKE = dict(tokens=64, hidden=32, vocab=512, large_tokens=16, rounds=1)
+
+
+def timing_main(argv: List[str]) -> int:
+    a = H.parser("the fused-linear head with the kept sets replayed, against the full head and against recomputing top-p",
+                 rounds=3, tokens=4096, hidden=1024, vocab=151936, dtypes=(["fp32"], None, ["fp32", "bf16"]),
+                 heads=(["trainable", "frozen"], None, ["trainable", "frozen"]), median_set=2.0, mean_set=8.0,
+                 top_p=(0.95, "the recompute side's top_p"), large_tokens=(256, "rows of the large-set case (0: none)"),
+                 large_top_p=(0.99, "the large-set case's nucleus (flat rows: most of V)"),
+                 backend=("auto", "grpo_kernels backend", ["auto", "torch", "triton"]), seed=0,
+                 smoke=(False, "CI: N 64, H 32, V 512, 16 large-set rows, one round (seconds; measures nothing)")).parse_args(argv)
+    if a.smoke:
+        for k, v in SMOKE.items():
+            setattr(a, k, v)
+    device = H.device()
+    g = torch.Generator().manual_seed(a.seed)
+    report = H.Report("Sampling-mask replay: the fused-linear head (issue 47)", H.conditions())
+    report.add(f"`grpo_kernels.fused_linear_token_logprobs(..., return_entropy=True, backend={a.backend!r})`, forward + "
+               "backward (`torch.autograd.grad` of the sum of the finite log-probs and the entropies to hidden, and to the "
+               "weight when the head is trainable), on " + (H.conditions().get("gpu_name") or "this CPU") + ". Sides: "
+               "`full` (the softmax over V), `recompute` (`top_p` from the logits, vLLM's rules), `replay` "
+               "(`sampling_mask=`: the rollout's kept sets). "
+               f"{a.rounds} interleaved rounds (harness.interleave), medians; ratios are medians of the per-round ratios. "
+               "Peak extra: one separate call's peak above what existed before it (harness.peak_extra_bytes: the "
+               "profiler's allocation events on a CPU, max_memory_allocated on CUDA); it counts the gradients the call "
+               "returns (d hidden [N, H], and with a trainable head d weight [V, H], an output as large as the weight); "
+               "workspace = peak extra less those gradients. Agreement: each side's log-probs and entropies on the first "
+               f"{AGREEMENT_ROWS} rows against float64 (|err| / (1 + |ref|)).", "",
+               f"Headline kept sets: sizes lognormal, median {a.median_set:g}, mean {a.mean_set:g} (drawn), the ids each "
+               "row's highest logits (hidden states built so those hold ~0.97 of the softmax, as a nucleus does), the target "
+               "drawn from the set by its renormalised softmax. Large sets: flat rows (logits ~ N(0, 1)), each row's "
+               f"top-p {a.large_top_p:g} nucleus (most of V), trainable head.", "")
+    weight32 = torch.randn(a.vocab, a.hidden, generator=g) / a.hidden**0.5
+    sizes = set_sizes(a.tokens, a.median_set, a.mean_set, a.vocab, g)
+    hidden32 = peaked_hidden(weight32, sizes, g)
+    sets = kept_sets(hidden32, weight32, g, sizes=sizes)
+    large = None
+    if a.large_tokens:
+        h = flat_hidden(a.large_tokens, a.hidden, g)
+        large = (h, kept_sets(h, weight32, g, top_p=a.large_top_p))
+    for dtype in a.dtypes:
+        dt = H.DTYPES[dtype]
+        hidden = hidden32.to(device, dt).requires_grad_(True)
+        for head in a.heads:
+            weight = weight32.to(device, dt).requires_grad_(head == "trainable")
+            records = measure("headline", hidden, weight, sets, list(SIDES), a.top_p, a.rounds, a.backend, dtype, device)
+            report.records += records
+            report.add(*table_lines(records))
+            del weight
+        if large is not None:
+            weight = weight32.to(device, dt).requires_grad_(True)
+            records = measure("large sets", large[0].to(device, dt).requires_grad_(True), weight, large[1], list(SIDES),
+                              a.large_top_p, a.rounds, a.backend, dtype, device)
+            report.records += records
+            report.add(*table_lines(records))
+            del weight
+        del hidden
+    report.write(a.out)
+    return 1 if any(r.get("agreement", {}).get("ok") is False for r in report.records) else 0
+
+
+# -- the vLLM experiment ---------------------------------------------------------------------------------
+def vllm_main(argv: List[str]) -> int:
+    raise NotImplementedError
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands: Dict[str, Callable[[List[str]], int]] = {"timing": timing_main, "vllm": vllm_main}
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return timing_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
