@@ -7,6 +7,7 @@ log-probs of the sampled tokens by replay, recompute and the full softmax agains
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -29,7 +30,7 @@ def set_sizes(n: int, median: float, mean: float, vocab: int, g: torch.Generator
     """[n] int64 kept-set sizes, lognormal with the given median and mean (sigma^2 = 2 ln(mean / median)),
     rounded, in [1, vocab]: most sets are a token or two, a long tail of flat rows keeps hundreds."""
     sigma = math.sqrt(2 * math.log(mean / median)) if mean > median else 0.0
-    x = torch.randn(n, generator=g, dtype=torch.float64) * sigma + math.log(median)
+    x = torch.randn(n, generator=g, dtype=torch.float64, device=g.device) * sigma + math.log(median)
     return x.exp().round().clamp(1, vocab).long()
 
 
@@ -39,10 +40,10 @@ def peaked_hidden(weight: torch.Tensor, sizes: torch.Tensor, g: torch.Generator,
     so that a row's top-k_i tokens are a nucleus of ~``mass``, as a top-p sampler's kept set is."""
     V, Hd = weight.shape
     N = sizes.numel()
-    hidden = torch.randn(N, Hd, generator=g)  # with weight rows of norm ~1: logits ~ N(0, 1)
+    hidden = torch.randn(N, Hd, generator=g, device=g.device)  # with weight rows of norm ~1: logits ~ N(0, 1)
     boost = math.log(mass / (1 - mass) * V * math.exp(0.5)) - sizes.double().log()
-    ids = torch.randint(0, V, (int(sizes.sum()),), generator=g)
-    rows = torch.repeat_interleave(torch.arange(N), sizes)
+    ids = torch.randint(0, V, (int(sizes.sum()),), generator=g, device=g.device)
+    rows = torch.repeat_interleave(torch.arange(N, device=g.device), sizes)
     w = weight[ids].float()
     hidden.index_add_(0, rows, w * (boost[rows].float() / w.pow(2).sum(-1)).unsqueeze(-1))
     return hidden
@@ -50,16 +51,17 @@ def peaked_hidden(weight: torch.Tensor, sizes: torch.Tensor, g: torch.Generator,
 
 def flat_hidden(n: int, hidden_size: int, g: torch.Generator) -> torch.Tensor:
     """[n, H] hidden states of flat rows: logits ~ N(0, 1), whose top-p nucleus at 0.99 keeps ~90% of V."""
-    return torch.randn(n, hidden_size, generator=g)
+    return torch.randn(n, hidden_size, generator=g, device=g.device)
 
 
 def kept_sets(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator, sizes: Optional[torch.Tensor] = None,
-              top_p: Optional[float] = None, chunk: int = 256) -> dict:
+              top_p: Optional[float] = None) -> dict:
     """The kept sets of the logits ``hidden @ weight.T`` (fp32): each row's ``sizes[i]`` highest logits, or its
     top-p nucleus (the highest tokens until their probability reaches ``top_p``); a target drawn from each set
     by its renormalised softmax. Returns token_ids [K] int64 (each set by descending logit), offsets [N + 1],
     targets [N], sizes [N] and kept_mass [N] (the set's share of the full softmax)."""
     ids, sizes_out, targets, mass = [], [], [], []
+    chunk = 4096 if hidden.is_cuda else 256  # rows of fp32 logits at a time (2.5 GiB / 156 MiB at V = 151,936)
     for start in range(0, hidden.shape[0], chunk):
         logits = hidden[start:start + chunk].float() @ weight.float().T
         lse = logits.logsumexp(-1)
@@ -70,7 +72,7 @@ def kept_sets(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator, si
             vals, top = logits.sort(-1, descending=True)
             before = (vals - lse[:, None]).exp().cumsum(-1) - (vals - lse[:, None]).exp()  # mass of the tokens above
             k = (before < top_p).sum(-1)
-        keep = torch.arange(vals.shape[1]) < k[:, None]
+        keep = torch.arange(vals.shape[1], device=vals.device) < k[:, None]
         probs = (vals - vals[:, :1]).exp() * keep
         pick = torch.multinomial(probs, 1, generator=g).squeeze(-1)
         ids.append(top[keep])
@@ -79,7 +81,7 @@ def kept_sets(hidden: torch.Tensor, weight: torch.Tensor, g: torch.Generator, si
         mass.append((vals.masked_fill(~keep, -math.inf).logsumexp(-1) - lse).exp())
         del logits, vals, top, keep, probs
     sizes_t = torch.cat(sizes_out)
-    offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64)
+    offsets = torch.zeros(sizes_t.numel() + 1, dtype=torch.int64, device=sizes_t.device)
     offsets[1:] = sizes_t.cumsum(0)
     return dict(token_ids=torch.cat(ids), offsets=offsets, targets=torch.cat(targets), sizes=sizes_t, kept_mass=torch.cat(mass))
 
@@ -94,7 +96,7 @@ def sampling_mask(sets: dict, device: torch.device):
     """The sets as ``grpo_kernels.SamplingMask`` (imported here: the replay path is issue 47's)."""
     from grpo_kernels.sampling_mask import SamplingMask
 
-    return SamplingMask(token_ids=sets["token_ids"].to(device), offsets=sets["offsets"].to(device))
+    return SamplingMask(token_ids=sets["token_ids"].to(device), offsets=sets["offsets"].to(device))  # (made on device)
 
 
 # -- the sides -------------------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ def make_side(side: str, hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 def reference64(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, side: str, sets: dict,
                 top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float64 log-probs and entropies of the first rows, by side: log_softmax over V, over vLLM's top-p nucleus
+    """float64 log-probs and entropies of the given rows (on their device), by side: log_softmax over V, over vLLM's top-p nucleus
     (``grpo_kernels.reference.kept_tokens``), or over the kept sets (masked here, one row at a time)."""
     logits = hidden.double() @ weight.double().T
     if side == "recompute":
@@ -140,7 +142,7 @@ def reference64(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
                 keep[i, sets["token_ids"][sets["offsets"][i]:sets["offsets"][i + 1]]] = True
     logp = logits.masked_fill(~keep, -math.inf).log_softmax(-1)
     entropy = -(logp.exp() * logp.masked_fill(~keep, 0)).sum(-1)
-    return logp.gather(-1, targets[:, None].cpu()).squeeze(-1), entropy
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 def agreement(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, side: str, sets: dict, kwargs: dict,
@@ -154,10 +156,10 @@ def agreement(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         kwargs = {"sampling_mask": kwargs["sampling_mask"].rows(slice(0, n))}
     with torch.no_grad():
         logp, entropy = gk.fused_linear_token_logprobs(h, weight.detach(), t, return_entropy=True, backend=backend, **kwargs)
-    ref_logp, ref_entropy = reference64(h.cpu(), weight.detach().cpu(), t, side, sets, top_p)
+    ref_logp, ref_entropy = reference64(h, weight.detach(), t, side, sets, top_p)
     err = 0.0
     for a, e in ((logp, ref_logp), (entropy, ref_entropy)):
-        a = a.double().cpu()
+        a = a.double()
         same_inf = (torch.isinf(a) & torch.isinf(e) & (a.sign() == e.sign())) | (torch.isfinite(a) & torch.isfinite(e))
         if not bool(same_inf.all()):
             return {"ok": False, "err": math.inf, "rows": n}
@@ -178,7 +180,7 @@ def measure(case: str, hidden: torch.Tensor, weight: torch.Tensor, sets: dict, s
     head = "trainable" if weight.requires_grad else "frozen"
     base = dict(case=case, dtype=dtype, head=head, N=hidden.shape[0], H=hidden.shape[1], V=weight.shape[0], top_p=top_p,
                 backend=backend, device=device.type, **describe_sets(sets))
-    targets = sets["targets"].to(device)
+    targets = sets["targets"]
     runners, records = {}, {}
     for side in sides:
         rec = dict(base, side=side)
@@ -242,7 +244,7 @@ def timing_main(argv: List[str]) -> int:
         for k, v in SMOKE.items():
             setattr(a, k, v)
     device = H.device()
-    g = torch.Generator().manual_seed(a.seed)
+    g = torch.Generator(device).manual_seed(a.seed)
     report = H.Report("Sampling-mask replay: the fused-linear head (issue 47)", H.conditions())
     report.add(f"`grpo_kernels.fused_linear_token_logprobs(..., return_entropy=True, backend={a.backend!r})`, forward + "
                "backward (`torch.autograd.grad` of the sum of the finite log-probs and the entropies to hidden, and to the "
@@ -259,7 +261,7 @@ def timing_main(argv: List[str]) -> int:
                "row's highest logits (hidden states built so those hold ~0.97 of the softmax, as a nucleus does), the target "
                "drawn from the set by its renormalised softmax. Large sets: flat rows (logits ~ N(0, 1)), each row's "
                f"top-p {a.large_top_p:g} nucleus (most of V), trainable head.", "")
-    weight32 = torch.randn(a.vocab, a.hidden, generator=g) / a.hidden**0.5
+    weight32 = torch.randn(a.vocab, a.hidden, generator=g, device=device) / a.hidden**0.5
     sizes = set_sizes(a.tokens, a.median_set, a.mean_set, a.vocab, g)
     hidden32 = peaked_hidden(weight32, sizes, g)
     sets = kept_sets(hidden32, weight32, g, sizes=sizes)
@@ -289,8 +291,145 @@ def timing_main(argv: List[str]) -> int:
 
 
 # -- the vLLM experiment ---------------------------------------------------------------------------------
+VLLM_SMOKE = dict(prompts=2, samples=2, new_tokens=4)
+
+
+def vllm_engine(path: str, a, max_model_len: int, engine_mask: bool):
+    """A vLLM engine in this process on the model saved at ``path``: processed log-probs (after temperature, top-k,
+    top-p), prompts as ids; on a CPU eager with a small KV cache; ``engine_mask``: vLLM's own kept sets
+    (``enable_return_sampling_mask``, vllm#49577)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    options = dict(model=path, dtype=a.engine_dtype, seed=a.seed, max_model_len=max_model_len, skip_tokenizer_init=True,
+                   logprobs_mode="processed_logprobs", max_logprobs=a.top_k, distributed_executor_backend="uni")
+    if torch.cuda.is_available():
+        options.update(gpu_memory_utilization=0.3)
+    else:
+        options.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_num_seqs=64)
+    if engine_mask:
+        options.update(enable_return_sampling_mask=True)
+    return LLM(**options)
+
+
+def engine_sample(llm, prompts: List[List[int]], a, engine_mask: bool) -> list:
+    """Every completion (prompt-major, ``samples`` a prompt) of exactly ``new_tokens`` tokens, with the top ``top_k``
+    processed log-probs of each position (the sampled token's always among them)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = dict(return_sampling_mask=True) if engine_mask else {}
+    params = [SamplingParams(n=a.samples, max_tokens=a.new_tokens, min_tokens=a.new_tokens, ignore_eos=True, detokenize=False,
+                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, logprobs=a.top_k, seed=a.seed + i, **extra)
+              for i in range(len(prompts))]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [c for out in outputs for c in out.outputs]
+
+
+def logprob_stats(trainer: torch.Tensor, engine: torch.Tensor) -> dict:
+    """trainer - engine log-probs and the importance ratio exp(trainer - engine) over every sampled token."""
+    diff = (trainer.double() - engine.double()).flatten()
+    finite = torch.isfinite(diff)
+    d, ratio = diff[finite], diff[finite].exp()
+    return dict(tokens=diff.numel(), off_support=int((~finite).sum()), diff_mean=float(d.mean()), diff_abs_mean=float(d.abs().mean()),
+                diff_abs_max=float(d.abs().max()), ratio_mean=float(diff.exp().mean()), ratio_std=float(diff.exp().std()),
+                ratio_min=float(diff.exp().min()), ratio_max=float(ratio.max()),
+                outside_0_99_1_01=float(((diff.exp() - 1).abs() > 0.01).double().mean()))
+
+
+def vllm_experiment(a) -> Tuple[List[dict], dict]:
+    """vLLM samples with top-k / top-p; the trainer scores the same tokens three ways (and a fourth with vLLM's own
+    kept sets where ``--engine-mask``). Returns (records, facts about the run)."""
+    import grpo_kernels as gk
+    from grpo_kernels.reference import kept_tokens
+
+    device = H.device()
+    shape = H.MODELS[a.model] | dict(pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    length = a.prompt_tokens + a.new_tokens
+    model = H.qwen2(shape, length, seed=a.seed).eval()
+    with torch.no_grad():  # logits far from uniform (the init's are ~N(0, 0.02^2 H)): nuclei of a few tokens to all 20
+        model.lm_head.weight.mul_(a.head_scale)
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = torch.randint(3, shape["vocab_size"], (a.prompts, a.prompt_tokens), generator=g).tolist()
+    with tempfile.TemporaryDirectory(prefix="replay-vllm-") as path:
+        model.save_pretrained(path)
+        llm = vllm_engine(path, a, length, a.engine_mask)
+        samples = engine_sample(llm, prompts, a, a.engine_mask)
+    completion = torch.tensor([list(s.token_ids) for s in samples])  # [B, T]
+    engine_logp = torch.tensor([[s.logprobs[t][tok].logprob for t, tok in enumerate(s.token_ids)] for s in samples])
+    sets = [[sorted(i for i, lp in s.logprobs[t].items() if math.isfinite(lp.logprob)) for t in range(len(s.token_ids))]
+            for s in samples]  # the kept set: the finite processed log-probs of the top top_k
+    prompt_ids = torch.tensor([p for p in prompts for _ in range(a.samples)])
+    model = model.to(device)
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.cat([prompt_ids, completion], 1).to(device)).last_hidden_state
+        hidden = hidden[:, a.prompt_tokens - 1:-1]  # [B, T, H]: the states that predict each completion token
+    weight, targets = model.lm_head.weight.detach(), completion.to(device)
+    sampling = dict(temperature=a.temperature)
+    paths = {"replay": dict(sampling_mask=gk.SamplingMask.from_lists(sets, device=device)),
+             "recompute": dict(top_k=a.top_k, top_p=a.top_p), "full": {}}
+    if a.engine_mask:
+        paths["replay (engine's mask)"] = dict(sampling_mask=gk.SamplingMask.from_vllm(samples).to(device))
+    records = []
+    for name, kw in paths.items():
+        with torch.no_grad():
+            logp = gk.fused_linear_token_logprobs(hidden, weight, targets, **sampling, **kw)
+        records.append(dict(path=name, **logprob_stats(logp.cpu(), engine_logp)))
+    sizes = torch.tensor([len(k) for row in sets for k in row], dtype=torch.float64)
+    with torch.no_grad():  # the trainer's own top-k / top-p sets (vLLM's rules) against the engine's
+        y = (hidden.float() @ weight.float().T).flatten(0, 1).cpu()
+        mine = kept_tokens(y, y / a.temperature, a.top_k, a.top_p)
+    theirs = torch.zeros_like(mine)
+    for r, k in enumerate(k for row in sets for k in row):
+        theirs[r, k] = True
+    facts = dict(model=H.describe_model(a.model) + f", lm_head x{a.head_scale:g}", engine_dtype=a.engine_dtype, device=device.type,
+                 completions=len(samples), tokens=int(sizes.numel()), set_mean=round(float(sizes.mean()), 2),
+                 set_median=float(sizes.median()), set_max=int(sizes.max()), at_top_k=float((sizes == a.top_k).mean()),
+                 recomputed_sets_differ=float((mine != theirs).any(-1).double().mean()))
+    return records, facts
+
+
 def vllm_main(argv: List[str]) -> int:
-    raise NotImplementedError
+    a = H.parser("vLLM samples with top-k / top-p; trainer minus engine log-probs by replay, recompute and the full softmax",
+                 rounds=None, model=("tiny", "a harness.MODELS name (random weights)", list(H.MODELS)), head_scale=8.0,
+                 prompts=16, samples=4, prompt_tokens=8, new_tokens=64, temperature=1.0, top_k=20, top_p=0.9,
+                 engine_dtype=("float32", None, ["float32", "bfloat16"]), seed=0,
+                 engine_mask=(False, "also replay vLLM's own kept sets (enable_return_sampling_mask, vllm#49577)"),
+                 smoke=(False, "CI: 2 prompts x 2 samples x 4 tokens")).parse_args(argv)
+    if a.smoke:
+        for k, v in VLLM_SMOKE.items():
+            setattr(a, k, v)
+    title = "Sampling-mask replay against a real vLLM engine (issue 47, vllm#49577's experiment)"
+    if importlib.util.find_spec("vllm") is None:
+        python = H.venv_python(".venv-vllm", "GRPO_VLLM_PYTHON", "vllm")
+        if python is None:
+            reason = f"vllm is not installed here, and no vLLM venv found (GRPO_VLLM_PYTHON, or .venv-vllm next to {sys.prefix})"
+            print(f"[replay vllm] skipped: {reason}")
+            report = H.Report(title).add(f"Skipped: {reason}.")
+            report.records.append(dict(skipped=reason))
+            report.write(a.out)
+            return 0
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(H.ROOT), os.environ.get("PYTHONPATH")]))}
+        return subprocess.call([python, "-m", "benchmarks.replay", "vllm", *argv], cwd=H.ROOT, env=env)
+    records, facts = vllm_experiment(a)
+    report = H.Report(title, H.conditions(**facts))
+    report.records += [dict(r, **facts) for r in records]
+    report.add(f"{facts['model']}; the engine {a.engine_dtype} on {facts['device']} (`logprobs_mode=\"processed_logprobs\"`), "
+               f"{a.prompts} prompts x {a.samples} samples x {a.new_tokens} tokens (EOS ignored), temperature {a.temperature:g}, "
+               f"top_k {a.top_k}, top_p {a.top_p:g}, `logprobs={a.top_k}`. The trainer: transformers fp32 on the same weights, "
+               "its last hidden states through `grpo_kernels.fused_linear_token_logprobs`: `replay` with the kept sets recovered "
+               "from the engine's processed top log-probs (the finite entries), `recompute` with top_k / top_p on the trainer's "
+               "logits, `full` the softmax over V.", "",
+               f"Kept sets: {facts['tokens']:,} positions, size mean {facts['set_mean']}, median {facts['set_median']:g}, max "
+               f"{facts['set_max']}; {facts['at_top_k']:.1%} at the top-k bound. The trainer's own top-k / top-p sets differ "
+               f"from the engine's at {facts['recomputed_sets_differ']:.2%} of the positions.", "",
+               *H.table(["path", "tokens", "off the support (-inf)", "mean trainer − engine", "mean |diff|", "max |diff|",
+                         "ratio mean", "ratio std", "ratio min", "ratio max", "|ratio − 1| > 1%"],
+                        [[r["path"], r["tokens"], r["off_support"], f"{r['diff_mean']:.2e}", f"{r['diff_abs_mean']:.2e}",
+                          f"{r['diff_abs_max']:.2e}", f"{r['ratio_mean']:.4f}", f"{r['ratio_std']:.4f}", f"{r['ratio_min']:.4f}",
+                          f"{r['ratio_max']:.4f}", f"{r['outside_0_99_1_01']:.1%}"] for r in records]), "")
+    report.write(a.out)
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
