@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import importlib.util
+import logging
 import math
 import os
 import platform
@@ -35,9 +36,12 @@ import torch
 
 from grpo_kernels.options import check_top_k, check_top_p
 from grpo_kernels.reference import kept_tokens
+from grpo_kernels.sampling_mask import SamplingMask
 
 from .models import unwrap
 from .precision import autocast
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Completions:
@@ -53,6 +57,10 @@ class Completions:
     # [B, T] float32: the engine's log-prob of each sampled token (after temperature), 0 where the
     # mask is 0 (NaN where the engine could not score one); None for engines that do not report them
     sampling_logps: Optional[torch.Tensor] = None
+    # B * T kept sets, row-major over [B, T] (grpo_kernels.SamplingMask): the tokens the engine drew each
+    # completion token from when it truncated (top_k / top_p), empty where the mask is 0; None when it
+    # did not truncate or does not report them. The loss replays them (GRPOConfig.sampling_replay).
+    sampling_mask: Optional[SamplingMask] = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -76,6 +84,11 @@ class Completions:
         if logps is not None and (not isinstance(logps, torch.Tensor) or tuple(logps.shape) != (rows, T) or logps.dtype != torch.float32):
             what = f"{logps.dtype} of shape {list(logps.shape)}" if isinstance(logps, torch.Tensor) else type(logps).__name__
             raise ValueError(f"{engine} returned sampling_logps as {what}, expected float32 of shape {[rows, T]}")
+        sets = self.sampling_mask
+        if sets is not None and (not isinstance(sets, SamplingMask) or sets.num_positions != rows * T):
+            what = f"{sets.num_positions} sets" if isinstance(sets, SamplingMask) else type(sets).__name__
+            raise ValueError(f"{engine} returned sampling_mask as {what}, expected a SamplingMask of {rows * T} sets "
+                             f"(one per completion position, row-major over [{rows}, {T}])")
         return self
 
 
@@ -128,7 +141,7 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Op
 
 @torch.no_grad()
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
-                  workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  workspace: Optional[torch.Tensor] = None, *, return_kept: bool = False):
     """[B] int64: a token for each row of ``logits`` [B, V] (float32), drawn from the distribution the loss's
     log-probs replay (``grpo_kernels.token_logprobs`` with the same ``temperature``, ``top_k``, ``top_p``):
     ``z = (y - max y) / T`` (scaled as the loss scales, by ``1 / T`` rounded once to float32), vLLM's kept
@@ -138,18 +151,22 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     so a token of weight 0 is never drawn. (``torch.multinomial``, transformers' sampler, draws V
     exponentials per row instead; on a CPU at a 150k vocabulary those draws were the largest part of a
     rollout: benchmarks/results.) ``workspace``: a float64 [B, V] buffer to reuse across calls (no
-    page faults for a fresh one each token). ``ValueError`` when a row has a NaN, or no finite logit
-    (no distribution), as ``torch.multinomial`` refuses one."""
+    page faults for a fresh one each token). ``return_kept``: ``(tokens, kept)``, ``kept`` the bool [B, V]
+    kept set each token was drawn from (None when nothing truncates: the whole vocabulary). ``ValueError``
+    when a row has a NaN, or no finite logit (no distribution), as ``torch.multinomial`` refuses one."""
     weights = (logits - logits.amax(-1, keepdim=True)).mul_(1.0 / temperature)
+    kept = None
     if top_k is not None or top_p < 1.0:
-        weights.masked_fill_(~_kept(logits, weights, top_k, None if top_p >= 1.0 else top_p), float("-inf"))
+        kept = _kept(logits, weights, top_k, None if top_p >= 1.0 else top_p)
+        weights.masked_fill_(~kept, float("-inf"))
     running = (weights.exp_().double() if workspace is None else workspace.copy_(weights.exp_())).cumsum_(-1)
     total = running[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("sample_tokens: a row of logits has a NaN or no finite logit: there is no distribution to sample")
     draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)
     draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))  # [0, total): the product may round up to it
-    return torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    tokens = torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return (tokens, kept) if return_kept else tokens
 
 
 def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
@@ -176,17 +193,41 @@ def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top
 class _SampleAsVLLM:
     """A transformers logits processor for greedy ``generate``: it draws the token (:func:`sample_tokens`) and
     leaves it the only finite score, which greedy decoding's argmax then takes. It holds the float64
-    workspace for the generation's rows (freed with it)."""
+    workspace for the generation's rows (freed with it) and, with ``record`` when truncating, each step's
+    kept sets (``(row, id)`` of every kept token: a few ids per row under top-k, not a [B, V] mask), which
+    :meth:`sampling_mask` lays out as the completions' ``SamplingMask``."""
 
-    def __init__(self, temperature: float, top_k: Optional[int], top_p: float) -> None:
+    def __init__(self, temperature: float, top_k: Optional[int], top_p: float, record: bool) -> None:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.record = record and (top_k is not None or top_p < 1.0)
         self.workspace: Optional[torch.Tensor] = None
+        self.steps: list[torch.Tensor] = []  # per generated position: [kept entries, 2] (row, id), row-major
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.workspace is None or self.workspace.shape != scores.shape or self.workspace.device != scores.device:
             self.workspace = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
-        tokens = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.workspace)
+        tokens, kept = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.workspace, return_kept=True)
+        if self.record:
+            self.steps.append(kept.nonzero().to(torch.int32))
         return scores.fill_(float("-inf")).scatter_(-1, tokens.unsqueeze(-1), 0.0)
+
+    def sampling_mask(self, mask: torch.Tensor) -> Optional[SamplingMask]:
+        """The recorded sets of the completions whose mask [B, T] is ``mask`` (one step per column), row-major,
+        empty where ``mask`` is 0 (after EOS, where generate pads what was drawn); None when not recording."""
+        if not self.record:
+            return None
+        B, T = mask.shape
+        if len(self.steps) != T:
+            raise RuntimeError(f"HFGenerate recorded {len(self.steps)} kept sets per row for {T} generated tokens")
+        row = torch.cat([s[:, 0] for s in self.steps]).long()
+        step = torch.cat([torch.full((len(s),), t, dtype=torch.int64, device=s.device) for t, s in enumerate(self.steps)])
+        ids = torch.cat([s[:, 1] for s in self.steps])  # int32
+        inside = mask[row, step] != 0
+        position = (row * T + step)[inside]
+        order = torch.sort(position, stable=True).indices  # step-major -> row-major; each set stays in id order
+        offsets = torch.zeros(B * T + 1, dtype=torch.int64, device=mask.device)
+        torch.cumsum(torch.bincount(position, minlength=B * T), 0, out=offsets[1:])
+        return SamplingMask(ids[inside][order], offsets)
 
 
 class HFGenerate:
@@ -194,9 +235,16 @@ class HFGenerate:
     ``top_p``, the order and the rules (ties at the k-th value kept, the nucleus' cumulative threshold)
     of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``). The
     draw is :func:`sample_tokens`' (a logits processor on transformers' greedy loop), not ``multinomial``'s.
+    Nothing else shapes the draw: the model's own generation config (a ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``min_length``, ``bad_words_ids``, its ``temperature``...), which ``generate``
+    would otherwise apply, is left out, and the settings left out are logged once at INFO
+    (:func:`generation_settings_left_out`).
 
     tokenizer: pads on the left (``load_model`` and the demo's tokenizer do). eos_token_id: an id or a
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
+    return_sampling_mask: when truncating (``top_k`` / ``top_p``), the completions carry the set of tokens
+    each was drawn from (``Completions.sampling_mask``: :func:`sample_tokens`' kept set, recorded as the
+    ids kept at each step), which the loss replays (``GRPOConfig.sampling_replay``).
     """
 
     @property
@@ -215,11 +263,14 @@ class HFGenerate:
         bf16: bool = True,
         eos_token_id: Union[int, list[int], None] = None,
         top_k: Optional[int] = None,
+        return_sampling_mask: bool = True,
     ) -> None:
+        _check_bool("return_sampling_mask", return_sampling_mask)
         self.tokenizer = tokenizer
         self.temperature, self.top_k, self.top_p = _check_sampling(temperature, top_k, top_p)
-        self.max_new_tokens, self.bf16 = max_new_tokens, bf16
+        self.max_new_tokens, self.bf16, self.return_sampling_mask = max_new_tokens, bf16, return_sampling_mask
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self._told: set = set()  # the generation settings already reported as left out
 
     @torch.no_grad()
     def generate(
@@ -233,11 +284,14 @@ class HFGenerate:
             raise ValueError(f"all {len(prompts)} prompts are empty after tokenization: a completion needs a prompt token to follow")
         was_training = policy.training
         policy.eval()
-        # (the draw in a logits processor, after transformers' own processors; greedy decoding takes it)
+        # (the draw in a logits processor; greedy decoding takes it. The model's generation config is set
+        # aside, so that none of transformers' own processors runs before it)
         from transformers import LogitsProcessorList
 
-        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([_SampleAsVLLM(self.temperature, self.top_k, self.top_p)]))
-        with autocast(device, self.bf16):
+        sampler = _SampleAsVLLM(self.temperature, self.top_k, self.top_p, record=self.return_sampling_mask and not greedy)
+        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        with generation_settings_left_out(unwrap(policy)) as left_out, autocast(device, self.bf16):
+            _tell_once(self._told, "HFGenerate", left_out)
             out = policy(
                 "generate",
                 input_ids=enc.input_ids,
@@ -254,7 +308,56 @@ class HFGenerate:
         mask, truncated = completion_mask(completion_ids, self.eos_token_id)
         completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # pad after EOS
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return Completions(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts)
+        return Completions(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts,
+                           sampling_mask=sampler.sampling_mask(mask))
+
+
+# the generation config's token ids, the only part of it the rollouts keep (they end completions, pad them)
+GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def generation_settings(config: Any) -> dict[str, Any]:
+    """What a transformers ``GenerationConfig`` sets beyond its token ids and transformers' defaults: what
+    ``generate`` (and a vLLM engine, by default) would apply on top of the caller's settings, e.g.
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_length``, ``bad_words_ids`` or its own
+    ``temperature`` / ``top_k`` / ``top_p``. ``{}`` for None."""
+    if config is None:
+        return {}
+    defaults = getattr(type(config), "_get_default_generation_params", dict)()  # (transformers >= 5; before, the
+    # class defaults, which to_diff_dict leaves out already)
+    return {k: v for k, v in sorted(config.to_diff_dict().items())
+            if not k.startswith("_") and k not in GENERATION_IDS and k != "transformers_version"
+            and v is not None and v is not False and v != defaults.get(k)}
+
+
+@contextmanager
+def generation_settings_left_out(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """The transformers ``model``'s generation config replaced, while inside, by one that holds its token ids
+    only; yields the settings left out (:func:`generation_settings`). (``generate`` fills every setting its
+    caller leaves unset from the model's config: a ``repetition_penalty`` of 1.1 there divides the logits of
+    the tokens seen so far, and the draw is no longer from the distribution the loss replays.)"""
+    from transformers import GenerationConfig
+
+    saved = getattr(model, "generation_config", None)
+    if saved is None:
+        yield {}
+        return
+    model.generation_config = GenerationConfig(**{k: getattr(saved, k) for k in GENERATION_IDS
+                                                  if getattr(saved, k, None) is not None})
+    try:
+        yield generation_settings(saved)
+    finally:
+        model.generation_config = saved
+
+
+def _tell_once(told: set, engine: str, left_out: dict[str, Any]) -> None:
+    """Log at INFO, once per engine and settings, the model's generation settings ``engine`` leaves out."""
+    key = tuple((k, repr(v)) for k, v in left_out.items())
+    if left_out and key not in told:
+        told.add(key)
+        logger.info("%s leaves the model's generation config out (the rollouts sample at the trainer's temperature, "
+                    "top_k and top_p only: the distribution the loss replays): %s", engine,
+                    ", ".join(f"{k}={v!r}" for k, v in left_out.items()))
 
 
 def generation_eos(model: torch.nn.Module, tokenizer) -> Union[int, list[int], None]:
@@ -669,6 +772,11 @@ def engine_context_length(config) -> int:
 def _device_of(policy: torch.nn.Module) -> torch.device:
     param = next(policy.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
