@@ -297,30 +297,29 @@ VLLM_SMOKE = dict(prompts=2, samples=2, new_tokens=4)
 def vllm_engine(path: str, a, max_model_len: int, engine_mask: bool):
     """A vLLM engine in this process on the model saved at ``path``: processed log-probs (after temperature, top-k,
     top-p), prompts as ids; on a CPU eager with a small KV cache; ``engine_mask``: vLLM's own kept sets
-    (``enable_return_sampling_mask``, vllm#49577)."""
+    (``return_sampling_mask``, vllm#49577: Model Runner V2)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     options = dict(model=path, dtype=a.engine_dtype, seed=a.seed, max_model_len=max_model_len, skip_tokenizer_init=True,
                    logprobs_mode="processed_logprobs", max_logprobs=a.top_k, distributed_executor_backend="uni")
     if torch.cuda.is_available():
-        options.update(gpu_memory_utilization=0.3)
+        options.update(gpu_memory_utilization=0.3, enforce_eager=True)  # (no graph capture: a start in seconds)
     else:
         options.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_num_seqs=64)
     if engine_mask:
-        options.update(enable_return_sampling_mask=True)
+        options.update(return_sampling_mask=True)
     return LLM(**options)
 
 
-def engine_sample(llm, prompts: List[List[int]], a, engine_mask: bool) -> list:
+def engine_sample(llm, prompts: List[List[int]], a) -> list:
     """Every completion (prompt-major, ``samples`` a prompt) of exactly ``new_tokens`` tokens, with the top ``top_k``
     processed log-probs of each position (the sampled token's always among them)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = dict(return_sampling_mask=True) if engine_mask else {}
     params = [SamplingParams(n=a.samples, max_tokens=a.new_tokens, min_tokens=a.new_tokens, ignore_eos=True, detokenize=False,
-                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, logprobs=a.top_k, seed=a.seed + i, **extra)
+                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, logprobs=a.top_k, seed=a.seed + i)
               for i in range(len(prompts))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [c for out in outputs for c in out.outputs]
@@ -354,7 +353,7 @@ def vllm_experiment(a) -> Tuple[List[dict], dict]:
     with tempfile.TemporaryDirectory(prefix="replay-vllm-") as path:
         model.save_pretrained(path)
         llm = vllm_engine(path, a, length, a.engine_mask)
-        samples = engine_sample(llm, prompts, a, a.engine_mask)
+        samples = engine_sample(llm, prompts, a)
     completion = torch.tensor([list(s.token_ids) for s in samples])  # [B, T]
     engine_logp = torch.tensor([[s.logprobs[t][tok].logprob for t, tok in enumerate(s.token_ids)] for s in samples])
     sets = [[sorted(i for i, lp in s.logprobs[t].items() if math.isfinite(lp.logprob)) for t in range(len(s.token_ids))]
@@ -394,7 +393,7 @@ def vllm_main(argv: List[str]) -> int:
                  rounds=None, model=("tiny", "a harness.MODELS name (random weights)", list(H.MODELS)), head_scale=8.0,
                  prompts=16, samples=4, prompt_tokens=8, new_tokens=64, temperature=1.0, top_k=20, top_p=0.9,
                  engine_dtype=("float32", None, ["float32", "bfloat16"]), seed=0,
-                 engine_mask=(False, "also replay vLLM's own kept sets (enable_return_sampling_mask, vllm#49577)"),
+                 engine_mask=(False, "also replay vLLM's own kept sets (return_sampling_mask, vllm#49577)"),
                  smoke=(False, "CI: 2 prompts x 2 samples x 4 tokens")).parse_args(argv)
     if a.smoke:
         for k, v in VLLM_SMOKE.items():
