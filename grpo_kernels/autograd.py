@@ -29,8 +29,10 @@ from typing import Callable, Dict, Iterator, Optional, Protocol, Tuple
 import torch
 
 from .backends import RowBackend
+from .kernels import torch_replay, torch_rows
 from .kernels.torch_rows import RowGradient, RowStats, tile_columns
 from .options import LogitTransform
+from .sampling_mask import SamplingMask
 
 
 def _first_order(backward: Callable) -> Callable:
@@ -649,3 +651,225 @@ def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoeffici
                 _accumulate_weight_grad(grad_weight, grad_logits, h, first=rows.start == 0)
             if need_bias:
                 grad_bias += grad_logits.sum(0, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling-mask replay: log-probs over each position's kept set (kernels/torch_replay.py's contract)
+# --------------------------------------------------------------------------------------------------
+class ReplaySplit:
+    """A call's kept sets split by row size (``torch_replay.DENSE_ROW_FRACTION``): the sparse rows' sets
+    in CSR form (the dense and the target-less rows' sets emptied, so the sparse kernels skip those rows),
+    and the dense rows' indices with their own sets. ``valid`` [n]: rows with a target."""
+
+    def __init__(self, targets: torch.Tensor, token_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
+                 ignore_index: int) -> None:
+        self.valid = targets != ignore_index
+        self.targets = torch.where(self.valid, targets, torch.zeros_like(targets)).long()
+        sizes = offsets[1:] - offsets[:-1]
+        dense = self.valid & torch_replay.dense_rows(sizes, vocab_size)
+        sparse = self.valid & ~dense
+        row_of = torch_replay.entry_rows(offsets)
+        keep = sparse.index_select(0, row_of)
+        self.token_ids = token_ids[keep]
+        self.offsets = torch.zeros_like(offsets)
+        torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
+        self.dense = dense.nonzero().squeeze(-1)
+        self.num_dense = self.dense.numel()  # (one sync)
+        self.mask_offsets, self.mask_ids = offsets, token_ids  # all rows' sets (the dense blocks take theirs)
+
+    def dense_blocks(self, rows_per_block: int):
+        """``(index [c], token_ids, offsets)`` per block of the dense rows: their indices and their sets."""
+        for start in range(0, self.num_dense, rows_per_block):
+            index = self.dense[start:start + rows_per_block]
+            mask = SamplingMask(self.mask_ids, self.mask_offsets).rows(index)
+            yield index, mask.token_ids, mask.offsets
+
+
+def _replay_temperature(transform: LogitTransform, index=None):
+    """The replay kernels' temperature: a float, or float32 [n] (of the rows ``index`` picks)."""
+    if not transform.per_row:
+        return transform.temperature
+    flat = transform.temperature.reshape(-1)
+    flat = flat if index is None else (flat[index] if isinstance(index, slice) else flat.index_select(0, index))
+    return flat.to(torch.float32).contiguous()
+
+
+def _transform_args(transform: LogitTransform, index=None) -> tuple:
+    return _replay_temperature(transform, index), transform.softcap, transform.logit_scale
+
+
+def _finite_grad(grad_logp: Optional[torch.Tensor], logp: torch.Tensor) -> Optional[torch.Tensor]:
+    """``grad_logp`` [n] fp32 with 0 where the log-prob is -inf (a target outside its set: no gradient)."""
+    if grad_logp is None:
+        return None
+    return torch.where(logp > float("-inf"), grad_logp.reshape(-1).float(), torch.zeros((), device=logp.device))
+
+
+def _flat_views(rows: torch.Tensor):
+    """``(slice of the n = B * T rows, [r, V] view)`` of logits rows ``[B, T, V]``: one view when the
+    leading dimensions merge without a copy, else one per sequence (each [T, V], any row stride)."""
+    b, t, v = rows.shape
+    try:
+        return [(slice(0, b * t), rows.view(b * t, v))]
+    except RuntimeError:
+        return [(slice(i * t, (i + 1) * t), rows[i]) for i in range(b)]
+
+
+def _csr_slice(token_ids: torch.Tensor, offsets: torch.Tensor, rows: slice):
+    """The sets of a contiguous range of rows, offsets rebased."""
+    off = offsets[rows.start:rows.stop + 1]
+    lo, hi = int(off[0]), int(off[-1])
+    return token_ids[lo:hi], off - lo
+
+
+def _replay_outputs(split: ReplaySplit, logp, entropy, sum_sq):
+    """Rows without a target: 0 everywhere (their sets were emptied: -inf / 0 came out)."""
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    return tuple(torch.where(split.valid, x, zero) for x in (logp, entropy, sum_sq))
+
+
+class ReplayTokenLogprobsFunction(torch.autograd.Function):
+    """(logits [B, T, V], targets [B, T], the kept sets' token_ids [K] / offsets [B*T + 1]) -> (logp, entropy,
+    sum of squared probabilities or a 0-d 0) [B, T] fp32 over each position's set: sampling-mask replay.
+
+    Sparse rows go to ``backend.replay()``'s row kernels (only the kept entries of the logits are read);
+    rows with a large set (``torch_replay.DENSE_ROW_FRACTION``) to the dense masked path, a block of rows
+    at a time. Saved: the logits (a reference), the sets, and two fp32 numbers per row (lse, entropy)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, token_ids, offsets, backend: RowBackend, transform: LogitTransform,
+                ignore_index: int, with_entropy: bool, inplace_backward: bool, with_sum_sq: bool):
+        n, v = targets.numel(), logits.shape[-1]
+        split = ReplaySplit(targets.reshape(-1), token_ids, offsets, v, ignore_index)
+        kernels = backend.replay()
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        logp, entropy, sum_sq, lse = (torch.empty(n, **f32) for _ in range(4))
+        for rows, view in _flat_views(logits):
+            ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+            out = kernels.replay_rows_forward(view, split.targets[rows], ids, off, *_transform_args(transform, rows),
+                                              with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+            for buffer, value in zip((logp, entropy, sum_sq, lse), out):
+                buffer[rows] = value
+        for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+            x = logits[index // logits.shape[1], index % logits.shape[1]]
+            out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
+                                             with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+            for buffer, value in zip((logp, entropy, sum_sq, lse), out):
+                buffer[index] = value
+        logp, entropy, sum_sq = _replay_outputs(split, logp, entropy, sum_sq)
+        ctx.split = split
+        shape = targets.shape
+        return logprob_forward_outputs(ctx, (logits, lse, entropy, logp), (backend, transform, inplace_backward),
+                                       logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        logits, lse, entropy, logp = ctx.saved_tensors
+        backend, transform, inplace_backward = ctx.config
+        split: ReplaySplit = ctx.split
+        v, t = logits.shape[-1], logits.shape[1]
+        g_logp = _finite_grad(grad_logp, logp)
+        g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        out = _gradient_buffer(logits, inplace_backward)
+        # the dense rows' gradients first (an in-place buffer is about to lose those rows' logits)
+        dense = []
+        for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+            x = logits[index // t, index % t]
+            dx = torch_replay.dense_backward(
+                x, split.targets[index], ids, off, lse[index], entropy[index],
+                None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
+                *_transform_args(transform, index))
+            dense.append((index, dx.to(out.dtype)))
+        kernels = backend.replay()
+        sources = _flat_views(logits)
+        flat_out = None if out is logits else out.view(-1, v)
+        for rows, source in sources:
+            ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+            kernels.replay_rows_backward(
+                source, split.targets[rows], ids, off, lse[rows], entropy[rows],
+                None if g_logp is None else g_logp[rows], None if g_ent is None else g_ent[rows],
+                *_transform_args(transform, rows), out=source if flat_out is None else flat_out[rows])
+        for index, dx in dense:
+            out[index // t, index % t] = dx
+        _written_in_place(logits, out)
+        return (out,) + (None,) * 9
+
+
+class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n], the kept sets token_ids [K] / offsets
+    [n + 1]) -> (logp, entropy, sum of squared probabilities or a 0-d 0) [n] fp32: sampling-mask replay
+    from hidden states, the [n, V] logits never formed for the sparse rows.
+
+    Sparse rows: ``backend.replay()``'s fused-linear kernels (only the kept rows of the weight are read;
+    ``d weight`` written only on them, deterministically). Rows with a large set: the dense masked path,
+    ``chunk_size`` rows of logits at a time (the plain fused-linear pass's cost), forward and, recomputed,
+    backward (``d hidden = dx @ W``, ``d W += dx^T @ h``). Matmuls in ``dtype`` (autocast off inside)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, token_ids, offsets, backend: RowBackend,
+                transform: LogitTransform, ignore_index: int, with_entropy: bool, chunk_size: int,
+                dtype: torch.dtype, accumulate_in_weight_dtype: bool, with_sum_sq: bool):
+        n, v = hidden.shape[0], weight.shape[0]
+        split = ReplaySplit(targets, token_ids, offsets, v, ignore_index)
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            logp, entropy, sum_sq, lse = backend.replay().replay_linear_forward(
+                hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, *_transform_args(transform),
+                with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+            if split.num_dense:
+                for index, ids, off in split.dense_blocks(chunk_size):
+                    h = hidden.index_select(0, index).to(dtype)
+                    x = torch.nn.functional.linear(h, w, b)
+                    out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
+                                                     with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+                    for buffer, value in zip((logp, entropy, sum_sq, lse), out):
+                        buffer[index] = value
+        logp, entropy, sum_sq = _replay_outputs(split, logp, entropy, sum_sq)
+        ctx.split = split
+        return logprob_forward_outputs(
+            ctx, (hidden, weight, bias, lse, entropy, logp),
+            (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
+        backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
+        split: ReplaySplit = ctx.split
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        g_logp = _finite_grad(grad_logp, logp)
+        g_ent = None if grad_entropy is None else grad_entropy.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _operands(weight, bias, dtype)
+            grad_hidden, grad_weight, grad_bias = backend.replay().replay_linear_backward(
+                hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, lse, entropy, g_logp, g_ent,
+                *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight,
+                needs_bias_grad=need_bias)
+            if split.num_dense:
+                acc = _new_weight_grad(weight, accumulate_in_weight_dtype, 0) if need_weight else None
+                bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+                for index, ids, off in split.dense_blocks(chunk_size):
+                    h = hidden.index_select(0, index).to(dtype)
+                    x = torch.nn.functional.linear(h, w, b)
+                    dx = torch_replay.dense_backward(
+                        x, split.targets[index], ids, off, lse[index], entropy[index],
+                        None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
+                        *_transform_args(transform, index))
+                    if need_bias:
+                        bias_acc += dx.sum(0)
+                    dx = dx.to(dtype)
+                    if need_hidden:
+                        grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
+                    if need_weight:
+                        _accumulate_weight_grad(acc, dx, h)
+                if need_weight:
+                    grad_weight = acc.add_(grad_weight.to(acc.dtype))
+                if need_bias:
+                    grad_bias = bias_acc.add_(grad_bias.float())
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            _hand_over(grad_weight, weight.dtype),
+            _hand_over(grad_bias, None if bias is None else bias.dtype),
+        ) + (None,) * 11

@@ -17,12 +17,13 @@ import torch
 from . import _validation as V
 from . import backends, objective, reference, vocab_parallel
 from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction,
-                       TokenLogprobsFunction)
+                       ReplayLinearTokenLogprobsFunction, ReplayTokenLogprobsFunction, TokenLogprobsFunction)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import (check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_targets,
-                      prepare_grpo, scatter_rows, take_rows, take_transform)
+from .prepare import (check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_sampling_mask,
+                      logprob_targets, prepare_grpo, scatter_rows, take_rows, take_transform)
+from .sampling_mask import SamplingMask
 
 
 
@@ -96,6 +97,18 @@ def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, wit
     return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
 
 
+def _replay_logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, sampling_mask: SamplingMask,
+                          with_entropy, backend, inplace_backward=False, with_sum_sq=False):
+    """:func:`_logprobs_rows` over each position's kept set (sampling-mask replay; ``sampling_mask`` checked
+    against the targets): only the kept entries of the logits are read (``ReplayTokenLogprobsFunction``)."""
+    rows = as_rows(logits)
+    logp, entropy, sum_sq = ReplayTokenLogprobsFunction.apply(
+        rows, targets.reshape(rows.shape[:2]), sampling_mask.token_ids, sampling_mask.offsets, backend, transform,
+        ignore_index, with_entropy, inplace_backward, with_sum_sq,
+    )
+    return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
+
+
 @logprob_keywords
 @_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
 def token_logprobs(
@@ -137,7 +150,13 @@ def token_logprobs(
         return vocab_parallel.token_logprobs(logits, targets, group=group, backend=backend, **kw._asdict())
     logits = V.check_logits(logits)
     targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    sampling_mask = logprob_sampling_mask(kw, targets, transform, logits.shape[-1], logits.device)
     row_backend = backends.resolve(backend, logits.device)
+    if sampling_mask is not None:
+        logp, entropy, sum_sq = _replay_logprobs_rows(logits, targets, transform, kw.ignore_index, sampling_mask,
+                                                      kw.return_entropy, row_backend,
+                                                      with_sum_sq=kw.return_sum_probs_sq)
+        return logprob_outputs(kw, logp, entropy, sum_sq)
     logp, entropy, sum_sq = _logprobs_rows(logits, targets, transform, kw.ignore_index, kw.return_entropy, row_backend,
                                            with_sum_sq=kw.return_sum_probs_sq)
     return logprob_outputs(kw, logp, entropy, sum_sq)
@@ -183,6 +202,10 @@ def grpo_loss(
                                             ("ref_logps", inputs.ref_logps), ("is_ratio", inputs.is_ratio),
                                             ("segment_ids", inputs.segment_ids)])
     row_backend = backends.resolve(backend, logits.device)
+    if inputs.sampling_mask is not None:  # replay: log-probs over the kept sets, then the shared objective
+        logp, entropy, _ = _replay_logprobs_rows(logits, ids, transform, IGNORE_INDEX, inputs.sampling_mask, True,
+                                                 row_backend, inplace_backward)
+        return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
     if row_backend.fuses(options) and not objective.needs_logprobs_first(options, inputs):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward, transform)
     # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives, a truncation
@@ -232,16 +255,25 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
 # fused linear: hidden states and lm_head weight in, the [N, V] logits never exist at once
 # --------------------------------------------------------------------------------------------------
 def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform, ignore_index, with_entropy, chunk_size,
-                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False):
+                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False,
+                       sampling_mask: Optional[SamplingMask] = None):
     """(logp, entropy, sum of squared probabilities or a 0-d 0) of ``hidden @ weight.T + bias`` with the
     shape of ``targets``; the backward recomputes each chunk's logits (4 matmuls). Only rows whose
     target is not ``ignore_index`` are read; ``transform``'s temperature a float or of ``targets``' shape."""
     row_backend = backends.resolve(backend, hidden.device)
     rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype)
-    logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
-        rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
-        with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
-    )
+    if sampling_mask is not None:  # replay: only the kept rows of the weight (ReplayLinearTokenLogprobsFunction)
+        kept = sampling_mask if rows.keep is None else sampling_mask.rows(rows.keep)
+        logp, entropy, sum_sq = ReplayLinearTokenLogprobsFunction.apply(
+            rows.hidden, weight, bias, rows.targets, kept.token_ids, kept.offsets, row_backend,
+            take_transform(rows, transform), ignore_index, with_entropy, rows.chunk_size, rows.dtype,
+            accumulate_in_weight_dtype, with_sum_sq,
+        )
+    else:
+        logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
+            rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
+            with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
+        )
     sum_sq = scatter_rows(rows, sum_sq, targets.shape) if with_sum_sq else sum_sq
     return scatter_rows(rows, logp, targets.shape), scatter_rows(rows, entropy, targets.shape), sum_sq
 
@@ -356,9 +388,10 @@ def fused_linear_token_logprobs(
             **kw._asdict())
     V.check_linear(hidden, weight, bias)
     targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden")
+    sampling_mask = logprob_sampling_mask(kw, targets, transform, weight.shape[0], hidden.device)
     logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, kw.ignore_index,
                                                kw.return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                               kw.return_sum_probs_sq)
+                                               kw.return_sum_probs_sq, sampling_mask)
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
@@ -407,9 +440,10 @@ def fused_linear_grpo_loss(
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     # (a truncation's tokens outside the kept set leave the loss's normalisers, known only after the
     # log-probs: those calls take the backward that recomputes the logits)
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates:
+    if (torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates
+            and inputs.sampling_mask is None):
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype, transform)
     logp, entropy, _ = _fused_linear_rows(hidden, weight, bias, ids, transform, IGNORE_INDEX, True, chunk_size,
-                                          backend, accumulate_in_weight_dtype)
+                                          backend, accumulate_in_weight_dtype, sampling_mask=inputs.sampling_mask)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

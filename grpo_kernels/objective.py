@@ -1056,7 +1056,7 @@ def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantage
     (:func:`leave_out_outside_kept_set`; metric :data:`OUTSIDE_KEPT_SET`); ``per_token_logps`` keeps
     their -inf."""
     given_logp, given_mask, outside_share = logp, mask, None
-    if options.transform.truncates:
+    if options.transform.truncates or inputs.sampling_mask is not None:
         logp, entropy, mask, outside_share = leave_out_outside_kept_set(logp, entropy, mask, inputs)
     sequences = Sequences(mask, inputs.segment_ids)
     prep = prepare(logp, entropy, advantages, mask, inputs, options, sequences)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 
 from . import _validation as V
+from .sampling_mask import SamplingMask
 from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, OptionTypeError, above, at_least,
                      declarations, fields_by_name, option)
 
@@ -441,6 +442,8 @@ def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs,
                 if getattr(inputs, name) is not None:
                     raise OptionError(f"{name} is verl's (its seq-mean-* reductions read it) and needs loss_mode (one of "
                                       f"{LOSS_MODES}); under loss_type the batch's counts are num_items_in_batch and "
+    sampling_mask: Optional[SamplingMask] = field(default=None, metadata={"help": "the rollout engine's kept sets, one per "
+                                                  "[B, T] position (SamplingMask): log-probs over each set (replay)"})
                                       f"the call's sequences", name, "loss_mode")
     except OptionError as e:
         raise e.respelled(user_spelling(kwargs)) from None
