@@ -17,7 +17,9 @@ from . import objective
 from .kernels.torch_rows import floor_logp
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords
-from .prepare import check_logprob_flags, logprob_keywords, logprob_outputs, logprob_targets
+from .prepare import (check_logprob_flags, check_sampling_mask, logprob_keywords, logprob_outputs,
+                      logprob_sampling_mask, logprob_targets)
+from .sampling_mask import SamplingMask
 
 
 @logprob_keywords
@@ -35,8 +37,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, **logprob_kwargs
     kw = check_logprob_flags(logprob_kwargs)
     logits = V.check_logits(logits)
     targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    sampling_mask = logprob_sampling_mask(kw, targets, transform, logits.shape[-1], logits.device)
     logp, entropy, sum_sq = _token_logprobs(logits, targets, transform, kw.ignore_index,
-                                            kw.return_entropy or kw.return_sum_probs_sq)
+                                            kw.return_entropy or kw.return_sum_probs_sq, sampling_mask)
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
@@ -64,9 +67,22 @@ def kept_tokens(y: torch.Tensor, z: torch.Tensor, top_k: Optional[int], top_p: O
     return torch.empty_like(keep).scatter_(-1, order, keep)
 
 
-def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, return_entropy):
+@torch.no_grad()
+def replayed_sets(sampling_mask: SamplingMask, leading_shape, vocab_size: int) -> torch.Tensor:
+    """Bool [..., V] of ``leading_shape``: each position's kept set (a checked ``SamplingMask``) as a mask."""
+    sizes = sampling_mask.sizes()
+    rows = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)
+    kept = torch.zeros(sizes.numel(), vocab_size, dtype=torch.bool, device=sizes.device)
+    kept[rows, sampling_mask.token_ids.long()] = True
+    return kept.view(tuple(leading_shape) + (vocab_size,))
+
+
+def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, return_entropy,
+                    sampling_mask: Optional[SamplingMask] = None):
     """(logp, entropy, sum of squared probabilities) float32 [...]: entropy and the sum are zeros unless
-    ``return_entropy``; the sum is detached."""
+    ``return_entropy``; the sum is detached. ``sampling_mask`` (checked): the softmax restricted to each
+    position's set (replay), ``-inf`` off it; a kept token whose logit is ``-inf`` stays out (its ``z`` is
+    ``-inf`` under a soft cap too), and a set left empty gives ``-inf``, entropy 0 and sum 0."""
     valid = targets != ignore_index
     # Rows without a target are replaced by zeros before any arithmetic (a select, so a NaN there
     # reaches neither the outputs nor the gradient).
@@ -89,6 +105,13 @@ def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, re
         kept = kept_tokens(y.detach(), z.detach(), transform.top_k, transform.top_p)
         z = torch.where(kept, z, torch.full((), float("-inf"), device=z.device))
         in_kept_set = kept.gather(-1, safe_targets).squeeze(-1) | torch.isnan(y.detach()).any(-1)  # (a NaN row stays NaN)
+    empty = None
+    if sampling_mask is not None:  # replay: the engine's kept sets
+        kept = replayed_sets(sampling_mask, valid.shape, z.shape[-1]) & (logits.detach() != float("-inf"))
+        empty = ~kept.any(-1)  # (its row's outputs are set below: a uniform row meanwhile, so no NaN)
+        z = torch.where(kept, z, torch.full((), float("-inf"), device=z.device))
+        z = torch.where(empty.unsqueeze(-1), torch.zeros_like(z), z)
+        in_kept_set = kept.gather(-1, safe_targets).squeeze(-1)
     log_probs = torch.log_softmax(z, dim=-1)
     logp = floor_logp(log_probs.gather(-1, safe_targets).squeeze(-1))
     if in_kept_set is not None:  # outside the kept set: -inf, as vLLM's processed log-probs, and no gradient
@@ -103,6 +126,8 @@ def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, re
     entropy = -(probs * finite_log_probs).sum(-1)
     entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
     sum_sq = torch.where(valid, probs.detach().square().sum(-1), torch.zeros_like(entropy))
+    if empty is not None:
+        entropy, sum_sq = (torch.where(empty, torch.zeros_like(x), x) for x in (entropy, sum_sq))
     return logp, entropy, sum_sq
 
 
@@ -122,7 +147,8 @@ def grpo_loss(
     ids = objective.masked_ids(completion_ids, mask)
     V.check_ids_in_range(ids, logits.shape[-1], IGNORE_INDEX, "completion_ids")
     transform = options.transform.for_rows(ids.shape, logits.device)
-    logp, entropy, _ = _token_logprobs(logits, ids, transform, IGNORE_INDEX, True)
+    sampling_mask = check_sampling_mask(inputs.sampling_mask, transform, ids.numel(), logits.shape[-1], logits.device)
+    logp, entropy, _ = _token_logprobs(logits, ids, transform, IGNORE_INDEX, True, sampling_mask)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
