@@ -1004,3 +1004,52 @@ def test_sampling_settings_reach_the_engine_and_every_log_prob(tmp_path):
     assert math.isfinite(record["loss"]) and math.isfinite(record["kl"])
     plain = train(*build_model_and_tokenizer(seed=0), problems()[:4], REWARDS, tiny_config(tmp_path / "plain", num_steps=1))[0]
     assert "sampling/outside_kept_set" not in plain
+
+
+# ---------------------------------------------------------------------------- sampling-mask replay
+def sets_of(mask) -> list[list[int]]:
+    """A SamplingMask as Python lists, one per position."""
+    o = mask.offsets.tolist()
+    return [mask.token_ids[o[i]:o[i + 1]].tolist() for i in range(mask.num_positions)]
+
+
+def test_the_kept_sets_follow_their_tokens_into_every_micro_batch():
+    """UpdateBatch.sampling_mask (B * T sets, row-major) is cut with its rows (padded micro-batches, dropped
+    groups) and re-ordered with its tokens when packed: each packed position owns the set of the completion
+    token it predicts, an empty one where it predicts none; fillers hold empty sets."""
+    from grpo import packing
+    from grpo.trainer import micro_batches
+    from grpo_kernels import SamplingMask
+
+    batch = random_update_batch(min_completion=1)
+    B, T = batch.completion_ids.shape
+    g = torch.Generator().manual_seed(5)
+    sets = [sorted(set(torch.randint(0, 24, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist())
+                   | {int(batch.completion_ids[b, t])}) if batch.attention_mask[b, batch.prompt_len + t] else []
+            for b in range(B) for t in range(T)]
+    batch.sampling_mask = SamplingMask.from_lists(sets)
+    for size in (None, 5, 1):
+        cfg = GRPOConfig(padding_free=False, micro_batch_size=size)
+        start = 0
+        for mb in micro_batches(batch, cfg):
+            n = len(mb)
+            assert sets_of(mb.sampling_mask) == sets[start * T:(start + n) * T], size
+            start += n
+        assert start == B
+    picked = torch.tensor([7, 3, 10])
+    assert sets_of(batch.rows(picked).sampling_mask) == [s for b in picked.tolist() for s in sets[b * T:(b + 1) * T]]
+    for budget in (None, 9, 1):
+        seen = set()
+        for mb in micro_batches(batch, GRPOConfig(padding_free=True, max_tokens_per_microbatch=budget)):
+            source = mb.layout.source.reshape(-1).tolist()
+            assert mb.sampling_mask.num_positions == mb.num_tokens
+            assert sets_of(mb.sampling_mask) == [sets[s] if s >= 0 else [] for s in source], budget
+            seen |= {s for s in source if s >= 0}
+            targets = mb.completion_ids.reshape(-1)
+            assert all(int(targets[j]) in got for j, got in enumerate(sets_of(mb.sampling_mask)) if source[j] >= 0)
+        assert seen == {b * T + t for b in range(B) for t in range(T) if sets[b * T + t]}, budget
+    assert sets_of(batch.filler().sampling_mask) == [[]] * T
+    assert sets_of(packing.filler_micro_batch(batch).sampling_mask) == [[]]
+    batch.sampling_mask = None
+    assert all(mb.sampling_mask is None for c in (dict(padding_free=False, micro_batch_size=5), dict(padding_free=True))
+               for mb in micro_batches(batch, GRPOConfig(**c)))
