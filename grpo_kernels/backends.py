@@ -254,10 +254,14 @@ class TritonBackend(RowBackend):
         if top_k is None and t.top_p is None and not with_sum_sq:  # the plain row pass
             return RowStats(*self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
                                                             with_entropy=with_entropy, **keywords))
-        out = self._launchers().forward_rows_sampled(logits=logits, targets=targets, ignore_index=ignore_index,
-                                                     with_entropy=with_entropy, top_k=top_k, top_p=t.top_p,
-                                                     with_sum_sq=with_sum_sq, **keywords)
         truncated = top_k is not None or t.top_p is not None
+        sampling = dict(top_k=top_k, top_p=t.top_p)
+        for name in ("top_k", "top_p"):  # one per row: the launcher's own tensor keyword, [B, T]
+            if isinstance(sampling[name], torch.Tensor):
+                sampling[f"{name}_rows"] = sampling.pop(name).reshape(logits.shape[:2])
+        out = self._launchers().forward_rows_sampled(logits=logits, targets=targets, ignore_index=ignore_index,
+                                                     with_entropy=with_entropy, with_sum_sq=with_sum_sq, **sampling,
+                                                     **keywords)
         return RowStats(*out[:4], out[4] if with_sum_sq else None, *(out[5:] if truncated else (None, None)))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
