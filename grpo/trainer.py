@@ -84,19 +84,20 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optim
 def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollout:
     """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids; with
     ``use_vllm`` a vLLM engine for the model's architecture (in the dtype the trainer samples in: bf16 on
-    CUDA with ``bf16``, else fp32), sized for one step's completions."""
+    CUDA with ``bf16``, else fp32), sized for one step's completions. With ``sampling_replay`` either
+    reports the kept sets it drew from when it truncates."""
     if cfg.use_vllm:
         on_cuda = torch.cuda.is_available()
         return VLLMRollout.for_model(
             model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            top_k=cfg.top_k, return_sampling_mask=cfg.sampling_replay,
             dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed, eos_token_id=generation_eos(model, tokenizer),
             max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
             **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
         )
     return HFGenerate(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer),
+        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer), return_sampling_mask=cfg.sampling_replay,
     )
 
 

@@ -411,3 +411,51 @@ def test_completions_check_sampling_mask():
     for bad in (SamplingMask.from_lists([[[0], [1], [2]]]), [[[0]]]):
         with pytest.raises(ValueError, match="sampling_mask"):
             Completions(**base, sampling_mask=bad).check(B)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_replayed_log_probs_are_the_kept_sets_and_recomputed_ones_agree_where_the_sets_do(padding_free):
+    """One rollout at top_k=6, top_p=0.9: the trainer's log-probs over the sets HFGenerate reported (replay) are
+    the float64 softmax over each set, every sampled token finite; recomputing the truncation from the
+    trainer's logits (sampling_replay off) keeps the same set at almost every position, and there the two
+    log-probs agree to fp32 rounding."""
+    from grpo.trainer import completion_logps
+    from grpo_kernels import SamplingMask
+    from grpo_kernels.reference import kept_tokens
+
+    model, tokenizer = counting_model(seed=2)
+    policy = as_policy(model)
+    torch.manual_seed(4)
+    out = HFGenerate(tokenizer, max_new_tokens=12, bf16=False, top_k=6, top_p=0.9, temperature=0.8).generate(
+        policy, COUNTING_PROMPTS, 3)
+    mask = out.completion_mask.bool()
+    B, T = mask.shape
+    cfg = GRPOConfig(backend="torch", temperature=0.8, top_k=6, top_p=0.9, padding_free=padding_free, max_new_tokens=12)
+    replayed = completion_logps(policy, update_batch(out, torch.zeros(B), sampling_mask=out.sampling_mask), cfg, torch.device("cpu"))
+    recomputed = completion_logps(policy, update_batch(out, torch.zeros(B)), cfg, torch.device("cpu"))
+
+    sets = out.sampling_mask
+    kept = torch.zeros(B * T, logits64(model, out).shape[-1], dtype=torch.bool)
+    kept[torch.repeat_interleave(torch.arange(B * T), sets.sizes()), sets.token_ids.long()] = True
+    kept = kept.view(B, T, -1)
+    z = logits64(model, out) / 0.8
+    expected = z.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z.masked_fill(~kept, -math.inf), -1)
+    assert torch.isfinite(replayed[mask]).all()
+    assert_close64(replayed[mask], expected[mask], what="replayed log-probs")
+
+    with torch.no_grad():  # the trainer's own fp32 logits, from which recomputing takes its sets
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+        am = torch.cat([out.prompt_mask, out.completion_mask], 1)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = logits[:, out.prompt_ids.shape[1] - 1 : -1]
+    recomputed_sets = kept_tokens(logits, (logits - logits.amax(-1, keepdim=True)) * (1 / 0.8), 6, 0.9)
+    same = mask & (recomputed_sets == kept).all(-1)
+    assert int(same.sum()) >= 0.9 * int(mask.sum()) and bool((kept.sum(-1)[mask] > 1).any())
+    assert_close64(recomputed[same], replayed[same].double(), what="recomputed where the sets agree")
+    # the sets are what the loss reads: every id kept at every position is the untruncated softmax
+    V = z.shape[-1]
+    everything = SamplingMask(torch.arange(V).repeat(B * T), torch.arange(B * T + 1) * V)
+    full = completion_logps(policy, update_batch(out, torch.zeros(B), sampling_mask=everything), cfg, torch.device("cpu"))
+    untruncated = torch.log_softmax(z, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert_close64(full[mask], untruncated[mask], what="every id kept")
+    assert (untruncated - expected)[mask].abs().max() > 1e-2  # (the truncation matters here)

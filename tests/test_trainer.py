@@ -1053,3 +1053,30 @@ def test_the_kept_sets_follow_their_tokens_into_every_micro_batch():
     batch.sampling_mask = None
     assert all(mb.sampling_mask is None for c in (dict(padding_free=False, micro_batch_size=5), dict(padding_free=True))
                for mb in micro_batches(batch, GRPOConfig(**c)))
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_truncating_run_replays_the_engines_sets_or_recomputes(tmp_path, monkeypatch, replay):
+    """Three steps at top_k=5, top_p=0.9 (grpo_loss's old and reference passes too: num_iterations=2, beta > 0,
+    packed micro-batches): with sampling_replay every log-prob the loss takes is over the sets HFGenerate
+    reported, so no sampled token falls outside them; off, the loss recomputes top_k / top_p. Both train."""
+    import grpo.models as models
+
+    calls = []
+    real = models.truncation
+    monkeypatch.setattr(models, "truncation", lambda mb, cfg: calls.append(real(mb, cfg)) or calls[-1])
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = params(model)
+    cfg = tiny_config(tmp_path, num_steps=3, top_k=5, top_p=0.9, num_iterations=2, beta=0.04, max_tokens_per_microbatch=40,
+                      sampling_replay=replay)
+    records = train(model, tokenizer, problems()[:8], REWARDS, cfg)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) and r["grad_norm"] > 0 for r in records)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # old, reference and policy passes, several micro-batches each
+    assert len(calls) > 3 * 4
+    if replay:
+        assert all("sampling_mask" in c and c["top_k"] is None and c["top_p"] is None for c in calls)
+        assert all(r["sampling/outside_kept_set"] == 0.0 for r in records)
+    else:
+        assert all("sampling_mask" not in c and (c["top_k"], c["top_p"]) == (5, 0.9) for c in calls)
