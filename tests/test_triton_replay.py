@@ -339,6 +339,26 @@ def test_rows_confident_target_gradient_error_is_the_rounding_of_lse(tiny_blocks
     assert_close64(out, grad64, what="d_logits")
 
 
+def test_rows_nan_logit_keeps_its_row_nan_and_no_other(tiny_blocks):
+    """A NaN kept logit (row 1; row 2's target) makes its row's outputs and gradient NaN, and leaves the other
+    row exact."""
+    gen = torch.Generator().manual_seed(9)
+    sets, targets, token_ids, offsets = make_sets([5, 6, 3], 37, gen)
+    logits = torch.randn(3, 37, generator=gen)
+    logits[1, sets[1][2]] = float("nan")
+    targets[2] = sets[2][1]
+    logits[2, sets[2][1]] = float("nan")  # the target itself
+    out = triton_replay.replay_rows_forward(logits, targets, token_ids, offsets, 1.0, None, 1.0, True, True)
+    ref = replay64(transform64(logits.double(), 1.0, None, 1.0), sets, targets)
+    for a, r in zip(out, ref):
+        assert torch.isnan(a[1:]).all()
+        assert_close64(a[0], r[0])
+    grad = poison_(torch.empty_like(logits))
+    triton_replay.replay_rows_backward(logits, targets, token_ids, offsets, out[3], out[1], torch.ones(3), torch.ones(3),
+                                       1.0, None, 1.0, grad)
+    assert torch.isnan(grad[1, sets[1]]).all() and torch.isnan(grad[2, sets[2]]).all() and not torch.isnan(grad[0]).any()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for sm_90a (GPU readiness without a GPU)
 # ----------------------------------------------------------------------------------------------------------

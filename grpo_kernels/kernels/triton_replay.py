@@ -201,11 +201,12 @@ def replay_stats_kernel(
         s = s * alpha + tl.sum(ex, 0)
         m = m_new
     ln_s = tl.log(s)  # -inf for an empty row
-    nonempty = s > 0.0
+    nonempty = s != 0.0  # (NaN counts as non-empty: it stays NaN)
     lse = tl.where(nonempty, m + ln_s, float("-inf"))
     # below float32's range (a 3e38 gap): its lowest finite value, as triton_rows; an absent target: -inf
     logp = tl.maximum((z_t - m) - ln_s, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
-    logp = tl.where(z_t == float("-inf"), float("-inf"), logp)
+    # (a NaN logit makes s NaN, whatever the maxima kept: the row's log p stays NaN even if it was the target)
+    logp = tl.where((z_t == float("-inf")) & (s == s), float("-inf"), logp)
     entropy = 0.0
     if WITH_ENTROPY:
         entropy = tl.where(nonempty, ln_s - u / s, 0.0)
