@@ -659,7 +659,8 @@ def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoeffici
 class ReplaySplit:
     """A call's kept sets split by row size (``torch_replay.DENSE_ROW_FRACTION``): the sparse rows' sets
     in CSR form (the dense and the target-less rows' sets emptied, so the sparse kernels skip those rows),
-    and the dense rows' indices with their own sets. ``valid`` [n]: rows with a target."""
+    and the dense rows' indices with their own sets. ``valid`` [n]: rows with a target (``targets`` may
+    hold -1, a target in another vocabulary shard: in no set here). ``vocab_size``: the logits' columns."""
 
     def __init__(self, targets: torch.Tensor, token_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
                  ignore_index: int) -> None:
@@ -668,20 +669,19 @@ class ReplaySplit:
         sizes = offsets[1:] - offsets[:-1]
         dense = self.valid & torch_replay.dense_rows(sizes, vocab_size)
         sparse = self.valid & ~dense
-        row_of = torch_replay.entry_rows(offsets)
-        keep = sparse.index_select(0, row_of)
+        keep = sparse.index_select(0, torch_replay.entry_rows(offsets))
         self.token_ids = token_ids[keep]
         self.offsets = torch.zeros_like(offsets)
         torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
         self.dense = dense.nonzero().squeeze(-1)
-        self.num_dense = self.dense.numel()  # (one sync)
-        self.mask_offsets, self.mask_ids = offsets, token_ids  # all rows' sets (the dense blocks take theirs)
+        self.num_dense = self.dense.numel()
+        self._all = SamplingMask(token_ids, offsets)  # every row's set (the dense blocks take theirs)
 
     def dense_blocks(self, rows_per_block: int):
         """``(index [c], token_ids, offsets)`` per block of the dense rows: their indices and their sets."""
         for start in range(0, self.num_dense, rows_per_block):
             index = self.dense[start:start + rows_per_block]
-            mask = SamplingMask(self.mask_ids, self.mask_offsets).rows(index)
+            mask = self._all.rows(index)
             yield index, mask.token_ids, mask.offsets
 
 
@@ -702,6 +702,7 @@ def _finite_grad(grad_logp: Optional[torch.Tensor], logp: torch.Tensor) -> Optio
     """``grad_logp`` [n] fp32 with 0 where the log-prob is -inf (a target outside its set: no gradient)."""
     if grad_logp is None:
         return None
+    logp = logp.reshape(-1)
     return torch.where(logp > float("-inf"), grad_logp.reshape(-1).float(), torch.zeros((), device=logp.device))
 
 
@@ -722,10 +723,59 @@ def _csr_slice(token_ids: torch.Tensor, offsets: torch.Tensor, rows: slice):
     return token_ids[lo:hi], off - lo
 
 
-def _replay_outputs(split: ReplaySplit, logp, entropy, sum_sq):
+def replay_outputs(split: ReplaySplit, logp, entropy, sum_sq):
     """Rows without a target: 0 everywhere (their sets were emptied: -inf / 0 came out)."""
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     return tuple(torch.where(split.valid, x, zero) for x in (logp, entropy, sum_sq))
+
+
+def replay_rows_stats(logits: torch.Tensor, split: ReplaySplit, transform: LogitTransform, backend: RowBackend,
+                      with_entropy: bool, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [n] fp32 over the sets of logits rows ``[B, T, V]``: the sparse rows by
+    ``backend.replay()`` (reading only the kept entries), the dense ones a block of rows at a time."""
+    n, t, v = split.valid.numel(), logits.shape[1], logits.shape[-1]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    stats = [torch.empty(n, **f32) for _ in range(4)]
+    kernels = backend.replay()
+    for rows, view in _flat_views(logits):
+        ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+        out = kernels.replay_rows_forward(view, split.targets[rows], ids, off, *_transform_args(transform, rows),
+                                          with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+        for buffer, value in zip(stats, out):
+            buffer[rows] = value
+    for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        out = torch_replay.dense_forward(logits[index // t, index % t], split.targets[index], ids, off,
+                                         *_transform_args(transform, index), with_entropy=with_entropy,
+                                         with_sum_sq=with_sum_sq)
+        for buffer, value in zip(stats, out):
+            buffer[index] = value
+    return tuple(stats)
+
+
+def replay_rows_grad(logits: torch.Tensor, split: ReplaySplit, lse: torch.Tensor, entropy: torch.Tensor,
+                     g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], transform: LogitTransform,
+                     backend: RowBackend, out: torch.Tensor) -> None:
+    """``d logits`` into ``out`` (the shape of ``logits [B, T, V]``, or ``logits`` itself): the dense rows'
+    first (an in-place buffer is about to lose their logits), then every row's by the sparse kernels (the
+    whole rows written: 0 off the sets), then the dense rows'."""
+    t, v = logits.shape[1], logits.shape[-1]
+    dense = []
+    for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        dx = torch_replay.dense_backward(
+            logits[index // t, index % t], split.targets[index], ids, off, lse[index], entropy[index],
+            None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
+            *_transform_args(transform, index))
+        dense.append((index, dx.to(out.dtype)))
+    kernels = backend.replay()
+    flat_out = None if out is logits else out.view(-1, v)
+    for rows, source in _flat_views(logits):
+        ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+        kernels.replay_rows_backward(
+            source, split.targets[rows], ids, off, lse[rows], entropy[rows],
+            None if g_logp is None else g_logp[rows], None if g_ent is None else g_ent[rows],
+            *_transform_args(transform, rows), out=source if flat_out is None else flat_out[rows])
+    for index, dx in dense:
+        out[index // t, index % t] = dx
 
 
 class ReplayTokenLogprobsFunction(torch.autograd.Function):
@@ -739,24 +789,9 @@ class ReplayTokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, token_ids, offsets, backend: RowBackend, transform: LogitTransform,
                 ignore_index: int, with_entropy: bool, inplace_backward: bool, with_sum_sq: bool):
-        n, v = targets.numel(), logits.shape[-1]
-        split = ReplaySplit(targets.reshape(-1), token_ids, offsets, v, ignore_index)
-        kernels = backend.replay()
-        f32 = dict(dtype=torch.float32, device=logits.device)
-        logp, entropy, sum_sq, lse = (torch.empty(n, **f32) for _ in range(4))
-        for rows, view in _flat_views(logits):
-            ids, off = _csr_slice(split.token_ids, split.offsets, rows)
-            out = kernels.replay_rows_forward(view, split.targets[rows], ids, off, *_transform_args(transform, rows),
-                                              with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-            for buffer, value in zip((logp, entropy, sum_sq, lse), out):
-                buffer[rows] = value
-        for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
-            x = logits[index // logits.shape[1], index % logits.shape[1]]
-            out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
-                                             with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-            for buffer, value in zip((logp, entropy, sum_sq, lse), out):
-                buffer[index] = value
-        logp, entropy, sum_sq = _replay_outputs(split, logp, entropy, sum_sq)
+        split = ReplaySplit(targets.reshape(-1), token_ids, offsets, logits.shape[-1], ignore_index)
+        logp, entropy, sum_sq, lse = replay_rows_stats(logits, split, transform, backend, with_entropy, with_sum_sq)
+        logp, entropy, sum_sq = replay_outputs(split, logp, entropy, sum_sq)
         ctx.split = split
         shape = targets.shape
         return logprob_forward_outputs(ctx, (logits, lse, entropy, logp), (backend, transform, inplace_backward),
@@ -767,33 +802,68 @@ class ReplayTokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         logits, lse, entropy, logp = ctx.saved_tensors
         backend, transform, inplace_backward = ctx.config
-        split: ReplaySplit = ctx.split
-        v, t = logits.shape[-1], logits.shape[1]
-        g_logp = _finite_grad(grad_logp, logp)
-        g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         out = _gradient_buffer(logits, inplace_backward)
-        # the dense rows' gradients first (an in-place buffer is about to lose those rows' logits)
-        dense = []
-        for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
-            x = logits[index // t, index % t]
-            dx = torch_replay.dense_backward(
-                x, split.targets[index], ids, off, lse[index], entropy[index],
-                None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
-                *_transform_args(transform, index))
-            dense.append((index, dx.to(out.dtype)))
-        kernels = backend.replay()
-        sources = _flat_views(logits)
-        flat_out = None if out is logits else out.view(-1, v)
-        for rows, source in sources:
-            ids, off = _csr_slice(split.token_ids, split.offsets, rows)
-            kernels.replay_rows_backward(
-                source, split.targets[rows], ids, off, lse[rows], entropy[rows],
-                None if g_logp is None else g_logp[rows], None if g_ent is None else g_ent[rows],
-                *_transform_args(transform, rows), out=source if flat_out is None else flat_out[rows])
-        for index, dx in dense:
-            out[index // t, index % t] = dx
+        replay_rows_grad(logits, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+                         None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
         _written_in_place(logits, out)
         return (out,) + (None,) * 9
+
+
+def replay_linear_stats(hidden, weight, bias, split: ReplaySplit, backend: RowBackend, transform: LogitTransform,
+                        with_entropy: bool, chunk_size: int, dtype: torch.dtype, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [n] fp32 over the sets of ``hidden [n, H] @ weight^T (+ bias)``: the sparse
+    rows by ``backend.replay()`` (only the kept rows of the weight read), the dense ones ``chunk_size`` rows
+    of logits at a time. Matmuls in ``dtype``, autocast off."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        stats = backend.replay().replay_linear_forward(
+            hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, *_transform_args(transform),
+            with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+        for index, ids, off in split.dense_blocks(chunk_size):
+            x = torch.nn.functional.linear(hidden.index_select(0, index).to(dtype), w, b)
+            out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
+                                             with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+            for buffer, value in zip(stats, out):
+                buffer[index] = value
+    return stats
+
+
+def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, entropy, g_logp, g_ent, backend: RowBackend,
+                        transform: LogitTransform, chunk_size: int, dtype: torch.dtype,
+                        accumulate_in_weight_dtype: bool, needs: Tuple[bool, bool, bool]):
+    """(d hidden, d weight, d bias), each None unless ``needs`` it, in the inputs' dtypes: the sparse rows'
+    from ``backend.replay()`` (``d weight`` only on the kept ids, deterministic), the dense rows' from their
+    recomputed logits (``d hidden = dx @ W``, ``d W += dx^T @ h``, fp32 or, with
+    ``accumulate_in_weight_dtype``, the weight's dtype), summed."""
+    need_hidden, need_weight, need_bias = needs
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        grad_hidden, grad_weight, grad_bias = backend.replay().replay_linear_backward(
+            hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, lse, entropy, g_logp, g_ent,
+            *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight,
+            needs_bias_grad=need_bias)
+        if split.num_dense:
+            acc = _new_weight_grad(weight, accumulate_in_weight_dtype, 0) if need_weight else None
+            bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+            for index, ids, off in split.dense_blocks(chunk_size):
+                h = hidden.index_select(0, index).to(dtype)
+                dx = torch_replay.dense_backward(
+                    torch.nn.functional.linear(h, w, b), split.targets[index], ids, off, lse[index], entropy[index],
+                    None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
+                    *_transform_args(transform, index))
+                if need_bias:
+                    bias_acc += dx.sum(0)
+                dx = dx.to(dtype)
+                if need_hidden:
+                    grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
+                if need_weight:
+                    _accumulate_weight_grad(acc, dx, h)
+            if need_weight:
+                grad_weight = acc.add_(grad_weight.to(acc.dtype))
+            if need_bias:
+                grad_bias = bias_acc.add_(grad_bias.float())
+    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), _hand_over(grad_weight, weight.dtype),
+            _hand_over(grad_bias, None if bias is None else bias.dtype))
 
 
 class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
@@ -804,29 +874,16 @@ class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
     Sparse rows: ``backend.replay()``'s fused-linear kernels (only the kept rows of the weight are read;
     ``d weight`` written only on them, deterministically). Rows with a large set: the dense masked path,
     ``chunk_size`` rows of logits at a time (the plain fused-linear pass's cost), forward and, recomputed,
-    backward (``d hidden = dx @ W``, ``d W += dx^T @ h``). Matmuls in ``dtype`` (autocast off inside)."""
+    backward (:func:`replay_linear_stats`, :func:`replay_linear_grads`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, token_ids, offsets, backend: RowBackend,
                 transform: LogitTransform, ignore_index: int, with_entropy: bool, chunk_size: int,
                 dtype: torch.dtype, accumulate_in_weight_dtype: bool, with_sum_sq: bool):
-        n, v = hidden.shape[0], weight.shape[0]
-        split = ReplaySplit(targets, token_ids, offsets, v, ignore_index)
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            logp, entropy, sum_sq, lse = backend.replay().replay_linear_forward(
-                hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, *_transform_args(transform),
-                with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-            if split.num_dense:
-                for index, ids, off in split.dense_blocks(chunk_size):
-                    h = hidden.index_select(0, index).to(dtype)
-                    x = torch.nn.functional.linear(h, w, b)
-                    out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
-                                                     with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-                    for buffer, value in zip((logp, entropy, sum_sq, lse), out):
-                        buffer[index] = value
-        logp, entropy, sum_sq = _replay_outputs(split, logp, entropy, sum_sq)
+        split = ReplaySplit(targets, token_ids, offsets, weight.shape[0], ignore_index)
+        logp, entropy, sum_sq, lse = replay_linear_stats(hidden, weight, bias, split, backend, transform, with_entropy,
+                                                         chunk_size, dtype, with_sum_sq)
+        logp, entropy, sum_sq = replay_outputs(split, logp, entropy, sum_sq)
         ctx.split = split
         return logprob_forward_outputs(
             ctx, (hidden, weight, bias, lse, entropy, logp),
@@ -837,39 +894,7 @@ class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
         backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
-        split: ReplaySplit = ctx.split
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        g_logp = _finite_grad(grad_logp, logp)
-        g_ent = None if grad_entropy is None else grad_entropy.float()
-        with torch.autocast(hidden.device.type, enabled=False):
-            w, b = _operands(weight, bias, dtype)
-            grad_hidden, grad_weight, grad_bias = backend.replay().replay_linear_backward(
-                hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, lse, entropy, g_logp, g_ent,
-                *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight,
-                needs_bias_grad=need_bias)
-            if split.num_dense:
-                acc = _new_weight_grad(weight, accumulate_in_weight_dtype, 0) if need_weight else None
-                bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-                for index, ids, off in split.dense_blocks(chunk_size):
-                    h = hidden.index_select(0, index).to(dtype)
-                    x = torch.nn.functional.linear(h, w, b)
-                    dx = torch_replay.dense_backward(
-                        x, split.targets[index], ids, off, lse[index], entropy[index],
-                        None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
-                        *_transform_args(transform, index))
-                    if need_bias:
-                        bias_acc += dx.sum(0)
-                    dx = dx.to(dtype)
-                    if need_hidden:
-                        grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
-                    if need_weight:
-                        _accumulate_weight_grad(acc, dx, h)
-                if need_weight:
-                    grad_weight = acc.add_(grad_weight.to(acc.dtype))
-                if need_bias:
-                    grad_bias = bias_acc.add_(grad_bias.float())
-        return (
-            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            _hand_over(grad_weight, weight.dtype),
-            _hand_over(grad_bias, None if bias is None else bias.dtype),
-        ) + (None,) * 11
+        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+                                    None if grad_entropy is None else grad_entropy.float(), backend, transform,
+                                    chunk_size, dtype, accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
+        return grads + (None,) * 11

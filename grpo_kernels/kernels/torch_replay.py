@@ -130,7 +130,7 @@ def set_stats(z: torch.Tensor, is_target: torch.Tensor, sizes: torch.Tensor, row
                        torch.full((), float("-inf"), device=z.device))
     logp = torch.where(torch.isnan(lse) | torch.isnan(z_t), torch.full_like(logp, float("nan")), logp)
     zero = torch.zeros(n, dtype=torch.float32, device=z.device)
-    entropy, sum_sq = zero, zero
+    entropy, sum_sq = zero, zero.clone()  # (two buffers: a caller may write rows into each)
     if with_entropy or with_sum_sq:
         s_safe = torch.where(s > 0, s, torch.ones_like(s))
         p = e / s_safe.index_select(0, row_of)
@@ -298,6 +298,15 @@ def kept_block(token_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int) 
     return keep
 
 
+def _block_targets(targets: torch.Tensor, keep: torch.Tensor):
+    """(targets [c, 1] safe to gather, bool [c, 1]: the target is a kept column); a target outside
+    ``[0, V)`` (another vocabulary shard's: -1) is in no set."""
+    t = targets.long().unsqueeze(-1)
+    inside = (t >= 0) & (t < keep.shape[-1])
+    t = torch.where(inside, t, torch.zeros_like(t))
+    return t, keep.gather(-1, t) & inside
+
+
 def _masked_z(x: torch.Tensor, keep: torch.Tensor, temperature: Temperature, softcap, logit_scale, with_slope=False):
     out = transform(x, temperature, softcap, logit_scale, with_slope=with_slope)
     z = out[0] if with_slope else out
@@ -313,11 +322,11 @@ def dense_forward(x: torch.Tensor, targets: torch.Tensor, token_ids: torch.Tenso
     keep = kept_block(token_ids, offsets, x.shape[1])
     z = _masked_z(x, keep, temperature, softcap, logit_scale)
     lse = torch.logsumexp(z, dim=-1)
-    t = targets.long().unsqueeze(-1)
+    t, hit = _block_targets(targets, keep)
     finite = lse > float("-inf")
     lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
     z_t = z.gather(-1, t).squeeze(-1)
-    ok = keep.gather(-1, t).squeeze(-1) & (z_t > float("-inf"))
+    ok = hit.squeeze(-1) & (z_t > float("-inf"))
     logp = torch.where(ok, z_t - lse_safe, torch.full((), float("-inf"), device=x.device))
     logp = torch.where(torch.isnan(lse), lse, logp)
     entropy = sum_sq = torch.zeros_like(lse)
@@ -349,7 +358,6 @@ def dense_backward(x: torch.Tensor, targets: torch.Tensor, token_ids: torch.Tens
     if grad_logp is not None:
         g = grad_logp.float().unsqueeze(-1)
         grad.sub_(p * g)
-        t = targets.long().unsqueeze(-1)
-        hit = keep.gather(-1, t)
+        t, hit = _block_targets(targets, keep)
         grad.scatter_add_(-1, t, torch.where(hit, g, torch.zeros_like(g)))
     return grad.mul_(slope)
