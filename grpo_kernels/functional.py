@@ -129,8 +129,11 @@ def token_logprobs(
     sequence), finite and > 0 (a tensor holding a float gives the float's results bitwise).
     ``top_k`` / ``top_p``: the distribution a vLLM sampler draws from, ``softmax(z)`` truncated to the
     top-k, then to the top-p nucleus, and renormalised (vLLM 0.32's rules: ties at the k-th value kept,
-    the largest token always kept; ``None``, ``top_k`` 0 / -1 / >= V and ``top_p`` 1 mean off); a
-    target outside the kept set gets ``-inf``, as vLLM's processed log-probs (``docs/api.md``).
+    the largest token always kept; ``None``, ``top_k`` 0 / -1 / >= V and ``top_p`` 1 mean off); each a
+    number, or a tensor of one value per sequence ``[...][:1]`` (as vLLM takes them per request) or per
+    token ``[...]`` (``top_k`` integer, ``top_p`` floating; a row's "off" value leaves it untruncated); a
+    target outside the kept set (or a kept one whose logit is -inf) gets ``-inf``, as vLLM's processed
+    log-probs (``docs/api.md``).
     Returns ``logp``, or ``(logp,)`` + ``(entropy,)`` if ``return_entropy`` + ``(sum_probs_sq,)`` if
     ``return_sum_probs_sq``: the entropy and the (detached) sum of squared probabilities of the same
     distribution, float32 [...].

@@ -79,6 +79,9 @@ TOP_K_OFF = (0, -1)  # vLLM's values that disable top-k (as None does here)
 # the three per request), and how their error messages name the number they otherwise are
 ROW_FIELDS = ("temperature", "top_k", "top_p")
 _ROW_FIELD_NUMBER = {"temperature": "a float", "top_k": "an int", "top_p": "a float"}
+# (the flat keywords' annotations of those fields, as help() shows them: the number or a tensor)
+_ROW_FIELD_ANNOTATIONS = {"temperature": "Union[float, torch.Tensor]", "top_k": "Union[int, torch.Tensor, None]",
+                          "top_p": "Union[float, torch.Tensor, None]"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -560,6 +563,7 @@ def grpo_keywords(fn: F) -> F:
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     for cls in (GRPOInputs, GRPOOptions):
         for f in dataclasses.fields(cls):
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+            annotation = _ROW_FIELD_ANNOTATIONS.get(f.name, f.type) if cls is GRPOOptions else f.type
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
     call.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

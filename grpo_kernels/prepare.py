@@ -40,8 +40,8 @@ class LogprobKeywords(NamedTuple):
     return_entropy: bool = False
     softcap: Optional[float] = None
     logit_scale: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    top_k: Union[int, torch.Tensor, None] = None
+    top_p: Union[float, torch.Tensor, None] = None
     return_sum_probs_sq: bool = False
     sampling_mask: Optional[SamplingMask] = None
 
