@@ -649,19 +649,18 @@ class VLLMRollout:
         # the kept sets from the top log-probs: top_k + 1 of them tell a complete set from one cut short
         self.vocab_size = _vocab_size(config)
         self.set_logprobs = self.vocab_size if top_k is None else min(self.vocab_size, top_k + 1)
-        if top_k is not None and "max_logprobs" not in engine_kwargs:
+        if return_sampling_mask and top_k is not None and "max_logprobs" not in engine_kwargs:
             options["max_logprobs"] = max(20, self.set_logprobs)  # (vLLM's default: 20)
         options.update(engine_kwargs)
         self.sleeps = bool(options.get("enable_sleep_mode", False))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine starts)
-        self._told: set = set()
-        _tell_once(self._told, "VLLMRollout", generation_settings(generation))
+        _tell_once(set(), "VLLMRollout", generation_settings(generation))  # (vLLM would apply them too)
 
         with _process_state_kept():  # (importing vLLM changes the environment too)
             from vllm import LLM
 
-            # where the kept sets come from: the engine's own, its top log-probs, or nowhere (recomputed)
-            self.sets_from = None
+            # where the kept sets come from: "engine" (its own), "logprobs" (its top log-probs), None (the loss recomputes)
+            self.sets_from: Optional[str] = None
             if return_sampling_mask and (top_k is not None or top_p < 1.0):
                 self.sets_from = self._sets_source(options, top_k)
                 if self.sets_from == "engine":

@@ -308,11 +308,13 @@ def logits64(model, out) -> torch.Tensor:
     return logits[:, out.prompt_ids.shape[1] - 1 : -1]
 
 
-def test_a_models_repetition_penalty_does_not_change_the_draw(caplog):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_models_repetition_penalty_does_not_change_the_draw(caplog, lora):
     """A model whose generation config has repetition_penalty=1.1 (and no_repeat_ngram_size=3): transformers'
     generate would apply them before the sampler, so that top_k=1 drew tokens the loss's top_k=1 scores
     -inf. HFGenerate leaves them out, says which at INFO (once), and restores the model's config: its top_k=1
-    completions are the argmax of the model's own logits (float64), every one finite under the loss."""
+    completions are the argmax of the model's own logits (float64), every one finite under the loss. The same
+    through a peft model (whose generate copies its generation config into the model it wraps)."""
     import logging
 
     from grpo.rollout import _SampleAsVLLM
@@ -320,6 +322,9 @@ def test_a_models_repetition_penalty_does_not_change_the_draw(caplog):
 
     model, tokenizer = counting_model(seed=0, repetition_penalty=1.1, no_repeat_ngram_size=3)
     policy = as_policy(model)
+    if lora:  # (adapters that start at 0: the same model)
+        peft = pytest.importorskip("peft")
+        policy = as_policy(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0)))
     cfg = GRPOConfig(backend="torch", top_k=1, sampling_replay=False, max_new_tokens=16)
     engine = HFGenerate(tokenizer, max_new_tokens=16, bf16=False, top_k=1)
 
