@@ -18,8 +18,8 @@ from helpers import DEVICE, assert_close64, poison_, poison_allocations
 
 from grpo_kernels.kernels import triton_replay
 
-# Tiny tiles: sets span several blocks of entries, H several tiles, runs of equal ids several windows.
-TINY = dict(BLOCK_E=4, BLOCK_H=16, BLOCK_K=4, BLOCK_P=4)
+# Tiny tiles: sets and runs of equal ids span several blocks of entries, H several tiles.
+TINY = dict(BLOCK_E=4, BLOCK_H=16, BLOCK_K=4, BLOCK_R=2, BLOCK_HG=16)
 
 
 @pytest.fixture
@@ -222,8 +222,8 @@ def test_linear_one_incoming_gradient_and_outputs_not_asked(which, tiny_blocks, 
 
 
 def test_linear_weight_grad_is_deterministic_and_sums_shared_ids(tiny_blocks):
-    """Many rows keep the same few ids (runs longer than a window and a block): d weight has the same bits
-    on two runs, and equals the float64 sum."""
+    """Many rows keep the same few ids (runs of up to 9 entries, several blocks deep): d weight has the same
+    bits on two runs, and equals the float64 sum."""
     gen = torch.Generator().manual_seed(5)
     V, H, n = 13, 40, 9
     sets = [[3, 7, 1], [7], [7, 3], [0, 7, 12, 3, 5], [7, 3], [], [3], [7, 1, 3], list(range(V))]

@@ -41,11 +41,11 @@ cap or scale compiles no new kernel; ``PER_ROW_T`` loads a row's ``1 / T`` inste
 - ``replay_hidden_grad_kernel`` (program ``(row, H tile)``): ``d h_i = sum_j dx_j W[id_j]``, summed in the
   entries' order: deterministic.
 - ``replay_weight_grad_kernel``: ``d W[v] = sum_{j: id_j = v} dx_j h_{row(j)}`` (and ``d b[v] = sum dx_j``)
-  without atomics. The launcher sorts the entries by id once (stable ``torch.sort``, and the end of each
-  run of equal ids by ``torch.searchsorted``: no host synchronisation); program ``(window, H tile)`` owns
-  the runs that start in its window of ``BLOCK_P`` sorted positions and sums each run in its fixed
-  order, so ``d W`` has the same bits on every run. Rows of ``d W`` off the kept ids stay the zeros of
-  its allocation.
+  without atomics. The launcher sorts the entries by id once (stable ``torch.sort``; the end of each run
+  of equal ids by ``torch.searchsorted``; ``dx`` and the rows gathered into that order: no host
+  synchronisation); program ``p`` owns the run that starts at sorted position ``p`` (the others return
+  at once) and sums it in its fixed order over every tile of ``H``, so ``d W`` has the same bits on
+  every run. Rows of ``d W`` off the kept ids stay the zeros of its allocation.
 - ``replay_scatter_kernel``: the from-logits gradient's kept entries into the output row, after the
   launcher zero-fills it (the coefficients are formed first, so ``out`` may be ``logits`` itself).
 """
@@ -244,43 +244,39 @@ def replay_hidden_grad_kernel(
 
 @triton.jit
 def replay_weight_grad_kernel(
-    dx_ptr, hidden_ptr, stride_h, sorted_ids_ptr, order_ptr, run_end_ptr, entry_rows_ptr,
-    grad_w_ptr, stride_gw, grad_b_ptr, K, H,
-    WITH_WEIGHT: tl.constexpr, WITH_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    dx_ptr, hidden_ptr, stride_h, sorted_ids_ptr, run_end_ptr, rows_ptr, grad_w_ptr, stride_gw, grad_b_ptr, H,
+    WITH_WEIGHT: tl.constexpr, WITH_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Program (window, H tile): for each run of equal ids that starts in sorted positions
-    ``[pid * BLOCK_P, (pid + 1) * BLOCK_P)``, ``d W[id] = sum dx_j h_{row(j)}`` over the run in its
-    (stable-sorted) order, fp32, stored in the weight's dtype; ``d b[id] = sum dx_j`` (by the first H tile).
-    No two programs write one row and every sum has a fixed order: the same bits on every run."""
-    p_lo = tl.program_id(0).to(tl.int64) * BLOCK_P
-    h_tile = tl.program_id(1)
-    h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = h < H
-    for p in range(p_lo, tl.minimum(p_lo + BLOCK_P, K)):
-        vid = tl.load(sorted_ids_ptr + p).to(tl.int64)
-        prev = tl.load(sorted_ids_ptr + tl.maximum(p - 1, 0)).to(tl.int64)
-        if (p == 0) | (prev != vid):  # a run starts here
-            end = tl.load(run_end_ptr + p)
-            acc = tl.zeros((BLOCK_E, BLOCK_H), tl.float32)
-            acc_b = tl.zeros((BLOCK_E,), tl.float32)
-            for q0 in range(p, end, BLOCK_E):
-                q = q0 + tl.arange(0, BLOCK_E)
-                mask = q < end
-                entry = tl.load(order_ptr + q, mask=mask, other=0)
-                dx = tl.load(dx_ptr + entry, mask=mask, other=0.0)
-                if WITH_WEIGHT:
-                    rows = tl.load(entry_rows_ptr + entry, mask=mask, other=0).to(tl.int64)
+    """Program ``p`` (a position of the entries sorted by id; ``dx`` and ``rows`` in that order): if a run of
+    equal ids starts there, ``d W[id] = sum dx_j h_{row(j)}`` over the run, ``BLOCK_R`` entries at a time in
+    its (stable-sorted) order, for every ``BLOCK_H`` tile of ``H``; fp32, stored in the weight's dtype, and
+    ``d b[id] = sum dx_j``. Other programs return at once. One program per row of ``d W`` and a fixed order
+    in every sum: the same bits on every run."""
+    p = tl.program_id(0).to(tl.int64)
+    vid = tl.load(sorted_ids_ptr + p).to(tl.int64)
+    prev = tl.load(sorted_ids_ptr + tl.maximum(p - 1, 0)).to(tl.int64)
+    if (p == 0) | (prev != vid):
+        end = tl.load(run_end_ptr + p)
+        if WITH_WEIGHT:
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                h_mask = h < H
+                acc = tl.zeros((BLOCK_R, BLOCK_H), tl.float32)
+                for q0 in range(p, end, BLOCK_R):  # (the run's dx and rows stay in L1 across the H tiles)
+                    q = q0 + tl.arange(0, BLOCK_R)
+                    mask = q < end
+                    dx = tl.load(dx_ptr + q, mask=mask, other=0.0)
+                    rows = tl.load(rows_ptr + q, mask=mask, other=0).to(tl.int64)
                     hid = tl.load(hidden_ptr + rows[:, None] * stride_h + h[None, :],
                                   mask=mask[:, None] & h_mask[None, :], other=0.0)
                     acc += dx[:, None] * hid.to(tl.float32)
-                if WITH_BIAS:
-                    acc_b += dx
-            if WITH_WEIGHT:
                 tl.store(grad_w_ptr + vid * stride_gw + h, tl.sum(acc, 0).to(grad_w_ptr.dtype.element_ty), mask=h_mask)
-            if WITH_BIAS:
-                if h_tile == 0:
-                    tl.store(grad_b_ptr + vid, tl.sum(acc_b, 0).to(grad_b_ptr.dtype.element_ty))
+        if WITH_BIAS:
+            acc_b = tl.zeros((BLOCK_R,), tl.float32)
+            for q0 in range(p, end, BLOCK_R):
+                q = q0 + tl.arange(0, BLOCK_R)
+                acc_b += tl.load(dx_ptr + q, mask=q < end, other=0.0)
+            tl.store(grad_b_ptr + vid, tl.sum(acc_b, 0).to(grad_b_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -299,12 +295,16 @@ def replay_scatter_kernel(dx_ptr, ids_ptr, entry_rows_ptr, out_ptr, stride_out, 
 # launchers (the contract of docs / notes: same signatures as kernels/torch_replay.py)
 # --------------------------------------------------------------------------------------------------
 def _blocks(hidden_size: int, dtype: torch.dtype) -> Dict[str, int]:
-    """Tile sizes: ``BLOCK_H`` columns of 16-byte vectors (256 bf16 / 128 fp32 elements), ``BLOCK_E`` = 16
-    entries a tile (the mean kept set is ~8, the median 2: entries from several rows share one), a row's
-    entries ``BLOCK_K`` = 32 at a time in the statistics, ``BLOCK_P`` = 16 sorted positions a window."""
+    """Tile sizes. The entries kernel: ``BLOCK_E`` = 32 entries by ``BLOCK_H`` = 256 bytes of each row (128
+    bf16 / 64 fp32 elements: two 16-byte vectors per thread of 4 warps, per operand; the mean kept set is ~8,
+    the median 2, so entries of several rows share a tile). The statistics: a row's entries ``BLOCK_K`` =
+    32 at a time. The gradient kernels: ``BLOCK_R`` = 8 entries (of a row, or of a run of one id) by
+    ``BLOCK_HG`` = 1 KB of each row (512 bf16 / 256 fp32), so a typical set or run is one tile deep and
+    each thread still has 128 bytes of loads in flight. (From the sm_90a SASS of the entries kernel: ~70 KB
+    of loads in flight per SM with 5 CTAs, above an H200's ~25 KB latency-bandwidth product per SM.)"""
     size = torch.empty((), dtype=dtype).element_size()
-    out = dict(BLOCK_E=16, BLOCK_H=min(512 // size, triton.next_power_of_2(max(hidden_size, 1))), BLOCK_K=32,
-               BLOCK_P=16)
+    h = triton.next_power_of_2(max(hidden_size, 1))
+    out = dict(BLOCK_E=32, BLOCK_H=min(256 // size, h), BLOCK_K=32, BLOCK_R=8, BLOCK_HG=min(1024 // size, h))
     if BLOCKS_OVERRIDE:
         out.update(BLOCKS_OVERRIDE)
     return out
@@ -444,13 +444,12 @@ def replay_linear_backward(
     dx = _entries(hidden, weight, bias, token_ids, entry_rows, tf, blocks,
                   grad=_grad_rows(targets, lse, entropy, grad_logp, grad_entropy))
     d_hidden = d_weight = d_bias = None
-    h_tiles = triton.cdiv(h, blocks["BLOCK_H"])
     if needs_hidden_grad:
         d_hidden = torch.empty_like(hidden)
         if n > 0:
-            replay_hidden_grad_kernel[(n, h_tiles)](
+            replay_hidden_grad_kernel[(n, triton.cdiv(h, blocks["BLOCK_HG"]))](
                 dx, weight, weight.stride(0), token_ids, offsets, d_hidden, d_hidden.stride(0), h,
-                BLOCK_K=blocks["BLOCK_E"], BLOCK_H=blocks["BLOCK_H"], num_warps=4,
+                BLOCK_K=blocks["BLOCK_R"], BLOCK_H=blocks["BLOCK_HG"], num_warps=4,
             )
     with_bias = needs_bias_grad and bias is not None
     if needs_weight_grad:
@@ -461,12 +460,12 @@ def replay_linear_backward(
         # one stable sort by id: each run of equal ids is summed by one program, in entry order
         sorted_ids, order = torch.sort(token_ids, stable=True)
         run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
-        replay_weight_grad_kernel[(triton.cdiv(k, blocks["BLOCK_P"]), h_tiles if needs_weight_grad else 1)](
-            dx, hidden, hidden.stride(0), sorted_ids, order, run_end, entry_rows,
+        replay_weight_grad_kernel[(k,)](
+            dx[order], hidden, hidden.stride(0), sorted_ids, run_end, entry_rows[order],
             dx if d_weight is None else d_weight, d_weight.stride(0) if needs_weight_grad else 0,
-            dx if d_bias is None else d_bias, k, h,
-            WITH_WEIGHT=bool(needs_weight_grad), WITH_BIAS=with_bias,
-            BLOCK_P=blocks["BLOCK_P"], BLOCK_E=blocks["BLOCK_E"], BLOCK_H=blocks["BLOCK_H"], num_warps=4,
+            dx if d_bias is None else d_bias, h,
+            WITH_WEIGHT=bool(needs_weight_grad), WITH_BIAS=with_bias, BLOCK_R=blocks["BLOCK_R"],
+            BLOCK_H=blocks["BLOCK_HG"], num_warps=4,
         )
     return d_hidden, d_weight, d_bias
 
