@@ -34,8 +34,10 @@ cap or scale compiles no new kernel; ``PER_ROW_T`` loads a row's ``1 / T`` inste
       d log p / d z_j = [id_j = t] - p_j          d H / d z_j = -p_j (ln p_j + H)
       dx_j = (g ([id_j = t] - p_j) - e p_j (z_j - lse + H)) * dz/dx_j
 
-  with the target's ``1 - p_t`` formed accurately (``triton_rows._one_minus_exp``) and ``ln p`` clamped
-  at -256 before it multiplies ``p`` (``p = 0`` there anyway; no ``0 * -inf``). A kept ``x = -inf`` (from
+  with ``ln p_j = z_j - lse`` from the forward's fp32 ``lse`` (the contract's: a confident target's
+  ``1 - p_t``, formed accurately by ``triton_rows._one_minus_exp``, still carries ``lse``'s rounding,
+  ~``|lse| 2^-24`` absolute) and clamped at -256 before it multiplies ``p`` (``p = 0`` there anyway; no
+  ``0 * -inf``). A kept ``x = -inf`` (from
   logits) has ``z = -inf`` (even with a cap, where ``tanh`` would give ``-softcap``), ``p = 0`` and
   ``dx = 0``.
 - ``replay_hidden_grad_kernel`` (program ``(row, H tile)``): ``d h_i = sum_j dx_j W[id_j]``, summed in the
