@@ -382,9 +382,12 @@ def test_vllms_own_sampler_keeps_the_same_tokens_per_row():
     except TypeError:
         processed = apply(z.clone(), k, p)
     vllm_kept = torch.isfinite(processed)
+    assert vllm_kept[0].all() and not vllm_kept.all(), "rows off (row 0: k = V, p = 1) and rows truncated"
+    vllm_logp = torch.log_softmax(processed, -1)  # (its processed log-probs, at temperature 1)
     ids = torch.arange(v)
     for backend in ("torch", "reference"):
         for row in range(n):  # every token of the row as a target, the row's k / p as a [V] tensor
             logp = gk.token_logprobs(z[row].expand(v, v), ids, top_k=k[row].expand(v), top_p=p[row].expand(v),
                                      backend=backend)
             assert torch.equal(torch.isfinite(logp), vllm_kept[row]), (backend, row)
+            assert_close64(logp, vllm_logp[row].double(), scale=5, what=f"{backend} row {row}")
