@@ -391,3 +391,24 @@ def test_vllms_own_sampler_keeps_the_same_tokens_per_row():
                                      backend=backend)
             assert torch.equal(torch.isfinite(logp), vllm_kept[row]), (backend, row)
             assert_close64(logp, vllm_logp[row].double(), scale=5, what=f"{backend} row {row}")
+
+
+def test_per_sequence_tensors_trace_under_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True, aot_eager) through the Triton backend with [B] top_k / top_p tensors:
+    no graph break (the tensors reach the custom op as its top_k_rows / top_p_rows), the eager answer
+    and gradient bitwise."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 3, 19, generator=g).to(DEVICE), torch.randint(0, 19, (2, 3), generator=g).to(DEVICE)
+    k, p = torch.tensor([4, -1], device=DEVICE), torch.tensor([0.8, 0.6], device=DEVICE)
+
+    def fn(x, t, k, p):
+        lp, ent = gk.token_logprobs(x, t, top_k=k, top_p=p, return_entropy=True, backend="triton")
+        return _finite(lp).sum() + ent.sum()
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = fn(xa, t, k, p)
+    eager.backward()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(xb, t, k, p)
+    compiled.backward()
+    assert torch.equal(eager, compiled) and torch.equal(xa.grad, xb.grad)
