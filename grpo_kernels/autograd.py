@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, Iterator, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -669,20 +669,114 @@ class ReplaySplit:
         sizes = offsets[1:] - offsets[:-1]
         dense = self.valid & torch_replay.dense_rows(sizes, vocab_size)
         sparse = self.valid & ~dense
-        keep = sparse.index_select(0, torch_replay.entry_rows(offsets))
-        self.token_ids = token_ids[keep]
-        self.offsets = torch.zeros_like(offsets)
-        torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
-        self.dense = dense.nonzero().squeeze(-1)
-        self.num_dense = self.dense.numel()
-        self._all = SamplingMask(token_ids, offsets)  # every row's set (the dense blocks take theirs)
+        num_sparse, self.num_dense = (int(x) for x in torch.stack([sparse.sum(), dense.sum()]).tolist())
+        row_of = torch_replay.entry_rows(offsets) if num_sparse < sparse.numel() else None  # (else: all sparse)
+        # the sparse rows' sets (the whole CSR when every row is sparse: no copy)
+        if row_of is None:
+            self.token_ids, self.offsets = token_ids, offsets
+        else:
+            self.token_ids = token_ids[sparse.index_select(0, row_of)] if num_sparse else token_ids[:0]
+            self.offsets = torch.zeros_like(offsets)
+            torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
+        # the dense rows' sets, in their order: ids, and each entry's position among the dense rows
+        self.dense = dense.nonzero().squeeze(-1) if self.num_dense else dense.new_zeros(0, dtype=torch.int64)
+        dense_sizes = sizes.index_select(0, self.dense)
+        self.dense_offsets = torch.zeros(self.num_dense + 1, dtype=torch.int64, device=offsets.device)
+        torch.cumsum(dense_sizes, 0, out=self.dense_offsets[1:])
+        if self.num_dense == dense.numel():  # every row dense: the whole CSR
+            self.dense_ids, self.dense_rows_of = token_ids, row_of
+        elif self.num_dense:
+            entries = dense.index_select(0, row_of)
+            self.dense_ids = token_ids[entries]
+            self.dense_rows_of = torch.repeat_interleave(
+                torch.arange(self.num_dense, device=offsets.device), dense_sizes, output_size=self.dense_ids.numel())
+        else:
+            self.dense_ids = self.dense_rows_of = token_ids[:0]
+        self.dense_stats: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (row_max, log_sum) [D], the forward's
 
     def dense_blocks(self, rows_per_block: int):
-        """``(index [c], token_ids, offsets)`` per block of the dense rows: their indices and their sets."""
-        for start in range(0, self.num_dense, rows_per_block):
-            index = self.dense[start:start + rows_per_block]
-            mask = self._all.rows(index)
-            yield index, mask.token_ids, mask.offsets
+        """``DenseBlock`` per block of at most ``rows_per_block`` dense rows (one device sync for the bounds)."""
+        if not self.num_dense:
+            return
+        starts = list(range(0, self.num_dense, rows_per_block)) + [self.num_dense]
+        bounds = self.dense_offsets[torch.tensor(starts, device=self.dense_offsets.device)].tolist()
+        for b in range(len(starts) - 1):
+            start, stop, e0, e1 = starts[b], starts[b + 1], bounds[b], bounds[b + 1]
+            yield DenseBlock(slice(start, stop), self.dense[start:stop], self.dense_ids[e0:e1],
+                             self.dense_rows_of[e0:e1] - start, self.dense_offsets[start:stop + 1] - e0)
+
+
+class DenseBlock(NamedTuple):
+    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, the sets as
+    (``ids``, ``rows`` local to the block) pairs and in CSR form (``offsets``)."""
+
+    part: slice
+    index: torch.Tensor
+    ids: torch.Tensor
+    rows: torch.Tensor
+    offsets: torch.Tensor
+
+
+_OUTSIDE = -1  # the target of a dense row whose target is not in its set (backward_rows: no one-hot term)
+_NO_IGNORE = -2  # (dense rows all have targets)
+
+
+def _dense_block_stats(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, transform: LogitTransform,
+                       backend: RowBackend, with_entropy: bool, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [c] of a block of dense rows, their logits ``x [c, V]`` materialised
+    (overwritten). Without a soft cap the ids off a set are set to ``-inf`` in place and the backend's plain
+    row pass runs on them (``z = slope x`` keeps ``-inf``): the full-vocabulary pass's cost and kernel, plus
+    one masked fill; its ``(row_max, log_sum)`` are kept for the backward. With a cap (``tanh(-inf)`` is
+    finite) ``torch_replay.dense_forward``."""
+    targets = split.targets.index_select(0, block.index)
+    tf = transform.rows(block.index)
+    if transform.softcap is not None:
+        return torch_replay.dense_forward(x, targets, block.ids, block.offsets, *_transform_args(transform, block.index),
+                                          with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+    drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    drop[block.rows, block.ids] = False
+    x.masked_fill_(drop, float("-inf"))
+    t, hit = torch_replay._block_targets(targets, ~drop)
+    hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))  # (a kept -inf logit: out too)
+    stats = backend.forward_rows(x.unsqueeze(0), torch.where(hit, t.squeeze(-1), 0).unsqueeze(0), tf, _NO_IGNORE,
+                                 with_entropy, with_sum_sq)
+    if split.dense_stats is None:
+        f32 = dict(dtype=torch.float32, device=x.device)
+        split.dense_stats = (torch.empty(split.num_dense, **f32), torch.empty(split.num_dense, **f32))
+    split.dense_stats[0][block.part], split.dense_stats[1][block.part] = stats.row_max[0], stats.log_sum[0]
+    lse = backend.log_normalizer(stats.row_max, stats.log_sum, tf)[0]
+    logp = torch.where(hit, stats.logp[0], torch.full((), float("-inf"), device=x.device))
+    zeros = torch.zeros_like(lse)
+    return (logp, stats.entropy[0] if with_entropy else zeros,
+            stats.sum_probs_sq[0] if with_sum_sq else zeros, lse)
+
+
+def _dense_block_grad(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, lse: torch.Tensor, lse_forward,
+                      entropy: torch.Tensor, g_logp, g_ent, transform: LogitTransform, backend: RowBackend):
+    """``d x`` of a block of dense rows (``x [c, V]`` their logits, overwritten by the gradient where the
+    backend writes in place): the masked logits through the backend's ``backward_rows`` with the normaliser
+    ``lse`` (the forward's ``lse_forward`` shifted: another vocabulary shard's mass), or, with a soft cap,
+    ``torch_replay.dense_backward`` (fp32)."""
+    index = block.index
+    targets = split.targets.index_select(0, index)
+    g = None if g_logp is None else g_logp.index_select(0, index)
+    e = None if g_ent is None else g_ent.index_select(0, index)
+    if transform.softcap is not None:
+        return torch_replay.dense_backward(x, targets, block.ids, block.offsets, lse.index_select(0, index),
+                                           entropy.index_select(0, index), g, e, *_transform_args(transform, index))
+    drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    drop[block.rows, block.ids] = False
+    x.masked_fill_(drop, float("-inf"))
+    t, hit = torch_replay._block_targets(targets, ~drop)
+    hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))
+    row_max, log_sum = (s[block.part] for s in split.dense_stats)
+    log_sum = backend.shift_log_sum(log_sum, lse.index_select(0, index) - lse_forward.index_select(0, index))
+    rows = x.unsqueeze(0)
+    backend.backward_rows(rows, torch.where(hit, t.squeeze(-1), _OUTSIDE).unsqueeze(0), row_max.unsqueeze(0),
+                          log_sum.unsqueeze(0), entropy.index_select(0, index).unsqueeze(0),
+                          None if g is None else g.unsqueeze(0), None if e is None else e.unsqueeze(0),
+                          transform.rows(index), _NO_IGNORE, rows)
+    return x
 
 
 def _replay_temperature(transform: LogitTransform, index=None):
@@ -743,29 +837,27 @@ def replay_rows_stats(logits: torch.Tensor, split: ReplaySplit, transform: Logit
                                           with_entropy=with_entropy, with_sum_sq=with_sum_sq)
         for buffer, value in zip(stats, out):
             buffer[rows] = value
-    for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
-        out = torch_replay.dense_forward(logits[index // t, index % t], split.targets[index], ids, off,
-                                         *_transform_args(transform, index), with_entropy=with_entropy,
-                                         with_sum_sq=with_sum_sq)
+    for block in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        x = logits[block.index // t, block.index % t]  # (a copy: masked in place)
+        out = _dense_block_stats(x, block, split, transform, backend, with_entropy, with_sum_sq)
         for buffer, value in zip(stats, out):
-            buffer[index] = value
+            buffer[block.index] = value
     return tuple(stats)
 
 
-def replay_rows_grad(logits: torch.Tensor, split: ReplaySplit, lse: torch.Tensor, entropy: torch.Tensor,
-                     g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], transform: LogitTransform,
-                     backend: RowBackend, out: torch.Tensor) -> None:
+def replay_rows_grad(logits: torch.Tensor, split: ReplaySplit, lse: torch.Tensor, lse_forward: torch.Tensor,
+                     entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
+                     transform: LogitTransform, backend: RowBackend, out: torch.Tensor) -> None:
     """``d logits`` into ``out`` (the shape of ``logits [B, T, V]``, or ``logits`` itself): the dense rows'
     first (an in-place buffer is about to lose their logits), then every row's by the sparse kernels (the
-    whole rows written: 0 off the sets), then the dense rows'."""
+    whole rows written: 0 off the sets), then the dense rows'. ``lse``: the normaliser of each set (another
+    shard's mass included), ``lse_forward`` the forward's own."""
     t, v = logits.shape[1], logits.shape[-1]
     dense = []
-    for index, ids, off in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
-        dx = torch_replay.dense_backward(
-            logits[index // t, index % t], split.targets[index], ids, off, lse[index], entropy[index],
-            None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
-            *_transform_args(transform, index))
-        dense.append((index, dx.to(out.dtype)))
+    for block in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        x = logits[block.index // t, block.index % t]
+        dx = _dense_block_grad(x, block, split, lse, lse_forward, entropy, g_logp, g_ent, transform, backend)
+        dense.append((block.index, dx.to(out.dtype)))
     kernels = backend.replay()
     flat_out = None if out is logits else out.view(-1, v)
     for rows, source in _flat_views(logits):
@@ -803,7 +895,7 @@ class ReplayTokenLogprobsFunction(torch.autograd.Function):
         logits, lse, entropy, logp = ctx.saved_tensors
         backend, transform, inplace_backward = ctx.config
         out = _gradient_buffer(logits, inplace_backward)
-        replay_rows_grad(logits, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+        replay_rows_grad(logits, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
                          None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
         _written_in_place(logits, out)
         return (out,) + (None,) * 9
@@ -819,16 +911,16 @@ def replay_linear_stats(hidden, weight, bias, split: ReplaySplit, backend: RowBa
         stats = backend.replay().replay_linear_forward(
             hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, *_transform_args(transform),
             with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-        for index, ids, off in split.dense_blocks(chunk_size):
-            x = torch.nn.functional.linear(hidden.index_select(0, index).to(dtype), w, b)
-            out = torch_replay.dense_forward(x, split.targets[index], ids, off, *_transform_args(transform, index),
-                                             with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+        for block in split.dense_blocks(chunk_size):
+            x = torch.nn.functional.linear(hidden.index_select(0, block.index).to(dtype), w, b)
+            out = _dense_block_stats(x, block, split, transform, backend, with_entropy, with_sum_sq)
             for buffer, value in zip(stats, out):
-                buffer[index] = value
+                buffer[block.index] = value
     return stats
 
 
-def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, entropy, g_logp, g_ent, backend: RowBackend,
+def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forward, entropy, g_logp, g_ent,
+                        backend: RowBackend,
                         transform: LogitTransform, chunk_size: int, dtype: torch.dtype,
                         accumulate_in_weight_dtype: bool, needs: Tuple[bool, bool, bool]):
     """(d hidden, d weight, d bias), each None unless ``needs`` it, in the inputs' dtypes: the sparse rows'
@@ -845,14 +937,13 @@ def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, entropy, 
         if split.num_dense:
             acc = _new_weight_grad(weight, accumulate_in_weight_dtype, 0) if need_weight else None
             bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-            for index, ids, off in split.dense_blocks(chunk_size):
+            for block in split.dense_blocks(chunk_size):
+                index = block.index
                 h = hidden.index_select(0, index).to(dtype)
-                dx = torch_replay.dense_backward(
-                    torch.nn.functional.linear(h, w, b), split.targets[index], ids, off, lse[index], entropy[index],
-                    None if g_logp is None else g_logp[index], None if g_ent is None else g_ent[index],
-                    *_transform_args(transform, index))
+                dx = _dense_block_grad(torch.nn.functional.linear(h, w, b), block, split, lse, lse_forward, entropy,
+                                       g_logp, g_ent, transform, backend)
                 if need_bias:
-                    bias_acc += dx.sum(0)
+                    bias_acc += dx.sum(0, dtype=torch.float32)
                 dx = dx.to(dtype)
                 if need_hidden:
                     grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
@@ -894,7 +985,7 @@ class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
         backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
-        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
                                     None if grad_entropy is None else grad_entropy.float(), backend, transform,
                                     chunk_size, dtype, accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
         return grads + (None,) * 11

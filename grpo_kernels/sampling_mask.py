@@ -101,6 +101,44 @@ def _from_sets(sets: Iterable[Sequence[int]], device: Optional[Union[str, torch.
     return SamplingMask(token_ids.to(device), offsets.to(device))
 
 
+# Elements of the [rows, V] bitmap one block of the duplicate check marks (16 MiB of bools).
+_BITMAP_ELEMENTS = 1 << 24
+
+
+def _sorted_repeat(token_ids: torch.Tensor, sizes: torch.Tensor, vocab_size: int):
+    """:func:`_first_repeat` by sorting the ``position * V + id`` keys."""
+    row_of = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes,
+                                     output_size=token_ids.numel())
+    key, _ = torch.sort(row_of * vocab_size + token_ids)
+    dup = key[1:] == key[:-1]
+    if not bool(dup.any()):
+        return None
+    at = int(key[1:][dup][0])
+    return at // vocab_size, at % vocab_size
+
+
+def _first_repeat(token_ids: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor, vocab_size: int):
+    """(position, id) of an id repeated within one set, or None. Few entries per position (``K`` well under
+    ``N V / 8``): sort the ``(position, id)`` keys, a repeat is two equal neighbours (``O(K log K)``). Large
+    sets: mark each block of positions' ids in a ``[rows, V]`` bitmap, a repeat marks fewer cells than
+    entries (``O(K + N V)``, no sort of millions of keys)."""
+    n, k = sizes.numel(), token_ids.numel()
+    if k * 8 < n * vocab_size:
+        return _sorted_repeat(token_ids, sizes, vocab_size)
+    rows_per_block = max(1, _BITMAP_ELEMENTS // vocab_size)
+    for start in range(0, n, rows_per_block):
+        stop = min(n, start + rows_per_block)
+        lo, hi = int(offsets[start]), int(offsets[stop])
+        local = torch.repeat_interleave(torch.arange(stop - start, device=offsets.device), sizes[start:stop],
+                                        output_size=hi - lo)
+        seen = torch.zeros(stop - start, vocab_size, dtype=torch.bool, device=offsets.device)
+        seen[local, token_ids[lo:hi]] = True
+        if int(seen.sum()) != hi - lo:  # a repeat: find it among this block's keys
+            found = _sorted_repeat(token_ids[lo:hi], sizes[start:stop], vocab_size)
+            return (start + found[0], found[1]) if found is not None else None
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class SamplingMask:
     """Per-token kept sets in CSR form (API.md contract v5).
@@ -275,13 +313,9 @@ class SamplingMask:
             row = int(torch.searchsorted(offsets, torch.tensor(at, device=offsets.device), right=True)) - 1
             raise ValueError(f"{name} holds id {int(token_ids[at])} outside [0, {vocab_size}) (the vocabulary) "
                              f"in the set of position {row}")
-        # duplicates: sort (row, id) keys, equal neighbours are a repeat within one set
-        row_of = torch.repeat_interleave(torch.arange(num_positions, device=offsets.device), sizes)
-        key, _ = torch.sort(row_of * vocab_size + token_ids)
-        dup = key[1:] == key[:-1]
-        if bool(dup.any()):
-            at = int(key[1:][dup][0])
-            raise ValueError(f"{name} repeats id {at % vocab_size} in the set of position {at // vocab_size}: "
+        repeat = _first_repeat(token_ids, offsets, sizes, vocab_size)
+        if repeat is not None:
+            raise ValueError(f"{name} repeats id {repeat[1]} in the set of position {repeat[0]}: "
                              f"a kept set holds each id once")
         return SamplingMask(token_ids, offsets)
 

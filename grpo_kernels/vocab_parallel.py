@@ -425,7 +425,8 @@ def _replay_merge(group, split: ReplaySplit, codes: torch.Tensor, global_empty: 
         group, lse_in, logp, entropy, codes >= 0, valid, with_entropy, sum_sq if with_sum_sq else None)
     logp = torch.where(split.valid & global_empty, torch.full((), float("-inf"), device=lse.device), logp)
     whole_lse = torch.where(lse > float("-inf"), lse + shift, zero)
-    return logp, entropy, merged_sq if with_sum_sq else torch.zeros_like(logp), whole_lse
+    local_lse = torch.where(lse > float("-inf"), lse, zero)
+    return logp, entropy, merged_sq if with_sum_sq else torch.zeros_like(logp), whole_lse, local_lse
 
 
 class VocabParallelReplayFunction(torch.autograd.Function):
@@ -439,20 +440,21 @@ class VocabParallelReplayFunction(torch.autograd.Function):
                 with_entropy: bool, inplace_backward: bool, group, with_sum_sq: bool):
         split = ReplaySplit(codes.reshape(-1), token_ids, offsets, logits.shape[-1], LOCAL_IGNORE)
         stats = replay_rows_stats(logits, split, transform, backend, with_entropy, with_sum_sq)
-        logp, entropy, sum_sq, lse = _replay_merge(group, split, codes.reshape(-1), global_empty, stats, with_entropy,
-                                                   with_sum_sq)
+        logp, entropy, sum_sq, lse, local_lse = _replay_merge(group, split, codes.reshape(-1), global_empty, stats,
+                                                              with_entropy, with_sum_sq)
         ctx.split = split
         shape = codes.shape
-        return logprob_forward_outputs(ctx, (logits, lse, entropy, logp), (backend, transform, inplace_backward),
+        return logprob_forward_outputs(ctx, (logits, lse, local_lse, entropy, logp),
+                                       (backend, transform, inplace_backward),
                                        logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
-        logits, lse, entropy, logp = ctx.saved_tensors
+        logits, lse, local_lse, entropy, logp = ctx.saved_tensors
         backend, transform, inplace_backward = ctx.config
         out = _gradient_buffer(logits, inplace_backward)
-        replay_rows_grad(logits, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+        replay_rows_grad(logits, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
                          None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
         _written_in_place(logits, out)
         return (out,) + (None,) * 10
@@ -471,20 +473,21 @@ class VocabParallelReplayLinearFunction(torch.autograd.Function):
         split = ReplaySplit(codes, token_ids, offsets, weight.shape[0], LOCAL_IGNORE)
         stats = replay_linear_stats(hidden, weight, bias, split, backend, transform, with_entropy, chunk_size, dtype,
                                     with_sum_sq)
-        logp, entropy, sum_sq, lse = _replay_merge(group, split, codes, global_empty, stats, with_entropy, with_sum_sq)
+        logp, entropy, sum_sq, lse, local_lse = _replay_merge(group, split, codes, global_empty, stats, with_entropy,
+                                                              with_sum_sq)
         ctx.split = split
         ctx.reduce = group if reduce_hidden_grad else None
         return logprob_forward_outputs(
-            ctx, (hidden, weight, bias, lse, entropy, logp),
+            ctx, (hidden, weight, bias, lse, local_lse, entropy, logp),
             (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
-        hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
+        hidden, weight, bias, lse, local_lse, entropy, logp = ctx.saved_tensors
         backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
         grad_hidden, grad_weight, grad_bias = replay_linear_grads(
-            hidden, weight, bias, ctx.split, lse, entropy, _finite_grad(grad_logp, logp),
+            hidden, weight, bias, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
             None if grad_entropy is None else grad_entropy.float(), backend, transform, chunk_size, dtype,
             accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
         if ctx.reduce is not None and grad_hidden is not None:

@@ -190,3 +190,13 @@ def test_check_refuses_bad_dtypes_and_shapes():
         SamplingMask(torch.tensor([[1]]), torch.tensor([0, 1])).check("sampling_mask", 1, 5)
     with pytest.raises(ValueError, match="call's tensors are on meta"):
         _mask([1], [0, 1]).check("sampling_mask", 1, 5, device=torch.device("meta"))
+
+
+@pytest.mark.parametrize("size", [3, 40])  # few ids per set (the sorted keys), most of V (the bitmap)
+def test_check_finds_repeats_in_small_and_large_sets(size):
+    rng = random.Random(size)
+    sets = [rng.sample(range(50), size) for _ in range(30)]
+    SamplingMask.from_lists(sets).check("sampling_mask", 30, 50)
+    sets[17] = sets[17] + [sets[17][1]]
+    with pytest.raises(ValueError, match=rf"repeats id {sets[17][1]} in the set of position 17"):
+        SamplingMask.from_lists(sets).check("sampling_mask", 30, 50)
