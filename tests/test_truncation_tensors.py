@@ -412,3 +412,51 @@ def test_per_sequence_tensors_trace_under_torch_compile_fullgraph():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(xb, t, k, p)
     compiled.backward()
     assert torch.equal(eager, compiled) and torch.equal(xa.grad, xb.grad)
+
+
+_AOT_SCRIPT = r"""
+import sys, torch
+from grpo_kernels.kernels import aot, triton_rows
+try:
+    aot.check_supported()
+except aot.Unsupported as e:
+    print("UNSUPPORTED", e); sys.exit(0)
+b, t, v = 2, 64, 32000
+meta = dict(device="meta")
+logits = torch.empty(b, t, v, dtype=torch.bfloat16, **meta)
+targets = torch.empty(b, t, dtype=torch.int64, **meta)
+rows = lambda dtype=torch.float32: torch.empty(b, t, dtype=dtype, **meta)
+calls = [(triton_rows.forward_rows_sampled, dict(top_k_rows=rows(torch.int64), top_p_rows=rows(), with_sum_sq=True)),
+         (triton_rows.forward_rows_sampled, dict(top_k=50, top_p_rows=rows())),
+         (triton_rows.backward_rows, dict(row_max=rows(), log_sum=rows(), entropy=rows(), grad_logp=rows(),
+                                          grad_entropy=rows(), out=torch.empty_like(logits), threshold=rows(),
+                                          tie_index=rows(torch.int32)))]
+for fn, kw in calls:
+    extra = dict(with_entropy=True) if fn is triton_rows.forward_rows_sampled else {}
+    for launch in aot.capture_launches(triton_rows, fn, logits=logits, targets=targets, temperature=0.7,
+                                       ignore_index=-100, **extra, **kw):
+        args, options = aot.launch_spec(launch)
+        aot.compile_kernel(launch.kernel, args, launch.constexpr_names, 90, options)
+        print("COMPILED", launch.kernel.fn.__name__ if hasattr(launch.kernel, "fn") else launch.kernel)
+"""
+
+
+def test_per_row_sampled_kernels_compile_for_sm90(tmp_path):
+    """The per-row sampled kernels (forward and fallback with PER_ROW_KP, both tensors and a number with
+    a tensor) and the truncated backward compile ahead of time for sm_90 (LLVM and ptxas, no GPU:
+    ``kernels.aot``), in a fresh interpreter without TRITON_INTERPRET and with a private cache."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=root)
+    if "UNSUPPORTED" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("COMPILED") == 5, proc.stdout  # 2 x (forward, fallback) + the backward
