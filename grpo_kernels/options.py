@@ -243,7 +243,7 @@ def _check_truncation_tensor(name: str, values: torch.Tensor) -> Optional[torch.
         ok &= v > bounds.low if bounds.low_open else v >= bounds.low
     if bounds.high is not None:
         ok &= v < bounds.high if bounds.high_open else v <= bounds.high
-    off = (v == 0) | (v == -1) if integer else v == 1.0
+    off = torch.isin(v, torch.tensor(TOP_K_OFF, device=v.device)) if integer else v == 1.0  # (vLLM's "off")
     any_bad, all_off = torch.stack(((~ok).any(), off.all())).tolist()  # (the one synchronisation)
     if any_bad:
         raise OptionError(f"{name} must be {bounds.describe(integer)} everywhere, got {v[~ok][0].item()!r}", name)
