@@ -708,7 +708,7 @@ class VLLMRollout:
                 EngineArgs(**options, return_sampling_mask=True).create_engine_config()
                 return "engine"
             except Exception as e:  # (vLLM raises pydantic's, ValueError, ...: the reason is logged)
-                reason = " ".join(str(e).split())[:300]
+                reason = _reason(e)
         elif top_k is not None:
             reason = "this vLLM has no return_sampling_mask"
         allowed = options.get("max_logprobs", 20)
@@ -881,6 +881,13 @@ def _context_length(config) -> int:
     if not length:
         raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
     return int(length)
+
+
+def _reason(error: Exception) -> str:
+    """An engine error's message on one line (a pydantic validation error: its first error's)."""
+    details = getattr(error, "errors", None)
+    message = str(details()[0].get("msg", error)) if callable(details) and details() else str(error)
+    return " ".join(message.removeprefix("Value error, ").split())[:300]
 
 
 def _vocab_size(config) -> int:
