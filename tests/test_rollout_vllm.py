@@ -574,3 +574,26 @@ def test_top_p_alone_over_max_logprobs_recomputes_and_the_generation_config_is_l
         VLLMRollout(str(path), max_new_tokens=4, generation_config="auto")
     with pytest.raises(TypeError, match="return_sampling_mask must be a bool"):
         VLLMRollout(str(path), max_new_tokens=4, return_sampling_mask=1)
+
+
+def test_a_set_that_fills_the_log_probs_asked_for_is_not_trusted(saved_model, caplog):
+    """Tokens 3 and 4 share one lm_head row and every other row is 0, so at top_k=1 the kept set is the tied
+    pair or the tied rest: it fills the top_k + 1 = 2 log-probs asked for, which cannot tell it from a larger
+    one. The step reports no sets (said at INFO) and the loss recomputes top_k=1, ties kept: every token finite."""
+    import logging
+
+    model, tokenizer = copy.deepcopy(saved_model[1]), saved_model[2]
+    with torch.no_grad():
+        row = model.lm_head.weight[4].clone()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3] = row
+        model.lm_head.weight[4] = row
+    with caplog.at_level(logging.INFO, logger="grpo.rollout"):
+        engine = VLLMRollout.for_model(model, tokenizer, max_new_tokens=4, top_k=1, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=8)
+        assert engine.sets_from == "logprobs" and engine.set_logprobs == 2
+        out = engine.generate(as_policy(model), PROMPTS, 2).check(6)
+    assert out.sampling_mask is None
+    assert any("fill the 2 top log-probs asked for" in r.getMessage() for r in caplog.records)
+    cfg = GRPOConfig(backend="torch", top_k=1)
+    logps = completion_logps(as_policy(model), update_batch(out, torch.zeros(6)), cfg, torch.device("cpu"))
+    assert torch.isfinite(logps[out.completion_mask.bool()]).all()
