@@ -10,7 +10,10 @@ calls it once per step, after the previous step's update). :class:`VLLMRollout` 
 ``LLM`` in this process, whose weights are replaced by the policy's (LoRA adapters merged) every call,
 and which also returns the log-probs it sampled each token with (``Completions.sampling_logps``), from
 which the trainer's loss corrects for the engine/trainer mismatch (``grpo_kernels``' ``rollout_correction``
-given ``rollout_logps``: TRL's vLLM importance-sampling correction).
+given ``rollout_logps``: TRL's vLLM importance-sampling correction). When they truncate (``top_k`` /
+``top_p``) both engines also report the set of tokens each completion token was drawn from
+(``Completions.sampling_mask``), which the loss replays (``GRPOConfig.sampling_replay``); and both sample
+with the trainer's settings alone, the model's generation config left out.
 
 Layout (``B = len(prompts) * G`` rows, prompt-major: rows ``g*G .. g*G+G-1`` answer prompt ``g``):
 prompts left-padded to ``P`` positions, completions right-padded to ``T <= max_new_tokens``, the
