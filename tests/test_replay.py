@@ -30,8 +30,8 @@ import grpo_kernels as gk
 from grpo_kernels import SamplingMask
 from grpo_kernels.kernels import torch_replay
 
-V = 203  # not a multiple of any block size; sets above V / 16 = 12.7 ids are dense
-SPARSE_SIZES = (1, 2, 5, 12)
+V = 203  # not a multiple of any block size
+SPARSE_SIZES = tuple(k for k in (1, 2, 3, 5, 12) if not k * torch_replay.DENSE_ROW_FRACTION > V)
 DENSE_SIZES = (13, 60, V)  # V: the whole vocabulary
 
 

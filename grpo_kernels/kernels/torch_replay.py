@@ -37,12 +37,14 @@ import torch
 Temperature = Union[float, torch.Tensor]
 
 # A row whose set holds more than V / DENSE_ROW_FRACTION ids takes the dense masked path. Per kept id the
-# sparse path gathers a weight row and a hidden row (2 H scattered reads, H multiply-adds at memory speed);
-# the dense path forms the row's V logits in a matmul that streams the weight once per chunk of rows, at
-# the machine's matmul rate, roughly 16x the gathered dot products' rate on a CPU and more on a GPU. At
-# k_i = V / 16 the two cost about the same; above, the dense row is cheaper, so replay never costs much
-# more than the plain full-vocabulary pass (whose cost the dense path has, plus a mask).
-DENSE_ROW_FRACTION = 16
+# sparse path gathers a weight row and a hidden row, three times over forward and backward (6 H scattered
+# reads and 3 H multiply-adds at memory speed); the dense path forms the row's V logits in matmuls that
+# stream the weight once per chunk of rows, at the machine's matmul rate (6 H V flops a row). On the 2-core
+# CPU the fused-linear head with every set of size V/100 took 0.6-0.7x the full pass, at V/20 3x (N = 1024,
+# H = 1024, V = 16384, fp32): the two cost the same near k = V/60, so rows above V/64 go dense and replay
+# never costs much more than the plain full-vocabulary pass (the dense path is that pass plus a masked
+# fill). A GPU gathers at a larger share of its matmul rate, so this errs toward the dense side there.
+DENSE_ROW_FRACTION = 64
 # Most bytes of one chunk's gathered rows (per gathered operand, fp32): the fused-linear passes gather
 # the kept weight rows and their hidden rows a chunk of entries at a time, never all K x H at once.
 ENTRY_CHUNK_BYTES = 32 << 20
@@ -187,15 +189,38 @@ def _entries_per_chunk(hidden_size: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # from hidden states: the kept rows of the weight only
 # --------------------------------------------------------------------------------------------------
-def _kept_logits(hidden, weight, bias, ids, rows) -> torch.Tensor:
+class _Gathers:
+    """Reused buffers for gathered rows, ``[per_chunk, H]`` fp32 (and one in the source's dtype when that is
+    not fp32): a fresh buffer per chunk would be mapped and faulted in anew each time on a CPU."""
+
+    def __init__(self, per_chunk: int, hidden_size: int, device: torch.device) -> None:
+        self.shape, self.device = (per_chunk, hidden_size), device
+        self.fp32: dict = {}
+        self.raw: dict = {}
+
+    def rows(self, source: torch.Tensor, index: torch.Tensor, slot: str) -> torch.Tensor:
+        """``source[index]`` as fp32 [len(index), H], in buffer ``slot``."""
+        e = index.numel()
+        rows = max(e, self.shape[0])
+        if slot not in self.fp32 or self.fp32[slot].shape[0] < e:
+            self.fp32[slot] = torch.empty(rows, self.shape[1], dtype=torch.float32, device=self.device)
+        out = self.fp32[slot][:e]
+        if source.dtype == torch.float32:
+            return torch.index_select(source, 0, index, out=out)
+        if slot not in self.raw or self.raw[slot].shape[0] < e or self.raw[slot].dtype != source.dtype:
+            self.raw[slot] = torch.empty(rows, self.shape[1], dtype=source.dtype, device=self.device)
+        return out.copy_(torch.index_select(source, 0, index, out=self.raw[slot][:e]))
+
+
+def _kept_logits(hidden, weight, bias, ids, rows, gathers: _Gathers) -> torch.Tensor:
     """``x_j = hidden[rows_j] . weight[ids_j] + bias[ids_j]`` [E] fp32 (fp32 products and sums), with the
-    gathered rows ``(w [E, H], h [E, H])`` fp32."""
-    w = weight.index_select(0, ids).float()
-    h = hidden.index_select(0, rows).float()
-    x = torch.bmm(w.unsqueeze(1), h.unsqueeze(2)).view(-1)
+    gathered weight rows ``w [E, H]`` fp32 (a reused buffer)."""
+    w = gathers.rows(weight, ids, "w")
+    h = gathers.rows(hidden, rows, "h")
+    x = h.mul_(w).sum(-1)  # (the products in h's buffer: w stays for d hidden)
     if bias is not None:
         x = x + bias.index_select(0, ids).float()
-    return x, w, h
+    return x, w
 
 
 def replay_linear_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -208,9 +233,11 @@ def replay_linear_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     sizes = offsets[1:] - offsets[:-1]
     row_of = entry_rows(offsets)
     z = torch.empty(token_ids.numel(), dtype=torch.float32, device=hidden.device)
-    for r0, r1, e0, e1 in _boundaries(offsets, _entries_per_chunk(hidden.shape[1])):
+    per_chunk = _entries_per_chunk(hidden.shape[1])
+    gathers = _Gathers(min(per_chunk, token_ids.numel()), hidden.shape[1], hidden.device)
+    for r0, r1, e0, e1 in _boundaries(offsets, per_chunk):
         rows = row_of[e0:e1]
-        x, _, _ = _kept_logits(hidden, weight, bias, token_ids[e0:e1], rows)
+        x, _ = _kept_logits(hidden, weight, bias, token_ids[e0:e1], rows, gathers)
         z[e0:e1] = transform(x, temperature, softcap, logit_scale, rows)
     is_target = token_ids == targets.index_select(0, row_of) if n else torch.zeros(0, dtype=torch.bool)
     return set_stats(z, is_target, sizes, row_of, with_entropy, with_sum_sq)
@@ -233,9 +260,10 @@ def replay_linear_backward(hidden, weight, bias, targets, token_ids, offsets, ls
     dx = torch.empty(token_ids.numel(), dtype=torch.float32, device=hidden.device)
     d_hidden = torch.zeros(n, hsize, dtype=hidden.dtype, device=hidden.device) if needs_hidden_grad else None
     per_chunk = _entries_per_chunk(hsize)
+    gathers = _Gathers(min(per_chunk, token_ids.numel()), hsize, hidden.device)
     for r0, r1, e0, e1 in _boundaries(offsets, per_chunk):
         rows = row_of[e0:e1]
-        x, w, _ = _kept_logits(hidden, weight, bias, token_ids[e0:e1], rows)
+        x, w = _kept_logits(hidden, weight, bias, token_ids[e0:e1], rows, gathers)
         z, slope = transform(x, temperature, softcap, logit_scale, rows, with_slope=True)
         dz = set_grad(z, is_target[e0:e1], rows, lse, entropy, grad_logp, grad_entropy)
         dx[e0:e1] = dz * slope
@@ -253,7 +281,7 @@ def replay_linear_backward(hidden, weight, bias, targets, token_ids, offsets, ls
             d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
             rows_sorted = row_of.index_select(0, order)
             for u0, u1, e0, e1 in _boundaries(run_offsets, per_chunk):
-                h = hidden.index_select(0, rows_sorted[e0:e1]).float().mul_(dx_sorted[e0:e1].unsqueeze(-1))
+                h = gathers.rows(hidden, rows_sorted[e0:e1], "h").mul_(dx_sorted[e0:e1].unsqueeze(-1))
                 d_weight.index_copy_(0, uniq[u0:u1], _segment_sum(h, counts[u0:u1]).to(weight.dtype))
         if needs_bias_grad:
             d_bias = torch.zeros(weight.shape[0], dtype=bias.dtype, device=weight.device)
