@@ -146,6 +146,9 @@ def token_logprobs(
     rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
     same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
     ``reduce_hidden_grad`` (the fused-linear functions' option) must be False: logits have no ``d hidden``.
+    ``sampling_mask`` (a :class:`grpo_kernels.SamplingMask`, one kept set per position of ``targets`` in
+    row-major order): the distribution over each position's set instead (replay; only the kept entries
+    are read; a target outside its set, or an empty set, gives ``-inf``); excludes ``top_k`` / ``top_p``.
     """
     kw = check_logprob_flags(logprob_kwargs)
     _no_hidden_to_reduce(reduce_hidden_grad)
