@@ -154,8 +154,9 @@ def test_per_sequence_truncation_of_the_fused_linear_function_and_the_loss(backe
 @pytest.mark.parametrize("shape", ["sequence", "token"])
 def test_a_tensor_holding_one_value_is_the_number_bitwise(backend, shape):
     """A [B] or [B, T] top_k / top_p tensor holding the same number in every row gives the number's
-    outputs and gradients bitwise, on all four functions (top_p float64, or a float32-exact value)."""
-    logits, targets = _batch(3)
+    outputs and gradients bitwise, on all four functions (top_p float64, or a float32-exact value; the
+    Triton interpreter being slow, its fused-linear and loss calls run for one of the cases only)."""
+    logits, targets = _batch(3, b=2)
     b, t = targets.shape
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(b, t, 5, generator=g), torch.randn(V, 5, generator=g)
@@ -165,10 +166,15 @@ def test_a_tensor_holding_one_value_is_the_number_bitwise(backend, shape):
                                            device=DEVICE)
     for top_k, top_p in ((5, None), (None, 0.8), (7, 0.6), (4, 0.75)):
 
+        every_function = backend != "triton" or (top_k, top_p) == (7, 0.6)
+
         def run(**sampling):
             x, h, w = (z.clone().to(DEVICE).requires_grad_() for z in (logits, hidden, weight))
             kw = dict(temperature=0.9, backend=backend, **sampling)
             lp, ent, sq = gk.token_logprobs(x, targets.to(DEVICE), return_entropy=True, return_sum_probs_sq=True, **kw)
+            if not every_function:
+                (_finite(lp).sum() + ent.sum()).backward()
+                return lp, ent, sq, x.grad
             flp = gk.fused_linear_token_logprobs(h, w, targets.to(DEVICE), **kw)
             loss = gk.grpo_loss(x, ids.to(DEVICE), adv.to(DEVICE), old_logps=old.to(DEVICE), **kw).loss
             floss = gk.fused_linear_grpo_loss(h, w, ids.to(DEVICE), adv.to(DEVICE), old_logps=old.to(DEVICE), **kw).loss
