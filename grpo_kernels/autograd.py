@@ -693,6 +693,8 @@ class ReplaySplit:
         else:
             self.dense_ids = self.dense_rows_of = token_ids[:0]
         self.dense_stats: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (row_max, log_sum) [D], the forward's
+        self.vocab_size = vocab_size
+        self._cells: Optional[Tuple[int, torch.Tensor]] = None  # (rows per block, each entry's cell in its block)
 
     def dense_blocks(self, rows_per_block: int):
         """``DenseBlock`` per block of at most ``rows_per_block`` dense rows (one device sync for the bounds)."""
@@ -700,21 +702,29 @@ class ReplaySplit:
             return
         starts = list(range(0, self.num_dense, rows_per_block)) + [self.num_dense]
         bounds = self.dense_offsets[torch.tensor(starts, device=self.dense_offsets.device)].tolist()
+        if self._cells is None or self._cells[0] != rows_per_block:  # (the forward's, reused by the backward)
+            local = self.dense_rows_of - (self.dense_rows_of // rows_per_block) * rows_per_block
+            self._cells = (rows_per_block, local * self.vocab_size + self.dense_ids)
         for b in range(len(starts) - 1):
             start, stop, e0, e1 = starts[b], starts[b + 1], bounds[b], bounds[b + 1]
             yield DenseBlock(slice(start, stop), self.dense[start:stop], self.dense_ids[e0:e1],
-                             self.dense_rows_of[e0:e1] - start, self.dense_offsets[start:stop + 1] - e0)
+                             self._cells[1][e0:e1], self.dense_offsets[start:stop + 1] - e0)
 
 
 class DenseBlock(NamedTuple):
-    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, the sets as
-    (``ids``, ``rows`` local to the block) pairs and in CSR form (``offsets``)."""
+    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, the sets as ids, as
+    ``cells`` of the block's flattened ``[c, V]`` logits, and in CSR form (``offsets``)."""
 
     part: slice
     index: torch.Tensor
     ids: torch.Tensor
-    rows: torch.Tensor
+    cells: torch.Tensor
     offsets: torch.Tensor
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Bool like ``x [c, V]``: the cells off the sets."""
+        drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+        return drop.view(-1).index_fill_(0, self.cells, False).view(x.shape)
 
 
 _OUTSIDE = -1  # the target of a dense row whose target is not in its set (backward_rows: no one-hot term)
@@ -733,8 +743,7 @@ def _dense_block_stats(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, t
     if transform.softcap is not None:
         return torch_replay.dense_forward(x, targets, block.ids, block.offsets, *_transform_args(transform, block.index),
                                           with_entropy=with_entropy, with_sum_sq=with_sum_sq)
-    drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    drop[block.rows, block.ids] = False
+    drop = block.dropped(x)
     x.masked_fill_(drop, float("-inf"))
     t, hit = torch_replay._block_targets(targets, ~drop)
     hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))  # (a kept -inf logit: out too)
@@ -764,8 +773,7 @@ def _dense_block_grad(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, ls
     if transform.softcap is not None:
         return torch_replay.dense_backward(x, targets, block.ids, block.offsets, lse.index_select(0, index),
                                            entropy.index_select(0, index), g, e, *_transform_args(transform, index))
-    drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    drop[block.rows, block.ids] = False
+    drop = block.dropped(x)
     x.masked_fill_(drop, float("-inf"))
     t, hit = torch_replay._block_targets(targets, ~drop)
     hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))
