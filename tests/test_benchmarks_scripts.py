@@ -55,7 +55,7 @@ SCRIPTS = {
                            "--rounds", "1", "--out", "{out}/optimizer_step.md"), ("optimizer_step.md", "optimizer_step.json")),
     "sampling_cost": Script("sampling_cost", ("--rows", "4", "--vocab", "257", "--rounds", "1",
                                               "--out", "{out}/sampling_cost.md"), ("sampling_cost.md", "sampling_cost.json")),
-    "replay": Script("replay", ("--smoke", "--out", "{out}/replay.md"), ("replay.md", "replay.json")),
+    "replay": Script("replay", ("--smoke", "--backend", "torch", "--out", "{out}/replay.md"), ("replay.md", "replay.json")),
     "replay-vllm": Script("replay", ("vllm", "--smoke", "--out", "{out}/replay_vllm.md"), ("replay_vllm.md", "replay_vllm.json"),
                           ("vllm",)),
     "trainer_step-vllm": Script("trainer_step", ("--quick", "--sides", "ours+vllm", "--out-dir", "{out}"),
