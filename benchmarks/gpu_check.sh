@@ -17,7 +17,7 @@ else
     LONG_CONTEXT_S=${LONG_CONTEXT_S:-60}; REPLAY_S=${REPLAY_S:-60}; REPLAY_VLLM_S=${REPLAY_VLLM_S:-120}
     STEP_ARGS=(--rounds 1 --one-process --sides ours trl trl+patch); LC_ARGS=(--device cuda --tokens 32768 --rounds 1 --variants base offload)
     REPLAY_ARGS=(--tokens 16384 --hidden 4096 --vocab 151936 --dtypes bf16 --backend triton --rounds 3)
-    REPLAY_VLLM_ARGS=(--engine-mask --engine-dtype bfloat16 --model qwen2.5-0.5b --head-scale 1 --prompts 16 --samples 4 --new-tokens 128)
+    REPLAY_VLLM_ARGS=(--engine-mask --engine-dtype bfloat16)
 fi
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"

@@ -390,7 +390,13 @@ def vllm_experiment(a) -> Tuple[List[dict], dict]:
     theirs = torch.zeros_like(mine)
     for r, k in enumerate(k for row in sets for k in row):
         theirs[r, k] = True
-    facts = dict(model=H.describe_model(a.model) + f", lm_head x{a.head_scale:g}", engine_dtype=a.engine_dtype, device=device.type,
+    if a.engine_mask:  # vLLM's own sets against those the processed top log-probs give
+        engine_sets = [sorted(k) for s in samples for k in s.sampling_mask.token_ids]
+        recovered = [k for row in sets for k in row]
+        facts_mask = dict(engine_mask_differs=sum(x != y for x, y in zip(engine_sets, recovered)) / len(recovered))
+    else:
+        facts_mask = {}
+    facts = dict(facts_mask, model=H.describe_model(a.model) + f", lm_head x{a.head_scale:g}", engine_dtype=a.engine_dtype, device=device.type,
                  completions=len(samples), tokens=int(sizes.numel()), set_mean=round(float(sizes.mean()), 2),
                  set_median=float(sizes.median()), set_max=int(sizes.max()), at_top_k=float((sizes == a.top_k).double().mean()),
                  recomputed_sets_differ=float((mine != theirs).any(-1).double().mean()))
@@ -434,7 +440,9 @@ def vllm_main(argv: List[str]) -> int:
                "logits, `full` the softmax over V.", "",
                f"Kept sets: {facts['tokens']:,} positions, size mean {facts['set_mean']}, median {facts['set_median']:g}, max "
                f"{facts['set_max']}; {facts['at_top_k']:.1%} at the top-k bound. The trainer's own top-k / top-p sets differ "
-               f"from the engine's at {facts['recomputed_sets_differ']:.2%} of the positions.", "",
+               f"from the engine's at {facts['recomputed_sets_differ']:.2%} of the positions."
+               + (f" vLLM's own sets (`return_sampling_mask`) differ from the recovered ones at "
+                  f"{facts['engine_mask_differs']:.2%} of the positions." if "engine_mask_differs" in facts else ""), "",
                *H.table(["path", "tokens", "off the support (-inf)", "mean trainer − engine", "mean abs diff", "max abs diff",
                          "ratio mean", "ratio std", "ratio min", "ratio max", "ratio off 1 by > 1%"],
                         [[r["path"], r["tokens"], r["off_support"], f"{r['diff_mean']:.2e}", f"{r['diff_abs_mean']:.2e}",
