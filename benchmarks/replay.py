@@ -236,7 +236,8 @@ SMOKE = dict(tokens=64, hidden=32, vocab=512, large_tokens=16, rounds=1)
 def timing_main(argv: List[str]) -> int:
     a = H.parser("the fused-linear head with the kept sets replayed, against the full head and against recomputing top-p",
                  rounds=3, tokens=4096, hidden=1024, vocab=151936, dtypes=(["fp32"], None, ["fp32", "bf16"]),
-                 heads=(["trainable", "frozen"], None, ["trainable", "frozen"]), median_set=2.0, mean_set=8.0,
+                 heads=(["trainable", "frozen"], None, ["trainable", "frozen"]), sides=(list(SIDES), None, list(SIDES)),
+                 median_set=2.0, mean_set=8.0,
                  top_p=(0.95, "the recompute side's top_p"), large_tokens=(256, "rows of the large-set case (0: none)"),
                  large_top_p=(0.99, "the large-set case's nucleus (flat rows: most of V)"),
                  backend=("auto", "grpo_kernels backend", ["auto", "torch", "triton"]), seed=0,
@@ -283,13 +284,13 @@ def timing_main(argv: List[str]) -> int:
         hidden = hidden32.to(device, dt).requires_grad_(True)
         for head in a.heads:
             weight = weight32.to(device, dt).requires_grad_(head == "trainable")
-            records = measure("headline", hidden, weight, sets, list(SIDES), a.top_p, a.rounds, a.backend, dtype, device, clock)
+            records = measure("headline", hidden, weight, sets, a.sides, a.top_p, a.rounds, a.backend, dtype, device, clock)
             report.records += records
             report.add(*table_lines(records))
             del weight
         if large is not None:
             weight = weight32.to(device, dt).requires_grad_(True)
-            records = measure("large sets", large[0].to(device, dt).requires_grad_(True), weight, large[1], list(SIDES),
+            records = measure("large sets", large[0].to(device, dt).requires_grad_(True), weight, large[1], a.sides,
                               a.large_top_p, a.rounds, a.backend, dtype, device, clock)
             report.records += records
             report.add(*table_lines(records))
