@@ -670,31 +670,29 @@ class ReplaySplit:
         dense = self.valid & torch_replay.dense_rows(sizes, vocab_size)
         sparse = self.valid & ~dense
         num_sparse, self.num_dense = (int(x) for x in torch.stack([sparse.sum(), dense.sum()]).tolist())
-        row_of = torch_replay.entry_rows(offsets) if num_sparse < sparse.numel() else None  # (else: all sparse)
-        # the sparse rows' sets (the whole CSR when every row is sparse: no copy)
-        if row_of is None:
+        k = token_ids.numel()
+        # the sparse rows' sets (the whole CSR when every row is sparse: no copy); each entry's kind by a bool
+        # [K] repeat of its row's (no int64 row index of every entry: K can be N x V)
+        if num_sparse == sparse.numel():
             self.token_ids, self.offsets = token_ids, offsets
         else:
-            self.token_ids = token_ids[sparse.index_select(0, row_of)] if num_sparse else token_ids[:0]
+            self.token_ids = (token_ids[torch.repeat_interleave(sparse, sizes, output_size=k)] if num_sparse
+                              else token_ids[:0])
             self.offsets = torch.zeros_like(offsets)
             torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
-        # the dense rows' sets, in their order: ids, and each entry's position among the dense rows
+        # the dense rows' sets, in their order
         self.dense = dense.nonzero().squeeze(-1) if self.num_dense else dense.new_zeros(0, dtype=torch.int64)
-        dense_sizes = sizes.index_select(0, self.dense)
+        self.dense_sizes = sizes.index_select(0, self.dense)
         self.dense_offsets = torch.zeros(self.num_dense + 1, dtype=torch.int64, device=offsets.device)
-        torch.cumsum(dense_sizes, 0, out=self.dense_offsets[1:])
+        torch.cumsum(self.dense_sizes, 0, out=self.dense_offsets[1:])
         if self.num_dense == dense.numel():  # every row dense: the whole CSR
-            self.dense_ids, self.dense_rows_of = token_ids, row_of
+            self.dense_ids = token_ids
         elif self.num_dense:
-            entries = dense.index_select(0, row_of)
-            self.dense_ids = token_ids[entries]
-            self.dense_rows_of = torch.repeat_interleave(
-                torch.arange(self.num_dense, device=offsets.device), dense_sizes, output_size=self.dense_ids.numel())
+            self.dense_ids = token_ids[torch.repeat_interleave(dense, sizes, output_size=k)]
         else:
-            self.dense_ids = self.dense_rows_of = token_ids[:0]
+            self.dense_ids = token_ids[:0]
         self.dense_stats: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (row_max, log_sum) [D], the forward's
         self.vocab_size = vocab_size
-        self._cells: Optional[Tuple[int, torch.Tensor]] = None  # (rows per block, each entry's cell in its block)
 
     def dense_blocks(self, rows_per_block: int):
         """``DenseBlock`` per block of at most ``rows_per_block`` dense rows (one device sync for the bounds)."""
@@ -702,13 +700,14 @@ class ReplaySplit:
             return
         starts = list(range(0, self.num_dense, rows_per_block)) + [self.num_dense]
         bounds = self.dense_offsets[torch.tensor(starts, device=self.dense_offsets.device)].tolist()
-        if self._cells is None or self._cells[0] != rows_per_block:  # (the forward's, reused by the backward)
-            local = self.dense_rows_of - (self.dense_rows_of // rows_per_block) * rows_per_block
-            self._cells = (rows_per_block, local * self.vocab_size + self.dense_ids)
         for b in range(len(starts) - 1):
             start, stop, e0, e1 = starts[b], starts[b + 1], bounds[b], bounds[b + 1]
-            yield DenseBlock(slice(start, stop), self.dense[start:stop], self.dense_ids[e0:e1],
-                             self._cells[1][e0:e1], self.dense_offsets[start:stop + 1] - e0)
+            ids = self.dense_ids[e0:e1]
+            # each entry's cell of the block's flattened [c, V] logits: its row in the block * V + its id
+            cells = torch.repeat_interleave(torch.arange(stop - start, device=ids.device) * self.vocab_size,
+                                            self.dense_sizes[start:stop], output_size=e1 - e0).add_(ids)
+            yield DenseBlock(slice(start, stop), self.dense[start:stop], ids, cells,
+                             self.dense_offsets[start:stop + 1] - e0)
 
 
 class DenseBlock(NamedTuple):

@@ -47,9 +47,9 @@ Temperature = Union[float, torch.Tensor]
 DENSE_ROW_FRACTION = 64
 # Most bytes of one chunk's gathered rows (per gathered operand, fp32): the fused-linear passes gather
 # the kept weight rows and their hidden rows a chunk of entries at a time, never all K x H at once, into
-# buffers reused chunk after chunk (4 MiB: 1,024 entries at H = 1,024; the workspace stays ~15 MiB at
+# buffers reused chunk after chunk (256 KiB: 64 entries at H = 1,024; the workspace stays a few MiB at
 # N = 4,096, V = 151,936, mean set 8, while the gathers still stream megabytes per call).
-ENTRY_CHUNK_BYTES = 4 << 20
+ENTRY_CHUNK_BYTES = 256 << 10
 
 
 def dense_rows(sizes: torch.Tensor, vocab_size: int) -> torch.Tensor:
