@@ -702,28 +702,42 @@ class ReplaySplit:
         bounds = self.dense_offsets[torch.tensor(starts, device=self.dense_offsets.device)].tolist()
         for b in range(len(starts) - 1):
             start, stop, e0, e1 = starts[b], starts[b + 1], bounds[b], bounds[b + 1]
-            ids = self.dense_ids[e0:e1]
-            # each entry's cell of the block's flattened [c, V] logits: its row in the block * V + its id
-            cells = torch.repeat_interleave(torch.arange(stop - start, device=ids.device) * self.vocab_size,
-                                            self.dense_sizes[start:stop], output_size=e1 - e0).add_(ids)
-            yield DenseBlock(slice(start, stop), self.dense[start:stop], ids, cells,
-                             self.dense_offsets[start:stop + 1] - e0)
+            yield DenseBlock(slice(start, stop), self.dense[start:stop], self.dense_ids[e0:e1],
+                             self.dense_sizes[start:stop], self.dense_offsets[start:stop + 1] - e0)
+
+
+# Most entries whose cells one step of DenseBlock.dropped indexes at once (a bounded int64 temporary:
+# whole-vocabulary sets hold N x V ids)
+_CELL_STEP = 1 << 21
 
 
 class DenseBlock(NamedTuple):
-    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, the sets as ids, as
-    ``cells`` of the block's flattened ``[c, V]`` logits, and in CSR form (``offsets``)."""
+    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, their sets (``ids``,
+    ``sizes``, and in CSR form ``offsets``)."""
 
     part: slice
     index: torch.Tensor
     ids: torch.Tensor
-    cells: torch.Tensor
+    sizes: torch.Tensor
     offsets: torch.Tensor
 
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
-        """Bool like ``x [c, V]``: the cells off the sets."""
+        """Bool like ``x [c, V]``: the cells off the sets (each entry's cell of the flattened block, its row
+        times V plus its id, formed a bounded step of rows at a time)."""
+        c, v = x.shape
         drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-        return drop.view(-1).index_fill_(0, self.cells, False).view(x.shape)
+        flat = drop.view(-1)
+        bounds = self.offsets.tolist()
+        r0 = 0
+        while r0 < c:
+            r1 = r0 + 1
+            while r1 < c and bounds[r1 + 1] - bounds[r0] <= _CELL_STEP:
+                r1 += 1
+            cells = torch.repeat_interleave(torch.arange(r0, r1, device=x.device) * v, self.sizes[r0:r1],
+                                            output_size=bounds[r1] - bounds[r0])
+            flat.index_fill_(0, cells.add_(self.ids[bounds[r0]:bounds[r1]]), False)
+            r0 = r1
+        return drop
 
 
 _OUTSIDE = -1  # the target of a dense row whose target is not in its set (backward_rows: no one-hot term)
@@ -935,14 +949,19 @@ def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forwa
     recomputed logits (``d hidden = dx @ W``, ``d W += dx^T @ h``, fp32 or, with
     ``accumulate_in_weight_dtype``, the weight's dtype), summed."""
     need_hidden, need_weight, need_bias = needs
+    sparse = split.token_ids.numel() > 0  # (else the sparse kernels have no weight rows to write: no [V, H] zeros)
     with torch.autocast(hidden.device.type, enabled=False):
         w, b = _operands(weight, bias, dtype)
         grad_hidden, grad_weight, grad_bias = backend.replay().replay_linear_backward(
             hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, lse, entropy, g_logp, g_ent,
-            *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight,
-            needs_bias_grad=need_bias)
+            *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight and sparse,
+            needs_bias_grad=need_bias and sparse)
         if split.num_dense:
-            acc = _new_weight_grad(weight, accumulate_in_weight_dtype, 0) if need_weight else None
+            acc_dtype = weight.dtype if accumulate_in_weight_dtype else torch.float32
+            acc = None
+            if need_weight:  # the sparse rows' d weight is the accumulator when it has its dtype (no second [V, H])
+                acc = (grad_weight if grad_weight is not None and grad_weight.dtype == acc_dtype
+                       else _new_weight_grad(weight, accumulate_in_weight_dtype, 0))
             bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
             for block in split.dense_blocks(chunk_size):
                 index = block.index
@@ -957,9 +976,15 @@ def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forwa
                 if need_weight:
                     _accumulate_weight_grad(acc, dx, h)
             if need_weight:
-                grad_weight = acc.add_(grad_weight.to(acc.dtype))
+                if grad_weight is not None and acc is not grad_weight:
+                    acc.add_(grad_weight.to(acc.dtype))
+                grad_weight = acc
             if need_bias:
-                grad_bias = bias_acc.add_(grad_bias.float())
+                grad_bias = bias_acc if grad_bias is None else bias_acc.add_(grad_bias.float())
+        if need_weight and grad_weight is None:  # no kept id at all
+            grad_weight = torch.zeros_like(weight)
+        if need_bias and grad_bias is None:
+            grad_bias = torch.zeros_like(bias)
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), _hand_over(grad_weight, weight.dtype),
             _hand_over(grad_bias, None if bias is None else bias.dtype))
 

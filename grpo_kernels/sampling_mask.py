@@ -307,8 +307,9 @@ class SamplingMask:
                              f"offsets[{at + 1}] = {int(offsets[at + 1])}")
         if k == 0:
             return SamplingMask(token_ids, offsets)
-        bad = (token_ids < 0) | (token_ids >= vocab_size)
-        if bool(bad.any()):
+        low, high = torch.aminmax(token_ids)  # (no [K] temporary: K may be N x V)
+        if int(low) < 0 or int(high) >= vocab_size:
+            bad = (token_ids < 0) | (token_ids >= vocab_size)
             at = int(bad.nonzero()[0, 0])
             row = int(torch.searchsorted(offsets, torch.tensor(at, device=offsets.device), right=True)) - 1
             raise ValueError(f"{name} holds id {int(token_ids[at])} outside [0, {vocab_size}) (the vocabulary) "
