@@ -744,6 +744,15 @@ _OUTSIDE = -1  # the target of a dense row whose target is not in its set (backw
 _NO_IGNORE = -2  # (dense rows all have targets)
 
 
+def _kept_targets(targets: torch.Tensor, drop: torch.Tensor):
+    """(targets [c, 1] safe to gather, bool [c, 1]: the target is a kept column of the block) from the
+    block's ``drop`` mask (a target outside ``[0, V)``, another shard's -1, in no set)."""
+    t = targets.long().unsqueeze(-1)
+    inside = (t >= 0) & (t < drop.shape[-1])
+    t = torch.where(inside, t, torch.zeros_like(t))
+    return t, inside & ~drop.gather(-1, t)
+
+
 def _dense_block_stats(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, transform: LogitTransform,
                        backend: RowBackend, with_entropy: bool, with_sum_sq: bool):
     """(logp, entropy, sum_sq, lse) [c] of a block of dense rows, their logits ``x [c, V]`` materialised
@@ -758,7 +767,7 @@ def _dense_block_stats(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, t
                                           with_entropy=with_entropy, with_sum_sq=with_sum_sq)
     drop = block.dropped(x)
     x.masked_fill_(drop, float("-inf"))
-    t, hit = torch_replay._block_targets(targets, ~drop)
+    t, hit = _kept_targets(targets, drop)
     hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))  # (a kept -inf logit: out too)
     stats = backend.forward_rows(x.unsqueeze(0), torch.where(hit, t.squeeze(-1), 0).unsqueeze(0), tf, _NO_IGNORE,
                                  with_entropy, with_sum_sq)
@@ -788,7 +797,7 @@ def _dense_block_grad(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, ls
                                            entropy.index_select(0, index), g, e, *_transform_args(transform, index))
     drop = block.dropped(x)
     x.masked_fill_(drop, float("-inf"))
-    t, hit = torch_replay._block_targets(targets, ~drop)
+    t, hit = _kept_targets(targets, drop)
     hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))
     row_max, log_sum = (s[block.part] for s in split.dense_stats)
     log_sum = backend.shift_log_sum(log_sum, lse.index_select(0, index) - lse_forward.index_select(0, index))

@@ -126,16 +126,22 @@ def _first_repeat(token_ids: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
     if k * 8 < n * vocab_size:
         return _sorted_repeat(token_ids, sizes, vocab_size)
     rows_per_block = max(1, _BITMAP_ELEMENTS // vocab_size)
-    for start in range(0, n, rows_per_block):
-        stop = min(n, start + rows_per_block)
-        lo, hi = int(offsets[start]), int(offsets[stop])
-        local = torch.repeat_interleave(torch.arange(stop - start, device=offsets.device), sizes[start:stop],
-                                        output_size=hi - lo)
-        seen = torch.zeros(stop - start, vocab_size, dtype=torch.bool, device=offsets.device)
-        seen[local, token_ids[lo:hi]] = True
+    bounds = offsets.tolist()
+    start = 0
+    while start < n:  # blocks of at most rows_per_block positions and _BITMAP_ELEMENTS / 8 entries (or one position)
+        stop = start + 1
+        while (stop < n and stop - start < rows_per_block
+               and bounds[stop + 1] - bounds[start] <= _BITMAP_ELEMENTS // 8):
+            stop += 1
+        lo, hi = bounds[start], bounds[stop]
+        cells = torch.repeat_interleave(torch.arange(stop - start, device=offsets.device) * vocab_size,
+                                        sizes[start:stop], output_size=hi - lo).add_(token_ids[lo:hi])
+        seen = torch.zeros((stop - start) * vocab_size, dtype=torch.bool, device=offsets.device)
+        seen.index_fill_(0, cells, True)
         if int(seen.sum()) != hi - lo:  # a repeat: find it among this block's keys
             found = _sorted_repeat(token_ids[lo:hi], sizes[start:stop], vocab_size)
             return (start + found[0], found[1]) if found is not None else None
+        start = stop
     return None
 
 
