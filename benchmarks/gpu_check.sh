@@ -10,11 +10,14 @@ BENCH_SET=${GPU_CHECK_SET:-gpu}
 if [ "$BENCH_SET" = smoke ]; then  # a CPU dry run, bounded by CI's own limit, not a GPU lease
     DEADLINE_S=${DEADLINE_S:-1800}; TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-900}; TRAINER_STEP_S=${TRAINER_STEP_S:-600}
     LONG_CONTEXT_S=${LONG_CONTEXT_S:-300}; export GRPO_LC_SET=${GRPO_LC_SET:-smoke}
-    STEP_ARGS=(--quick); LC_ARGS=(--smoke)
+    REPLAY_S=${REPLAY_S:-120}; REPLAY_VLLM_S=${REPLAY_VLLM_S:-300}
+    STEP_ARGS=(--quick); LC_ARGS=(--smoke); REPLAY_ARGS=(--smoke); REPLAY_VLLM_ARGS=(--smoke --engine-mask)
 else
     DEADLINE_S=${DEADLINE_S:-360}; TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-90}; TRAINER_STEP_S=${TRAINER_STEP_S:-75}
-    LONG_CONTEXT_S=${LONG_CONTEXT_S:-60}
+    LONG_CONTEXT_S=${LONG_CONTEXT_S:-60}; REPLAY_S=${REPLAY_S:-60}; REPLAY_VLLM_S=${REPLAY_VLLM_S:-120}
     STEP_ARGS=(--rounds 1 --one-process --sides ours trl trl+patch); LC_ARGS=(--device cuda --tokens 32768 --rounds 1 --variants base offload)
+    REPLAY_ARGS=(--tokens 16384 --hidden 4096 --vocab 151936 --dtypes bf16 --backend triton --rounds 3)
+    REPLAY_VLLM_ARGS=(--engine-mask --engine-dtype bfloat16)
 fi
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
@@ -63,7 +66,10 @@ fi
 tail -q -n 1 "$OUT_DIR"/tests-*.log | tee -a "$LOG"
 
 # --- 3. the benchmark set (the ceilings measured first on a GPU), time-budgeted so the JSON is always written --
-BUDGET=$((DEADLINE_S - (SECONDS - START) - 30 - 25 - TRAINER_STEP_S - LONG_CONTEXT_S))
+HAS_CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+HAS_VLLM=$($PY -c "import importlib.util as u; print(int(u.find_spec('vllm') is not None))" 2>/dev/null || echo 0)
+if [ "$HAS_CUDA" != 1 ] || [ "$HAS_VLLM" != 1 ]; then REPLAY_VLLM_S=0; fi  # (step 5b says why: not budgeted)
+BUDGET=$((DEADLINE_S - (SECONDS - START) - 30 - 25 - TRAINER_STEP_S - LONG_CONTEXT_S - REPLAY_S - REPLAY_VLLM_S))
 if [ "$BUDGET" -lt 30 ]; then BUDGET=30; fi
 GRPO_BENCH_SET="$BENCH_SET" GRPO_BENCH_BUDGET_S="$BUDGET" \
     run_step $((BUDGET + 60)) "benchmarks ($BENCH_SET set, no case starts after ${BUDGET}s)" "$OUT_DIR/bench.log" \
@@ -83,13 +89,30 @@ if [ "$LONG_CONTEXT_S" -gt 0 ]; then
         $PY -m benchmarks.long_context options "${LC_ARGS[@]}" --out "$OUT_DIR/long_context_options.md"
 fi
 
+# --- 5b. sampling-mask replay (issue 47): the head's time and peak at the headline shape (replay, full, recomputed
+# top-p; triton on CUDA); a real vLLM CUDA engine's own kept sets (return_sampling_mask) replayed against its log-probs --
+if [ "$REPLAY_S" -gt 0 ]; then
+    run_step "$REPLAY_S" "replay timing (${REPLAY_ARGS[*]})" "$OUT_DIR/replay.log" \
+        $PY -m benchmarks.replay timing "${REPLAY_ARGS[@]}" --out "$OUT_DIR/replay.md"
+    grep "^| replay" "$OUT_DIR/replay.md" 2>/dev/null | tee -a "$LOG" || true
+fi
+if [ "$HAS_CUDA" != 1 ]; then
+    log "replay vLLM: skipped (no CUDA device: the engine's sampling masks need vLLM's GPU model runner)"
+elif [ "$HAS_VLLM" != 1 ]; then
+    log "replay vLLM: skipped (vllm is not installed for $PY)"
+elif [ "$REPLAY_VLLM_S" -gt 0 ]; then
+    run_step "$REPLAY_VLLM_S" "replay vLLM (${REPLAY_VLLM_ARGS[*]})" "$OUT_DIR/replay_vllm.log" \
+        $PY -m benchmarks.replay vllm "${REPLAY_VLLM_ARGS[@]}" --out "$OUT_DIR/replay_vllm.md"
+    grep "^| replay" "$OUT_DIR/replay_vllm.md" 2>/dev/null | tee -a "$LOG" || true
+fi
+
 # --- 6. report -----------------------------------------------------------------------------------------
 if [ -s "$OUT_DIR/gpu.json" ]; then
     log "report"
     $PY -m benchmarks.kernels report "$OUT_DIR/gpu.json" --title "grpo-kernels benchmarks: $BENCH_SET set" >> "$LOG" 2>&1 \
         || fail $? "benchmarks.kernels report"
     grep -m1 "^Measured ceilings" "$OUT_DIR/gpu.md" | tee -a "$LOG" || true
-    for md in "$OUT_DIR"/trainer_step-*.md "$OUT_DIR/long_context_options.md"; do
+    for md in "$OUT_DIR"/trainer_step-*.md "$OUT_DIR/long_context_options.md" "$OUT_DIR/replay.md" "$OUT_DIR/replay_vllm.md"; do
         if [ -s "$md" ] && [ -s "$OUT_DIR/gpu.md" ]; then { echo; cat "$md"; } >> "$OUT_DIR/gpu.md"; fi
     done
 else

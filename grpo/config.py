@@ -100,6 +100,11 @@ class GRPOConfig:
                                 "kept; None, 0 or -1: off); every log-prob of the loss is the truncated distribution's too")
     top_p: float = like(OPTION_FIELDS["top_p"], 1.0, "nucleus sampling (after top_k): keep the smallest set of tokens with "
                         "this much probability (1: off); every log-prob of the loss is the truncated distribution's too")
+    sampling_replay: bool = option(
+        True, "when the rollouts truncate (top_k / top_p): every log-prob of the loss (the policy's, the old and the "
+        "reference) is taken over the set of tokens the engine kept at each position (Completions.sampling_mask), "
+        "where the engine reports them; off, or an engine that does not: the loss recomputes the truncation from "
+        "its own logits")
     # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
     # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
     # rollout_correction_max and rollout_correction_min (_loss_fields).

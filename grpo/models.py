@@ -68,8 +68,9 @@ class Policy(torch.nn.Module):
 
     ``policy("generate", **kwargs)`` samples, ``policy("logps", mb, cfg, device)`` returns per-token
     log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss; both of the
-    distribution the rollouts sample from (``cfg.temperature``, ``cfg.top_k``, ``cfg.top_p``: -inf for
-    a token outside the truncated set, which the loss then leaves out). DDP syncs
+    distribution the rollouts sample from (``cfg.temperature``, then the engine's kept sets replayed,
+    ``mb.sampling_mask``, or ``cfg.top_k`` / ``cfg.top_p`` recomputed: :func:`truncation`; -inf for a
+    token outside the truncated set, which the loss then leaves out). DDP syncs
     gradients, and FSDP2 gathers sharded weights (``lm_head.weight`` included, which the fused loss
     reads directly), only around a wrapped module's forward: so this module is the one they wrap.
     """
@@ -89,9 +90,9 @@ class Policy(torch.nn.Module):
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
         targets = torch.where(mb.loss_mask.bool(), mb.completion_ids, torch.full_like(mb.completion_ids, IGNORE_INDEX))
-        # the distribution the engine sampled from: the temperature, top-k and top-p of the rollouts
+        # the distribution the engine sampled from: the temperature and the truncation of the rollouts
         return fused_linear_token_logprobs(
-            hidden, weight, targets, bias=bias, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            hidden, weight, targets, bias=bias, temperature=cfg.temperature, **truncation(mb, cfg),
             chunk_size=cfg.chunk_size, backend=cfg.backend, **head_transform(self.model),
         )
 
@@ -99,7 +100,7 @@ class Policy(torch.nn.Module):
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
-        options = {**cfg.loss_options(), **head_transform(self.model), **loss_kwargs}  # (the caller's keywords win)
+        options = {**cfg.loss_options(), **truncation(mb, cfg), **head_transform(self.model), **loss_kwargs}  # (the caller's win)
         if isinstance(mb, packing.PackedMicroBatch):
             options["segment_ids"] = mb.segment_ids  # one row, several sequences
         if mb.rollout_logps is None:  # (an engine that reports no log-probs: nothing to correct)
@@ -108,6 +109,15 @@ class Policy(torch.nn.Module):
             hidden, weight, mb.completion_ids, mb.advantages, mb.loss_mask, bias=bias,
             old_logps=mb.old_logps, ref_logps=mb.ref_logps, rollout_logps=mb.rollout_logps, **options,
         )
+
+
+def truncation(mb: "MicroBatch", cfg: GRPOConfig) -> dict[str, Any]:
+    """The loss's keywords for the rollouts' truncation: the engine's kept sets replayed when the micro-batch
+    has them (``sampling_mask``: one set per target position; top_k / top_p then off, as the loss requires),
+    else ``cfg.top_k`` / ``cfg.top_p`` recomputed from the trainer's logits."""
+    if mb.sampling_mask is not None:
+        return dict(top_k=None, top_p=None, sampling_mask=mb.sampling_mask)
+    return dict(top_k=cfg.top_k, top_p=cfg.top_p)
 
 
 def as_policy(model: torch.nn.Module) -> torch.nn.Module:

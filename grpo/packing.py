@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_kernels.options import IGNORE_INDEX
+from grpo_kernels.sampling_mask import SamplingMask
 
 PACKED_SDPA = "packed_sdpa"  # attn_implementation name of :func:`packed_sdpa_attention`
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
@@ -152,6 +153,16 @@ class PackedLayout:
         src = self.source.to(values.device)
         picked = values.reshape(-1).index_select(0, src.clamp(min=0).reshape(-1)).view(src.shape)
         return torch.where(src >= 0, picked, torch.full((), fill, dtype=values.dtype, device=values.device))
+
+    def pack_sets(self, sets: SamplingMask) -> SamplingMask:
+        """Kept sets of the padded layout (``B * T``, row-major over [B, T]) -> the ``L`` sets of this row, one
+        per packed position (the set of the completion token it predicts; empty where it predicts none)."""
+        B, T = self.completion_shape
+        if sets.num_positions != B * T:
+            raise ValueError(f"sets must hold {B * T} sets (one per position of [{B}, {T}]), got {sets.num_positions}")
+        with_empty = SamplingMask(sets.token_ids, torch.cat([sets.offsets, sets.offsets[-1:]]))  # an empty set at B * T
+        source = self.source.reshape(-1).to(sets.offsets.device)
+        return with_empty.rows(torch.where(source >= 0, source, B * T))
 
     def unpack(self, values: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed per-token ``values`` [1, L] -> the padded layout [B, T], into ``out`` (default zeros).
@@ -245,6 +256,7 @@ class PackedMicroBatch:
     old_logps: Optional[torch.Tensor] = None  # [1, L] float32
     ref_logps: Optional[torch.Tensor] = None  # [1, L] float32
     rollout_logps: Optional[torch.Tensor] = None  # [1, L] float32
+    sampling_mask: Optional[SamplingMask] = None  # L kept sets, one per position (PackedLayout.pack_sets)
 
     def __len__(self) -> int:
         return len(self.layout)
@@ -270,7 +282,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
     ``batch`` has the fields of the trainer's ``UpdateBatch``: ``input_ids`` / ``attention_mask``
     [B, P + T], ``prompt_len`` P, ``completion_ids`` / ``loss_mask`` [B, T], ``advantages`` [B] or
     [B, T], and optional ``old_logps`` / ``ref_logps`` / ``rollout_logps`` [B, T] (packed when present, so they can be
-    computed before or after packing: see :func:`unpack_values`).
+    computed before or after packing: see :func:`unpack_values`) and ``sampling_mask`` (``B * T`` kept sets).
     """
     prompt_lens, completion_lens = sequence_spans(batch.attention_mask, batch.prompt_len)
     loss_mask = batch.loss_mask
@@ -291,6 +303,7 @@ def pack_batch(batch: Any, max_tokens: Optional[int]) -> list[PackedMicroBatch]:
             old_logps=optional(getattr(batch, "old_logps", None)),
             ref_logps=optional(getattr(batch, "ref_logps", None)),
             rollout_logps=optional(getattr(batch, "rollout_logps", None)),
+            sampling_mask=None if getattr(batch, "sampling_mask", None) is None else layout.pack_sets(batch.sampling_mask),
         ))
     return out
 
@@ -311,9 +324,11 @@ def filler_micro_batch(batch: Any) -> PackedMicroBatch:
         source=one(-1, torch.long), completion_shape=tuple(batch.completion_ids.shape),
     )
     optional = lambda t: None if t is None else one(0, torch.float32)  # noqa: E731
+    sets = getattr(batch, "sampling_mask", None)
     return PackedMicroBatch(layout, one(IGNORE_INDEX, torch.long), one(0, batch.loss_mask.dtype), one(0, torch.float32),
                             optional(getattr(batch, "old_logps", None)), optional(getattr(batch, "ref_logps", None)),
-                            optional(getattr(batch, "rollout_logps", None)))
+                            optional(getattr(batch, "rollout_logps", None)),
+                            None if sets is None else SamplingMask(sets.token_ids[:0], sets.offsets.new_zeros(2)))
 
 
 def unpack_values(micro_batches: Sequence[PackedMicroBatch], values: Sequence[torch.Tensor]) -> torch.Tensor:

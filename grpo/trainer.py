@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 
 from grpo_kernels.bounds import OptionError
 from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
+from grpo_kernels.sampling_mask import SamplingMask
 
 from . import activations, checkpoint, distributed, lora, packing, plan, precision
 from .memory import PhaseMemory
@@ -83,19 +84,20 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optim
 def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollout:
     """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids; with
     ``use_vllm`` a vLLM engine for the model's architecture (in the dtype the trainer samples in: bf16 on
-    CUDA with ``bf16``, else fp32), sized for one step's completions."""
+    CUDA with ``bf16``, else fp32), sized for one step's completions. With ``sampling_replay`` either
+    reports the kept sets it drew from when it truncates."""
     if cfg.use_vllm:
         on_cuda = torch.cuda.is_available()
         return VLLMRollout.for_model(
             model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            top_k=cfg.top_k, return_sampling_mask=cfg.sampling_replay,
             dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed, eos_token_id=generation_eos(model, tokenizer),
             max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
             **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
         )
     return HFGenerate(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer),
+        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer), return_sampling_mask=cfg.sampling_replay,
     )
 
 
@@ -213,6 +215,9 @@ class UpdateBatch:
     old_logps: Optional[torch.Tensor] = None  # [B, T]
     ref_logps: Optional[torch.Tensor] = None  # [B, T]
     rollout_logps: Optional[torch.Tensor] = None  # [B, T] the rollout engine's log-probs (rollout_correction)
+    # B * T kept sets, row-major over [B, T]: the engine's (Completions.sampling_mask), replayed by every
+    # log-prob of the loss (GRPOConfig.sampling_replay); None: the loss truncates with cfg.top_k / top_p
+    sampling_mask: Optional[SamplingMask] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -225,9 +230,12 @@ class UpdateBatch:
 
     def rows(self, idx: torch.Tensor) -> "UpdateBatch":
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        T = self.completion_ids.shape[1]
+        positions = (idx.to(torch.int64).unsqueeze(-1) * T + torch.arange(T, device=idx.device)).reshape(-1)  # their sets
         return UpdateBatch(
             pick(self.input_ids), pick(self.attention_mask), self.prompt_len, pick(self.completion_ids),
             pick(self.loss_mask), pick(self.advantages), pick(self.old_logps), pick(self.ref_logps), pick(self.rollout_logps),
+            None if self.sampling_mask is None else self.sampling_mask.rows(positions),
         )
 
     def micro_batches(self, size: Optional[int]) -> list["UpdateBatch"]:
@@ -237,9 +245,11 @@ class UpdateBatch:
     def filler(self) -> "UpdateBatch":
         """One row shaped like this batch's that adds nothing: no loss tokens, advantage 0."""
         zeros = lambda t: None if t is None else t.new_zeros((1, *t.shape[1:]))  # noqa: E731
+        sets = self.sampling_mask
         return UpdateBatch(
             zeros(self.input_ids), zeros(self.attention_mask) + 1, self.prompt_len, zeros(self.completion_ids),
             zeros(self.loss_mask), zeros(self.advantages), zeros(self.old_logps), zeros(self.ref_logps), zeros(self.rollout_logps),
+            None if sets is None else SamplingMask(sets.token_ids[:0], sets.offsets.new_zeros(self.completion_ids.shape[1] + 1)),
         )
 
 
@@ -481,7 +491,8 @@ def score_rollout(reward_fns: Mapping[str, RewardFn], rollout: Completions, batc
 
 def update_batch(rollout: Completions, scores: Scores, cfg: GRPOConfig, device: torch.device) -> UpdateBatch:
     """What the loss reads: prompt and completion ids, the loss mask (less truncated completions with
-    ``mask_truncated_completions``), the advantages and the engine's log-probs; only the groups that carry
+    ``mask_truncated_completions``), the advantages, the engine's log-probs and, with ``sampling_replay``, the
+    sets of tokens it drew each token from (when it truncated and reports them); only the groups that carry
     a signal with ``drop_zero_signal_groups``."""
     loss_mask = rollout.completion_mask.clone()
     if cfg.mask_truncated_completions:
@@ -493,6 +504,9 @@ def update_batch(rollout: Completions, scores: Scores, cfg: GRPOConfig, device: 
         completion_ids=rollout.completion_ids,
         loss_mask=loss_mask,
         advantages=scores.advantages.to(device),
+        # every log-prob of the loss over the engine's kept sets, not a truncation recomputed from the trainer's
+        # logits, which differ from the engine's by rounding and may keep another set (GRPOConfig.sampling_replay)
+        sampling_mask=rollout.sampling_mask.to(device) if cfg.sampling_replay and rollout.sampling_mask is not None else None,
     )
     kept = torch.arange(len(batch))
     if cfg.drop_zero_signal_groups:

@@ -12,6 +12,7 @@ from .functional import fused_linear_grpo_loss, fused_linear_token_logprobs, grp
 from .modules import FusedLinearGRPOLoss, GRPOLoss
 from .objective import GRPOLossOutput
 from .options import GRPOInputs, GRPOOptions
+from .sampling_mask import SamplingMask
 
 __all__ = [
     "token_logprobs",
@@ -23,5 +24,6 @@ __all__ = [
     "GRPOLossOutput",
     "GRPOOptions",
     "GRPOInputs",
+    "SamplingMask",
 ]
 __version__ = "0.1.0"

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, Iterator, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
 from .backends import RowBackend
+from .kernels import torch_replay, torch_rows
 from .kernels.torch_rows import RowGradient, RowStats, tile_columns
 from .options import LogitTransform
+from .sampling_mask import SamplingMask
 
 
 def _first_order(backward: Callable) -> Callable:
@@ -649,3 +651,382 @@ def _chunked_loss_rows(hidden, weight, bias, targets, coefficients: LossCoeffici
                 _accumulate_weight_grad(grad_weight, grad_logits, h, first=rows.start == 0)
             if need_bias:
                 grad_bias += grad_logits.sum(0, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling-mask replay: log-probs over each position's kept set (kernels/torch_replay.py's contract)
+# --------------------------------------------------------------------------------------------------
+class ReplaySplit:
+    """A call's kept sets split by row size (``torch_replay.DENSE_ROW_FRACTION``): the sparse rows' sets
+    in CSR form (the dense and the target-less rows' sets emptied, so the sparse kernels skip those rows),
+    and the dense rows' indices with their own sets. ``valid`` [n]: rows with a target (``targets`` may
+    hold -1, a target in another vocabulary shard: in no set here). ``vocab_size``: the logits' columns."""
+
+    def __init__(self, targets: torch.Tensor, token_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
+                 ignore_index: int) -> None:
+        self.valid = targets != ignore_index
+        self.targets = torch.where(self.valid, targets, torch.zeros_like(targets)).long()
+        sizes = offsets[1:] - offsets[:-1]
+        dense = self.valid & torch_replay.dense_rows(sizes, vocab_size)
+        sparse = self.valid & ~dense
+        num_sparse, self.num_dense = (int(x) for x in torch.stack([sparse.sum(), dense.sum()]).tolist())
+        k = token_ids.numel()
+        # the sparse rows' sets (the whole CSR when every row is sparse: no copy); each entry's kind by a bool
+        # [K] repeat of its row's (no int64 row index of every entry: K can be N x V)
+        if num_sparse == sparse.numel():
+            self.token_ids, self.offsets = token_ids, offsets
+        else:
+            self.token_ids = (token_ids[torch.repeat_interleave(sparse, sizes, output_size=k)] if num_sparse
+                              else token_ids[:0])
+            self.offsets = torch.zeros_like(offsets)
+            torch.cumsum(torch.where(sparse, sizes, torch.zeros_like(sizes)), 0, out=self.offsets[1:])
+        # the dense rows' sets, in their order
+        self.dense = dense.nonzero().squeeze(-1) if self.num_dense else dense.new_zeros(0, dtype=torch.int64)
+        self.dense_sizes = sizes.index_select(0, self.dense)
+        self.dense_offsets = torch.zeros(self.num_dense + 1, dtype=torch.int64, device=offsets.device)
+        torch.cumsum(self.dense_sizes, 0, out=self.dense_offsets[1:])
+        if self.num_dense == dense.numel():  # every row dense: the whole CSR
+            self.dense_ids = token_ids
+        elif self.num_dense:
+            self.dense_ids = token_ids[torch.repeat_interleave(dense, sizes, output_size=k)]
+        else:
+            self.dense_ids = token_ids[:0]
+        self.dense_stats: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (row_max, log_sum) [D], the forward's
+        self.vocab_size = vocab_size
+
+    def dense_blocks(self, rows_per_block: int):
+        """``DenseBlock`` per block of at most ``rows_per_block`` dense rows (one device sync for the bounds)."""
+        if not self.num_dense:
+            return
+        starts = list(range(0, self.num_dense, rows_per_block)) + [self.num_dense]
+        bounds = self.dense_offsets[torch.tensor(starts, device=self.dense_offsets.device)].tolist()
+        for b in range(len(starts) - 1):
+            start, stop, e0, e1 = starts[b], starts[b + 1], bounds[b], bounds[b + 1]
+            yield DenseBlock(slice(start, stop), self.dense[start:stop], self.dense_ids[e0:e1],
+                             self.dense_sizes[start:stop], self.dense_offsets[start:stop + 1] - e0)
+
+
+# Most entries whose cells one step of DenseBlock.dropped indexes at once (a bounded int64 temporary:
+# whole-vocabulary sets hold N x V ids)
+_CELL_STEP = 1 << 21
+
+
+class DenseBlock(NamedTuple):
+    """A block of the dense rows: ``part`` its slice of them, ``index`` their rows, their sets (``ids``,
+    ``sizes``, and in CSR form ``offsets``)."""
+
+    part: slice
+    index: torch.Tensor
+    ids: torch.Tensor
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Bool like ``x [c, V]``: the cells off the sets (each entry's cell of the flattened block, its row
+        times V plus its id, formed a bounded step of rows at a time)."""
+        c, v = x.shape
+        drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+        flat = drop.view(-1)
+        bounds = self.offsets.tolist()
+        r0 = 0
+        while r0 < c:
+            r1 = r0 + 1
+            while r1 < c and bounds[r1 + 1] - bounds[r0] <= _CELL_STEP:
+                r1 += 1
+            cells = torch.repeat_interleave(torch.arange(r0, r1, device=x.device) * v, self.sizes[r0:r1],
+                                            output_size=bounds[r1] - bounds[r0])
+            flat.index_fill_(0, cells.add_(self.ids[bounds[r0]:bounds[r1]]), False)
+            r0 = r1
+        return drop
+
+
+_OUTSIDE = -1  # the target of a dense row whose target is not in its set (backward_rows: no one-hot term)
+_NO_IGNORE = -2  # (dense rows all have targets)
+
+
+def _kept_targets(targets: torch.Tensor, drop: torch.Tensor):
+    """(targets [c, 1] safe to gather, bool [c, 1]: the target is a kept column of the block) from the
+    block's ``drop`` mask (a target outside ``[0, V)``, another shard's -1, in no set)."""
+    t = targets.long().unsqueeze(-1)
+    inside = (t >= 0) & (t < drop.shape[-1])
+    t = torch.where(inside, t, torch.zeros_like(t))
+    return t, inside & ~drop.gather(-1, t)
+
+
+def _dense_block_stats(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, transform: LogitTransform,
+                       backend: RowBackend, with_entropy: bool, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [c] of a block of dense rows, their logits ``x [c, V]`` materialised
+    (overwritten). Without a soft cap the ids off a set are set to ``-inf`` in place and the backend's plain
+    row pass runs on them (``z = slope x`` keeps ``-inf``): the full-vocabulary pass's cost and kernel, plus
+    one masked fill; its ``(row_max, log_sum)`` are kept for the backward. With a cap (``tanh(-inf)`` is
+    finite) ``torch_replay.dense_forward``."""
+    targets = split.targets.index_select(0, block.index)
+    tf = transform.rows(block.index)
+    if transform.softcap is not None:
+        return torch_replay.dense_forward(x, targets, block.ids, block.offsets, *_transform_args(transform, block.index),
+                                          with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+    drop = block.dropped(x)
+    x.masked_fill_(drop, float("-inf"))
+    t, hit = _kept_targets(targets, drop)
+    hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))  # (a kept -inf logit: out too)
+    stats = backend.forward_rows(x.unsqueeze(0), torch.where(hit, t.squeeze(-1), 0).unsqueeze(0), tf, _NO_IGNORE,
+                                 with_entropy, with_sum_sq)
+    if split.dense_stats is None:
+        f32 = dict(dtype=torch.float32, device=x.device)
+        split.dense_stats = (torch.empty(split.num_dense, **f32), torch.empty(split.num_dense, **f32))
+    split.dense_stats[0][block.part], split.dense_stats[1][block.part] = stats.row_max[0], stats.log_sum[0]
+    lse = backend.log_normalizer(stats.row_max, stats.log_sum, tf)[0]
+    logp = torch.where(hit, stats.logp[0], torch.full((), float("-inf"), device=x.device))
+    zeros = torch.zeros_like(lse)
+    return (logp, stats.entropy[0] if with_entropy else zeros,
+            stats.sum_probs_sq[0] if with_sum_sq else zeros, lse)
+
+
+def _dense_block_grad(x: torch.Tensor, block: DenseBlock, split: ReplaySplit, lse: torch.Tensor, lse_forward,
+                      entropy: torch.Tensor, g_logp, g_ent, transform: LogitTransform, backend: RowBackend):
+    """``d x`` of a block of dense rows (``x [c, V]`` their logits, overwritten by the gradient where the
+    backend writes in place): the masked logits through the backend's ``backward_rows`` with the normaliser
+    ``lse`` (the forward's ``lse_forward`` shifted: another vocabulary shard's mass), or, with a soft cap,
+    ``torch_replay.dense_backward`` (fp32)."""
+    index = block.index
+    targets = split.targets.index_select(0, index)
+    g = None if g_logp is None else g_logp.index_select(0, index)
+    e = None if g_ent is None else g_ent.index_select(0, index)
+    if transform.softcap is not None:
+        return torch_replay.dense_backward(x, targets, block.ids, block.offsets, lse.index_select(0, index),
+                                           entropy.index_select(0, index), g, e, *_transform_args(transform, index))
+    drop = block.dropped(x)
+    x.masked_fill_(drop, float("-inf"))
+    t, hit = _kept_targets(targets, drop)
+    hit = hit.squeeze(-1) & (x.gather(-1, t).squeeze(-1) > float("-inf"))
+    row_max, log_sum = (s[block.part] for s in split.dense_stats)
+    log_sum = backend.shift_log_sum(log_sum, lse.index_select(0, index) - lse_forward.index_select(0, index))
+    rows = x.unsqueeze(0)
+    backend.backward_rows(rows, torch.where(hit, t.squeeze(-1), _OUTSIDE).unsqueeze(0), row_max.unsqueeze(0),
+                          log_sum.unsqueeze(0), entropy.index_select(0, index).unsqueeze(0),
+                          None if g is None else g.unsqueeze(0), None if e is None else e.unsqueeze(0),
+                          transform.rows(index), _NO_IGNORE, rows)
+    return x
+
+
+def _replay_temperature(transform: LogitTransform, index=None):
+    """The replay kernels' temperature: a float, or float32 [n] (of the rows ``index`` picks)."""
+    if not transform.per_row:
+        return transform.temperature
+    flat = transform.temperature.reshape(-1)
+    flat = flat if index is None else (flat[index] if isinstance(index, slice) else flat.index_select(0, index))
+    return flat.to(torch.float32).contiguous()
+
+
+def _transform_args(transform: LogitTransform, index=None) -> tuple:
+    return _replay_temperature(transform, index), transform.softcap, transform.logit_scale
+
+
+def _finite_grad(grad_logp: Optional[torch.Tensor], logp: torch.Tensor) -> Optional[torch.Tensor]:
+    """``grad_logp`` [n] fp32 with 0 where the log-prob is -inf (a target outside its set: no gradient)."""
+    if grad_logp is None:
+        return None
+    logp = logp.reshape(-1)
+    return torch.where(logp > float("-inf"), grad_logp.reshape(-1).float(), torch.zeros((), device=logp.device))
+
+
+def _flat_views(rows: torch.Tensor):
+    """``(slice of the n = B * T rows, [r, V] view)`` of logits rows ``[B, T, V]``: one view when the
+    leading dimensions merge without a copy, else one per sequence (each [T, V], any row stride)."""
+    b, t, v = rows.shape
+    try:
+        return [(slice(0, b * t), rows.view(b * t, v))]
+    except RuntimeError:
+        return [(slice(i * t, (i + 1) * t), rows[i]) for i in range(b)]
+
+
+def _csr_slice(token_ids: torch.Tensor, offsets: torch.Tensor, rows: slice):
+    """The sets of a contiguous range of rows, offsets rebased."""
+    off = offsets[rows.start:rows.stop + 1]
+    lo, hi = int(off[0]), int(off[-1])
+    return token_ids[lo:hi], off - lo
+
+
+def replay_outputs(split: ReplaySplit, logp, entropy, sum_sq):
+    """Rows without a target: 0 everywhere (their sets were emptied: -inf / 0 came out)."""
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    return tuple(torch.where(split.valid, x, zero) for x in (logp, entropy, sum_sq))
+
+
+def replay_rows_stats(logits: torch.Tensor, split: ReplaySplit, transform: LogitTransform, backend: RowBackend,
+                      with_entropy: bool, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [n] fp32 over the sets of logits rows ``[B, T, V]``: the sparse rows by
+    ``backend.replay()`` (reading only the kept entries), the dense ones a block of rows at a time."""
+    n, t, v = split.valid.numel(), logits.shape[1], logits.shape[-1]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    stats = [torch.empty(n, **f32) for _ in range(4)]
+    kernels = backend.replay()
+    for rows, view in _flat_views(logits):
+        ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+        out = kernels.replay_rows_forward(view, split.targets[rows], ids, off, *_transform_args(transform, rows),
+                                          with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+        for buffer, value in zip(stats, out):
+            buffer[rows] = value
+    for block in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        x = logits[block.index // t, block.index % t]  # (a copy: masked in place)
+        out = _dense_block_stats(x, block, split, transform, backend, with_entropy, with_sum_sq)
+        for buffer, value in zip(stats, out):
+            buffer[block.index] = value
+    return tuple(stats)
+
+
+def replay_rows_grad(logits: torch.Tensor, split: ReplaySplit, lse: torch.Tensor, lse_forward: torch.Tensor,
+                     entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
+                     transform: LogitTransform, backend: RowBackend, out: torch.Tensor) -> None:
+    """``d logits`` into ``out`` (the shape of ``logits [B, T, V]``, or ``logits`` itself): the dense rows'
+    first (an in-place buffer is about to lose their logits), then every row's by the sparse kernels (the
+    whole rows written: 0 off the sets), then the dense rows'. ``lse``: the normaliser of each set (another
+    shard's mass included), ``lse_forward`` the forward's own."""
+    t, v = logits.shape[1], logits.shape[-1]
+    dense = []
+    for block in split.dense_blocks(torch_rows.block_rows(v, logits.device)):
+        x = logits[block.index // t, block.index % t]
+        dx = _dense_block_grad(x, block, split, lse, lse_forward, entropy, g_logp, g_ent, transform, backend)
+        dense.append((block.index, dx.to(out.dtype)))
+    kernels = backend.replay()
+    flat_out = None if out is logits else out.view(-1, v)
+    for rows, source in _flat_views(logits):
+        ids, off = _csr_slice(split.token_ids, split.offsets, rows)
+        kernels.replay_rows_backward(
+            source, split.targets[rows], ids, off, lse[rows], entropy[rows],
+            None if g_logp is None else g_logp[rows], None if g_ent is None else g_ent[rows],
+            *_transform_args(transform, rows), out=source if flat_out is None else flat_out[rows])
+    for index, dx in dense:
+        out[index // t, index % t] = dx
+
+
+class ReplayTokenLogprobsFunction(torch.autograd.Function):
+    """(logits [B, T, V], targets [B, T], the kept sets' token_ids [K] / offsets [B*T + 1]) -> (logp, entropy,
+    sum of squared probabilities or a 0-d 0) [B, T] fp32 over each position's set: sampling-mask replay.
+
+    Sparse rows go to ``backend.replay()``'s row kernels (only the kept entries of the logits are read);
+    rows with a large set (``torch_replay.DENSE_ROW_FRACTION``) to the dense masked path, a block of rows
+    at a time. Saved: the logits (a reference), the sets, and two fp32 numbers per row (lse, entropy)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, token_ids, offsets, backend: RowBackend, transform: LogitTransform,
+                ignore_index: int, with_entropy: bool, inplace_backward: bool, with_sum_sq: bool):
+        split = ReplaySplit(targets.reshape(-1), token_ids, offsets, logits.shape[-1], ignore_index)
+        logp, entropy, sum_sq, lse = replay_rows_stats(logits, split, transform, backend, with_entropy, with_sum_sq)
+        logp, entropy, sum_sq = replay_outputs(split, logp, entropy, sum_sq)
+        ctx.split = split
+        shape = targets.shape
+        return logprob_forward_outputs(ctx, (logits, lse, entropy, logp), (backend, transform, inplace_backward),
+                                       logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        logits, lse, entropy, logp = ctx.saved_tensors
+        backend, transform, inplace_backward = ctx.config
+        out = _gradient_buffer(logits, inplace_backward)
+        replay_rows_grad(logits, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
+                         None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
+        _written_in_place(logits, out)
+        return (out,) + (None,) * 9
+
+
+def replay_linear_stats(hidden, weight, bias, split: ReplaySplit, backend: RowBackend, transform: LogitTransform,
+                        with_entropy: bool, chunk_size: int, dtype: torch.dtype, with_sum_sq: bool):
+    """(logp, entropy, sum_sq, lse) [n] fp32 over the sets of ``hidden [n, H] @ weight^T (+ bias)``: the sparse
+    rows by ``backend.replay()`` (only the kept rows of the weight read), the dense ones ``chunk_size`` rows
+    of logits at a time. Matmuls in ``dtype``, autocast off."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        stats = backend.replay().replay_linear_forward(
+            hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, *_transform_args(transform),
+            with_entropy=with_entropy, with_sum_sq=with_sum_sq)
+        for block in split.dense_blocks(chunk_size):
+            x = torch.nn.functional.linear(hidden.index_select(0, block.index).to(dtype), w, b)
+            out = _dense_block_stats(x, block, split, transform, backend, with_entropy, with_sum_sq)
+            for buffer, value in zip(stats, out):
+                buffer[block.index] = value
+    return stats
+
+
+def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forward, entropy, g_logp, g_ent,
+                        backend: RowBackend,
+                        transform: LogitTransform, chunk_size: int, dtype: torch.dtype,
+                        accumulate_in_weight_dtype: bool, needs: Tuple[bool, bool, bool]):
+    """(d hidden, d weight, d bias), each None unless ``needs`` it, in the inputs' dtypes: the sparse rows'
+    from ``backend.replay()`` (``d weight`` only on the kept ids, deterministic), the dense rows' from their
+    recomputed logits (``d hidden = dx @ W``, ``d W += dx^T @ h``, fp32 or, with
+    ``accumulate_in_weight_dtype``, the weight's dtype), summed."""
+    need_hidden, need_weight, need_bias = needs
+    sparse = split.token_ids.numel() > 0  # (else the sparse kernels have no weight rows to write: no [V, H] zeros)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w, b = _operands(weight, bias, dtype)
+        grad_hidden, grad_weight, grad_bias = backend.replay().replay_linear_backward(
+            hidden.to(dtype), w, b, split.targets, split.token_ids, split.offsets, lse, entropy, g_logp, g_ent,
+            *_transform_args(transform), needs_hidden_grad=need_hidden, needs_weight_grad=need_weight and sparse,
+            needs_bias_grad=need_bias and sparse)
+        if split.num_dense:
+            acc_dtype = weight.dtype if accumulate_in_weight_dtype else torch.float32
+            acc = None
+            if need_weight:  # the sparse rows' d weight is the accumulator when it has its dtype (no second [V, H])
+                acc = (grad_weight if grad_weight is not None and grad_weight.dtype == acc_dtype
+                       else _new_weight_grad(weight, accumulate_in_weight_dtype, 0))
+            bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+            for block in split.dense_blocks(chunk_size):
+                index = block.index
+                h = hidden.index_select(0, index).to(dtype)
+                dx = _dense_block_grad(torch.nn.functional.linear(h, w, b), block, split, lse, lse_forward, entropy,
+                                       g_logp, g_ent, transform, backend)
+                if need_bias:
+                    bias_acc += dx.sum(0, dtype=torch.float32)
+                dx = dx.to(dtype)
+                if need_hidden:
+                    grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
+                if need_weight:
+                    _accumulate_weight_grad(acc, dx, h)
+            if need_weight:
+                if grad_weight is not None and acc is not grad_weight:
+                    acc.add_(grad_weight.to(acc.dtype))
+                grad_weight = acc
+            if need_bias:
+                grad_bias = bias_acc if grad_bias is None else bias_acc.add_(grad_bias.float())
+        if need_weight and grad_weight is None:  # no kept id at all
+            grad_weight = torch.zeros_like(weight)
+        if need_bias and grad_bias is None:
+            grad_bias = torch.zeros_like(bias)
+    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), _hand_over(grad_weight, weight.dtype),
+            _hand_over(grad_bias, None if bias is None else bias.dtype))
+
+
+class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
+    """(hidden [n, H], weight [V, H], bias [V] | None, targets [n], the kept sets token_ids [K] / offsets
+    [n + 1]) -> (logp, entropy, sum of squared probabilities or a 0-d 0) [n] fp32: sampling-mask replay
+    from hidden states, the [n, V] logits never formed for the sparse rows.
+
+    Sparse rows: ``backend.replay()``'s fused-linear kernels (only the kept rows of the weight are read;
+    ``d weight`` written only on them, deterministically). Rows with a large set: the dense masked path,
+    ``chunk_size`` rows of logits at a time (the plain fused-linear pass's cost), forward and, recomputed,
+    backward (:func:`replay_linear_stats`, :func:`replay_linear_grads`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, token_ids, offsets, backend: RowBackend,
+                transform: LogitTransform, ignore_index: int, with_entropy: bool, chunk_size: int,
+                dtype: torch.dtype, accumulate_in_weight_dtype: bool, with_sum_sq: bool):
+        split = ReplaySplit(targets, token_ids, offsets, weight.shape[0], ignore_index)
+        logp, entropy, sum_sq, lse = replay_linear_stats(hidden, weight, bias, split, backend, transform, with_entropy,
+                                                         chunk_size, dtype, with_sum_sq)
+        logp, entropy, sum_sq = replay_outputs(split, logp, entropy, sum_sq)
+        ctx.split = split
+        return logprob_forward_outputs(
+            ctx, (hidden, weight, bias, lse, entropy, logp),
+            (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
+        backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
+        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
+                                    None if grad_entropy is None else grad_entropy.float(), backend, transform,
+                                    chunk_size, dtype, accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
+        return grads + (None,) * 11

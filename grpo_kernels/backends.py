@@ -19,10 +19,14 @@ from typing import ClassVar, Dict, Optional
 
 import torch
 
-from .kernels import torch_rows
+from .kernels import torch_replay, torch_rows
 from .objective import is_token_local
 from .kernels.torch_rows import FrozenHeadRows, RowGradient, RowStats
 from .options import LogitTransform
+
+
+# the functions of a replay kernels module (kernels/torch_replay.py's contract)
+REPLAY_FUNCTIONS = ("replay_rows_forward", "replay_rows_backward", "replay_linear_forward", "replay_linear_backward")
 
 
 def _rows_temperature(t: LogitTransform, logits: torch.Tensor) -> Optional[torch.Tensor]:
@@ -107,6 +111,12 @@ class RowBackend:
                            None if g_entropy is None else g_entropy.unsqueeze(0), transform, ignore_index, rows,
                            stats.threshold, stats.tie_index)
         return RowGradient(stats.logp[0], stats.entropy[0])
+
+    def replay(self) -> ModuleType:
+        """The module of this backend's sampling-mask replay kernels (``replay_rows_forward``,
+        ``replay_rows_backward``, ``replay_linear_forward``, ``replay_linear_backward``: the contract of
+        ``kernels/torch_replay.py``); by default the PyTorch ones, which run on any device."""
+        return torch_replay
 
     def tiles_vocabulary(self, transform) -> bool:
         """Whether :meth:`frozen_head_rows` serves this transform (the fused-linear path of a head
@@ -244,10 +254,14 @@ class TritonBackend(RowBackend):
         if top_k is None and t.top_p is None and not with_sum_sq:  # the plain row pass
             return RowStats(*self._launchers().forward_rows(logits=logits, targets=targets, ignore_index=ignore_index,
                                                             with_entropy=with_entropy, **keywords))
-        out = self._launchers().forward_rows_sampled(logits=logits, targets=targets, ignore_index=ignore_index,
-                                                     with_entropy=with_entropy, top_k=top_k, top_p=t.top_p,
-                                                     with_sum_sq=with_sum_sq, **keywords)
         truncated = top_k is not None or t.top_p is not None
+        sampling = dict(top_k=top_k, top_p=t.top_p)
+        for name in ("top_k", "top_p"):  # one per row: the launcher's own tensor keyword, [B, T]
+            if isinstance(sampling[name], torch.Tensor):
+                sampling[f"{name}_rows"] = sampling.pop(name).reshape(logits.shape[:2])
+        out = self._launchers().forward_rows_sampled(logits=logits, targets=targets, ignore_index=ignore_index,
+                                                     with_entropy=with_entropy, with_sum_sq=with_sum_sq, **sampling,
+                                                     **keywords)
         return RowStats(*out[:4], out[4] if with_sum_sq else None, *(out[5:] if truncated else (None, None)))
 
     def backward_rows(self, logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy,
@@ -259,6 +273,16 @@ class TritonBackend(RowBackend):
             **self._transform_keywords(transform, logits), **kept,
         )
         return out
+
+    def replay(self) -> ModuleType:
+        """``kernels/triton_replay.py`` where it provides the four replay functions, else the PyTorch ones."""
+        try:
+            from .kernels import triton_replay
+        except ImportError:
+            return torch_replay
+        if all(callable(getattr(triton_replay, name, None)) for name in REPLAY_FUNCTIONS):
+            return triton_replay
+        return torch_replay
 
     def log_normalizer(self, row_max, log_sum, transform) -> torch.Tensor:
         return self._module().log_normalizer(row_max, log_sum, **self._transform_keywords(transform, rows_shape=row_max.shape))

@@ -17,12 +17,13 @@ import torch
 from . import _validation as V
 from . import backends, objective, reference, vocab_parallel
 from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction,
-                       TokenLogprobsFunction)
+                       ReplayLinearTokenLogprobsFunction, ReplayTokenLogprobsFunction, TokenLogprobsFunction)
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs, logprob_targets,
-                      prepare_grpo, scatter_rows, take_rows, take_transform)
+from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs,
+                      logprob_sampling_mask, logprob_targets, prepare_grpo, scatter_rows, take_rows, take_transform)
+from .sampling_mask import SamplingMask
 
 
 
@@ -96,6 +97,18 @@ def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, wit
     return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
 
 
+def _replay_logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, sampling_mask: SamplingMask,
+                          with_entropy, backend, inplace_backward=False, with_sum_sq=False):
+    """:func:`_logprobs_rows` over each position's kept set (sampling-mask replay; ``sampling_mask`` checked
+    against the targets): only the kept entries of the logits are read (``ReplayTokenLogprobsFunction``)."""
+    rows = as_rows(logits)
+    logp, entropy, sum_sq = ReplayTokenLogprobsFunction.apply(
+        rows, targets.reshape(rows.shape[:2]), sampling_mask.token_ids, sampling_mask.offsets, backend, transform,
+        ignore_index, with_entropy, inplace_backward, with_sum_sq,
+    )
+    return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
+
+
 @logprob_keywords
 @_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
 def token_logprobs(
@@ -116,8 +129,11 @@ def token_logprobs(
     sequence), finite and > 0 (a tensor holding a float gives the float's results bitwise).
     ``top_k`` / ``top_p``: the distribution a vLLM sampler draws from, ``softmax(z)`` truncated to the
     top-k, then to the top-p nucleus, and renormalised (vLLM 0.32's rules: ties at the k-th value kept,
-    the largest token always kept; ``None``, ``top_k`` 0 / -1 / >= V and ``top_p`` 1 mean off); a
-    target outside the kept set gets ``-inf``, as vLLM's processed log-probs (``docs/api.md``).
+    the largest token always kept; ``None``, ``top_k`` 0 / -1 / >= V and ``top_p`` 1 mean off); each a
+    number, or a tensor of one value per sequence ``[...][:1]`` (as vLLM takes them per request) or per
+    token ``[...]`` (``top_k`` integer, ``top_p`` floating; a row's "off" value leaves it untruncated); a
+    target outside the kept set (or a kept one whose logit is -inf) gets ``-inf``, as vLLM's processed
+    log-probs (``docs/api.md``).
     Returns ``logp``, or ``(logp,)`` + ``(entropy,)`` if ``return_entropy`` + ``(sum_probs_sq,)`` if
     ``return_sum_probs_sq``: the entropy and the (detached) sum of squared probabilities of the same
     distribution, float32 [...].
@@ -130,6 +146,9 @@ def token_logprobs(
     rank's contiguous shard ``[..., V_r]`` (shards in rank order) and ``targets`` are global ids, the
     same on every rank; the outputs are the whole vocabulary's, on every rank (``vocab_parallel``).
     ``reduce_hidden_grad`` (the fused-linear functions' option) must be False: logits have no ``d hidden``.
+    ``sampling_mask`` (a :class:`grpo_kernels.SamplingMask`, one kept set per position of ``targets`` in
+    row-major order): the distribution over each position's set instead (replay; only the kept entries
+    are read; a target outside its set, or an empty set, gives ``-inf``); excludes ``top_k`` / ``top_p``.
     """
     kw = check_logprob_flags(logprob_kwargs)
     _no_hidden_to_reduce(reduce_hidden_grad)
@@ -137,7 +156,13 @@ def token_logprobs(
         return vocab_parallel.token_logprobs(logits, targets, group=group, backend=backend, **kw._asdict())
     logits = V.check_logits(logits)
     targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    sampling_mask = logprob_sampling_mask(kw, targets, transform, logits.shape[-1], logits.device)
     row_backend = backends.resolve(backend, logits.device)
+    if sampling_mask is not None:
+        logp, entropy, sum_sq = _replay_logprobs_rows(logits, targets, transform, kw.ignore_index, sampling_mask,
+                                                      kw.return_entropy, row_backend,
+                                                      with_sum_sq=kw.return_sum_probs_sq)
+        return logprob_outputs(kw, logp, entropy, sum_sq)
     logp, entropy, sum_sq = _logprobs_rows(logits, targets, transform, kw.ignore_index, kw.return_entropy, row_backend,
                                            with_sum_sq=kw.return_sum_probs_sq)
     return logprob_outputs(kw, logp, entropy, sum_sq)
@@ -183,6 +208,10 @@ def grpo_loss(
                                             ("ref_logps", inputs.ref_logps), ("is_ratio", inputs.is_ratio),
                                             ("segment_ids", inputs.segment_ids)])
     row_backend = backends.resolve(backend, logits.device)
+    if inputs.sampling_mask is not None:  # replay: log-probs over the kept sets, then the shared objective
+        logp, entropy, _ = _replay_logprobs_rows(logits, ids, transform, IGNORE_INDEX, inputs.sampling_mask, True,
+                                                 row_backend, inplace_backward)
+        return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
     if row_backend.fuses(options) and not objective.needs_logprobs_first(options, inputs):
         return _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs, options, inplace_backward, transform)
     # Sequence-level terms (GSPO's ratio, vespo's weight), TRL's masks, verl's objectives, a truncation
@@ -232,16 +261,25 @@ def _fused_grpo_loss(logits, ids, advantages, mask, row_backend, inputs: GRPOInp
 # fused linear: hidden states and lm_head weight in, the [N, V] logits never exist at once
 # --------------------------------------------------------------------------------------------------
 def _fused_linear_rows(hidden, weight, bias, targets, transform: LogitTransform, ignore_index, with_entropy, chunk_size,
-                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False, fp32_logits=FP32_LOGITS_DEFAULT):
+                       backend, accumulate_in_weight_dtype=False, with_sum_sq=False, fp32_logits=FP32_LOGITS_DEFAULT,
+                       sampling_mask: Optional[SamplingMask] = None):
     """(logp, entropy, sum of squared probabilities or a 0-d 0) of ``hidden @ weight.T + bias`` with the
     shape of ``targets``; the backward recomputes each chunk's logits (4 matmuls). Only rows whose
     target is not ``ignore_index`` are read; ``transform``'s temperature a float or of ``targets``' shape."""
     row_backend = backends.resolve(backend, hidden.device)
     rows = linear_rows(hidden, weight, bias, targets, ignore_index, chunk_size, accumulate_in_weight_dtype, fp32_logits)
-    logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
-        rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
-        with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
-    )
+    if sampling_mask is not None:  # replay: only the kept rows of the weight (ReplayLinearTokenLogprobsFunction)
+        kept = sampling_mask if rows.keep is None else sampling_mask.rows(rows.keep)
+        logp, entropy, sum_sq = ReplayLinearTokenLogprobsFunction.apply(
+            rows.hidden, weight, bias, rows.targets, kept.token_ids, kept.offsets, row_backend,
+            take_transform(rows, transform), ignore_index, with_entropy, rows.chunk_size, rows.dtype,
+            accumulate_in_weight_dtype, with_sum_sq,
+        )
+    else:
+        logp, entropy, sum_sq = FusedLinearTokenLogprobsFunction.apply(
+            rows.hidden, weight, bias, rows.targets, row_backend, take_transform(rows, transform), ignore_index,
+            with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype, with_sum_sq,
+        )
     sum_sq = scatter_rows(rows, sum_sq, targets.shape) if with_sum_sq else sum_sq
     return scatter_rows(rows, logp, targets.shape), scatter_rows(rows, entropy, targets.shape), sum_sq
 
@@ -361,9 +399,10 @@ def fused_linear_token_logprobs(
             fp32_logits=fp32_logits, **kw._asdict())
     V.check_linear(hidden, weight, bias)
     targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden")
+    sampling_mask = logprob_sampling_mask(kw, targets, transform, weight.shape[0], hidden.device)
     logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, kw.ignore_index,
                                                kw.return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                               kw.return_sum_probs_sq, fp32_logits)
+                                               kw.return_sum_probs_sq, fp32_logits, sampling_mask)
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
@@ -415,9 +454,11 @@ def fused_linear_grpo_loss(
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     # (a truncation's tokens outside the kept set leave the loss's normalisers, known only after the
     # log-probs: those calls take the backward that recomputes the logits)
-    if torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates:
+    if (torch.is_grad_enabled() and needs_grad and objective.is_token_local(options, inputs) and not transform.truncates
+            and inputs.sampling_mask is None):
         return _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, inputs, options, chunk_size,
                                              backend, accumulate_in_weight_dtype, transform, fp32_logits)
     logp, entropy, _ = _fused_linear_rows(hidden, weight, bias, ids, transform, IGNORE_INDEX, True, chunk_size,
-                                          backend, accumulate_in_weight_dtype, fp32_logits=fp32_logits)
+                                          backend, accumulate_in_weight_dtype, fp32_logits=fp32_logits,
+                                          sampling_mask=inputs.sampling_mask)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

@@ -1029,7 +1029,8 @@ OUTSIDE_KEPT_SET = "sampling/outside_kept_set"
 
 def leave_out_outside_kept_set(logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
                                inputs: GRPOInputs) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Under a truncation (``top_k`` / ``top_p``), the tokens outside a distribution's kept set leave the loss.
+    """Under a truncation (``top_k`` / ``top_p``) or a replay (``sampling_mask``), the tokens outside a
+    distribution's kept set leave the loss.
 
     A token whose log-prob is ``-inf`` (the current one, or the given ``old_logps``, ``ref_logps`` or
     ``rollout_logps``: a policy under which the sampler could not have drawn it) would give an infinite
@@ -1056,7 +1057,7 @@ def grpo_loss_from_logprobs(logp: torch.Tensor, entropy: torch.Tensor, advantage
     (:func:`leave_out_outside_kept_set`; metric :data:`OUTSIDE_KEPT_SET`); ``per_token_logps`` keeps
     their -inf."""
     given_logp, given_mask, outside_share = logp, mask, None
-    if options.transform.truncates:
+    if options.transform.truncates or inputs.sampling_mask is not None:
         logp, entropy, mask, outside_share = leave_out_outside_kept_set(logp, entropy, mask, inputs)
     sequences = Sequences(mask, inputs.segment_ids)
     prep = prepare(logp, entropy, advantages, mask, inputs, options, sequences)

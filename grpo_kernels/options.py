@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 
 from . import _validation as V
+from .sampling_mask import SamplingMask
 from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, OptionTypeError, above, at_least,
                      declarations, fields_by_name, option)
 
@@ -74,6 +75,13 @@ _TOP_K = dict(help="the sampler's top-k (vLLM's rule: ties at the k-th value kep
 _TOP_P = dict(help="the sampler's top-p nucleus, after top-k (vLLM's rule): log-probs, entropy and loss of the "
               "truncated, renormalised distribution; None or 1: off", bounds=FRACTION)
 TOP_K_OFF = (0, -1)  # vLLM's values that disable top-k (as None does here)
+# LogitTransform's fields that may also be a tensor of one value per sequence or per token (vLLM takes
+# the three per request), and how their error messages name the number they otherwise are
+ROW_FIELDS = ("temperature", "top_k", "top_p")
+_ROW_FIELD_NUMBER = {"temperature": "a float", "top_k": "an int", "top_p": "a float"}
+# (the flat keywords' annotations of those fields, as help() shows them: the number or a tensor)
+_ROW_FIELD_ANNOTATIONS = {"temperature": "Union[float, torch.Tensor]", "top_k": "Union[int, torch.Tensor, None]",
+                          "top_p": "Union[float, torch.Tensor, None]"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,30 +92,40 @@ class LogitTransform:
     then the sampling temperature), truncated as a vLLM sampler truncates it: ``top_k`` then ``top_p``
     (``None`` = off; vLLM's "off" values are normalised to None here), renormalised.
 
-    ``temperature``: a float, or a tensor (``[B]`` one per sequence, or the call's leading shape, one per
-    token), each value within the float's declared range: :meth:`for_rows` checks its shape against a
-    call and broadcasts it. A tensor's values are read in float64, so a tensor holding the float
-    (float64, or a float32-representable value) gives bitwise the float's results. Compared by identity
-    (``eq=False``: it may hold a tensor).
+    ``temperature``, ``top_k``, ``top_p`` (:data:`ROW_FIELDS`): each a number, or a tensor (``[B]`` one
+    per sequence, as vLLM takes them per request, or the call's leading shape, one per token), each value
+    within the number's declared range (``top_k`` an integer tensor, 0 / -1 / ``>= V`` off for its row;
+    ``top_p`` a floating one, 1 off for its row): :meth:`for_rows` checks its shape against a call and
+    broadcasts it. A tensor's values are read once, when the transform is built (one device
+    synchronisation each; a truncation tensor whose every value is "off" becomes None). A temperature
+    tensor's values are read in float64, ``top_p``'s rounded to float32 as the float is, so a tensor
+    holding the number (float64, or a float32-representable value) gives bitwise the number's results.
+    Compared by identity (``eq=False``: it may hold a tensor).
     """
 
     temperature: float = option(1.0, **_TEMPERATURE)  # (or a tensor: checked apart, _check_temperature_tensor)
     softcap: Optional[float] = option(None, **_SOFTCAP)
     logit_scale: float = option(1.0, **_LOGIT_SCALE)
-    top_k: Optional[int] = option(None, **_TOP_K)
-    top_p: Optional[float] = option(None, **_TOP_P)
+    top_k: Optional[int] = option(None, **_TOP_K)  # (or a tensor: checked apart, _check_truncation_tensor)
+    top_p: Optional[float] = option(None, **_TOP_P)  # (likewise)
 
     def __post_init__(self) -> None:
         for declared in _TRANSFORM_DECLARATIONS.values():
-            if declared.name == "temperature" and isinstance(self.temperature, torch.Tensor):
+            if declared.name in ROW_FIELDS and isinstance(getattr(self, declared.name), torch.Tensor):
                 continue
             object.__setattr__(self, declared.name, declared.check(getattr(self, declared.name)))
         if isinstance(self.temperature, torch.Tensor):
             _check_temperature_tensor(self.temperature, self.softcap, self.logit_scale)
         else:
             V.check_transform_factors(self.temperature, self.softcap, self.logit_scale)
-        object.__setattr__(self, "top_k", None if self.top_k in TOP_K_OFF else self.top_k)
-        object.__setattr__(self, "top_p", None if self.top_p == 1.0 else self.top_p)
+        if isinstance(self.top_k, torch.Tensor):
+            object.__setattr__(self, "top_k", _check_truncation_tensor("top_k", self.top_k))
+        else:
+            object.__setattr__(self, "top_k", None if self.top_k in TOP_K_OFF else self.top_k)
+        if isinstance(self.top_p, torch.Tensor):
+            object.__setattr__(self, "top_p", _check_truncation_tensor("top_p", self.top_p))
+        else:
+            object.__setattr__(self, "top_p", None if self.top_p == 1.0 else self.top_p)
 
     @staticmethod
     def of(value: "float | LogitTransform") -> "LogitTransform":
@@ -129,8 +147,16 @@ class LogitTransform:
         """Whether the temperature is a tensor (one value per row of the kernels)."""
         return isinstance(self.temperature, torch.Tensor)
 
-    def top_k_for(self, vocab_size: int) -> Optional[int]:
-        """``top_k`` for a vocabulary of ``vocab_size``: None (off) when it keeps every token (``k >= V``)."""
+    @property
+    def truncates_per_row(self) -> bool:
+        """Whether ``top_k`` or ``top_p`` is a tensor (one value per row of the kernels)."""
+        return isinstance(self.top_k, torch.Tensor) or isinstance(self.top_p, torch.Tensor)
+
+    def top_k_for(self, vocab_size: int) -> "Optional[int] | torch.Tensor":
+        """``top_k`` for a vocabulary of ``vocab_size``: None (off) when it keeps every token (``k >= V``);
+        a tensor as it is (its rows' "off" values: :func:`top_k_rows`)."""
+        if isinstance(self.top_k, torch.Tensor):
+            return self.top_k
         return None if self.top_k is None or self.top_k >= vocab_size else self.top_k
 
     def _unchecked(self, **changes: Any) -> "LogitTransform":
@@ -142,29 +168,37 @@ class LogitTransform:
 
     def for_rows(self, shape, device: Optional[torch.device] = None) -> "LogitTransform":
         """This transform for a call whose tokens have the leading shape ``shape`` (``[..., V]`` logits,
-        ``[..., H]`` hidden states, ``[B, T]`` ids): a temperature tensor of shape ``shape`` (one per token)
-        or ``shape[:1]`` (one per sequence) becomes a ``shape`` view (a ValueError names ``temperature``
-        otherwise, or for another device than ``device``); a float stays as it is."""
-        if not self.per_row:
-            return self
-        t, shape = self.temperature, tuple(shape)
-        if device is not None and t.device != torch.device(device):
-            raise OptionError(f"temperature is on {t.device}, the logits / hidden states on {device}: pass it on the "
-                              f"same device", "temperature")
-        if tuple(t.shape) == shape:
-            return self
-        if len(shape) >= 1 and tuple(t.shape) == shape[:1]:
-            return self._unchecked(temperature=t.reshape(shape[:1] + (1,) * (len(shape) - 1)).expand(shape))
-        raise OptionError(f"temperature must be a float, a tensor of shape {list(shape[:1])} (one per sequence) or "
-                          f"{list(shape)} (one per token), got shape {list(t.shape)}", "temperature")
+        ``[..., H]`` hidden states, ``[B, T]`` ids): a tensor of :data:`ROW_FIELDS` (temperature, top_k,
+        top_p) of shape ``shape`` (one per token) or ``shape[:1]`` (one per sequence) becomes a ``shape``
+        view (a ValueError names the field otherwise, or for another device than ``device``); a number
+        stays as it is."""
+        shape, changes = tuple(shape), {}
+        for name in ROW_FIELDS:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if device is not None and t.device != torch.device(device):
+                raise OptionError(f"{name} is on {t.device}, the logits / hidden states on {device}: pass it on the "
+                                  f"same device", name)
+            if tuple(t.shape) == shape:
+                continue
+            if len(shape) >= 1 and tuple(t.shape) == shape[:1]:
+                changes[name] = t.reshape(shape[:1] + (1,) * (len(shape) - 1)).expand(shape)
+                continue
+            raise OptionError(f"{name} must be {_ROW_FIELD_NUMBER[name]}, a tensor of shape {list(shape[:1])} (one per "
+                              f"sequence) or {list(shape)} (one per token), got shape {list(t.shape)}", name)
+        return self._unchecked(**changes) if changes else self
 
     def rows(self, index) -> "LogitTransform":
         """The transform of some rows of a call (``index``: a slice or int64 indices into its flattened
-        tokens): the temperature tensor flattened and indexed; a float stays."""
-        if not self.per_row:
-            return self
-        flat = self.temperature.reshape(-1)
-        return self._unchecked(temperature=flat[index] if isinstance(index, slice) else flat.index_select(0, index))
+        tokens): each tensor of :data:`ROW_FIELDS` flattened and indexed; a number stays."""
+        changes = {}
+        for name in ROW_FIELDS:
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor):
+                flat = t.reshape(-1)
+                changes[name] = flat[index] if isinstance(index, slice) else flat.index_select(0, index)
+        return self._unchecked(**changes) if changes else self
 
 
 def _check_temperature_tensor(temperature: torch.Tensor, softcap: Optional[float], logit_scale: float) -> None:
@@ -184,6 +218,49 @@ def _check_temperature_tensor(temperature: torch.Tensor, softcap: Optional[float
     if bool(bad.any()):
         raise OptionError(f"temperature must be finite and > 0 everywhere, got {t[bad][0].item()}", "temperature")
     V.check_transform_factors(float(t.min()), softcap, logit_scale)  # (the largest factor: the smallest T)
+
+
+def _check_truncation_tensor(name: str, values: torch.Tensor) -> Optional[torch.Tensor]:
+    """A ``top_k`` (integer) or ``top_p`` (floating) tensor, one value per row: every value within the
+    number's declaration (``_TOP_K`` / ``_TOP_P``: the same bounds), read once (one device
+    synchronisation); None when every value is vLLM's "off" (``top_k`` 0 / -1, ``top_p`` 1: the number's
+    None). Its shape and device are checked against the call (:meth:`LogitTransform.for_rows`)."""
+    integer = name == "top_k"
+    number = _ROW_FIELD_NUMBER[name]
+    if integer and (values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex):
+        raise OptionTypeError(f"top_k must be an int or an integer tensor, got a {values.dtype} tensor", name)
+    if not integer and not values.dtype.is_floating_point:
+        raise OptionTypeError(f"top_p must be a float or a floating-point tensor, got a {values.dtype} tensor", name)
+    if values.dim() == 0:  # (a number's job: one value for every row)
+        raise OptionTypeError(f"{name} must be {number}, or a tensor of one value per sequence [B] or per token "
+                              f"[B, T]; got a 0-d tensor {values!r}: pass {values.item()!r}", name)
+    if values.numel() == 0 or values.device.type == "meta" or torch.compiler.is_compiling():
+        return values  # (no values to read: the device is checked against the call's, LogitTransform.for_rows)
+    bounds = _TRANSFORM_DECLARATIONS[name].bounds
+    v = values.detach().long() if integer else values.detach().double()
+    ok = torch.ones_like(v, dtype=torch.bool) if integer else torch.isfinite(v)
+    if bounds.low is not None:
+        ok &= v > bounds.low if bounds.low_open else v >= bounds.low
+    if bounds.high is not None:
+        ok &= v < bounds.high if bounds.high_open else v <= bounds.high
+    off = torch.isin(v, torch.tensor(TOP_K_OFF, device=v.device)) if integer else v == 1.0  # (vLLM's "off")
+    any_bad, all_off = torch.stack(((~ok).any(), off.all())).tolist()  # (the one synchronisation)
+    if any_bad:
+        raise OptionError(f"{name} must be {bounds.describe(integer)} everywhere, got {v[~ok][0].item()!r}", name)
+    return None if all_off else values
+
+
+def top_k_rows(top_k: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 per-row ``k`` of a ``top_k`` tensor for a vocabulary of ``vocab_size``, every "off" value
+    (0, -1, ``>= V``) as ``V``: the rule, in one place, by which the row kernels tell a row's top-k off
+    (``k == V``, which keeps every token) from on (``0 < k < V``)."""
+    k = top_k.long()
+    return torch.where((k > 0) & (k < vocab_size), k, torch.full((), vocab_size, dtype=torch.int64, device=k.device))
+
+
+def top_p_on(top_p: torch.Tensor) -> torch.Tensor:
+    """Bool per-row: whether a row's ``top_p`` truncates (< 1; 1 is vLLM's "off")."""
+    return top_p < 1.0
 
 
 def check_top_k(top_k: Any) -> Optional[int]:
@@ -286,8 +363,8 @@ class GRPOOptions:
         # every field against its declaration, loss_mode first (some ranges depend on it)
         set_("loss_mode", OPTION_DECLARATIONS["loss_mode"].check(self.loss_mode))
         for declared in OPTION_DECLARATIONS.values():
-            if declared.name == "temperature" and isinstance(self.temperature, torch.Tensor):
-                continue  # (a tensor of temperatures: checked by LogitTransform below)
+            if declared.name in ROW_FIELDS and isinstance(getattr(self, declared.name), torch.Tensor):
+                continue  # (a tensor of temperatures, top_k or top_p: checked by LogitTransform below)
             set_(declared.name, declared.check(getattr(self, declared.name), loss_mode=self.loss_mode))
         # the rules that tie fields together, each once
         self._resolve_vocabulary(set_)
@@ -368,6 +445,8 @@ class GRPOInputs:
     global_batch_size: Any = field(default=None, metadata={"help": "verl (with loss_mode): sequences of the global batch "
                                                            "(seq-mean-* reductions); None = this call's",
                                                            "bounds": above(0)})
+    sampling_mask: Optional[SamplingMask] = field(default=None, metadata={"help": "the rollout engine's kept sets, one per "
+                                                  "[B, T] position (SamplingMask): log-probs over each set (replay)"})
 
 
 DEFAULT_LOSS_TYPE = "dapo"  # what loss_type=None means without loss_mode (TRL's default)
@@ -484,6 +563,7 @@ def grpo_keywords(fn: F) -> F:
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     for cls in (GRPOInputs, GRPOOptions):
         for f in dataclasses.fields(cls):
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+            annotation = _ROW_FIELD_ANNOTATIONS.get(f.name, f.type) if cls is GRPOOptions else f.type
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
     call.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]

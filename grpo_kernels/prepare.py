@@ -15,6 +15,7 @@ the kept rows and the call's ``[B, T]`` layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, NamedTuple, Optional, Tuple, TypeVar, Union
@@ -25,6 +26,7 @@ from . import _validation as V
 from . import objective
 from .autograd import compute_dtype, default_chunk_size
 from .options import IGNORE_INDEX, LogitTransform, split_grpo_keywords
+from .sampling_mask import SamplingMask
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,9 +40,10 @@ class LogprobKeywords(NamedTuple):
     return_entropy: bool = False
     softcap: Optional[float] = None
     logit_scale: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    top_k: Union[int, torch.Tensor, None] = None
+    top_p: Union[float, torch.Tensor, None] = None
     return_sum_probs_sq: bool = False
+    sampling_mask: Optional[SamplingMask] = None
 
 
 _LOGPROB_PARAMETERS = [  # (NamedTuple keeps this module's string annotations as ForwardRefs: their text)
@@ -77,7 +80,30 @@ def check_logprob_flags(logprob_kwargs: dict) -> LogprobKeywords:
     kw = LogprobKeywords(**logprob_kwargs)
     return LogprobKeywords(kw.temperature, V.check_ignore_index(kw.ignore_index),
                            V.check_flag("return_entropy", kw.return_entropy), kw.softcap, kw.logit_scale, kw.top_k,
-                           kw.top_p, V.check_flag("return_sum_probs_sq", kw.return_sum_probs_sq))
+                           kw.top_p, V.check_flag("return_sum_probs_sq", kw.return_sum_probs_sq),
+                           check_sampling_mask_type(kw.sampling_mask))
+
+
+def check_sampling_mask_type(sampling_mask: object) -> Optional[SamplingMask]:
+    """None or a :class:`SamplingMask` (nested lists: build one with ``SamplingMask.from_lists``)."""
+    if sampling_mask is not None and not isinstance(sampling_mask, SamplingMask):
+        raise TypeError(f"sampling_mask must be a grpo_kernels.SamplingMask or None, got {type(sampling_mask).__name__} "
+                        f"(nested lists of kept ids: SamplingMask.from_lists(sets))")
+    return sampling_mask
+
+
+def check_sampling_mask(sampling_mask: Optional[SamplingMask], transform: LogitTransform, num_positions: int,
+                        vocab_size: int, device) -> Optional[SamplingMask]:
+    """A call's ``sampling_mask`` checked (``SamplingMask.check``: one set per target position, ids in
+    ``[0, vocab_size)``, no duplicate in a set, on ``device``), int64; refused beside a truncation
+    (``top_k`` / ``top_p``: the kept sets are given, or derived, not both). Before any kernel runs."""
+    sampling_mask = check_sampling_mask_type(sampling_mask)
+    if sampling_mask is None:
+        return None
+    if transform.truncates:
+        raise ValueError(f"sampling_mask replays the engine's kept sets; top_k={transform.top_k} / "
+                         f"top_p={transform.top_p} would derive them again: pass one or the other")
+    return sampling_mask.check("sampling_mask", num_positions, vocab_size, device)
 
 
 def logprob_targets(kw: LogprobKeywords, targets, leading_shape, vocab_size: int, device,
@@ -89,6 +115,12 @@ def logprob_targets(kw: LogprobKeywords, targets, leading_shape, vocab_size: int
                                                                                                         device)
     V.check_ids_in_range(targets, vocab_size, kw.ignore_index, "targets")
     return targets, transform
+
+
+def logprob_sampling_mask(kw: LogprobKeywords, targets: torch.Tensor, transform: LogitTransform, vocab_size: int,
+                          device) -> Optional[SamplingMask]:
+    """The call's ``sampling_mask`` checked against its targets (:func:`check_sampling_mask`)."""
+    return check_sampling_mask(kw.sampling_mask, transform, targets.numel(), vocab_size, device)
 
 
 def logprob_outputs(kw: LogprobKeywords, logp, entropy, sum_sq):
@@ -109,6 +141,9 @@ def prepare_grpo(name: str, leading_shape, vocab_size: int, completion_ids, adva
     ids = objective.masked_ids(completion_ids, mask)
     if vocab_size is not None:  # None: a vocabulary shard, checked against every shard (vocab_parallel)
         V.check_ids_in_range(ids, vocab_size, IGNORE_INDEX, "completion_ids")
+        if inputs.sampling_mask is not None:
+            inputs = dataclasses.replace(inputs, sampling_mask=check_sampling_mask(
+                inputs.sampling_mask, transform, ids.numel(), vocab_size, completion_ids.device))
     return inputs, options, mask, ids, transform
 
 

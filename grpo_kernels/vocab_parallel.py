@@ -53,12 +53,15 @@ import torch
 
 from . import _validation as V
 from . import backends, objective
-from .autograd import (FusedLinearTokenLogprobsFunction, TokenLogprobsFunction, _chunked_row_stats, _first_order,
-                       logprob_forward_outputs)
+from .autograd import (FusedLinearTokenLogprobsFunction, ReplaySplit, TokenLogprobsFunction, _chunked_row_stats,
+                       _finite_grad, _first_order, _gradient_buffer, _written_in_place, logprob_forward_outputs,
+                       replay_linear_grads, replay_linear_stats, replay_rows_grad, replay_rows_stats)
+from .kernels import torch_replay
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
 from .options import IGNORE_INDEX, GRPOInputs, LogitTransform
-from .prepare import linear_rows, prepare_grpo, scatter_rows, take_transform
+from .prepare import check_sampling_mask_type, linear_rows, prepare_grpo, scatter_rows, take_transform
+from .sampling_mask import SamplingMask
 
 # Local target codes handed to the row kernels: a row's target in another rank's shard, and an
 # ignored row. Both negative, so no local id (>= 0) collides with them, whatever ignore_index is.
@@ -384,6 +387,125 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------------
+# sampling-mask replay over shards: each rank sums over its shard's kept ids, then the same merge
+# --------------------------------------------------------------------------------------------------
+def _declare_sampling_mask(agree: _Agreement, sampling_mask: Optional[SamplingMask]) -> None:
+    """The kept sets must be the same on every rank (global ids: each rank keeps its shard's part)."""
+    if sampling_mask is None:
+        agree.declare("sampling_mask", None)
+        return
+    agree.declare("sampling_mask.token_ids", sampling_mask.token_ids)
+    agree.declare("sampling_mask.offsets", sampling_mask.offsets)
+
+
+def shard_sets(sampling_mask: SamplingMask, shard: VocabShard):
+    """(token_ids, offsets) of this shard's part of every set, ids local to the shard (``id - start``), CSR
+    order kept; a checked mask of global ids."""
+    ids, offsets = sampling_mask.token_ids, sampling_mask.offsets
+    inside = (ids >= shard.start) & (ids < shard.start + shard.size)
+    row_of = torch_replay.entry_rows(offsets)
+    counts = torch.zeros(offsets.numel() - 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, row_of[inside], torch.ones_like(row_of[inside]))
+    local = torch.zeros_like(offsets)
+    torch.cumsum(counts, 0, out=local[1:])
+    return ids[inside] - shard.start, local
+
+
+def _replay_merge(group, split: ReplaySplit, codes: torch.Tensor, global_empty: torch.Tensor, stats,
+                  with_entropy: bool, with_sum_sq: bool):
+    """The shards' replay statistics over their parts of the sets -> the whole sets' (logp, entropy, sum_sq,
+    lse) [n], bitwise equal on every rank (:func:`merge_shard_statistics`); ``lse`` is the whole set's
+    where this shard keeps some of it (0 elsewhere: the backward reads no entry there). A position whose
+    set is empty on every shard (``global_empty``): ``-inf``, entropy 0, sum 0, as on one device."""
+    logp, entropy, sum_sq, lse = stats
+    zero = torch.zeros((), dtype=torch.float32, device=lse.device)
+    valid = split.valid & ~global_empty
+    lse_in = torch.where(global_empty, zero, lse)  # (no shard has mass there: keep the MAX finite)
+    logp, entropy, shift, merged_sq = merge_shard_statistics(
+        group, lse_in, logp, entropy, codes >= 0, valid, with_entropy, sum_sq if with_sum_sq else None)
+    logp = torch.where(split.valid & global_empty, torch.full((), float("-inf"), device=lse.device), logp)
+    whole_lse = torch.where(lse > float("-inf"), lse + shift, zero)
+    local_lse = torch.where(lse > float("-inf"), lse, zero)
+    return logp, entropy, merged_sq if with_sum_sq else torch.zeros_like(logp), whole_lse, local_lse
+
+
+class VocabParallelReplayFunction(torch.autograd.Function):
+    """(logits shard [B, T, V_r], codes [B, T] (:func:`local_targets`), this shard's sets (:func:`shard_sets`),
+    global_empty [B*T]) -> (logp, entropy, sum_sq) [B, T] over the whole sets, equal on every rank. Each rank
+    replays its shard's kept entries (``autograd.replay_rows_stats``); the merge is the plain path's. The
+    backward is the single-device replay's with the whole sets' normaliser and entropy: this shard's slice."""
+
+    @staticmethod
+    def forward(ctx, logits, codes, token_ids, offsets, global_empty, backend, transform: LogitTransform,
+                with_entropy: bool, inplace_backward: bool, group, with_sum_sq: bool):
+        split = ReplaySplit(codes.reshape(-1), token_ids, offsets, logits.shape[-1], LOCAL_IGNORE)
+        stats = replay_rows_stats(logits, split, transform, backend, with_entropy, with_sum_sq)
+        logp, entropy, sum_sq, lse, local_lse = _replay_merge(group, split, codes.reshape(-1), global_empty, stats,
+                                                              with_entropy, with_sum_sq)
+        ctx.split = split
+        shape = codes.shape
+        return logprob_forward_outputs(ctx, (logits, lse, local_lse, entropy, logp),
+                                       (backend, transform, inplace_backward),
+                                       logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        logits, lse, local_lse, entropy, logp = ctx.saved_tensors
+        backend, transform, inplace_backward = ctx.config
+        out = _gradient_buffer(logits, inplace_backward)
+        replay_rows_grad(logits, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
+                         None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
+        _written_in_place(logits, out)
+        return (out,) + (None,) * 10
+
+
+class VocabParallelReplayLinearFunction(torch.autograd.Function):
+    """(hidden [n, H], weight shard [V_r, H], bias shard [V_r] | None, codes [n], this shard's sets,
+    global_empty [n]) -> (logp, entropy, sum_sq) [n] over the whole sets: each rank reads only its shard's
+    kept weight rows (``autograd.replay_linear_stats``), then the merge. Backward: ``d weight`` of the shard,
+    ``d hidden`` this rank's partial sum (all-reduced with ``reduce_hidden_grad``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, codes, token_ids, offsets, global_empty, backend,
+                transform: LogitTransform, with_entropy: bool, chunk_size: int, dtype: torch.dtype,
+                accumulate_in_weight_dtype: bool, group, reduce_hidden_grad: bool, with_sum_sq: bool):
+        split = ReplaySplit(codes, token_ids, offsets, weight.shape[0], LOCAL_IGNORE)
+        stats = replay_linear_stats(hidden, weight, bias, split, backend, transform, with_entropy, chunk_size, dtype,
+                                    with_sum_sq)
+        logp, entropy, sum_sq, lse, local_lse = _replay_merge(group, split, codes, global_empty, stats, with_entropy,
+                                                              with_sum_sq)
+        ctx.split = split
+        ctx.reduce = group if reduce_hidden_grad else None
+        return logprob_forward_outputs(
+            ctx, (hidden, weight, bias, lse, local_lse, entropy, logp),
+            (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
+        hidden, weight, bias, lse, local_lse, entropy, logp = ctx.saved_tensors
+        backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
+        grad_hidden, grad_weight, grad_bias = replay_linear_grads(
+            hidden, weight, bias, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
+            None if grad_entropy is None else grad_entropy.float(), backend, transform, chunk_size, dtype,
+            accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
+        if ctx.reduce is not None and grad_hidden is not None:
+            dist = _dist()
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.reduce)
+        return (grad_hidden, grad_weight, grad_bias) + (None,) * 13
+
+
+def _checked_shard_mask(sampling_mask: Optional[SamplingMask], shard: VocabShard, num_positions: int, device):
+    """(this shard's sets, global_empty [N]) of the call's checked mask (the same check, and error, on every
+    rank: the ranks agreed that their masks are equal), or None."""
+    if sampling_mask is None:
+        return None
+    mask = sampling_mask.check("sampling_mask", num_positions, shard.vocab_size, device)
+    return shard_sets(mask, shard), mask.sizes() == 0
+
+
+# --------------------------------------------------------------------------------------------------
 # the public functions' vocabulary-parallel paths (functional.py dispatches here for a group of several ranks)
 # --------------------------------------------------------------------------------------------------
 _LOGPROB_FINGERPRINT = ("the logits' leading shape", "targets", "temperature/softcap/logit_scale", "ignore_index",
@@ -417,7 +539,10 @@ def _declare_grpo(agree: _Agreement, shape, completion_ids, advantages, completi
     agree.declare("advantages", advantages)
     agree.declare("completion_mask", completion_mask)
     for f in dataclasses.fields(inputs):
-        agree.declare(f.name, getattr(inputs, f.name))
+        if isinstance(getattr(inputs, f.name), SamplingMask):
+            _declare_sampling_mask(agree, getattr(inputs, f.name))
+        else:
+            agree.declare(f.name, getattr(inputs, f.name))
     agree.declare("the GRPO options", tuple((f.name, "per-row" if isinstance(getattr(options, f.name), torch.Tensor)
                                              else getattr(options, f.name)) for f in dataclasses.fields(options)))
     agree.declare("temperature", _temperature_fingerprint(options.transform))
@@ -432,6 +557,18 @@ def _logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_e
     return logp.view(ids.shape), entropy.view(ids.shape), sum_sq.view(ids.shape) if with_sum_sq else None
 
 
+def _replay_logits_rows(logits, ids, shard: VocabShard, transform, ignore_index, with_entropy, backend,
+                        inplace_backward, with_sum_sq, replay):
+    """:func:`_logits_rows` over the kept sets (``replay``: this shard's sets, and the empty ones)."""
+    rows = as_rows(logits)
+    codes = local_targets(ids.reshape(rows.shape[:2]), shard, ignore_index)
+    (token_ids, offsets), global_empty = replay
+    logp, entropy, sum_sq = VocabParallelReplayFunction.apply(rows, codes, token_ids, offsets, global_empty, backend,
+                                                              transform, with_entropy, inplace_backward, shard.group,
+                                                              with_sum_sq)
+    return logp.view(ids.shape), entropy.view(ids.shape), sum_sq.view(ids.shape) if with_sum_sq else None
+
+
 def _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq):
     if not (return_entropy or return_sum_probs_sq):
         return logp
@@ -439,7 +576,7 @@ def _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq):
 
 
 def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_entropy, softcap, logit_scale, backend,
-                   top_k=None, top_p=None, return_sum_probs_sq=False):
+                   top_k=None, top_p=None, return_sum_probs_sq=False, sampling_mask=None):
     """``functional.token_logprobs`` over a vocabulary shard (see the module docstring); ``group``: a checked
     process group of more than one rank (``check_group``). A temperature tensor is per token as on one
     device; ``top_k`` / ``top_p`` are refused (:func:`refuse_truncation`)."""
@@ -457,7 +594,13 @@ def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_
                                                       ignore_index, return_entropy, return_sum_probs_sq,
                                                       _temperature_fingerprint(transform))):
             agree.declare(name, value)
+        _declare_sampling_mask(agree, check_sampling_mask_type(sampling_mask))
     check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
+    replay = _checked_shard_mask(sampling_mask, agree.shard, targets.numel(), logits.device)
+    if replay is not None:
+        logp, entropy, sum_sq = _replay_logits_rows(logits, targets, agree.shard, transform, ignore_index,
+                                                    return_entropy, row_backend, False, return_sum_probs_sq, replay)
+        return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
     logp, entropy, sum_sq = _logits_rows(logits, targets, agree.shard, transform, ignore_index, return_entropy,
                                          row_backend, False, return_sum_probs_sq)
     return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
@@ -477,8 +620,13 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask, *, group, bac
         agree.local_size = logits.shape[-1]
         _declare_grpo(agree, logits.shape[:-1], ids, advantages, completion_mask, inputs, options)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
-    logp, entropy, _ = _logits_rows(logits, ids, agree.shard, transform, IGNORE_INDEX, True, row_backend,
-                                    inplace_backward)
+    replay = _checked_shard_mask(inputs.sampling_mask, agree.shard, ids.numel(), logits.device)
+    if replay is not None:
+        logp, entropy, _ = _replay_logits_rows(logits, ids, agree.shard, transform, IGNORE_INDEX, True, row_backend,
+                                               inplace_backward, False, replay)
+    else:
+        logp, entropy, _ = _logits_rows(logits, ids, agree.shard, transform, IGNORE_INDEX, True, row_backend,
+                                        inplace_backward)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
@@ -499,10 +647,20 @@ def _check_bool(name: str, value: object) -> bool:
 
 def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
                        chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad, with_sum_sq=False,
-                       fp32_logits=False):
+                       fp32_logits=False, sampling_mask: Optional[SamplingMask] = None):
     row_backend = backends.resolve(backend, hidden.device)
     rows = linear_rows(hidden, weight, bias, ids, ignore_index, chunk_size, accumulate_in_weight_dtype, fp32_logits)
     codes = local_targets(rows.targets, shard, ignore_index)
+    if sampling_mask is not None:  # (checked: _checked_shard_mask) the kept rows' sets, then this shard's part
+        kept = sampling_mask if rows.keep is None else sampling_mask.rows(rows.keep)
+        token_ids, offsets = shard_sets(kept, shard)
+        logp, entropy, sum_sq = VocabParallelReplayLinearFunction.apply(
+            rows.hidden, weight, bias, codes, token_ids, offsets, kept.sizes() == 0, row_backend,
+            take_transform(rows, transform), with_entropy, rows.chunk_size, rows.dtype, accumulate_in_weight_dtype,
+            shard.group, reduce_hidden_grad, with_sum_sq,
+        )
+        sum_sq = scatter_rows(rows, sum_sq, ids.shape) if with_sum_sq else None
+        return scatter_rows(rows, logp, ids.shape), scatter_rows(rows, entropy, ids.shape), sum_sq
     logp, entropy, sum_sq = VocabParallelFusedLinearFunction.apply(
         rows.hidden, weight, bias, codes, row_backend, take_transform(rows, transform), with_entropy, rows.chunk_size,
         rows.dtype, accumulate_in_weight_dtype, shard.group, reduce_hidden_grad, with_sum_sq,
@@ -514,7 +672,7 @@ def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, 
 def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_hidden_grad, temperature,
                                 ignore_index, return_entropy, softcap, logit_scale, chunk_size,
                                 accumulate_in_weight_dtype, backend, top_k=None, top_p=None,
-                                return_sum_probs_sq=False, fp32_logits=False):
+                                return_sum_probs_sq=False, fp32_logits=False, sampling_mask=None):
     """``functional.fused_linear_token_logprobs`` with this rank's ``weight [V_r, H]`` shard (local
     tensors: ``resolve_sharded_head``); ``group``, the temperature and ``top_k`` / ``top_p`` as in
     :func:`token_logprobs`."""
@@ -531,10 +689,13 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_
                                              ignore_index, return_entropy, return_sum_probs_sq,
                                              _temperature_fingerprint(transform), reduce_hidden_grad)):
             agree.declare(name, value)
+        _declare_sampling_mask(agree, check_sampling_mask_type(sampling_mask))
     check_targets_in_vocabulary(targets, agree.shard, ignore_index, "targets")
+    if sampling_mask is not None:
+        sampling_mask = sampling_mask.check("sampling_mask", targets.numel(), agree.shard.vocab_size, hidden.device)
     logp, entropy, sum_sq = _linear_shard_rows(hidden, weight, bias, targets, agree.shard, transform, ignore_index,
                                                return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
-                                               reduce_hidden_grad, return_sum_probs_sq, fp32_logits)
+                                               reduce_hidden_grad, return_sum_probs_sq, fp32_logits, sampling_mask)
     return _outputs(logp, entropy, sum_sq, return_entropy, return_sum_probs_sq)
 
 
@@ -556,7 +717,10 @@ def fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completio
         agree.declare("the hidden size", hidden.shape[-1])
         agree.declare("reduce_hidden_grad", reduce_hidden_grad)
     check_targets_in_vocabulary(ids, agree.shard, IGNORE_INDEX, "completion_ids")
+    sampling_mask = inputs.sampling_mask
+    if sampling_mask is not None:
+        sampling_mask = sampling_mask.check("sampling_mask", ids.numel(), agree.shard.vocab_size, hidden.device)
     logp, entropy, _ = _linear_shard_rows(hidden, weight, bias, ids, agree.shard, transform, IGNORE_INDEX, True,
                                           chunk_size, backend, accumulate_in_weight_dtype, reduce_hidden_grad,
-                                          fp32_logits=fp32_logits)
+                                          fp32_logits=fp32_logits, sampling_mask=sampling_mask)
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)

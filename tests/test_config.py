@@ -170,3 +170,27 @@ def test_config_takes_loss_mode_and_passes_one_loss_name():
     with pytest.raises(ValueError, match="needs loss_mode"):
         GRPOConfig(loss_agg_mode="seq-mean-token-sum")
     assert "loss_type" in GRPOConfig().loss_options()
+
+
+def test_sampling_replay_is_a_bool_flag(capsys):
+    """sampling_replay (on by default) is --sampling-replay / --no-sampling-replay; a string, even a truthy
+    one, is refused in Python, and a value after the flag on the command line."""
+    import argparse
+
+    from grpo.flags import add_config_flags, config_from_args
+
+    assert GRPOConfig().sampling_replay is True
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, GRPOConfig)
+    assert config_from_args(parser.parse_args(["--no-sampling-replay"]), GRPOConfig, parser).sampling_replay is False
+    assert config_from_args(parser.parse_args(["--sampling-replay"]), GRPOConfig, parser).sampling_replay is True
+    for value in ("yes", "True", 1):
+        with pytest.raises(TypeError, match=r"GRPOConfig\.sampling_replay must be a bool"):
+            GRPOConfig(sampling_replay=value)
+    cfg = GRPOConfig()
+    with pytest.raises(TypeError, match="sampling_replay"):
+        cfg.sampling_replay = "false"
+    assert cfg.sampling_replay is True
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["--sampling-replay=yes"])
+    assert done.value.code == 2 and "--sampling-replay" in capsys.readouterr().err

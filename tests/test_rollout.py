@@ -277,3 +277,190 @@ def test_hf_generate_samples_with_top_k_and_checks_it():
                       (dict(top_p=1.01), ValueError), (dict(temperature=0.0), ValueError)):
         with pytest.raises(error, match=next(iter(kw))):
             HFGenerate(tokenizer, max_new_tokens=5, **kw)
+
+
+# ---------------------------------------------------------------------------- the kept sets and the draw
+def counting_model(seed: int = 0, **generation):
+    """A tiny Qwen2 over the demo's characters whose completions run on (its EOS is rarely the likeliest
+    token), ``generation`` set in its generation config; and the tokenizer."""
+    from grpo.tokenizer import char_tokenizer
+    from helpers import tiny_causal_lm
+
+    tokenizer = char_tokenizer("0123456789+-*=", ("<think>", "</think>", "<answer>", "</answer>"))
+    model = tiny_causal_lm("Qwen2", seed, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None).eval()
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    return model, tokenizer
+
+
+COUNTING_PROMPTS = ["1+2=", "7*8=", "3-4", "<think>9"]
+
+
+def logits64(model, out) -> torch.Tensor:
+    """[B, T, V] float64: the model's logits (float64 weights) at each completion token of ``out``."""
+    model64 = copy.deepcopy(model).double()
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    with torch.no_grad():
+        logits = model64(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    return logits[:, out.prompt_ids.shape[1] - 1 : -1]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_models_repetition_penalty_does_not_change_the_draw(caplog, lora):
+    """A model whose generation config has repetition_penalty=1.1 (and no_repeat_ngram_size=3): transformers'
+    generate would apply them before the sampler, so that top_k=1 drew tokens the loss's top_k=1 scores
+    -inf. HFGenerate leaves them out, says which at INFO (once), and restores the model's config: its top_k=1
+    completions are the argmax of the model's own logits (float64), every one finite under the loss. The same
+    through a peft model (whose generate copies its generation config into the model it wraps)."""
+    import logging
+
+    from grpo.rollout import _SampleAsVLLM
+    from grpo.trainer import completion_logps
+
+    model, tokenizer = counting_model(seed=0, repetition_penalty=1.1, no_repeat_ngram_size=3)
+    policy = as_policy(model)
+    if lora:  # (adapters that start at 0: the same model)
+        peft = pytest.importorskip("peft")
+        policy = as_policy(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0)))
+    cfg = GRPOConfig(backend="torch", top_k=1, sampling_replay=False, max_new_tokens=16)
+    engine = HFGenerate(tokenizer, max_new_tokens=16, bf16=False, top_k=1)
+
+    def scored(out):
+        logps = completion_logps(policy, update_batch(out, torch.zeros(len(out.prompts))), cfg, torch.device("cpu"))
+        return logps[out.completion_mask.bool()]
+
+    # the defect, on transformers' own route (the sampler after the model's processors): the test can fail
+    enc = tokenizer(COUNTING_PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    from transformers import LogitsProcessorList
+
+    raw = policy("generate", input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=16, do_sample=False,
+                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                 logits_processor=LogitsProcessorList([_SampleAsVLLM(1.0, 1, 1.0, record=False)]))
+    P = enc.input_ids.shape[1]
+    from grpo.rollout import completion_mask
+
+    mask, truncated = completion_mask(raw[:, P:], tokenizer.eos_token_id)
+    ids = raw[:, P:] * mask + tokenizer.pad_token_id * (1 - mask)
+    before = Completions(enc.input_ids, enc.attention_mask, ids, mask, truncated, COUNTING_PROMPTS, [""] * 4)
+    assert bool(torch.isinf(scored(before)).any()), "the model's repetition penalty must change some draw here"
+
+    with caplog.at_level(logging.INFO, logger="grpo.rollout"):
+        out = engine.generate(policy, COUNTING_PROMPTS, 1)
+        engine.generate(policy, COUNTING_PROMPTS, 1)
+    told = [r.getMessage() for r in caplog.records if "generation config out" in r.getMessage()]
+    assert len(told) == 1 and "repetition_penalty=1.1" in told[0] and "no_repeat_ngram_size=3" in told[0], told
+    assert model.generation_config.repetition_penalty == 1.1 and model.generation_config.no_repeat_ngram_size == 3
+    m = out.completion_mask.bool()
+    assert int(m.sum()) > 2 * len(COUNTING_PROMPTS)  # (completions long enough to repeat tokens)
+    assert torch.isfinite(scored(out)).all()
+    argmax = logits64(model, out).argmax(-1)
+    assert torch.equal(out.completion_ids[m], argmax[m])
+    greedy = engine.generate(policy, COUNTING_PROMPTS, 1, greedy=True)  # (evaluation leaves them out too)
+    assert torch.equal(greedy.completion_ids, out.completion_ids) and greedy.sampling_mask is None
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (None, 0.8), (6, 0.9), (1, 1.0)])
+def test_hf_generate_reports_the_sets_it_drew_from(monkeypatch, top_k, top_p):
+    """Completions.sampling_mask holds, position by position (row-major [B, T]), exactly the kept set the
+    sampler drew that token from (``_kept``'s mask at that step, watched as it returns), every sampled token
+    inside its set, empty sets after EOS; nothing to report without truncation, or when not asked."""
+    import grpo.rollout as rollout
+
+    returned = []
+    real_kept = rollout._kept
+    monkeypatch.setattr(rollout, "_kept", lambda *a: returned.append(real_kept(*a)) or returned[-1])
+    model, tokenizer = counting_model(seed=1)
+    policy = as_policy(model)
+    torch.manual_seed(0)
+    out = HFGenerate(tokenizer, max_new_tokens=12, bf16=False, top_k=top_k, top_p=top_p, temperature=0.8).generate(
+        policy, COUNTING_PROMPTS, 3).check(12)
+    sets, mask = out.sampling_mask, out.completion_mask
+    B, T = mask.shape
+    assert isinstance(sets, rollout.SamplingMask) and sets.num_positions == B * T and len(returned) == T
+    assert bool((mask == 0).any()) and bool(mask.sum(-1).gt(3).any())  # (EOS within some rows, long ones too)
+    sizes = sets.sizes().view(B, T)
+    for b in range(B):
+        for t in range(T):
+            got = sets.token_ids[sets.offsets[b * T + t]:sets.offsets[b * T + t + 1]].tolist()
+            if not mask[b, t]:
+                assert got == [], (b, t)
+                continue
+            assert got == returned[t][b].nonzero().squeeze(-1).tolist(), (b, t)
+            assert int(out.completion_ids[b, t]) in got, (b, t)
+    assert bool((sizes[mask.bool()] > 1).any()) or top_k == 1
+    if top_k is not None:
+        assert int(sizes.max()) <= top_k  # (no ties among fp32 logits here)
+    assert HFGenerate(tokenizer, max_new_tokens=4, bf16=False, top_k=top_k, top_p=top_p,
+                      return_sampling_mask=False).generate(policy, COUNTING_PROMPTS, 2).sampling_mask is None
+
+
+def test_hf_generate_reports_no_sets_without_truncation():
+    model, tokenizer = counting_model(seed=1)
+    out = HFGenerate(tokenizer, max_new_tokens=4, bf16=False, temperature=0.7).generate(as_policy(model), COUNTING_PROMPTS, 2)
+    assert out.sampling_mask is None
+    with pytest.raises(TypeError, match="return_sampling_mask must be a bool"):
+        HFGenerate(tokenizer, max_new_tokens=4, return_sampling_mask="yes")
+
+
+def test_completions_check_sampling_mask():
+    from grpo_kernels import SamplingMask
+
+    B, P, T = 2, 3, 2
+    base = dict(prompt_ids=torch.zeros(B, P, dtype=torch.long), prompt_mask=torch.ones(B, P, dtype=torch.long),
+                completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=torch.ones(B, T, dtype=torch.long),
+                truncated=torch.zeros(B, dtype=torch.bool), prompts=["p"] * B, completions=["c"] * B)
+    Completions(**base, sampling_mask=SamplingMask.from_lists([[[0, 1], [0]], [[1], [2, 3]]])).check(B)
+    for bad in (SamplingMask.from_lists([[[0], [1], [2]]]), [[[0]]]):
+        with pytest.raises(ValueError, match="sampling_mask"):
+            Completions(**base, sampling_mask=bad).check(B)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_replayed_log_probs_are_the_kept_sets_and_recomputed_ones_agree_where_the_sets_do(padding_free):
+    """One rollout at top_k=6, top_p=0.9: the trainer's log-probs over the sets HFGenerate reported (replay) are
+    the float64 softmax over each set, every sampled token finite; recomputing the truncation from the
+    trainer's logits (sampling_replay off) keeps the same set at almost every position, and there the two
+    log-probs agree to fp32 rounding."""
+    from grpo.trainer import completion_logps
+    from grpo_kernels import SamplingMask
+    from grpo_kernels.reference import kept_tokens
+
+    model, tokenizer = counting_model(seed=2)
+    policy = as_policy(model)
+    torch.manual_seed(4)
+    out = HFGenerate(tokenizer, max_new_tokens=12, bf16=False, top_k=6, top_p=0.9, temperature=0.8).generate(
+        policy, COUNTING_PROMPTS, 3)
+    mask = out.completion_mask.bool()
+    B, T = mask.shape
+    cfg = GRPOConfig(backend="torch", temperature=0.8, top_k=6, top_p=0.9, padding_free=padding_free, max_new_tokens=12)
+    replayed = completion_logps(policy, update_batch(out, torch.zeros(B), sampling_mask=out.sampling_mask), cfg, torch.device("cpu"))
+    recomputed = completion_logps(policy, update_batch(out, torch.zeros(B)), cfg, torch.device("cpu"))
+
+    sets = out.sampling_mask
+    kept = torch.zeros(B * T, logits64(model, out).shape[-1], dtype=torch.bool)
+    kept[torch.repeat_interleave(torch.arange(B * T), sets.sizes()), sets.token_ids.long()] = True
+    kept = kept.view(B, T, -1)
+    z = logits64(model, out) / 0.8
+    expected = z.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z.masked_fill(~kept, -math.inf), -1)
+    assert torch.isfinite(replayed[mask]).all()
+    assert_close64(replayed[mask], expected[mask], what="replayed log-probs")
+
+    with torch.no_grad():  # the trainer's own fp32 logits, from which recomputing takes its sets
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+        am = torch.cat([out.prompt_mask, out.completion_mask], 1)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = logits[:, out.prompt_ids.shape[1] - 1 : -1]
+    recomputed_sets = kept_tokens(logits, (logits - logits.amax(-1, keepdim=True)) * (1 / 0.8), 6, 0.9)
+    same = mask & (recomputed_sets == kept).all(-1)
+    assert int(same.sum()) >= 0.9 * int(mask.sum()) and bool((kept.sum(-1)[mask] > 1).any())
+    assert_close64(recomputed[same], replayed[same].double(), what="recomputed where the sets agree")
+    # the sets are what the loss reads: every id kept at every position is the untruncated softmax
+    V = z.shape[-1]
+    everything = SamplingMask(torch.arange(V).repeat(B * T), torch.arange(B * T + 1) * V)
+    full = completion_logps(policy, update_batch(out, torch.zeros(B), sampling_mask=everything), cfg, torch.device("cpu"))
+    untruncated = torch.log_softmax(z, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert_close64(full[mask], untruncated[mask], what="every id kept")
+    assert (untruncated - expected)[mask].abs().max() > 1e-2  # (the truncation matters here)

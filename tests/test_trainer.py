@@ -1004,3 +1004,79 @@ def test_sampling_settings_reach_the_engine_and_every_log_prob(tmp_path):
     assert math.isfinite(record["loss"]) and math.isfinite(record["kl"])
     plain = train(*build_model_and_tokenizer(seed=0), problems()[:4], REWARDS, tiny_config(tmp_path / "plain", num_steps=1))[0]
     assert "sampling/outside_kept_set" not in plain
+
+
+# ---------------------------------------------------------------------------- sampling-mask replay
+def sets_of(mask) -> list[list[int]]:
+    """A SamplingMask as Python lists, one per position."""
+    o = mask.offsets.tolist()
+    return [mask.token_ids[o[i]:o[i + 1]].tolist() for i in range(mask.num_positions)]
+
+
+def test_the_kept_sets_follow_their_tokens_into_every_micro_batch():
+    """UpdateBatch.sampling_mask (B * T sets, row-major) is cut with its rows (padded micro-batches, dropped
+    groups) and re-ordered with its tokens when packed: each packed position owns the set of the completion
+    token it predicts, an empty one where it predicts none; fillers hold empty sets."""
+    from grpo import packing
+    from grpo.trainer import micro_batches
+    from grpo_kernels import SamplingMask
+
+    batch = random_update_batch(min_completion=1)
+    B, T = batch.completion_ids.shape
+    g = torch.Generator().manual_seed(5)
+    sets = [sorted(set(torch.randint(0, 24, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist())
+                   | {int(batch.completion_ids[b, t])}) if batch.attention_mask[b, batch.prompt_len + t] else []
+            for b in range(B) for t in range(T)]
+    batch.sampling_mask = SamplingMask.from_lists(sets)
+    for size in (None, 5, 1):
+        cfg = GRPOConfig(padding_free=False, micro_batch_size=size)
+        start = 0
+        for mb in micro_batches(batch, cfg):
+            n = len(mb)
+            assert sets_of(mb.sampling_mask) == sets[start * T:(start + n) * T], size
+            start += n
+        assert start == B
+    picked = torch.tensor([7, 3, 10])
+    assert sets_of(batch.rows(picked).sampling_mask) == [s for b in picked.tolist() for s in sets[b * T:(b + 1) * T]]
+    for budget in (None, 9, 1):
+        seen = set()
+        for mb in micro_batches(batch, GRPOConfig(padding_free=True, max_tokens_per_microbatch=budget)):
+            source = mb.layout.source.reshape(-1).tolist()
+            assert mb.sampling_mask.num_positions == mb.num_tokens
+            assert sets_of(mb.sampling_mask) == [sets[s] if s >= 0 else [] for s in source], budget
+            seen |= {s for s in source if s >= 0}
+            targets = mb.completion_ids.reshape(-1)
+            assert all(int(targets[j]) in got for j, got in enumerate(sets_of(mb.sampling_mask)) if source[j] >= 0)
+        assert seen == {b * T + t for b in range(B) for t in range(T) if sets[b * T + t]}, budget
+    assert sets_of(batch.filler().sampling_mask) == [[]] * T
+    assert sets_of(packing.filler_micro_batch(batch).sampling_mask) == [[]]
+    batch.sampling_mask = None
+    assert all(mb.sampling_mask is None for c in (dict(padding_free=False, micro_batch_size=5), dict(padding_free=True))
+               for mb in micro_batches(batch, GRPOConfig(**c)))
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_truncating_run_replays_the_engines_sets_or_recomputes(tmp_path, monkeypatch, replay):
+    """Three steps at top_k=5, top_p=0.9 (grpo_loss's old and reference passes too: num_iterations=2, beta > 0,
+    packed micro-batches): with sampling_replay every log-prob the loss takes is over the sets HFGenerate
+    reported, so no sampled token falls outside them; off, the loss recomputes top_k / top_p. Both train."""
+    import grpo.models as models
+
+    calls = []
+    real = models.truncation
+    monkeypatch.setattr(models, "truncation", lambda mb, cfg: calls.append(real(mb, cfg)) or calls[-1])
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = params(model)
+    cfg = tiny_config(tmp_path, num_steps=3, top_k=5, top_p=0.9, num_iterations=2, beta=0.04, max_tokens_per_microbatch=40,
+                      sampling_replay=replay)
+    records = train(model, tokenizer, problems()[:8], REWARDS, cfg)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl"]) and r["grad_norm"] > 0 for r in records)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # old, reference and policy passes, several micro-batches each
+    assert len(calls) > 3 * 4
+    if replay:
+        assert all("sampling_mask" in c and c["top_k"] is None and c["top_p"] is None for c in calls)
+        assert all(r["sampling/outside_kept_set"] == 0.0 for r in records)
+    else:
+        assert all("sampling_mask" not in c and (c["top_k"], c["top_p"]) == (5, 0.9) for c in calls)

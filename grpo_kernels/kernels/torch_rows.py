@@ -13,6 +13,8 @@ from typing import Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ..options import top_k_rows, top_p_on
+
 # Elements per block of rows on a CPU (4 MiB of fp32; at least one row): a pass's working buffers
 # then come from the allocator's heap instead of fresh mappings faulted in on every call, and a block
 # stays in the cache across the several sweeps of a pass over it (only the first reads memory).
@@ -159,8 +161,12 @@ def kept_mask(y: torch.Tensor, threshold: torch.Tensor, tie_index: torch.Tensor)
 _TOP_P_CANDIDATES = 64
 
 
+Truncation = Union[None, int, float, torch.Tensor]  # a top_k / top_p: a number, or one per row (a tensor)
+
+
 @torch.no_grad()
-def truncation(y: torch.Tensor, e: torch.Tensor, top_k: Optional[int], top_p: Optional[float]):
+def truncation(y: torch.Tensor, e: torch.Tensor, top_k: "Optional[int] | torch.Tensor",
+               top_p: "Optional[float] | torch.Tensor"):
     """The kept set of vLLM's top-k then top-p over rows ``y`` [n, V] (the logits before the temperature,
     which order the tokens), with ``e = exp(z - max z)`` [n, V] (the tempered masses): ``(threshold [n]
     float32, tie_index [n] int64)`` for :func:`kept_mask`.
@@ -173,25 +179,59 @@ def truncation(y: torch.Tensor, e: torch.Tensor, top_k: Optional[int], top_p: Op
     token gives the threshold (its value) and the tie index (its index: the tied tokens it keeps are the
     higher-indexed ones). No sort of the row: ``torch.topk`` gives the largest candidates, asked for
     more until every token not among them is certainly dropped (the candidates' mass reaches ``p S``,
-    with whole groups of ties: :data:`_TOP_P_CANDIDATES`, times 4)."""
+    with whole groups of ties: :data:`_TOP_P_CANDIDATES`, times 4).
+
+    ``top_k`` / ``top_p``: a number (every row), or an [n] tensor, one per row (vLLM's per-request
+    values; ``options.top_k_rows`` / ``options.top_p_on`` say which rows each truncates). A row that
+    neither truncates keeps everything: ``(-inf, -1)`` (a tie index of -1 marks it, so that a target
+    whose logit is -inf keeps the floor of an untruncated row there; ``>= 0`` on every truncating row).
+    """
     n, v = y.shape
     low = torch.full((), float("-inf"), device=y.device)
-    if top_k is not None:
+    k_rows = None if not isinstance(top_k, torch.Tensor) else top_k_rows(top_k.reshape(n), v)
+    p_rows = None if not isinstance(top_p, torch.Tensor) else top_p.reshape(n)
+    if k_rows is not None:
+        k_on = k_rows < v
+        k_max = int(torch.where(k_on, k_rows, 1).max()) if n else 1  # (one synchronisation)
+        # the k-th largest of each row that truncates (a sorted selection of the largest k_max), -inf elsewhere
+        top = torch.topk(y, min(k_max, v), dim=-1).values
+        kth = torch.where(k_on, top.gather(-1, (torch.where(k_on, k_rows, 1) - 1).unsqueeze(-1)).squeeze(-1), low)
+        live = (y >= kth.unsqueeze(-1)) | ~k_on.unsqueeze(-1)
+    elif top_k is not None:
         kth = torch.topk(y, top_k, dim=-1, sorted=False).values.amin(-1)  # (a selection, not a sort)
         live = y >= kth.unsqueeze(-1)
+    if top_k is not None:
         threshold, tie_index = kth, torch.zeros(n, dtype=torch.int64, device=y.device)
         y = torch.where(live, y, low)
         e = torch.where(live, e, torch.zeros((), device=e.device))
     if top_p is None:
+        if k_rows is not None:
+            tie_index = torch.where(k_on, tie_index, -1)
         return threshold, tie_index
-    goal = e.sum(-1) * top_p  # p S
-    k0 = min(v, _TOP_P_CANDIDATES if top_k is None else max(top_k, int((y > low).sum(-1).max())))
+    if p_rows is None:
+        goal = e.sum(-1) * top_p  # p S
+        p_on = None
+    else:  # (each row's p rounded to float32, as the float is); a row whose top-p is off: a goal of 0
+        p_on = top_p_on(p_rows)
+        goal = torch.where(p_on, e.sum(-1) * p_rows.float(), 0.0)
+    if top_k is None:
+        k0 = _TOP_P_CANDIDATES
+    elif k_rows is None:
+        k0 = max(top_k, int((y > low).sum(-1).max()))
+    else:  # what each row's top-k keeps; a row without it starts as a row without top-k
+        live_count = torch.where(k_on, (y > low).sum(-1), _TOP_P_CANDIDATES if p_on is None else 0)
+        if p_on is not None:
+            live_count = torch.where(p_on & ~k_on, _TOP_P_CANDIDATES, live_count)
+        k0 = max(k_max, int(live_count.max()) if n else 1)
+    k0 = min(v, k0)
     while True:
         values, index = torch.topk(y, k0, dim=-1)
         smallest = values[:, -1:]
         # every token tied with the smallest candidate is one (or they are all, -inf ones aside)
         complete = ((y >= smallest).sum(-1) <= k0) | (smallest.squeeze(-1) == low)
         covered = torch.where(values >= smallest, e.gather(-1, index), 0.0).sum(-1) >= goal
+        if p_on is not None:  # (a row without top-p needs no candidates)
+            complete = complete | ~p_on
         if k0 == v or bool((complete & covered).all()):
             break
         k0 = min(v, 4 * k0 if bool(complete.all()) else max(4 * k0, int((y >= smallest).sum(-1).max())))
@@ -205,7 +245,15 @@ def truncation(y: torch.Tensor, e: torch.Tensor, top_k: Optional[int], top_p: Op
     kept = (before < goal.unsqueeze(-1)) & (values > low)
     kept[:, 0] = True  # the largest is always kept
     last = (kept.sum(-1) - 1).unsqueeze(-1)
-    return values.gather(-1, last).squeeze(-1), index.gather(-1, last).squeeze(-1)
+    p_threshold, p_tie = values.gather(-1, last).squeeze(-1), index.gather(-1, last).squeeze(-1)
+    if p_on is None:
+        return p_threshold, p_tie
+    # a row without top-p: what top-k kept (or, without either, everything: -inf, -1)
+    if top_k is None:
+        threshold, tie_index = low.expand(n), torch.full((n,), -1, dtype=torch.int64, device=y.device)
+    elif k_rows is not None:
+        tie_index = torch.where(k_on, tie_index, -1)
+    return torch.where(p_on, p_threshold, threshold), torch.where(p_on, p_tie, tie_index)
 
 
 class RowStats(NamedTuple):
@@ -231,8 +279,9 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ig
 
     In the working buffers ``work`` (flat fp32, :func:`_buffers`): ``shift = z - max`` (in place) and
     ``e = exp(shift)``. ``row_max`` is the max of :func:`_capped` (before the slope), private to this
-    module. With a truncation (``sampling = (top_k, top_p, with_sum_sq)``) the sums run over the kept
-    set (:func:`truncation`), a target outside it gets -inf, and a third buffer holds ``y``.
+    module. With a truncation (``sampling = (top_k, top_p, with_sum_sq)``, each a number or [b, t]) the
+    sums run over the kept set (:func:`truncation`), a target outside it gets -inf (and so does a kept
+    target whose logit is -inf, where the row truncates: vLLM's value), and a third buffer holds ``y``.
     """
     temperature, softcap, logit_scale = transform
     top_k, top_p, with_sum_sq = sampling
@@ -253,7 +302,7 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ig
         threshold, tie_index = truncation(y.view(-1, v), e.view(-1, v), top_k, top_p)
         threshold, tie_index = threshold.view(b, t), tie_index.view(b, t)
         kept = kept_mask(y, threshold, tie_index)
-        in_kept_set = kept.gather(-1, safe).squeeze(-1)
+        in_kept_set = kept.gather(-1, safe).squeeze(-1) & ~_neg_inf_truncated(y.gather(-1, safe).squeeze(-1), tie_index)
         nan_row = torch.isnan(e).any(-1)  # (a NaN row stays NaN: the kept set would drop the NaN)
         e.masked_fill_(~kept & ~torch.isnan(e), 0.0)
         in_kept_set |= nan_row
@@ -278,8 +327,14 @@ def _chunk_logprobs(x: torch.Tensor, targets: torch.Tensor, transform: tuple, ig
             threshold, tie_index)
 
 
+def _neg_inf_truncated(y_target: torch.Tensor, tie_index: torch.Tensor) -> torch.Tensor:
+    """Bool: a target whose own (capped) logit is -inf, on a row that truncates (``tie_index >= 0``:
+    :func:`truncation`): its log-prob is -inf, as vLLM's, with no gradient (elsewhere the floor)."""
+    return (y_target == float("-inf")) & (tie_index >= 0)
+
+
 def _rows_of(temperature: Temperature, bs: slice, ts: slice) -> Temperature:
-    """The temperatures of a box of rows: a float as it is, a [B, T] tensor's slice."""
+    """The temperatures (or top_k / top_p) of a box of rows: a number as it is, a [B, T] tensor's slice."""
     return temperature[bs, ts] if isinstance(temperature, torch.Tensor) else temperature
 
 
@@ -292,17 +347,18 @@ def forward_rows(
     with_entropy: bool = True,
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    top_k: Truncation = None,
+    top_p: Truncation = None,
     with_sum_sq: bool = False,
 ) -> RowStats:
     """logits [B, T, V] (last dim contiguous), targets [B, T] -> :class:`RowStats`, fp32 [B, T].
 
     Statistics of the transformed logits ``z`` (see :func:`_shifted`), over the kept set of the
-    truncation ``top_k`` / ``top_p`` (:func:`truncation`; ``top_k < V``) when one is given;
-    ``temperature`` a float or a [B, T] tensor. ``row_max`` is the max before the slope
-    (:func:`_capped`), for :func:`backward_rows` only."""
+    truncation ``top_k`` / ``top_p`` (:func:`truncation`; an int ``top_k < V``, or a tensor of B * T
+    values, one per row) when one is given; ``temperature`` a float or a [B, T] tensor. ``row_max`` is
+    the max before the slope (:func:`_capped`), for :func:`backward_rows` only."""
     b, t, v = logits.shape
+    top_k, top_p = (x.reshape(b, t) if isinstance(x, torch.Tensor) else x for x in (top_k, top_p))
     rows = min(block_rows(v, logits.device), b * t)
     truncates = top_k is not None or top_p is not None
     outputs = [torch.empty(b, t, dtype=torch.float32, device=logits.device) for _ in range(4)]
@@ -312,7 +368,8 @@ def forward_rows(
     work = _buffers(3 if truncates else 2, rows, v, logits.device)
     for bs, ts in row_chunks(b, t, max(rows, 1)):
         values = _chunk_logprobs(logits[bs, ts], targets[bs, ts], (_rows_of(temperature, bs, ts), softcap, logit_scale),
-                                 ignore_index, with_entropy, (top_k, top_p, with_sum_sq), work)
+                                 ignore_index, with_entropy,
+                                 (_rows_of(top_k, bs, ts), _rows_of(top_p, bs, ts), with_sum_sq), work)
         for out, value in zip(outputs, values):
             if out is not None:
                 out[bs, ts] = value
@@ -344,7 +401,8 @@ def backward_rows(
     (other than ``ignore_index``) lies in another rank's vocabulary shard
     (``grpo_kernels.vocab_parallel``): its row has no one-hot term. With a truncation's kept set
     (``threshold``, ``tie_index``: a constant of the step) ``p`` is 0 outside it, and a row whose
-    target lies outside it has no log-prob term (its log-prob is -inf: a gradient of 0).
+    target lies outside it, or whose kept target's own logit is -inf, has no log-prob term (its
+    log-prob is -inf: a gradient of 0).
 
     One sweep per block of rows (:func:`block_rows`), in place: in ``out``'s own rows when ``out`` is
     fp32 (no copy back; the soft-capped chain rule, which reads the logits again, excepted), else in a
@@ -369,6 +427,7 @@ def backward_rows(
             # The target's g * (1 - p) uses -expm1(log p), accurate when p ~ 1, formed in fp32
             # before the one rounding, so a confident prediction keeps its small gradient.
             log_p_target = _shifted(x.gather(-1, safe), row_max_, temp, softcap, logit_scale) - log_sum_
+            y_target = None if threshold is None else _capped(x.gather(-1, safe), softcap, logit_scale).squeeze(-1)
         # log p = (z - max) - log s, in place in one fp32 block (out's rows, or a buffer); p in another
         y = _capped(x, softcap, logit_scale, out[bs, ts] if in_out else _view(work[1], x.shape))
         kept = None if threshold is None else kept_mask(y, threshold[bs, ts], tie_index[bs, ts])
@@ -387,7 +446,8 @@ def backward_rows(
         if grad_logp is not None:
             g = grad_logp[bs, ts].unsqueeze(-1)
             if kept is not None:  # a target outside the kept set: log p = -inf, no gradient through it
-                g = torch.where(kept.gather(-1, safe), g, torch.zeros((), device=g.device))
+                kept_t = kept.gather(-1, safe) & ~_neg_inf_truncated(y_target, tie_index[bs, ts]).unsqueeze(-1)
+                g = torch.where(kept_t, g, torch.zeros((), device=g.device))
             target_term = g * -torch.expm1(log_p_target)
             if grad_entropy is not None:
                 target_term = target_term + grad.gather(-1, safe)

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import top_k_rows as top_k_rows_of
+
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: the clamp that stands in for -inf
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -548,8 +550,9 @@ def token_logprobs_bwd_kernel(
     is further multiplied by ``dy / dx = logit_scale (1 - (y / cap)^2)``.
 
     ``TRUNCATED``: the forward's kept set (``y > thr``, or ``y == thr`` at an index ``>= tie``: a
-    constant of the step) holds the distribution; p = 0 outside it, and a target outside it has
-    log-prob -inf and no log-prob gradient (``g_l`` = 0).
+    constant of the step) holds the distribution; p = 0 outside it, and a target outside it (or a kept
+    one whose logit is -inf, on a row that truncates: ``tie >= 0``) has log-prob -inf and no log-prob
+    gradient (``g_l`` = 0).
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -594,8 +597,9 @@ def token_logprobs_bwd_kernel(
             thr = tl.load(thr_ptr + row)
             tie = tl.load(tie_ptr + row)
             kept_t = (y_t > thr) | ((y_t == thr) & (target >= tie))
-            # a target outside the kept set: log p = -inf, a constant; only the entropy has a gradient
-            g_logp = tl.where(kept_t, g_logp, 0.0)
+            # a target outside the kept set (or kept with a -inf logit, where the row truncates: tie >= 0):
+            # log p = -inf, a constant; only the entropy has a gradient
+            g_logp = tl.where(kept_t & ((y_t != float("-inf")) | (tie < 0)), g_logp, 0.0)
             a = -(g_logp + g_entropy * entropy)
         for blk in range(blk_lo, blk_full):
             offs = blk * BLOCK_V + tile
@@ -844,14 +848,96 @@ def _tie_count(need_mass, q, n_tie):
 
 
 @triton.jit
+def _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, c, c_ln, cap_k, cap, top_k, top_p,
+                 k_on, p_on, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
+                 cand_ptr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                 WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                 PER_ROW: tl.constexpr):
+    """Steps 2 to 4 of :func:`sampled_logprobs_fwd_kernel` for a row that truncates, from pass 1's slots
+    ``(m_slot, s_slot)`` and the row's ``(m, s)``. ``PER_ROW``: ``top_k`` / ``top_p`` are the row's own and
+    ``k_on`` / ``p_on`` (runtime) say which of them is on (the other keeps everything); otherwise every
+    row's are on."""
+    R: tl.constexpr = BLOCK_V // VEC
+    key_max = _order_key(m).to(tl.int64)
+    # 2. the certified bound (an empty slot's max is -FLT_MAX: a bound there certifies nothing)
+    key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)
+    per_slot = (tl.cdiv(V, BLOCK_V) * VEC).to(tl.float32)
+    if HAS_TOP_K:
+        k_slot = _order_key(m_slot).to(tl.int64)
+        lo = _kth_largest_key(k_slot, m_slot == m_slot, top_k, tl.min(k_slot, 0), key_max)
+        lo = tl.where((top_k <= R) & (lo > key_floor), lo, _KEY_LOWEST)
+        if PER_ROW:  # a row whose top-k is off: top-p's certificate, or no bound
+            if HAS_TOP_P:
+                lo = tl.where(k_on, lo, _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s))
+            else:
+                lo = tl.where(k_on, lo, _KEY_LOWEST)
+    else:
+        lo = _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s)
+    # 3. the candidates
+    base = row * CAP
+    n_cand = _compact(row_ptr, V, lo, cap_k, cap, cand_ptr + base, BLOCK_V, VEC, CAP, SOFTCAP)
+    tl.debug_barrier()  # the scratch this program wrote, visible to all its threads
+    j = tl.arange(0, CAP)
+    cv = j < n_cand
+    packed = tl.load(cand_ptr + base + j, mask=cv, other=0)
+    ck = tl.where(cv, (packed >> 32).to(tl.int32), _KEY_LOWEST)  # (past n_cand: -inf, below every bound)
+    ci = (packed & 0xFFFFFFFF).to(tl.int32)
+    cy = _key_value(ck)
+    ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, _LOWEST)), 0.0)
+    fits = n_cand <= CAP
+    v_key = lo
+    if HAS_TOP_K:
+        v_key = _kth_largest_key(ck, cv, top_k, lo, key_max)
+        if PER_ROW:
+            v_key = tl.where(k_on, v_key, lo)
+    tie = tl.zeros((), tl.int32)
+    if HAS_TOP_P:
+        if p_on:
+            if HAS_TOP_K:
+                total = tl.sum(tl.where(ck >= v_key, ce, 0.0), 0)  # S, what top-k keeps
+                if PER_ROW:
+                    total = tl.where(k_on, total, s)
+                goal = top_p * total  # p S
+            else:
+                goal = top_p * s
+            # the bound must hold on what the search sees (else the certificate was rounded away)
+            fits = fits & (tl.sum(tl.where(ck >= v_key, ce, 0.0), 0) >= goal)
+            v_key = _mass_threshold_key(ck, ce, v_key, key_max, 0.0, goal)
+            n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
+            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+            keep_ties = _tie_count(goal - tl.sum(tl.where(ck > v_key, ce, 0.0), 0), q, n_tie)
+            if keep_ties < n_tie:  # the keep_ties highest-indexed of them
+                tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
+                                       tl.full((), V - 1, tl.int64)).to(tl.int32)
+    if fits:
+        kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
+        s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
+        u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, _LOWEST), 0.0), 0)
+        w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
+        key_t = _order_key(y_t).to(tl.int64)
+        # a kept target whose own logit is -inf: -inf too, as vLLM's log_softmax gives it
+        kept_t = ((key_t > v_key) | ((key_t == v_key) & (target >= tie))) & (y_t != float("-inf"))
+        _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
+                        log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+        tl.store(thr_ptr + row, _key_value(v_key))
+        tl.store(tie_ptr + row, tie)
+        tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
+    else:  # 4. for the fallback kernel: the row's max, sum and bound
+        tl.store(max_ptr + row, m)
+        tl.store(thr_ptr + row, s)
+        tl.store(tie_ptr + row, lo.to(tl.int32))
+        tl.store(overflow_ptr + row, tl.full((), 1, tl.int8))
+
+
+@triton.jit
 def sampled_logprobs_fwd_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
-    cand_ptr, t_rows_ptr,
+    cand_ptr, t_rows_ptr, k_rows_ptr, p_rows_ptr,
     V, c, c_ln, cap_k, cap, ignore_index, top_k, top_p,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     WITH_SQ: tl.constexpr, SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr,
-    HAS_TOP_P: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, PER_ROW_KP: tl.constexpr,
 ):
     """Log-prob, entropy and sum of squared probabilities of the distribution a vLLM sampler draws from:
     ``softmax(z)`` over the kept set of top-k then top-p, renormalised (``kernels.torch_rows.truncation``
@@ -872,15 +958,22 @@ def sampled_logprobs_fwd_kernel(
     4. Otherwise (a bound too loose: top_k above the slots, a nucleus of more than CAP tokens) the row
        is flagged in ``overflow_ptr`` with its max, ``s`` and ``lo`` (in ``max``, ``thr``, ``tie``), for
        ``sampled_logprobs_fallback_kernel``.
-    Writes ``logp`` (-inf for a target outside the kept set), entropy, ``row_max``, ``log_sum``
-    (log2 of the kept sum), ``sum_sq``, and the kept set as ``(thr, tie)``: ``y > thr``, or
-    ``y == thr`` at an index ``>= tie``, for the backward. A NaN in the row makes its outputs NaN.
+    Writes ``logp`` (-inf for a target outside the kept set, and for a kept target whose own logit is
+    -inf, as vLLM's), entropy, ``row_max``, ``log_sum`` (log2 of the kept sum), ``sum_sq``, and the kept
+    set as ``(thr, tie)``: ``y > thr``, or ``y == thr`` at an index ``>= tie``, for the backward. A NaN
+    in the row makes its outputs NaN.
+
+    ``PER_ROW_KP``: each row loads its own ``top_k`` (int32, ``V`` where its top-k is off) and ``top_p``
+    (float32, 1 where off) from ``k_rows_ptr`` / ``p_rows_ptr`` (runtime values: no recompilation per
+    value). A row whose both are off is the untruncated softmax (pass 1's statistics, its target's
+    floor as without a truncation), with the kept set ``(-inf, -1)``: everything (a tie of -1 marks a
+    row that does not truncate, which the backward then treats as such).
     """
     row = tl.program_id(0).to(tl.int64)
-    R: tl.constexpr = BLOCK_V // VEC
     TRUNC: tl.constexpr = HAS_TOP_K or HAS_TOP_P
-    STATS_ENTROPY: tl.constexpr = WITH_ENTROPY and not TRUNC  # (truncated: the kept set's sums come later)
-    STATS_SQ: tl.constexpr = WITH_SQ and not TRUNC
+    # truncated: the kept set's sums come later (a row of PER_ROW_KP may keep everything: pass 1's then)
+    STATS_ENTROPY: tl.constexpr = WITH_ENTROPY and (not TRUNC or PER_ROW_KP)
+    STATS_SQ: tl.constexpr = WITH_SQ and (not TRUNC or PER_ROW_KP)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         tl.store(logp_ptr + row, 0.0)
@@ -908,80 +1001,46 @@ def sampled_logprobs_fwd_kernel(
         if not TRUNC:
             _finish_sampled(row, y_t, target, target == target, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr,
                             max_ptr, log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
-        else:
-            key_max = _order_key(m).to(tl.int64)
-            # 2. the certified bound (an empty slot's max is -FLT_MAX: a bound there certifies nothing)
-            key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)
-            if HAS_TOP_K:
-                k_slot = _order_key(m_slot).to(tl.int64)
-                lo = _kth_largest_key(k_slot, m_slot == m_slot, top_k, tl.min(k_slot, 0), key_max)
-                lo = tl.where((top_k <= R) & (lo > key_floor), lo, _KEY_LOWEST)
-            else:
-                per_slot = (tl.cdiv(V, BLOCK_V) * VEC).to(tl.float32)
-                lo = _top_p_certificate(m_slot, s_slot, m, c, per_slot, top_p * s, s)
-            # 3. the candidates
-            base = row * CAP
-            n_cand = _compact(row_ptr, V, lo, cap_k, cap, cand_ptr + base, BLOCK_V, VEC, CAP, SOFTCAP)
-            tl.debug_barrier()  # the scratch this program wrote, visible to all its threads
-            j = tl.arange(0, CAP)
-            cv = j < n_cand
-            packed = tl.load(cand_ptr + base + j, mask=cv, other=0)
-            ck = tl.where(cv, (packed >> 32).to(tl.int32), _KEY_LOWEST)  # (past n_cand: -inf, below every bound)
-            ci = (packed & 0xFFFFFFFF).to(tl.int32)
-            cy = _key_value(ck)
-            ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, _LOWEST)), 0.0)
-            fits = n_cand <= CAP
-            v_key = lo
-            if HAS_TOP_K:
-                v_key = _kth_largest_key(ck, cv, top_k, lo, key_max)
-            tie = tl.zeros((), tl.int32)
-            if HAS_TOP_P:
-                if HAS_TOP_K:
-                    goal = top_p * tl.sum(tl.where(ck >= v_key, ce, 0.0), 0)  # p S, S what top-k keeps
-                else:
-                    goal = top_p * s
-                # the bound must hold on what the search sees (else the certificate was rounded away)
-                fits = fits & (tl.sum(tl.where(ck >= v_key, ce, 0.0), 0) >= goal)
-                v_key = _mass_threshold_key(ck, ce, v_key, key_max, 0.0, goal)
-                n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
-                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-                keep_ties = _tie_count(goal - tl.sum(tl.where(ck > v_key, ce, 0.0), 0), q, n_tie)
-                if keep_ties < n_tie:  # the keep_ties highest-indexed of them
-                    tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
-                                           tl.full((), V - 1, tl.int64)).to(tl.int32)
-            if fits:
-                kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
-                s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
-                u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, _LOWEST), 0.0), 0)
-                w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
-                key_t = _order_key(y_t).to(tl.int64)
-                kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
-                _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
-                                log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
-                tl.store(thr_ptr + row, _key_value(v_key))
-                tl.store(tie_ptr + row, tie)
+        elif PER_ROW_KP:
+            row_k = tl.load(k_rows_ptr + row)
+            row_p = tl.load(p_rows_ptr + row)
+            k_on = row_k < V
+            p_on = row_p < 1.0
+            if k_on | p_on:
+                _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, c, c_ln, cap_k, cap,
+                             row_k, row_p, k_on, p_on, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr,
+                             thr_ptr, tie_ptr, overflow_ptr, cand_ptr, BLOCK_V, VEC, CAP, WITH_ENTROPY, WITH_SQ,
+                             SOFTCAP, HAS_TOP_K, HAS_TOP_P, True)
+            else:  # neither truncates this row: the whole softmax
+                _finish_sampled(row, y_t, target, target == target, m, s, u, w, c_ln, nan_guard, logp_ptr,
+                                entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
+                tl.store(thr_ptr + row, float("-inf"))
+                tl.store(tie_ptr + row, tl.full((), -1, tl.int32))
                 tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
-            else:  # 4. for the fallback kernel: the row's max, sum and bound
-                tl.store(max_ptr + row, m)
-                tl.store(thr_ptr + row, s)
-                tl.store(tie_ptr + row, lo.to(tl.int32))
-                tl.store(overflow_ptr + row, tl.full((), 1, tl.int8))
+        else:
+            _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, c, c_ln, cap_k, cap, top_k,
+                         top_p, True, True, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr,
+                         overflow_ptr, cand_ptr, BLOCK_V, VEC, CAP, WITH_ENTROPY, WITH_SQ, SOFTCAP, HAS_TOP_K,
+                         HAS_TOP_P, False)
 
 
 @triton.jit
 def sampled_logprobs_fallback_kernel(
     logits_ptr, stride_b, stride_t, T,
     targets_ptr, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, sum_sq_ptr, thr_ptr, tie_ptr, overflow_ptr,
-    t_rows_ptr, V, c, c_ln, cap_k, cap, top_k, top_p,
+    t_rows_ptr, k_rows_ptr, p_rows_ptr, V, c, c_ln, cap_k, cap, top_k, top_p,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr,
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    PER_ROW_KP: tl.constexpr,
 ):
     """The rows ``sampled_logprobs_fwd_kernel`` flagged (every other program returns at once): the same
     thresholds found exactly by passes over the row that split the bracket at :data:`_NARROW`
     thresholds each, counting (top-k) or summing the mass (top-p) above them (:func:`_narrow`, 9-fold
     a pass), then one pass for the kept set's sums above the threshold and the count at it
     (:func:`_above_pass`); the tie index, if top-p splits a tie, by the same passes over the indices.
-    Up to 11 passes a threshold over a 32-bit bracket (fewer from a certified one), plus one."""
+    Up to 11 passes a threshold over a 32-bit bracket (fewer from a certified one), plus one.
+    ``PER_ROW_KP``: the row's own top_k / top_p, as in the forward kernel (a flagged row truncates; of
+    its two, one may be off: a top-k off starts top-p from the whole row)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(overflow_ptr + row) != 0:
         c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
@@ -994,27 +1053,39 @@ def sampled_logprobs_fallback_kernel(
         nan_guard = s * 0.0
         key_max = _order_key(m).to(tl.int64)
         zero = tl.zeros((), tl.int64)
+        p_on = True
+        if PER_ROW_KP:
+            top_k = tl.load(k_rows_ptr + row)
+            top_p = tl.load(p_rows_ptr + row)
+            p_on = top_p < 1.0
         v_key = lo
         if HAS_TOP_K:
-            v_key = _narrow(row_ptr, V, lo, key_max, top_k, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
+            if PER_ROW_KP:
+                v_key = tl.full((), _KEY_LOWEST, tl.int64)  # (top-k off: everything, and top-p over the row)
+                if top_k < V:
+                    v_key = _narrow(row_ptr, V, lo, key_max, top_k, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
+            else:
+                v_key = _narrow(row_ptr, V, lo, key_max, top_k, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 0)
         above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
         keep_ties = n_tie
         tie = tl.zeros((), tl.int32)
         if HAS_TOP_P:
-            if HAS_TOP_K:
-                total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-                start = v_key
-            else:
-                total = s
-                start = tl.full((), _KEY_LOWEST, tl.int64)
-            goal = top_p * total
-            v_key = _narrow(row_ptr, V, start, key_max, goal, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
-            above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP)
-            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
-            keep_ties = _tie_count(goal - above_s, q, n_tie)
-            if keep_ties < n_tie:
-                tie = _narrow(row_ptr, V, zero, tl.full((), V - 1, tl.int64), keep_ties, v_key, m, c, cap_k, cap,
-                              BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
+            if p_on:
+                if HAS_TOP_K:
+                    total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                    start = v_key
+                else:
+                    total = s
+                    start = tl.full((), _KEY_LOWEST, tl.int64)
+                goal = top_p * total
+                v_key = _narrow(row_ptr, V, start, key_max, goal, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
+                above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC,
+                                                               SOFTCAP)
+                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                keep_ties = _tie_count(goal - above_s, q, n_tie)
+                if keep_ties < n_tie:
+                    tie = _narrow(row_ptr, V, zero, tl.full((), V - 1, tl.int64), keep_ties, v_key, m, c, cap_k, cap,
+                                  BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
         shift_v = tl.maximum((_key_value(v_key) - m) * c, _LOWEST)
         q_v = tl.exp2(shift_v)
         ties = keep_ties.to(tl.float32)
@@ -1023,7 +1094,8 @@ def sampled_logprobs_fallback_kernel(
         w = above_w + ties * q_v * q_v
         y_t = _load_row(row_ptr + target, cap_k, cap, SOFTCAP)
         key_t = _order_key(y_t).to(tl.int64)
-        kept_t = (key_t > v_key) | ((key_t == v_key) & (target >= tie))
+        # a kept target whose own logit is -inf: -inf too, as vLLM's log_softmax gives it
+        kept_t = ((key_t > v_key) | ((key_t == v_key) & (target >= tie))) & (y_t != float("-inf"))
         _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
                         log_sum_ptr, sum_sq_ptr, WITH_ENTROPY, WITH_SQ)
         tl.store(thr_ptr + row, _key_value(v_key))
@@ -1369,21 +1441,30 @@ def forward_rows_sampled(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     with_sum_sq: bool = False,
+    top_k_rows: Optional[torch.Tensor] = None,
+    top_p_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, T, V], targets [B, T] -> (logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index)
     [B, T] of the distribution a vLLM sampler draws from (``sampled_logprobs_fwd_kernel``, then
     ``sampled_logprobs_fallback_kernel`` for the rows it flags): the transform of :func:`forward_rows`,
     then ``top_k`` (None, or < V) and ``top_p`` (None, or < 1), renormalised. ``logp`` is -inf for a
-    target outside the kept set; ``sum_sq`` (sum of squared probabilities; zeros unless
-    ``with_sum_sq``) and ``threshold`` (float32) / ``tie_index`` (int32: the kept set, for
-    :func:`backward_rows`; zeros without a truncation) come last. ``row_max`` and ``log_sum`` (of the
-    kept set) are :func:`backward_rows`' as in :func:`forward_rows`.
+    target outside the kept set (and for a kept target whose logit is -inf); ``sum_sq`` (sum of squared
+    probabilities; zeros unless ``with_sum_sq``) and ``threshold`` (float32) / ``tie_index`` (int32: the
+    kept set, for :func:`backward_rows`; zeros without a truncation) come last. ``row_max`` and
+    ``log_sum`` (of the kept set) are :func:`backward_rows`' as in :func:`forward_rows`.
+
+    ``top_k_rows`` / ``top_p_rows`` (B * T values, any integer / float dtype; instead of ``top_k`` /
+    ``top_p``): one per row, vLLM's per-request values, each row's "off" values as vLLM's
+    (``options.top_k_rows``, ``options.top_p_on``); a row that neither truncates is the plain softmax,
+    with the kept set ``(-inf, -1)``. The values are loaded by the kernels (no host synchronisation,
+    no recompilation per value); ``top_p`` is rounded to float32, as the float is.
     """
     b, t, v = logits.shape
     device = logits.device
     targets = targets.contiguous()
-    has_top_k = top_k is not None and 0 < top_k < v
-    has_top_p = top_p is not None and top_p < 1.0
+    per_row = top_k_rows is not None or top_p_rows is not None
+    has_top_k = top_k_rows is not None or (top_k is not None and 0 < top_k < v)
+    has_top_p = top_p_rows is not None or (top_p is not None and top_p < 1.0)
     truncates = has_top_k or has_top_p
     # every row of what is asked is written (torch.empty); what is not asked is zeros
     written = (True, with_entropy, True, True, with_sum_sq, truncates, truncates)
@@ -1400,18 +1481,28 @@ def forward_rows_sampled(
     tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
     t_rows = _per_row_pointer(tf, logp)
     shared = dict(BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
-                  PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, num_warps=num_warps)
-    k_arg, p_arg = int(top_k) if has_top_k else v, float(top_p) if has_top_p else 1.0
+                  PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, PER_ROW_KP=per_row,
+                  num_warps=num_warps)
+    if per_row:  # both per row (a number, or None, repeated): int32 k (V where off), float32 p (1 where off)
+        k_arg, p_arg = v, 1.0
+        k_rows = (torch.full((rows,), top_k if has_top_k and top_k_rows is None else v, dtype=torch.int64,
+                             device=device) if top_k_rows is None else top_k_rows_of(top_k_rows.reshape(rows), v))
+        k_rows = k_rows.to(torch.int32).contiguous()
+        p_rows = (torch.full((rows,), top_p if top_p is not None else 1.0, dtype=torch.float32, device=device)
+                  if top_p_rows is None else top_p_rows.reshape(rows).float().contiguous())
+    else:
+        k_arg, p_arg = int(top_k) if has_top_k else v, float(top_p) if has_top_p else 1.0
+        k_rows = p_rows = logp  # never read
     sampled_logprobs_fwd_kernel[(rows,)](
         logits, logits.stride(0), logits.stride(1), t,
         targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
-        scratch, t_rows,
+        scratch, t_rows, k_rows, p_rows,
         v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], ignore_index, k_arg, p_arg, CAP=cap_n, **shared,
     )
     if truncates:  # (launched always: no host synchronisation; a row not flagged returns at once)
         sampled_logprobs_fallback_kernel[(rows,)](
             logits, logits.stride(0), logits.stride(1), t,
             targets, logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index, overflow,
-            t_rows, v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
+            t_rows, k_rows, p_rows, v, tf["c"], tf["c_ln"], tf["cap_k"], tf["cap"], k_arg, p_arg, **shared,
         )
     return logp, entropy, row_max, log_sum, sum_sq, threshold, tie_index
