@@ -135,7 +135,9 @@ test: install
 	if [ $$(( installed & 8 )) -ne 0 ]; then cat $(NEWEST_VENV).log; echo "make install-newest failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	$(VLLM_PY) -m pytest -q tests/test_rollout_vllm.py \
-		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[trainer_step-vllm]"
+		tests/test_truncation_tensors.py::test_vllms_own_sampler_keeps_the_same_tokens_per_row \
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[trainer_step-vllm]" \
+		"tests/test_benchmarks_scripts.py::test_benchmark_script_runs_and_writes[replay-vllm]"
 	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory test-openrlhf
 	$(MAKE) --no-print-directory test-newest
