@@ -351,3 +351,83 @@ def test_both_options_on_two_ranks_match_one_process_without_them(tmp_path):
 if __name__ == "__main__":  # a worker, started by torchrun
     torch.set_num_threads(1)
     worker(sys.argv[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# fused_norm: the decoder's RMSNorms through grpo_kernels.rms_norm
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_norms_gradients_match_float64(family):
+    """Every RMSNorm swapped (Qwen3's per-head q_norm / k_norm included), state-dict names unchanged,
+    gradients (the norms' weights included) within fp32 rounding of the unswapped model's in float64."""
+    ids = ids_for()
+    expected = gradients(tiny(family, torch.float64), ids)
+    model = tiny(family, checkpointing=True)
+    names = list(model.state_dict())
+    per_layer = 4 if family == "qwen3" else 2
+    count = per_layer * SHAPE["num_hidden_layers"] + 1
+    assert activations.fuse_norms(model, "torch") == activations.fuse_norms(model) == count  # (again: "auto")
+    assert list(model.state_dict()) == names
+    got = gradients(model, ids)
+    assert any("norm" in name for name in got)
+    assert_grads_close64(got, expected, f"{family} fused norms")
+
+
+def _norm_classes():
+    import importlib
+
+    found = []
+    for name, (gemma, eps_name) in activations.RMSNORM_CLASSES.items():
+        family = {"Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe", "Qwen3Next": "qwen3_next",
+                  "SmolLM3": "smollm3"}.get(name[:-len("RMSNorm")], name[:-len("RMSNorm")].lower())
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        found.append(getattr(module, name))
+    return found
+
+
+@pytest.mark.parametrize("cls", _norm_classes(), ids=lambda c: c.__name__)
+def test_each_known_norm_class_computes_what_its_own_forward_does(cls):
+    """The table's promise, class by class: the swapped forward gives the class's own values and gradients
+    (bf16 input and weight: within bf16 rounding; the weight away from its initial value)."""
+    norm = cls(24, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(24) * 0.3)
+    x = torch.randn(3, 5, 24).to(torch.bfloat16)
+    dy = torch.randn(3, 5, 24).to(torch.bfloat16)
+
+    def run(module):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        gx, gw = torch.autograd.grad(y, [xi, module.weight], dy)
+        return y, gx, gw
+
+    want = run(norm)
+    twin = copy.deepcopy(norm)
+    assert activations.fuse_norms(twin) == 1
+    for got, expect in zip(run(twin), want):
+        assert got.dtype == expect.dtype
+        torch.testing.assert_close(got.float(), expect.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_fused_norms_leave_an_unknown_model_with_one_info_line(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with caplog.at_level(logging.INFO, logger="grpo.activations"):
+        assert activations.fuse_norms(model) == 0
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "LayerNorm" in caplog.text
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_prepare_model_fuses_norms_when_asked(tmp_path, on):
+    from grpo.models import prepare_model, unwrap
+
+    from helpers import tiny_config
+
+    policy = prepare_model(tiny("qwen3"), tiny_config(tmp_path, fused_norm=on), torch.device("cpu"))
+    norm = unwrap(policy).model.layers[0].self_attn.q_norm
+    assert ("forward" in norm.__dict__) == on
+    assert getattr(norm, "fused_norm_backend", None) == ("torch" if on else None)  # (the run's backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        activations.fuse_norms(tiny("qwen2"), "cuda")
