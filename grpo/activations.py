@@ -28,6 +28,10 @@ where transformers' elementwise ops keep several fp32 copies of ``x`` (``grpo.pl
 Gradients: the offload copies bits, so a run with it has bitwise the gradients of the run without it.
 The chunking computes the same per-token function; the parameter gradients are sums over chunks
 instead of one sum over all tokens, equal to fp32 rounding (accumulated in fp32 for 16-bit weights).
+The trainer's LoRA dropout (``grpo.lora.DropoutLinear``) draws the same masks chunked or not: each chunk
+runs inside a :class:`RowChunk` (its first row, and the seeds the call's first chunk drew), and the
+masks are a hash of (seed, absolute row, feature). (peft's own ``nn.Dropout``, where it is left in
+place, draws chunk by chunk from torch's generator: its masks depend on the chunking.)
 
 On a CPU the checkpointed inputs already live in host memory: ``prepare_model`` then attaches no
 offload and logs one INFO line (:func:`offload_checkpointed_inputs`); :class:`ActivationOffload` itself
@@ -37,10 +41,11 @@ runs on a CPU too (it copies into separate host buffers), which is how the tests
 from __future__ import annotations
 
 import logging
+import threading
 import types
 import weakref
-from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -256,6 +261,37 @@ def offload_checkpointed_inputs(model: torch.nn.Module, device: torch.device) ->
 # --------------------------------------------------------------------------------------------------
 # each decoder layer's MLP over token chunks
 # --------------------------------------------------------------------------------------------------
+class RowChunk:
+    """The chunk of rows a chunked MLP is computing now: ``start``, its first row's index in the whole
+    ``[N, H]`` input, and ``seeds``, the random seeds the MLP's layers drew on its first chunk (by module),
+    which every later chunk of the same call reuses. ``grpo.lora``'s adapter dropout reads both, so that
+    its masks, a function of (seed, absolute row, column), are the unchunked call's whatever the chunking."""
+
+    __slots__ = ("start", "seeds")
+
+    def __init__(self, start: int, seeds: dict) -> None:
+        self.start = start
+        self.seeds = seeds
+
+
+_CHUNK = threading.local()
+
+
+def current_chunk() -> Optional[RowChunk]:
+    """The :class:`RowChunk` being computed in this thread, or None outside a chunked MLP."""
+    return getattr(_CHUNK, "value", None)
+
+
+@contextmanager
+def _rows_from(start: int, seeds: dict) -> Iterator[None]:
+    previous = current_chunk()
+    _CHUNK.value = RowChunk(start, seeds)
+    try:
+        yield
+    finally:
+        _CHUNK.value = previous
+
+
 class ChunkedMLPFunction(torch.autograd.Function):
     """``y = f(x)`` for a token-wise ``f`` (an MLP), computed ``chunk`` rows of ``x`` at a time, forward and backward.
 
@@ -301,10 +337,12 @@ class ChunkedMLPFunction(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.device_rng is not None:
                 torch.cuda.set_rng_state(ctx.device_rng, x.device)
+            seeds: dict = {}  # (drawn again on the first chunk, from the forward's RNG state: the same seeds)
             with _autocast_as(ctx.autocast), torch.enable_grad():
                 for start in range(0, x.shape[0], ctx.chunk):
                     xc = x[start:start + ctx.chunk].detach().requires_grad_(want_x)
-                    yc = ctx.f(xc)
+                    with _rows_from(start, seeds):
+                        yc = ctx.f(xc)
                     inputs = ([xc] if want_x else []) + [params[i] for i in wanted]
                     grads = torch.autograd.grad(yc, inputs, dy[start:start + ctx.chunk], allow_unused=True)
                     del yc
@@ -357,9 +395,10 @@ def chunked(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: i
 def _in_chunks(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int) -> torch.Tensor:
     """``f(x)`` for rows ``x`` [N, H], ``chunk`` rows at a time, into one output [N, ...] (no autograd of
     its own: the forward of :class:`ChunkedMLPFunction` and the loop without gradients)."""
-    out = None
+    out, seeds = None, {}
     for start in range(0, x.shape[0], chunk):
-        y = f(x[start:start + chunk])
+        with _rows_from(start, seeds):
+            y = f(x[start:start + chunk])
         if out is None:
             out = y.new_empty((x.shape[0], *y.shape[1:]))
         out[start:start + y.shape[0]] = y

@@ -510,7 +510,8 @@ def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: boo
     The trainer's adapters are peft's ``lora.Linear`` with ``grpo.lora.fuse_dropout`` applied
     (``grpo.lora.add_adapters``): ``B(A_p(x.to(fp32)))``. peft's cast copies ``x`` unless it is fp32
     (``4 d_in``). With ``dropout`` > 0, ``A_p`` is ``grpo.lora.DropoutLinearFunction``: it keeps the cast
-    ``x`` and a bool mask (``d_in``), and recomputes the dropped copy in its backward. With ``dropout`` 0,
+    ``x`` and nothing of the mask (it hashes the mask again and recomputes the dropped copy in its
+    backward). With ``dropout`` 0,
     ``A_p`` is peft's ``lora_A`` (an ``nn.Linear``), which keeps its input: the cast ``x``, or under bf16
     autocast the bf16 copy autocast makes of it (``2 d_in``; the fp32 cast is then freed). ``B`` keeps
     ``A``'s output, ``r`` wide: fp32 (``4 r``), bf16 under autocast (``2 r``). (Under autocast ``B``'s
@@ -520,7 +521,7 @@ def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: boo
     out = 2 * r if autocast else 4 * r
     copied = x_bytes != 4  # peft's x.to(fp32)
     if dropout > 0:
-        return d_in * (1 + (4 if copied else 0)) + out, not copied
+        return (4 * d_in if copied else 0) + out, not copied
     if autocast:
         return 2 * d_in + out, False
     return (4 * d_in if copied else 0) + out, not copied

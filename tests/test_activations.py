@@ -190,8 +190,9 @@ def test_chunked_mlp_keeps_names_is_idempotent_and_refuses_bad_sizes():
 def test_chunked_mlp_covers_lora_and_replays_its_dropout(fused):
     """LoRA on every linear (peft's, and the trainer's with the dropout fused into lora_A,
     ``grpo.lora.fuse_dropout``): with dropout 0 the chunked gradients match the unchunked model's in
-    float64; with dropout 0.3 they match plain autograd through the same chunks drawn from the same
-    seed (so the backward's recompute drew the forward's masks)."""
+    float64; with dropout 0.3 they match plain autograd (peft's dropout: through the same chunks drawn
+    from the same seed, so the backward's recompute drew the forward's masks; the fused dropout: the
+    whole MLP at once, its masks the same whatever the chunks)."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
@@ -224,7 +225,9 @@ def test_chunked_mlp_covers_lora_and_replays_its_dropout(fused):
         if chunked:
             activations.chunk_mlps(model, 6)
             y = mlp(x)
-        else:  # plain autograd over the same chunks, in the same order
+        elif fused:  # the fused dropout's masks do not depend on the chunking: the whole MLP at once
+            y = type(mlp).forward(mlp, x)
+        else:  # peft's dropout draws chunk by chunk: plain autograd over the same chunks, in the same order
             y = torch.cat([type(mlp).forward(mlp, x[:, i:i + 6]) for i in range(0, 29, 6)], dim=1)
         return [y.detach()] + list(torch.autograd.grad(y, [x] + params, dy))
 
@@ -431,3 +434,47 @@ def test_prepare_model_fuses_norms_when_asked(tmp_path, on):
     assert getattr(norm, "fused_norm_backend", None) == ("torch" if on else None)  # (the run's backend="torch")
     with pytest.raises(ValueError, match="backend"):
         activations.fuse_norms(tiny("qwen2"), "cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# the memory options never change the numbers
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_memory_options_keep_lora_dropout_losses_and_gradients(family):
+    """The trainer's adapters (grpo.lora.add_adapters, lora_dropout 0.3 on every linear) under gradient
+    checkpointing: with mlp_chunk_tokens (chunks of 5 of 74 tokens) and the offload attached too, the
+    same seed gives the same masks, so the loss and every gradient equal the run without them to fp32
+    rounding (peft's own dropout, drawn chunk by chunk from torch's generator, differed by tens of percent)."""
+    pytest.importorskip("peft")
+    from grpo import lora
+    from grpo.config import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.3)
+
+    def run(options: bool):
+        model = tiny(family, checkpointing=True)
+        torch.manual_seed(3)
+        model = lora.add_adapters(model, cfg)
+        with torch.no_grad():  # (B away from 0, so the adapters and their masks reach the output)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        offload = activations.ActivationOffload("cpu")
+        if options:
+            activations.chunk_mlps(model, 5)
+            offload.attach(model)
+        model.train()
+        torch.manual_seed(11)
+        base = model.get_base_model()
+        hidden = base.model(input_ids=ids_for(), use_cache=False).last_hidden_state
+        w = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+        loss = (hidden * w).sum()
+        loss.backward()
+        assert offload.copies_out == (SHAPE["num_hidden_layers"] if options else 0)
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (loss0, grads0), (loss1, grads1) = run(False), run(True)
+    assert any("mlp.down_proj.lora_A" in n for n in grads0) and grads0.keys() == grads1.keys()
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-5)
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads1[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)

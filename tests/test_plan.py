@@ -71,8 +71,9 @@ def test_the_goal_shapes_config_json_is_the_built_in_and_the_models(name):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_lora_dropout_term_is_what_backward_keeps(dtype):
-    """The plan's dropout term (a 1-byte mask per adapter input element) against the bytes autograd
-    keeps for a real peft model's forward (grpo.lora's adapters), with and without lora_dropout."""
+    """The plan's dropout term (none: the fused dropout keeps no mask, its backward hashes it again) against
+    the bytes autograd keeps for a real peft model's forward (grpo.lora's adapters), with and without
+    lora_dropout."""
     pytest.importorskip("peft")
     from transformers import Qwen2Config
 
@@ -93,8 +94,9 @@ def test_the_lora_dropout_term_is_what_backward_keeps(dtype):
     b = plan.DTYPE_BYTES[dtype]
     per_token = sum(plan.adapter_bytes(d_in, r, 0.1, b, False)[0] - plan.adapter_bytes(d_in, r, 0.0, b, False)[0]
                     for d_in, _ in shape.linears().values())
-    assert per_token == sum(d_in for d_in, _ in shape.linears().values())  # (the masks: 1 B an input element)
+    assert per_token == 0  # (no mask kept)
     assert kept(0.1) - kept(0.0) == tokens * shape.num_hidden_layers * per_token
+    assert kept(0.1) > 0
 
 
 # ---------------------------------------------------------------------------- each layer's saved bytes
@@ -359,23 +361,22 @@ def test_an_adapter_keeps_what_adapter_bytes_says(x_dtype, dropout, autocast):
 
 def test_lora_dropout_s_cost_and_what_dropout_0_saves():
     """Per adapted linear with ``in`` inputs and bf16 activations: with dropout the fused ``lora_A`` keeps peft's
-    fp32 cast of the input and a bool mask (5 B), without dropout ``lora_A`` keeps the fp32 cast (4 B), or under
-    bf16 autocast its bf16 copy (2 B). So ``lora_dropout=0`` saves 1 B an input element without autocast, 3 B
-    under autocast (the trainer's CUDA default); with fp32 activations and no autocast, the mask (x itself is
-    the layer's input)."""
-    assert plan.adapter_bytes(100, 8, 0.05, 2, True) == (100 * 5 + 8 * 2, False)
-    assert plan.adapter_bytes(100, 8, 0.05, 2, False) == (100 * 5 + 8 * 4, False)
+    fp32 cast of the input and no mask (4 B: its backward hashes the mask again), without dropout ``lora_A``
+    keeps the fp32 cast (4 B), or under bf16 autocast its bf16 copy (2 B). So ``lora_dropout=0`` saves nothing
+    without autocast, 2 B an input element under autocast (the trainer's CUDA default)."""
+    assert plan.adapter_bytes(100, 8, 0.05, 2, True) == (100 * 4 + 8 * 2, False)
+    assert plan.adapter_bytes(100, 8, 0.05, 2, False) == (100 * 4 + 8 * 4, False)
     assert plan.adapter_bytes(100, 8, 0.0, 2, True) == (100 * 2 + 8 * 2, False)
     assert plan.adapter_bytes(100, 8, 0.0, 2, False) == (100 * 4 + 8 * 4, False)
-    assert plan.adapter_bytes(100, 8, 0.05, 4, False) == (100 * 1 + 8 * 4, True)  # the mask; x is the layer's input
+    assert plan.adapter_bytes(100, 8, 0.05, 4, False) == (8 * 4, True)  # no mask; x is the layer's input
     assert plan.adapter_bytes(100, 8, 0.0, 4, False) == (8 * 4, True)  # lora_A reads x itself
     kw = dict(use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True)
     p05, p0 = plan.plan("Qwen3-8B", 131072, **kw), plan.plan("Qwen3-8B", 131072, lora_dropout=0.0, **kw)
     lora = lambda p: p.terms["layer: LoRA inputs (attention)"] + p.terms["layer: LoRA inputs (MLP)"]  # noqa: E731
     ins = sum(plan.load_shape("Qwen3-8B").linears()[n][0] for n in plan.LINEAR_NAMES)
-    assert lora(p05) - lora(p0) == 131072 * ins * 3  # CUDA, bf16 autocast: fp32 copy + mask (5 B) vs bf16 copy (2 B)
+    assert lora(p05) - lora(p0) == 131072 * ins * 2  # CUDA, bf16 autocast: fp32 copy (4 B) vs bf16 copy (2 B)
     cpu05, cpu0 = (plan.plan("Qwen3-8B", 4096, lora_dropout=p, device="cpu", **kw) for p in (0.05, 0.0))
-    assert lora(cpu05) - lora(cpu0) == 4096 * ins * 1  # no autocast: the masks
+    assert lora(cpu05) == lora(cpu0)  # no autocast: the same
 
 
 @pytest.mark.parametrize("settings", [
