@@ -263,6 +263,11 @@ def H_peak(fn) -> tuple[int, str]:
     return H.peak_extra_bytes(fn, torch.device("cpu"))
 
 
+SMOKE_LAYER = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+               "rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
 def planned_layer_peak(model_name: str, tokens: int, fused_norm: bool, chunk: Optional[int], lora_r: int = 16,
                        lora_dropout: float = 0.05) -> int:
     """``grpo.plan.layer_peak`` of :func:`one_layer`'s case (device "cpu", bf16 autocast, LoRA on every linear)."""
@@ -284,11 +289,18 @@ def layer(args) -> tuple[list[dict], list[str]]:
     if args.from_json:
         with open(args.from_json) as f:
             rows = json.load(f)["records"]  # (harness.Report's FILE.json)
-    for name in [] if args.from_json else args.models:
-        for n in args.tokens:
+    models, tokens, chunk = args.models, args.tokens, args.chunk
+    if args.smoke:  # CI: a small layer of the same structure (H 64, I 256), two tiny token counts
+        import tempfile
+
+        models, tokens, chunk = [tempfile.mkdtemp(prefix="layer-smoke-")], [16, 48], 16
+        with open(os.path.join(models[0], "config.json"), "w") as f:
+            json.dump(SMOKE_LAYER, f)
+    for name in [] if args.from_json else models:
+        for n in tokens:
             for fused in (True, False):
                 rows.append(H.fresh_call("benchmarks.long_context:one_layer", dict(
-                    model_name=name, tokens=n, fused_norm=fused, chunk=args.chunk), budget_gib=4.0)[-1])
+                    model_name=name, tokens=n, fused_norm=fused, chunk=chunk), budget_gib=4.0)[-1])
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "planned_terms"}), flush=True)
     for r in rows:
         if "error" not in r:
@@ -298,11 +310,11 @@ def layer(args) -> tuple[list[dict], list[str]]:
               f"{r['planned_bytes'] / 2**20:.1f}", f"{r['planned_bytes'] / r['measured_bytes']:.3f}"]
              for r in rows if "error" not in r]
     lines = ["One decoder layer's forward + backward (bf16 weights, LoRA r=16 all-linear with dropout 0.05, non-reentrant "
-             f"checkpointing, MLP chunks of {args.chunk}, CPU bf16 autocast): peak bytes allocated above the start, the "
+             f"checkpointing, MLP chunks of {chunk}, CPU bf16 autocast): peak bytes allocated above the start, the "
              "torch profiler's allocation events, beside grpo.plan.layer_peak.", ""]
     lines += H.table(["model", "tokens", "RMSNorm", "measured MiB", "planned MiB", "plan / measured"], cells)
     slopes = []
-    for name in args.models:
+    for name in sorted({r["model"] for r in rows if "error" not in r}):
         for fused in (True, False):
             rs = sorted((r for r in rows if "error" not in r and r["model"] == name and r["fused_norm"] == fused),
                         key=lambda r: r["tokens"])
@@ -335,8 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks")).set_defaults(rounds=3)
     command("layer", "one real-width decoder layer's peak (profiler allocation events) beside the plan's (issue 45)",
             models=(["Qwen2.5-1.5B", "Qwen3-8B"], None, ["Qwen2.5-1.5B", "Qwen3-8B"]), tokens=[128, 512],
-            chunk=(512, "mlp_chunk_tokens"), from_json=(str, "recompute the plan's side for an earlier run's records")
-            ).set_defaults(rounds=1)
+            chunk=(512, "mlp_chunk_tokens"), from_json=(str, "recompute the plan's side for an earlier run's records"),
+            smoke=(False, "CI: a small layer (H 64, I 256) at 16 and 48 tokens")).set_defaults(rounds=1)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     report.records, lines = COMMANDS[args.cmd](args)

@@ -59,6 +59,8 @@ SCRIPTS = {
                                 ("trainer_step-*-quick.md", "trainer_step-*-quick.json"), ("vllm",)),
     "long_context-options": Script("long_context", ("options", "--smoke", "--out", "{out}/options.md"),
                                    ("options.md", "options.json"), ("transformers",)),
+    "long_context-layer": Script("long_context", ("layer", "--smoke", "--out", "{out}/layer.md"),
+                                 ("layer.md", "layer.json"), ("transformers", "peft")),
 }
 
 
