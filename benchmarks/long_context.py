@@ -195,7 +195,140 @@ def memory(args) -> tuple[list[dict], list[str]]:
     return rows, variants_lines(rows, "full")
 
 
-COMMANDS = {"bisect": bisect, "memory": memory, "options": options}
+SHAPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "shapes")
+
+
+def one_layer(model_name: str = "Qwen2.5-1.5B", tokens: int = 1024, fused_norm: bool = True, chunk: Optional[int] = 512,
+              lora_r: int = 16, lora_dropout: float = 0.05, threads: int = 1) -> dict:
+    """One decoder layer of ``model_name``'s real widths (docs/shapes/<name>/config.json; one layer, a
+    small vocabulary): bf16 weights, the trainer's LoRA adapters (``grpo.lora.add_adapters``, all-linear),
+    ``chunk_mlps``, non-reentrant checkpointing, ``fuse_norms`` when ``fused_norm``, under CPU bf16 autocast
+    (which dispatches its matmuls as CUDA's autocast does); its forward and backward on ``tokens`` tokens
+    (one sequence), the peak bytes allocated above the start from the torch profiler's allocation events,
+    beside ``grpo.plan.layer_peak``'s prediction of the same (``docs/memory.md``). The layer input ``x`` and
+    the gradient entering it exist before (the plan's checkpointed input and one of its two gradients);
+    the layer's output lives through the backward here (the plan's second gradient stands in for it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo import activations, lora, plan
+    from grpo.config import GRPOConfig
+
+    torch.set_num_threads(threads)
+    config = AutoConfig.from_pretrained(model_name if os.path.isdir(model_name) else os.path.join(SHAPES_DIR, model_name))
+    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 1, 256, max(tokens, 1024)
+    config.tie_word_embeddings = False
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=lora_r, lora_dropout=lora_dropout, model_dtype="bfloat16")
+    model = lora.add_adapters(model, cfg)
+    base = model.get_base_model()
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if chunk:
+        activations.chunk_mlps(base, chunk)
+    if fused_norm:
+        activations.fuse_norms(base, "torch")
+    model.train()
+    layer = base.model.layers[0]
+    H = config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, tokens, H, generator=g).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(1, tokens, H, generator=g).to(torch.bfloat16)
+    position_ids = torch.arange(tokens)[None]
+    cos_sin = base.model.rotary_emb(x, position_ids)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.backward(out, dy)
+
+    for p in model.parameters():  # (the adapters' gradients exist before, as from an earlier micro-batch)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    peak, method = H_peak(step)
+    shape = plan.ModelShape.from_config(config)
+    terms = plan.layer_terms(shape, tokens, 2, full=False, targets=list(plan.LINEAR_NAMES), lora_r=lora_r,
+                             lora_dropout=lora_dropout, device="cpu", autocast=True, mlp_chunk_tokens=chunk,
+                             fused_norm=fused_norm)
+    planned = plan.layer_peak(terms)
+    return {"model": model_name, "tokens": tokens, "fused_norm": fused_norm, "mlp_chunk_tokens": chunk, "lora_r": lora_r,
+            "lora_dropout": lora_dropout, "measured_bytes": peak, "planned_bytes": planned, "method": method,
+            "planned_terms": terms, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def H_peak(fn) -> tuple[int, str]:
+    """The peak bytes ``fn`` allocates above its start (CPU: the torch profiler's allocation events);
+    the adapters' gradients, allocated in the warm-up, are zeroed in place, not freed."""
+    return H.peak_extra_bytes(fn, torch.device("cpu"))
+
+
+SMOKE_LAYER = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+               "rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
+def planned_layer_peak(model_name: str, tokens: int, fused_norm: bool, chunk: Optional[int], lora_r: int = 16,
+                       lora_dropout: float = 0.05) -> int:
+    """``grpo.plan.layer_peak`` of :func:`one_layer`'s case (device "cpu", bf16 autocast, LoRA on every linear)."""
+    from transformers import AutoConfig
+
+    from grpo import plan
+
+    config = AutoConfig.from_pretrained(model_name if os.path.isdir(model_name) else os.path.join(SHAPES_DIR, model_name))
+    terms = plan.layer_terms(plan.ModelShape.from_config(config), tokens, 2, full=False, targets=list(plan.LINEAR_NAMES),
+                             lora_r=lora_r, lora_dropout=lora_dropout, device="cpu", autocast=True, mlp_chunk_tokens=chunk,
+                             fused_norm=fused_norm)
+    return plan.layer_peak(terms)
+
+
+def layer(args) -> tuple[list[dict], list[str]]:
+    """The ``layer`` command: one layer's measured peak beside the plan's, per model, token count and norm
+    (``--from-json``: the records of an earlier run, the plan's side computed again by this code)."""
+    rows = []
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["records"]  # (harness.Report's FILE.json)
+    models, tokens, chunk = args.models, args.tokens, args.chunk
+    if args.smoke:  # CI: a small layer of the same structure (H 64, I 256), two tiny token counts
+        import tempfile
+
+        models, tokens, chunk = [tempfile.mkdtemp(prefix="layer-smoke-")], [16, 48], 16
+        with open(os.path.join(models[0], "config.json"), "w") as f:
+            json.dump(SMOKE_LAYER, f)
+    for name in [] if args.from_json else models:
+        for n in tokens:
+            for fused in (True, False):
+                rows.append(H.fresh_call("benchmarks.long_context:one_layer", dict(
+                    model_name=name, tokens=n, fused_norm=fused, chunk=chunk), budget_gib=4.0)[-1])
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "planned_terms"}), flush=True)
+    for r in rows:
+        if "error" not in r:
+            r["planned_bytes"] = planned_layer_peak(r["model"], r["tokens"], r["fused_norm"], r["mlp_chunk_tokens"],
+                                                    r["lora_r"], r["lora_dropout"])
+    cells = [[r["model"], r["tokens"], "fused" if r["fused_norm"] else "transformers'", f"{r['measured_bytes'] / 2**20:.1f}",
+              f"{r['planned_bytes'] / 2**20:.1f}", f"{r['planned_bytes'] / r['measured_bytes']:.3f}"]
+             for r in rows if "error" not in r]
+    lines = ["One decoder layer's forward + backward (bf16 weights, LoRA r=16 all-linear with dropout 0.05, non-reentrant "
+             f"checkpointing, MLP chunks of {chunk}, CPU bf16 autocast): peak bytes allocated above the start, the "
+             "torch profiler's allocation events, beside grpo.plan.layer_peak.", ""]
+    lines += H.table(["model", "tokens", "RMSNorm", "measured MiB", "planned MiB", "plan / measured"], cells)
+    slopes = []
+    for name in sorted({r["model"] for r in rows if "error" not in r}):
+        for fused in (True, False):
+            rs = sorted((r for r in rows if "error" not in r and r["model"] == name and r["fused_norm"] == fused),
+                        key=lambda r: r["tokens"])
+            if len(rs) >= 2:
+                a, b = rs[0], rs[-1]
+                m = (b["measured_bytes"] - a["measured_bytes"]) / (b["tokens"] - a["tokens"])
+                p = (b["planned_bytes"] - a["planned_bytes"]) / (b["tokens"] - a["tokens"])
+                slopes.append([name, "fused" if fused else "transformers'", f"{m:.0f}", f"{p:.0f}", f"{p / m:.3f}"])
+    lines += ["", "Per-token slope between the two token counts (bytes per token):", ""]
+    lines += H.table(["model", "RMSNorm", "measured B/token", "planned B/token", "plan / measured"], slopes)
+    return rows, lines + [f"error: {r['error'][-300:]}" for r in rows if "error" in r]
+
+
+COMMANDS = {"bisect": bisect, "memory": memory, "options": options, "layer": layer}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -212,6 +345,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             chunk=(512, "mlp_chunk_tokens of the chunks variant"), device=("cpu", None, ("cpu", "cuda")),
             variants=([], "default: all on a CPU; base, offload, chunks on CUDA", list(OPTIONS)),
             smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks")).set_defaults(rounds=3)
+    command("layer", "one real-width decoder layer's peak (profiler allocation events) beside the plan's (issue 45)",
+            models=(["Qwen2.5-1.5B", "Qwen3-8B"], None, ["Qwen2.5-1.5B", "Qwen3-8B"]), tokens=[128, 512],
+            chunk=(512, "mlp_chunk_tokens"), from_json=(str, "recompute the plan's side for an earlier run's records"),
+            smoke=(False, "CI: a small layer (H 64, I 256) at 16 and 48 tokens")).set_defaults(rounds=1)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     report.records, lines = COMMANDS[args.cmd](args)

@@ -20,9 +20,18 @@ with no model-specific code: the offload wraps the checkpoint function each chec
 that is a decoder layer's ``mlp`` child by one that calls the module's own ``forward`` on each chunk
 (so peft's LoRA layers inside the MLP, their dropout included, are chunked with it).
 
+A third swap, :func:`fuse_norms` (``fused_norm``), replaces the ``forward`` of every RMSNorm module of a
+known class (:data:`RMSNORM_CLASSES`: Llama, Qwen2/3, Mistral, Gemma 1-3 and their kin; Qwen3's per-head
+``q_norm`` / ``k_norm`` too) by ``grpo_kernels.rms_norm``, whose backward keeps ``x`` and one fp32 per row
+where transformers' elementwise ops keep several fp32 copies of ``x`` (``grpo.plan``).
+
 Gradients: the offload copies bits, so a run with it has bitwise the gradients of the run without it.
 The chunking computes the same per-token function; the parameter gradients are sums over chunks
 instead of one sum over all tokens, equal to fp32 rounding (accumulated in fp32 for 16-bit weights).
+The trainer's LoRA dropout (``grpo.lora.DropoutLinear``) draws the same masks chunked or not: each chunk
+runs inside a :class:`RowChunk` (its first row, and the seeds the call's first chunk drew), and the
+masks are a hash of (seed, absolute row, feature). (peft's own ``nn.Dropout``, where it is left in
+place, draws chunk by chunk from torch's generator: its masks depend on the chunking.)
 
 On a CPU the checkpointed inputs already live in host memory: ``prepare_model`` then attaches no
 offload and logs one INFO line (:func:`offload_checkpointed_inputs`); :class:`ActivationOffload` itself
@@ -32,14 +41,16 @@ runs on a CPU too (it copies into separate host buffers), which is how the tests
 from __future__ import annotations
 
 import logging
+import threading
 import types
 import weakref
-from contextlib import nullcontext
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from grpo_kernels.bounds import OptionError, at_least, check_value
+from grpo_kernels.norm import NORM_BACKENDS, rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +261,37 @@ def offload_checkpointed_inputs(model: torch.nn.Module, device: torch.device) ->
 # --------------------------------------------------------------------------------------------------
 # each decoder layer's MLP over token chunks
 # --------------------------------------------------------------------------------------------------
+class RowChunk:
+    """The chunk of rows a chunked MLP is computing now: ``start``, its first row's index in the whole
+    ``[N, H]`` input, and ``seeds``, the random seeds the MLP's layers drew on its first chunk (by module),
+    which every later chunk of the same call reuses. ``grpo.lora``'s adapter dropout reads both, so that
+    its masks, a function of (seed, absolute row, column), are the unchunked call's whatever the chunking."""
+
+    __slots__ = ("start", "seeds")
+
+    def __init__(self, start: int, seeds: dict) -> None:
+        self.start = start
+        self.seeds = seeds
+
+
+_CHUNK = threading.local()
+
+
+def current_chunk() -> Optional[RowChunk]:
+    """The :class:`RowChunk` being computed in this thread, or None outside a chunked MLP."""
+    return getattr(_CHUNK, "value", None)
+
+
+@contextmanager
+def _rows_from(start: int, seeds: dict) -> Iterator[None]:
+    previous = current_chunk()
+    _CHUNK.value = RowChunk(start, seeds)
+    try:
+        yield
+    finally:
+        _CHUNK.value = previous
+
+
 class ChunkedMLPFunction(torch.autograd.Function):
     """``y = f(x)`` for a token-wise ``f`` (an MLP), computed ``chunk`` rows of ``x`` at a time, forward and backward.
 
@@ -295,10 +337,12 @@ class ChunkedMLPFunction(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.device_rng is not None:
                 torch.cuda.set_rng_state(ctx.device_rng, x.device)
+            seeds: dict = {}  # (drawn again on the first chunk, from the forward's RNG state: the same seeds)
             with _autocast_as(ctx.autocast), torch.enable_grad():
                 for start in range(0, x.shape[0], ctx.chunk):
                     xc = x[start:start + ctx.chunk].detach().requires_grad_(want_x)
-                    yc = ctx.f(xc)
+                    with _rows_from(start, seeds):
+                        yc = ctx.f(xc)
                     inputs = ([xc] if want_x else []) + [params[i] for i in wanted]
                     grads = torch.autograd.grad(yc, inputs, dy[start:start + ctx.chunk], allow_unused=True)
                     del yc
@@ -351,9 +395,10 @@ def chunked(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: i
 def _in_chunks(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int) -> torch.Tensor:
     """``f(x)`` for rows ``x`` [N, H], ``chunk`` rows at a time, into one output [N, ...] (no autograd of
     its own: the forward of :class:`ChunkedMLPFunction` and the loop without gradients)."""
-    out = None
+    out, seeds = None, {}
     for start in range(0, x.shape[0], chunk):
-        y = f(x[start:start + chunk])
+        with _rows_from(start, seeds):
+            y = f(x[start:start + chunk])
         if out is None:
             out = y.new_empty((x.shape[0], *y.shape[1:]))
         out[start:start + y.shape[0]] = y
@@ -394,3 +439,55 @@ def chunk_mlps(model: torch.nn.Module, chunk_tokens: int) -> int:
         if not (isinstance(mlp.__dict__.get("forward"), types.MethodType) and mlp.forward.__func__ is _chunked_forward):
             mlp.forward = types.MethodType(_chunked_forward, mlp)
     return len(mlps)
+
+
+# --------------------------------------------------------------------------------------------------
+# the decoder's RMSNorms through grpo_kernels.rms_norm
+# --------------------------------------------------------------------------------------------------
+# transformers' RMSNorm classes whose forward is one of the two that grpo_kernels.rms_norm computes, by class
+# name: (gemma-style, the attribute holding eps). Llama-style: ``weight * cast(x * r)``; gemma-style:
+# ``cast(x * r * (1 + weight))`` (tests/test_activations.py checks each against its class's own forward).
+RMSNORM_CLASSES: dict[str, tuple[bool, str]] = {
+    **{name: (False, "variance_epsilon") for name in (
+        "LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
+        "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm", "SmolLM3RMSNorm")},
+    **{name: (True, "eps") for name in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm")},
+}
+
+
+def _fused_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The ``forward`` :func:`fuse_norms` gives a known RMSNorm: ``grpo_kernels.rms_norm`` with its weight and eps."""
+    gemma, eps_name = RMSNORM_CLASSES[type(self).__name__]
+    return rms_norm(hidden_states, self.weight, float(getattr(self, eps_name)), gemma=gemma,
+                    backend=self.fused_norm_backend)
+
+
+def norm_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module of ``model`` whose class is in :data:`RMSNORM_CLASSES`."""
+    return [m for m in model.modules() if type(m).__name__ in RMSNORM_CLASSES]
+
+
+def norm_backend(loss_backend: str) -> str:
+    """The ``rms_norm`` backend for a run's ``backend`` (the loss's): the same kernels where it names
+    them ("auto", "triton", "torch"); the torch path for "reference" (a plain-PyTorch run)."""
+    return loss_backend if loss_backend in NORM_BACKENDS else "torch"
+
+
+def fuse_norms(model: torch.nn.Module, backend: str = "auto") -> int:
+    """``fused_norm``: every RMSNorm of a known class (:data:`RMSNORM_CLASSES`) in ``model`` computes through
+    ``grpo_kernels.rms_norm`` with ``backend`` (its ``forward`` an instance attribute: parameter names and
+    state dicts are unchanged; calling again sets the backend); returns how many. A model with none
+    (another norm) is left as it is, with one INFO line: ``fused_norm`` defaults to on, so an unknown
+    model is not an error."""
+    backend = check_value("backend", backend, str, choices=NORM_BACKENDS)
+    norms = norm_modules(model)
+    for norm in norms:
+        norm.fused_norm_backend = backend
+        if not (isinstance(norm.__dict__.get("forward"), types.MethodType)
+                and norm.forward.__func__ is _fused_norm_forward):
+            norm.forward = types.MethodType(_fused_norm_forward, norm)
+    if not norms:
+        kinds = sorted({type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower()})
+        logger.info("fused_norm: %s has no RMSNorm the fused kernel knows (its norms: %s); left as they are",
+                    type(model).__name__, ", ".join(kinds) or "none")
+    return len(norms)

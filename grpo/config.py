@@ -163,6 +163,9 @@ class GRPOConfig:
         None, "run each decoder layer's MLP over chunks of this many tokens (forward, recompute and backward), so its "
         "intermediate activations exist one chunk at a time (None: whole micro-batches; grpo.activations)",
         bounds=MLP_CHUNK_TOKENS)
+    fused_norm: bool = option(True, "each RMSNorm of a known decoder (Llama, Qwen2/3, Mistral, Gemma; Qwen3's q/k "
+                              "norms) through grpo_kernels.rms_norm: its backward keeps x and one fp32 per row; "
+                              "other models: left as they are, with an INFO line (grpo.activations.fuse_norms)")
     model_dtype: str = option("float32", "the dtype the policy's weights are held in; bfloat16: the frozen weights in "
                               "bf16, trainable ones with fp32 AdamW master copies (LoRA adapters stay fp32)",
                               choices=MODEL_DTYPES)

@@ -17,10 +17,15 @@ target names against the model's modules, built on the meta device from its conf
 What an adapter costs in activations (``grpo.plan.adapter_bytes`` derives it; ``docs/memory.md``):
 peft's ``lora.Linear`` computes ``B(A(dropout(x.to(fp32))))``; :func:`add_adapters` moves the dropout
 into ``A`` (:func:`fuse_dropout`), so each adapted linear keeps, per token, peft's fp32 cast of ``x``
-(``x`` itself when it is fp32) and, with ``lora_dropout``, a bool mask; without dropout peft's ``A``
-keeps the fp32 cast, or under bf16 autocast a bf16 copy of it. The base layer keeps nothing when
-frozen. Inside a decoder layer's MLP, ``mlp_chunk_tokens`` (``grpo.activations``) limits these to one
-chunk of tokens.
+(``x`` itself when it is fp32) and nothing of the mask, which its backward hashes again
+(:func:`drop_mask`); without dropout peft's ``A`` keeps the fp32 cast, or under bf16 autocast a bf16
+copy of it. The base layer keeps nothing when frozen. Inside a decoder layer's MLP,
+``mlp_chunk_tokens`` (``grpo.activations``) limits these to one chunk of tokens.
+
+The masks are a counter-based hash of (a seed drawn per adapter call, the token's row, the feature), so
+the memory options never change the numbers: with ``mlp_chunk_tokens`` each chunk draws the rows of the
+whole call's mask (:func:`dropout_seed`), and ``activation_offload`` copies bits; a run with either has
+the same masks, losses and gradients, to fp32 rounding, as the run without.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import os
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
+
+from .activations import current_chunk
 
 if TYPE_CHECKING:
     from .config import GRPOConfig
@@ -161,81 +168,109 @@ def add_adapters(model: torch.nn.Module, cfg: "GRPOConfig") -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------
-# the adapters' dropout, fused into A: what backward keeps per adapter input element
+# the adapters' dropout, fused into A, with masks hashed from (seed, row, column)
 # --------------------------------------------------------------------------------------------------
-def _dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dropout(x), the bool mask of the kept elements), drawn and computed as ``F.dropout(x, p, True)``
-    computes it on ``x``'s device, so the same random draws give the same values bit for bit: aten's
-    ``_dropout_impl`` on a CPU (a noise tensor ``bernoulli_(1 - p)``, divided by ``1 - p``, times x),
-    ``native_dropout`` elsewhere."""
-    if x.device.type == "cpu":
-        noise = torch.empty_like(x).bernoulli_(1 - p)
-        mask = noise.bool()
-        return noise.div_(1 - p).mul_(x), mask  # (x * noise, into the noise's own storage: IEEE products commute)
-    out, mask = torch.native_dropout(x, p, True)
-    return out, mask
+_M32 = 0xFFFFFFFF
+# int64 temporaries of at most this many elements while hashing (a few MiB on a CPU; fewer launches on a GPU)
+HASH_BLOCK = {"cpu": 1 << 16, "cuda": 1 << 22}
 
 
-def _kept_scale(p: float, dtype: torch.dtype) -> torch.Tensor:
-    """A kept element's value in :func:`_dropout`'s CPU noise, ``1 / (1 - p)`` rounded as ``noise.div_(1 - p)``
-    rounds it in ``dtype`` (a 0-dim tensor): times it, a kept element is what ``x * noise`` made it."""
-    return torch.ones((), dtype=dtype).div_(1 - p)
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``a * c mod 2**32`` for int64 tensors holding values < 2**32, without int64 overflow: c's two 16-bit
+    halves, each product < 2**48."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
-def _undrop(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """The gradient through :func:`_dropout` (as the op it mirrors computes it): ``grad * noise`` on a CPU
-    (in place on ``grad``, which the caller has just made), ``native_dropout_backward`` elsewhere."""
-    if grad.device.type == "cpu":  # (no noise-sized fp32 temporaries: one bool ~mask; a dropped element is
-        return grad.masked_fill_(~mask, 0).mul_(_kept_scale(p, grad.dtype))  # +0 where grad * 0 may be -0)
-    return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1 - p))
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (Appleby): a bijection of [0, 2**32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def draw_seed() -> int:
+    """One adapter call's dropout seed: 62 random bits from torch's CPU generator (which gradient
+    checkpointing and ``grpo.activations``' chunked MLP restore before their recomputes)."""
+    return int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+
+
+def drop_mask(seed: int, first_row: int, rows: int, width: int, p: float, device: torch.device) -> torch.Tensor:
+    """Which elements dropout drops, bool [rows, width], for the rows ``first_row ...`` of an input of ``width``
+    features: element (i, j) is dropped when ``fmix32(fmix32(i + s0) ^ fmix32(j + s1)) < p 2**32`` (``s0``,
+    ``s1``: the seed's two 32-bit halves; integer arithmetic, the same bits on every device). A
+    counter-based draw (as Philox's, Salmon et al., 2011, is): a chunk of rows gets the rows of the
+    whole input's mask, so chunking cannot change it, and the backward recomputes it instead of keeping it."""
+    s0, s1 = seed & _M32, (seed >> 32) & _M32
+    threshold = int(round(p * (1 << 32)))
+    col_hash = _fmix32((torch.arange(width, dtype=torch.int64, device=device) + s1) & _M32)
+    out = torch.empty((rows, width), dtype=torch.bool, device=device)
+    step = max(1, HASH_BLOCK.get(device.type, HASH_BLOCK["cuda"]) // max(width, 1))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        row_ids = torch.arange(first_row + start, first_row + stop, dtype=torch.int64, device=device)
+        row_hash = _fmix32((row_ids + s0) & _M32)
+        torch.lt(_fmix32(row_hash[:, None] ^ col_hash[None, :]), threshold, out=out[start:stop])
+    return out
+
+
+def dropped_input(x: torch.Tensor, drop: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with the ``drop`` elements zeroed and the others times ``1 / (1 - p)`` (inverted dropout,
+    Srivastava et al., 2014), a new tensor of ``x``'s dtype (the scale rounded to it as a scalar product is)."""
+    return x.masked_fill(drop, 0).mul_(1.0 / (1 - p))
 
 
 class DropoutLinearFunction(torch.autograd.Function):
     """``y = dropout(x, p) @ A^T``: peft's ``lora_A(lora_dropout(x))`` in one op (Hu et al., 2021, with
-    dropout on the adapter's input, as peft applies it), x [..., in], A [r, in] -> y [..., r].
+    dropout on the adapter's input, as peft applies it), x [..., in], A [r, in] -> y [..., r]; the mask
+    is :func:`drop_mask` of ``(seed, first_row + row, column)`` for the rows of ``x`` flattened to [n, in].
 
-    Backward needs the dropped input (for ``d A = dy^T dropout(x)``) and the mask (for ``d x = (dy A) *
-    mask / (1 - p)``). peft's pair keeps both as fp32 tensors of x's size (the dropped copy, which the
-    matmul saves, and on a CPU dropout's fp32 noise: 8 bytes an element); this op keeps ``x`` itself,
-    which the q/k/v (and gate/up) adapters of a layer share, and a bool mask (1 byte), and recomputes
-    the dropped input in backward, in place where it can (no noise-sized fp32 temporaries: at its height
-    backward holds d x and a bool ``~mask``). Same draws, same arithmetic: peft's values and gradients bit for
-    bit (a dropped element's +0 where peft's product may give -0),
-    with and without bf16 autocast. (Under CUDA's bf16 autocast peft's pair keeps less than without it, a
-    bool mask and ``A``'s bf16 copy, 3 bytes an element, and this op, which keeps peft's fp32 cast of a
-    16-bit ``x``, 5: ``grpo.plan.adapter_bytes`` counts what it keeps; docs/memory.md.)"""
+    Backward keeps ``x`` (which the q/k/v, and gate/up, adapters of a layer share, and peft's cast keeps
+    anyway) and ``A``, and nothing of the mask: it hashes the mask again (a bool, 1 byte an element, at
+    a time), recomputes the dropped input for ``d A = dy^T dropout(x)`` and frees it before
+    ``d x = (dy A) * mask / (1 - p)``, made in place (no input-sized fp32 temporary besides d x).
+    peft's pair keeps the dropped fp32 copy and, on a CPU, dropout's fp32 noise: 8 bytes an element."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
-        dropped, mask = _dropout(x, p)
-        ctx.save_for_backward(x, weight, mask)
-        ctx.p = p
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float, seed: int, first_row: int) -> torch.Tensor:
+        drop = drop_mask(seed, first_row, x.numel() // x.shape[-1], x.shape[-1], p, x.device).view(x.shape)
+        dropped = dropped_input(x, drop, p)
+        del drop
+        ctx.save_for_backward(x, weight)
+        ctx.p, ctx.seed, ctx.first_row = p, seed, first_row
         return torch.nn.functional.linear(dropped, weight)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, weight, mask = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         dx = dw = None
         dy2 = dy.reshape(-1, dy.shape[-1])
+        drop = drop_mask(ctx.seed, ctx.first_row, dy2.shape[0], x.shape[-1], ctx.p, x.device).view(x.shape)
         # Under bf16 autocast the forward's matmul ran on bf16 casts of the dropped input and of A, and dy
         # is bf16 (the backward itself runs outside autocast): the matmuls below take the same casts, and
         # each gradient returns to its input's dtype, as the backward of autocast's casts does in peft's
         # pair. Without autocast every cast here is a no-op.
         # (d A first: the dropped input it needs is freed before d x's input-sized matmul is made)
         if ctx.needs_input_grad[1]:  # (as linear's, for its transposed weight: dy^T dropped)
-            dropped = _dropout_again(x, mask, ctx.p)
+            dropped = dropped_input(x, drop, ctx.p)
             dw = dy2.t().mm(dropped.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype)
             del dropped
         if ctx.needs_input_grad[0]:  # (as linear's: dy @ A, then through the dropout, in place on that product)
-            dx = _undrop(dy2.mm(weight.to(dy.dtype)).view(x.shape).to(x.dtype), mask, ctx.p)
-        return dx, dw, None
+            dx = dy2.mm(weight.to(dy.dtype)).view(x.shape).to(x.dtype).masked_fill_(drop, 0).mul_(1.0 / (1 - ctx.p))
+        return dx, dw, None, None, None
 
 
-def _dropout_again(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """:func:`_dropout`'s output from its mask, without drawing: the same values."""
-    if x.device.type == "cpu":
-        return x.masked_fill(~mask, 0).mul_(_kept_scale(p, x.dtype))
-    return torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1 - p))  # (x * mask * scale, as native_dropout)
+def dropout_seed(module: torch.nn.Module) -> tuple[int, int]:
+    """(seed, first row) for one call of the adapter ``module``'s dropout: a fresh seed, rows from 0; inside a
+    chunked MLP (``grpo.activations.current_chunk``) the seed ``module`` drew on the call's first chunk and
+    the chunk's first row, so the chunks' masks are the rows of the whole call's."""
+    chunk = current_chunk()
+    if chunk is None:
+        return draw_seed(), 0
+    if module not in chunk.seeds:
+        chunk.seeds[module] = draw_seed()
+    return chunk.seeds[module], chunk.start
 
 
 class DropoutLinear(torch.nn.Linear):
@@ -247,7 +282,7 @@ class DropoutLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.p > 0:
-            return DropoutLinearFunction.apply(x, self.weight, self.p)
+            return DropoutLinearFunction.apply(x, self.weight, self.p, *dropout_seed(self))
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 

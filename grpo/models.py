@@ -134,8 +134,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
     """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``,
-    with the run's gradient checkpointing, activation offload and MLP chunks (``grpo.activations``) and
-    packed attention.
+    with the run's gradient checkpointing, activation offload, MLP chunks and fused RMSNorms
+    (``grpo.activations``) and packed attention.
 
     Under DDP the returned module trains ``model`` itself; under FSDP2 it trains a sharded copy, and
     ``train`` copies the result back into ``model`` at the end.
@@ -152,6 +152,8 @@ def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device,
             activations.offload_checkpointed_inputs(model, device)
     if cfg.mlp_chunk_tokens is not None:  # each decoder layer's MLP over token chunks (the frozen reference's too)
         activations.chunk_mlps(model, cfg.mlp_chunk_tokens)
+    if cfg.fused_norm:  # each known RMSNorm through grpo_kernels.rms_norm (an unknown model: an INFO line)
+        activations.fuse_norms(model, activations.norm_backend(cfg.backend))
     if cfg.padding_free:  # attention that keeps packed sequences apart (flash-attn varlen, or packed SDPA)
         packing.use_packed_attention(model)
     model.config.use_cache = True  # for generate; the training forward passes use_cache=False

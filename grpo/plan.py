@@ -323,6 +323,44 @@ def allocator_reserve(kept_tensors: list[int], transient_tensors: dict[str, int]
     return {"block rounding": rounding, "fragmentation": allocator_block(largest)}, name
 
 
+# --------------------------------------------------------------------------------------------------
+# pinned host memory: torch's CUDA host allocator rounds each block up to a power of two
+# --------------------------------------------------------------------------------------------------
+PINNED_ROUND_SETTING = "pinned_max_round_threshold_mb"  # torch's allocator setting that ends the rounding above it
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def pinned_round_threshold(environ: Optional[dict] = None) -> Optional[int]:
+    """The bytes above which torch's pinned host allocator stops rounding a block up to a power of two:
+    ``pinned_max_round_threshold_mb`` in ``PYTORCH_ALLOC_CONF`` (or ``PYTORCH_CUDA_ALLOC_CONF``), or None
+    when unset (every block rounded: ``torch.cuda.memory.host_memory_stats``' documentation)."""
+    environ = os.environ if environ is None else environ
+    for variable in ALLOC_CONF_VARIABLES:
+        for item in environ.get(variable, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == PINNED_ROUND_SETTING and value.strip().isdigit():
+                return int(value.strip()) * MiB
+    return None
+
+
+def pinned_block(size: int, threshold: Optional[int]) -> int:
+    """The bytes torch's pinned allocator takes for a request of ``size``: the next power of two, or ``size``
+    itself above ``threshold`` (:func:`pinned_round_threshold`)."""
+    if size <= 0:
+        return 0
+    if threshold is not None and size > threshold:
+        return size
+    return 1 << (size - 1).bit_length()
+
+
+def physical_memory() -> Optional[int]:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
 @dataclass
 class MemoryPlan:
     """The predicted peak of one step and its terms (device bytes; ``host``: host bytes)."""
@@ -333,10 +371,22 @@ class MemoryPlan:
     gpu_memory: Optional[int] = None
     host: dict[str, int] = field(default_factory=dict)
     layer_saved: int = 0  # what one layer keeps from its forward to its backward (without checkpointing)
+    layer: dict[str, int] = field(default_factory=dict)  # one layer's terms (layer_terms), for layer_peak
     largest_tokens: Optional[int] = None  # with gpu_memory: the most tokens per micro-batch that fit
     runtime: dict[str, int] = field(default_factory=dict)  # the runtime term's parts
     reserve: dict[str, int] = field(default_factory=dict)  # the allocator reserve's parts (allocator_reserve)
     largest_transient: str = ""  # the tensor the fragmentation reserve is one block of
+    ranks_per_node: int = 1  # ranks on one machine, each pinning its own host copies
+    host_memory: Optional[int] = None  # one machine's host memory (bytes), for the host verdict
+
+    @property
+    def host_per_node(self) -> int:
+        """Host memory the offload pins on one machine: every rank there holds its own copies."""
+        return self.ranks_per_node * sum(self.host.values())
+
+    @property
+    def host_fits(self) -> Optional[bool]:
+        return None if self.host_memory is None or not self.host else self.host_per_node <= self.host_memory
 
     PERSISTENT = ("weights", "reference", "gradients", "optimizer state", "runtime")
 
@@ -356,9 +406,7 @@ class MemoryPlan:
     def layer_backward(self) -> int:
         """Activations during a layer's backward: the kept inputs (or saved tensors) and its peak."""
         t = self.terms
-        mlp_phase = t["layer: MLP"] + t["layer: LoRA inputs (MLP)"]
-        return (t["checkpointed layer inputs"] + t["saved by the other layers"] + t["layer: attention"]
-                + t["layer: LoRA inputs (attention)"] + max(mlp_phase, t["attention workspace"]) + t["layer: gradients"])
+        return t["checkpointed layer inputs"] + t["saved by the other layers"] + layer_peak(self.layer)
 
     @property
     def update_transient(self) -> int:
@@ -366,7 +414,8 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return self.persistent + max(self.update_transient, self.terms["rollout KV cache"])
+        t = self.terms
+        return self.persistent + max(self.update_transient, t["rollout KV cache"], t.get("no-grad pass", 0))
 
     @property
     def allocator_peak(self) -> int:
@@ -394,7 +443,9 @@ class MemoryPlan:
                 "allocator_reserve_bytes": {**self.reserve, "total": self.allocator_reserve,
                                             "largest_transient_tensor": self.largest_transient},
                 "needed_bytes": self.needed, "gpu_memory_bytes": self.gpu_memory, "fits": self.fits,
-                "largest_tokens": self.largest_tokens}
+                "largest_tokens": self.largest_tokens, "ranks_per_node": self.ranks_per_node,
+                "host_per_node_bytes": self.host_per_node, "host_memory_bytes": self.host_memory,
+                "host_fits": self.host_fits, "no_grad_pass_bytes": self.terms.get("no-grad pass", 0)}
 
     def format(self) -> str:
         s = self.settings
@@ -405,16 +456,24 @@ class MemoryPlan:
                  f"{s['model_dtype']} weights{', bf16 autocast' if s['autocast'] else ''}, checkpointing "
                  f"{'on' if s['gradient_checkpointing'] else 'off'}, activation offload "
                  f"{'on' if s['activation_offload'] else 'off'}, "
-                 f"MLP chunks {chunk if chunk else 'off'}, beta {s['beta']}, {s['device']}"]
+                 f"MLP chunks {chunk if chunk else 'off'}, fused RMSNorm {'on' if s['fused_norm'] else 'off'}, "
+                 f"beta {s['beta']}, {s['device']}"]
         for name, value in self.terms.items():
             note = self.notes.get(name, "")
             lines.append(f"  {name:<34} {gib(value):>9}{'  ' + note if note else ''}")
         lines.append(f"  {'update (activations at their peak)':<34} {gib(self.update_transient):>9}  = max(forward's end "
                      f"{gib(self.forward_end)}, a layer's backward {gib(self.layer_backward)})")
         lines.append(f"  {'peak':<34} {gib(self.peak):>9}  = weights + reference + gradients + optimizer + runtime "
-                     f"+ max(update, KV cache)")
+                     f"+ max(update, KV cache, no-grad pass)")
         for name, value in self.host.items():
-            lines.append(f"  host memory: {name:<21} {gib(value):>9}  (pinned, not on the device)")
+            lines.append(f"  host memory: {name:<21} {gib(value):>9}  (pinned, not on the device; "
+                         f"{self.notes.get('host: ' + name, '')})")
+        if self.host:
+            lines.append(f"  host memory per node ({self.ranks_per_node} rank{'s' if self.ranks_per_node > 1 else ''}) "
+                         f"{gib(self.host_per_node):>9}  (each rank pins its own copies)")
+            if self.host_memory is not None:
+                lines.append(f"  host: {'fits' if self.host_fits else 'does NOT fit'} in {self.host_memory / 1e9:.4g} GB "
+                             f"= {gib(self.host_memory)} of host memory: needs {gib(self.host_per_node)}")
         if self.reserve:
             lines.append(f"  {'allocator reserve':<34} {gib(self.allocator_reserve):>9}  = block rounding "
                          f"{gib(self.reserve['block rounding'])} + fragmentation {gib(self.reserve['fragmentation'])} "
@@ -480,6 +539,11 @@ class PlanSettings:
     gpu_memory: Optional[float] = option(None, "the GPU's memory in GB (or with a unit: 24GiB, 80GB): say whether the "
                                          "step fits (its peak and the allocator reserve) and the largest token count "
                                          "that does", bounds=Bounds(0, MAX_GPU_GB, low_open=True), parse=gigabytes)
+    ranks_per_node: int = option(1, "ranks on one machine: with activation_offload each pins its own copy of the "
+                                 "checkpointed inputs in the machine's host memory", bounds=at_least(1))
+    host_memory: Optional[float] = option(None, "one machine's host memory in GB (or with a unit): say whether the "
+                                          "offload's pinned copies of all its ranks fit", bounds=Bounds(0, MAX_GPU_GB, low_open=True),
+                                          parse=gigabytes)
     json: bool = option(False, "print the plan as JSON")
 
     def __post_init__(self) -> None:
@@ -496,7 +560,8 @@ def check_packing(tokens: int, sequences: int) -> None:
 
 # GRPOConfig's fields the plan reads (their flags and declarations are the config's)
 PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "bf16",
-                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "beta", "release_memory")
+                      "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "fused_norm", "beta",
+                      "release_memory")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -510,7 +575,8 @@ def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: boo
     The trainer's adapters are peft's ``lora.Linear`` with ``grpo.lora.fuse_dropout`` applied
     (``grpo.lora.add_adapters``): ``B(A_p(x.to(fp32)))``. peft's cast copies ``x`` unless it is fp32
     (``4 d_in``). With ``dropout`` > 0, ``A_p`` is ``grpo.lora.DropoutLinearFunction``: it keeps the cast
-    ``x`` and a bool mask (``d_in``), and recomputes the dropped copy in its backward. With ``dropout`` 0,
+    ``x`` and nothing of the mask (it hashes the mask again and recomputes the dropped copy in its
+    backward). With ``dropout`` 0,
     ``A_p`` is peft's ``lora_A`` (an ``nn.Linear``), which keeps its input: the cast ``x``, or under bf16
     autocast the bf16 copy autocast makes of it (``2 d_in``; the fp32 cast is then freed). ``B`` keeps
     ``A``'s output, ``r`` wide: fp32 (``4 r``), bf16 under autocast (``2 r``). (Under autocast ``B``'s
@@ -520,7 +586,7 @@ def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: boo
     out = 2 * r if autocast else 4 * r
     copied = x_bytes != 4  # peft's x.to(fp32)
     if dropout > 0:
-        return d_in * (1 + (4 if copied else 0)) + out, not copied
+        return (4 * d_in if copied else 0) + out, not copied
     if autocast:
         return 2 * d_in + out, False
     return (4 * d_in if copied else 0) + out, not copied
@@ -531,15 +597,39 @@ def adapter_bytes(d_in: int, r: int, dropout: float, x_bytes: int, autocast: boo
 AUTOCAST_INPUTS = ("o_proj", "down_proj")
 
 
+# transformers' Python RMSNorm (LlamaRMSNorm, Qwen2/3RMSNorm), differentiated by autograd: its backward holds
+# this many fp32 copies of its input at once besides its d x (the gradient through the weight product, its
+# fp32 cast, the rsqrt's and the square's gradients and their sum), 18 B a row element: measured with the
+# torch profiler's allocation events (bf16 x [4096, 1024], frozen or trainable weight: 20 B an element
+# with d x's 2 B), 2026-12-07. grpo_kernels.rms_norm's backward holds d x alone (its fp32 work in rows:
+# on a CPU blocks of torch_norm.BLOCK_ELEMENTS, a constant; on CUDA one tile per program).
+PYTHON_NORM_BACKWARD_FP32 = 4.5
+# grpo_kernels.kernels.torch_norm's fp32 block temporaries at once (a CPU's constant; 0 on CUDA: Triton tiles)
+FUSED_NORM_CPU_BLOCKS = 4
+# grpo.lora.drop_mask's int64 temporaries at once (of lora.HASH_BLOCK elements each, per device type)
+HASH_TEMPORARIES = 5
+HASH_BLOCK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 22}  # (grpo.lora.HASH_BLOCK; tests/test_plan.py checks they agree)
+
+
 def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: list[str], lora_r: int,
                 lora_dropout: float, device: str, autocast: bool, mlp_chunk_tokens: Optional[int],
-                sequences: int = 1) -> dict[str, int]:
+                sequences: int = 1, fused_norm: bool = False) -> dict[str, int]:
     """One decoder layer's activation terms for ``tokens`` tokens in ``sequences`` packed sequences (see
     the module docstring), bytes:
     ``attention`` / ``mlp`` (what each block saves for its backward, the MLP's backward temporaries
     included), ``lora_attention`` / ``lora_mlp`` (the adapters' inputs), ``workspace`` (flash-attn's
     backward), ``gradients`` (in and out of the layer), ``saved`` (what the layer keeps from its forward
-    to its backward: without checkpointing, per layer), ``mlp_chunk`` (the chunk's share of ``mlp``)."""
+    to its backward: without checkpointing, per layer), ``mlp_chunk`` (the chunk's share of ``mlp``),
+    ``norm_backward`` (the MLP's RMSNorm's backward beyond what it saved: its d x and, for transformers'
+    Python norm, :data:`PYTHON_NORM_BACKWARD_FP32` fp32 copies of its input; ``fused_norm``: d x and, on a
+    CPU, the torch path's blocks), ``mlp_norm`` (what that norm saved: all the MLP block keeps once its
+    MLP's backward is done), ``lora_o`` (o_proj's adapter input: freed by o_proj's backward, before the
+    attention's own backward and its workspace). :func:`layer_peak` combines them.
+
+    RMSNorm's saved tensors per token: transformers' module keeps its fp32 upcast and 1/rms (``4H + 4``,
+    and its normalised input ``bH`` when its weight trains); ``fused_norm`` (``grpo_kernels.rms_norm``)
+    keeps its input and 1/rms: the attention's norm reads the layer input, which the layer keeps anyway
+    (``4``), the MLP's reads the residual after the attention (``bH + 4``)."""
     H, I, q, kv, heads = shape.hidden_size, shape.intermediate_size, shape.q, shape.kv, shape.num_attention_heads
     kv_heads = shape.num_key_value_heads
     N = tokens
@@ -548,11 +638,18 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
                 for name in targets if name in shape.linears()}
     raw = {name for name, (_, keeps_raw) in adapters.items() if keeps_raw}
     adapter = {name: bytes_ for name, (bytes_, _) in adapters.items()}
-    norm = 4 * H + 4 + (b * H if full else 0)  # fp32 upcast and 1/rms; the normalised input for the weight's gradient
+    if fused_norm:  # x (the layer input, kept anyway; the MLP's: the residual) and 1/rms
+        norm_attention, norm = 4, b * H + 4
+    else:  # fp32 upcast and 1/rms; the normalised input for the weight's gradient
+        norm_attention = norm = 4 * H + 4 + (b * H if full else 0)
+    blocks = FUSED_NORM_CPU_BLOCKS * 4 * min(N * H, norm_blocks_elements()) if device == "cpu" else 0
+    norm_backward = N * b * H + (blocks if fused_norm else int(N * PYTHON_NORM_BACKWARD_FP32 * 4 * H))
     # attention: the norm; q/k/v's input (for their weights' gradients); q/k norms; flash-attn's q, k, v, out, lse
     qkv_input = b * H if full or raw & {"q_proj", "k_proj", "v_proj"} else 0
     qk_norm = (4 * (q + kv) + 4 * (heads + kv_heads) + (b * (q + kv) if full else 0)) if shape.qk_norm else 0
-    attention = norm + qkv_input + qk_norm + b * (2 * q + 2 * kv) + 4 * heads
+    if shape.qk_norm and fused_norm:  # (their inputs, q and k before the norm: b, and 1/rms per head)
+        qk_norm = b * (q + kv) + 4 * (heads + kv_heads)
+    attention = norm_attention + qkv_input + qk_norm + b * (2 * q + 2 * kv) + 4 * heads
     lora_attention = sum(adapter.get(name, 0) for name in ATTENTION_LINEARS)
     # MLP: the norm; gate/up's input; gate, act and up outputs (the act and the product keep them); the product
     # (down_proj's input); backward: the gradients of the product, the act and up at once
@@ -561,6 +658,13 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
     mlp_core = 3 * b * I + product + 3 * b * I
     lora_mlp = sum(adapter.get(name, 0) for name in MLP_LINEARS)
     chunk = min(mlp_chunk_tokens, N) if mlp_chunk_tokens else N
+    # the adapters' dropout (grpo.lora.DropoutLinearFunction) in the MLP's backward, for the widest adapter input
+    # of one chunk: its bool mask, and then the hash's int64 block temporaries (while the mask is made) or the
+    # recomputed dropped input, fp32 (for d A)
+    widest = max((shape.linears()[n][0] for n in MLP_LINEARS if n in adapter), default=0)
+    hash_block = min(chunk * widest, HASH_BLOCK_ELEMENTS.get(device, HASH_BLOCK_ELEMENTS["cuda"]))
+    dropout_mask = (chunk * widest + max(HASH_TEMPORARIES * 8 * hash_block, 4 * chunk * widest)
+                    if lora_dropout > 0 and widest else 0)
     if chunk < N:  # grpo.activations.ChunkedMLPFunction: its input over N; the rest one chunk at a time
         trainable_mlp = shape.mlp_parameters() if full else sum(
             lora_r * sum(shape.linears()[n]) for n in MLP_LINEARS if n in adapter)
@@ -587,15 +691,59 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
               for block, names in (("attention", ATTENTION_LINEARS), ("mlp", MLP_LINEARS))}
     return {"attention": N * attention + copies["attention"], "lora_attention": N * lora_attention,
             "mlp": mlp + copies["mlp"], "lora_mlp": lora_mlp_bytes, "mlp_chunk": mlp_chunk, "workspace": N * workspace + padded,
-            "gradients": N * 2 * b * H, "saved": N * (attention + lora_attention) + saved_mlp + sum(copies.values())}
+            # (saved: the fused attention norm's input too, which is the layer's input; without checkpointing
+            # nothing else keeps it, with checkpointing it is the checkpointed input, counted there)
+            "gradients": N * 2 * b * H,
+            "saved": N * (attention + lora_attention + (b * H if fused_norm else 0)) + saved_mlp + sum(copies.values()),
+            "norm_backward": norm_backward, "mlp_norm": N * norm, "lora_o": N * adapter.get("o_proj", 0),
+            "dropout_mask": dropout_mask}
+
+
+def norm_blocks_elements() -> int:
+    """The torch path's fp32 block (``grpo_kernels.kernels.torch_norm.BLOCK_ELEMENTS`` elements)."""
+    from grpo_kernels.kernels.torch_norm import BLOCK_ELEMENTS
+
+    return BLOCK_ELEMENTS
+
+
+# transformers' Python RMSNorm's forward holds this many fp32 copies of its input at once (its upcast, the
+# square, the product; the output's cast included), 12 B a row element: measured with the torch
+# profiler's allocation events (bf16 x [4096, 1024]), 2026-12-07; grpo_kernels.rms_norm's: its output
+PYTHON_NORM_FORWARD_FP32 = 3.0
+
+
+def no_grad_pass(shape: ModelShape, tokens: int, b: int, *, use_peft: bool, fused_norm: bool,
+                 mlp_chunk_tokens: Optional[int], device: str) -> int:
+    """One decoder layer's forward under no_grad at its height (the old and reference log-probs' passes):
+    nothing is saved, so a layer holds its input and output (``2bH``), a norm's forward (``bH`` fused, else
+    :data:`PYTHON_NORM_FORWARD_FP32` fp32 copies), and the larger of the attention's q, k, v and output
+    ``b(2q + 2kv)`` (with an adapter's fp32 cast of its input, ``4H``) and the MLP's gate, up, their
+    activation and product over a chunk ``4bI`` (with down_proj's adapter's fp32 cast, ``4I``)."""
+    H, I, q, kv, N = shape.hidden_size, shape.intermediate_size, shape.q, shape.kv, tokens
+    chunk = min(mlp_chunk_tokens, N) if mlp_chunk_tokens else N
+    blocks = FUSED_NORM_CPU_BLOCKS * 4 * min(N * H, norm_blocks_elements()) if device == "cpu" and fused_norm else 0
+    norm = N * b * H + blocks if fused_norm else int(N * PYTHON_NORM_FORWARD_FP32 * 4 * H)
+    attention = N * (b * (2 * q + 2 * kv) + (4 * H if use_peft else 0))
+    mlp = chunk * (4 * b * I + (4 * I if use_peft else 0))
+    return 2 * N * b * H + max(norm, attention, mlp)
+
+
+def layer_peak(terms: dict[str, int]) -> int:
+    """A layer's recompute and backward at its height, from :func:`layer_terms`: what the attention block
+    saved and the gradients in and out, plus the largest of three moments of its backward: the MLP's
+    (what the MLP block saved, its adapters' inputs, its backward's temporaries), the MLP norm's (what it
+    saved and its backward), and the attention's (its workspace, o_proj's adapter input freed by then)."""
+    base = terms["attention"] + terms["lora_attention"] + terms["gradients"]
+    return base + max(terms["mlp"] + terms["lora_mlp"] + terms["dropout_mask"], terms["mlp_norm"] + terms["norm_backward"],
+                      terms["workspace"] - terms["lora_o"])
 
 
 def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
          lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
          bf16: bool = True, gradient_checkpointing: bool = True, activation_offload: bool = False,
-         mlp_chunk_tokens: Optional[int] = None, beta: float = 0.0, rollout_tokens: Optional[int] = None,
-         sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None,
-         release_memory: str = "always") -> MemoryPlan:
+         mlp_chunk_tokens: Optional[int] = None, fused_norm: bool = True, beta: float = 0.0,
+         rollout_tokens: Optional[int] = None, sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None,
+         release_memory: str = "always", ranks_per_node: int = 1, host_memory: Optional[int] = None) -> MemoryPlan:
     """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
     sequences (``rollout_tokens``: tokens generated at once, default ``tokens``) with these ``GRPOConfig``
     settings (``bf16``: autocast, on CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether
@@ -605,20 +753,23 @@ def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r
     decoder's linear layers: ``grpo_kernels.bounds.OptionError`` (a ``ValueError``) naming it."""
     config = dict(use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules, lora_dropout=lora_dropout,
                   model_dtype=model_dtype, bf16=bf16, gradient_checkpointing=gradient_checkpointing,
-                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, beta=beta,
-                  release_memory=release_memory)
+                  activation_offload=activation_offload, mlp_chunk_tokens=mlp_chunk_tokens, fused_norm=fused_norm,
+                  beta=beta, release_memory=release_memory)
     check_fields(GRPOConfig, config, convert=False)  # (the trainer's declarations: the same ranges)
     check_offload(activation_offload, gradient_checkpointing)
     check_fields(PlanSettings, dict(tokens=tokens, sequences=sequences, rollout_tokens=rollout_tokens, device=device),
                  convert=False)
     check_packing(tokens, sequences)
     check_value("gpu_memory", gpu_memory, int, optional=True, bounds=above(0))
+    check_value("host_memory", host_memory, int, optional=True, bounds=above(0))
+    check_fields(PlanSettings, dict(ranks_per_node=ranks_per_node), convert=False)
     shape = load_shape(model, "model") if isinstance(model, str) else model
     if use_peft:
         check_lora_targets(shape, lora_target_modules)
     result = _plan(shape, tokens, rollout_tokens, sequences, device=device, **config)
     result.settings["model"] = model if isinstance(model, str) else "(shape)"
     result.gpu_memory = gpu_memory
+    result.ranks_per_node, result.host_memory = ranks_per_node, host_memory
     if gpu_memory is not None:  # (the verdict's predicate, MemoryPlan.needed, at every count tried)
         result.largest_tokens = _largest_tokens(
             lambda n: _plan(shape, n, rollout_tokens, min(sequences, n), device=device, **config).needed <= gpu_memory)
@@ -645,8 +796,8 @@ def _largest_tokens(fits: Callable[[int], bool]) -> int:
 
 def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequences: int, *, use_peft: bool, lora_r: int,
           lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
-          activation_offload: bool, mlp_chunk_tokens: Optional[int], beta: float, release_memory: str,
-          device: str) -> MemoryPlan:
+          activation_offload: bool, mlp_chunk_tokens: Optional[int], fused_norm: bool, beta: float,
+          release_memory: str, device: str) -> MemoryPlan:
     from grpo_kernels.autograd import default_chunk_size
     from grpo_kernels.kernels.torch_rows import frozen_head_bytes, tile_columns
 
@@ -661,7 +812,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
     trainable, trainable_bytes = (adapters, 4) if use_peft else (P, b)
     master = trainable_bytes != 4
     layer = layer_terms(shape, N, b, full=not use_peft, targets=targets, lora_r=lora_r, lora_dropout=lora_dropout,
-                        device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens, sequences=sequences)
+                        device=device, autocast=autocast, mlp_chunk_tokens=mlp_chunk_tokens, sequences=sequences,
+                        fused_norm=fused_norm)
     inputs = L * N * H * b
     offloaded = activation_offload and device == "cuda"  # (on a CPU the trainer's offload is a no-op)
     if gradient_checkpointing:
@@ -676,7 +828,10 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
     chunk = default_chunk_size(V, H, dtype, kind, min(tokens, default_chunk_size(V, H, dtype, kind)))
     head_trainable = not use_peft
     tiled_head = not head_trainable and device != "cuda"  # (CUDA's default backend, Triton, takes row chunks)
-    final_norm = N * (4 * H + 4 + (b * H if not use_peft else 0))
+    # the final norm's saved tensors: fused, its input (the last layer's output) and 1/rms; transformers': its fp32
+    # upcast and 1/rms (+ the normalised input for a trainable weight)
+    loss_chunk = frozen_head_bytes(chunk, V, H, dtype, kind) if tiled_head else chunk * V * b
+    final_norm = N * (b * H + 4 if fused_norm else 4 * H + 4 + (b * H if not use_peft else 0))
     runtime = dict(CUDA_RUNTIME_BYTES) if device == "cuda" else {"the Python process (torch, transformers)": RUNTIME_BYTES_CPU,
                                                                  "the tokenizer": TOKENIZER_BYTES_PER_ENTRY_CPU * V}
     terms = {
@@ -693,11 +848,13 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         "layer: LoRA inputs (MLP)": layer["lora_mlp"],
         "attention workspace": layer["workspace"],
         "layer: gradients": layer["gradients"],
+        "layer: RMSNorm backward": layer["norm_backward"],
         "edges": final_norm + 2 * N * H * b,
         # a frozen head on a CPU (the torch backend) walks the vocabulary in blocks: [c, Vb], not [c, V]
-        "loss chunk": (frozen_head_bytes(chunk, V, H, dtype, kind) if tiled_head
-                       else chunk * V * b + (V * H * 4 if head_trainable and b != 4 else 0)),
+        "loss chunk": loss_chunk + (V * H * 4 if head_trainable and b != 4 and not tiled_head else 0),
         "rollout KV cache": 2 * L * shape.kv * (rollout_tokens or tokens) * b,
+        "no-grad pass": no_grad_pass(shape, N, b, use_peft=use_peft, fused_norm=fused_norm,
+                                     mlp_chunk_tokens=mlp_chunk_tokens, device=device) + 2 * N * H * b + loss_chunk,
     }
     lora_note = (f"{len([t for t in targets if t in ATTENTION_LINEARS])} adapters x N tokens, dropout {lora_dropout}"
                  f"{', bf16 autocast' if autocast else ''}")
@@ -731,10 +888,15 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
                                 f"{sequences} rows, dq/dk/dv" if device == "cuda" else "packed SDPA's backward: dq/dk/dv")
         + (", dk/dv per head (GQA)" if shape.num_key_value_heads != shape.num_attention_heads else ""),
         "layer: gradients": "the gradient into and out of the layer, 2 x N x H",
+        "layer: RMSNorm backward": ("grpo_kernels.rms_norm (fused_norm): its d x" + (" + the CPU path's fp32 blocks"
+                                    if device == "cpu" else "") if fused_norm else
+                                    f"transformers' Python RMSNorm: d x + {PYTHON_NORM_BACKWARD_FP32} x N x H x 4 B fp32"),
         "edges": "final norm, the hidden states the loss reads and their gradient",
         "loss chunk": (f"{chunk} rows x Vb={tile_columns(chunk, V, kind)} (the frozen head's vocabulary blocks)" if tiled_head
                        else f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else "")),
         "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",
+        "no-grad pass": "the old / reference log-probs' forward under no_grad: one layer's activations at a time, "
+                        "the hidden states and a logits chunk (nothing kept for a backward)",
     }
     reserve, largest = {}, ""
     if device == "cuda":  # torch's caching allocator (a CPU's glibc maps large blocks and returns them)
@@ -759,15 +921,26 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         if head_trainable and b != 4:
             transient[f"the head's fp32 dW [{V}, {H}]"] = 4 * V * H
         reserve, largest = allocator_reserve(kept, transient)
-    host = {"checkpointed layer inputs": inputs} if gradient_checkpointing and offloaded else {}
+    host, threshold = {}, pinned_round_threshold()
+    if gradient_checkpointing and offloaded:  # each layer's input in its own pinned block, rounded by torch's allocator
+        block = pinned_block(N * H * b, threshold)
+        host["checkpointed layer inputs"] = L * block
+        notes["host: checkpointed layer inputs"] = (
+            f"{L} blocks of N x H x {b} B = {N * H * b / MiB:.1f} MiB, each rounded up to a power of two by torch's "
+            f"pinned allocator: {block / MiB:.0f} MiB; {PINNED_ROUND_SETTING} in PYTORCH_ALLOC_CONF below the block "
+            "size avoids it" if block != N * H * b else
+            f"{L} blocks of N x H x {b} B, not rounded" + (f" ({PINNED_ROUND_SETTING} = {threshold // MiB} MiB)"
+                                                          if threshold is not None and N * H * b > threshold else
+                                                          " (already a power of two)"))
     settings = dict(parameters=P, tokens=tokens, sequences=sequences, use_peft=use_peft, lora_r=lora_r,
                     lora_target_modules=lora_target_modules, lora_dropout=lora_dropout, model_dtype=model_dtype,
                     gradient_checkpointing=gradient_checkpointing, beta=beta, device=device, chunk_rows=chunk,
                     trainable_parameters=trainable, activation_offload=activation_offload,
-                    mlp_chunk_tokens=mlp_chunk_tokens, bf16=bf16, autocast=autocast, release_memory=release_memory,
+                    mlp_chunk_tokens=mlp_chunk_tokens, fused_norm=fused_norm, bf16=bf16, autocast=autocast,
+                    release_memory=release_memory,
                     attention="flash-attn 2 varlen (assumed)" if device == "cuda" else "packed SDPA")
     return MemoryPlan(terms, settings, notes, host=host, layer_saved=layer["saved"], runtime=runtime, reserve=reserve,
-                      largest_transient=largest)
+                      largest_transient=largest, layer=layer)
 
 
 def plan_for_run(model_config: Any, cfg, tokens: int, device: str, sequences: int = 1) -> MemoryPlan:
@@ -795,6 +968,16 @@ def log_for_run(model_config: Any, cfg, tokens: int, device: str) -> MemoryPlan:
     import sys
 
     result = plan_for_run(model_config, cfg, tokens, device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    result.ranks_per_node, result.host_memory = local, physical_memory()
+    if result.host_fits is False:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "activation_offload: the checkpointed inputs need %s of pinned host memory on this machine (%d rank(s) x %s; "
+            "%s) and it has %s: expect swapping or a failed pinned allocation; use fewer tokens per micro-batch "
+            "(max_tokens_per_microbatch) or fewer ranks per machine", gib(result.host_per_node), local,
+            gib(sum(result.host.values())), result.notes.get("host: checkpointed layer inputs", ""), gib(result.host_memory))
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, "memory_plan.json"), "w") as f:
         json.dump(result.as_dict(), f, indent=1)
@@ -817,6 +1000,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         shape = load_shape(settings.model)
         result = plan(shape, settings.tokens, rollout_tokens=settings.rollout_tokens, sequences=settings.sequences,
                       device=settings.device, gpu_memory=gpu_memory_bytes(settings.gpu_memory),
+                      ranks_per_node=settings.ranks_per_node, host_memory=gpu_memory_bytes(settings.host_memory),
                       **{name: getattr(cfg, name) for name in PLAN_CONFIG_FIELDS})
     except ValueError as e:
         usage_error(p, e, GRPOConfig, PlanSettings)

@@ -190,8 +190,9 @@ def test_chunked_mlp_keeps_names_is_idempotent_and_refuses_bad_sizes():
 def test_chunked_mlp_covers_lora_and_replays_its_dropout(fused):
     """LoRA on every linear (peft's, and the trainer's with the dropout fused into lora_A,
     ``grpo.lora.fuse_dropout``): with dropout 0 the chunked gradients match the unchunked model's in
-    float64; with dropout 0.3 they match plain autograd through the same chunks drawn from the same
-    seed (so the backward's recompute drew the forward's masks)."""
+    float64; with dropout 0.3 they match plain autograd (peft's dropout: through the same chunks drawn
+    from the same seed, so the backward's recompute drew the forward's masks; the fused dropout: the
+    whole MLP at once, its masks the same whatever the chunks)."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
@@ -224,7 +225,9 @@ def test_chunked_mlp_covers_lora_and_replays_its_dropout(fused):
         if chunked:
             activations.chunk_mlps(model, 6)
             y = mlp(x)
-        else:  # plain autograd over the same chunks, in the same order
+        elif fused:  # the fused dropout's masks do not depend on the chunking: the whole MLP at once
+            y = type(mlp).forward(mlp, x)
+        else:  # peft's dropout draws chunk by chunk: plain autograd over the same chunks, in the same order
             y = torch.cat([type(mlp).forward(mlp, x[:, i:i + 6]) for i in range(0, 29, 6)], dim=1)
         return [y.detach()] + list(torch.autograd.grad(y, [x] + params, dy))
 
@@ -351,3 +354,127 @@ def test_both_options_on_two_ranks_match_one_process_without_them(tmp_path):
 if __name__ == "__main__":  # a worker, started by torchrun
     torch.set_num_threads(1)
     worker(sys.argv[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# fused_norm: the decoder's RMSNorms through grpo_kernels.rms_norm
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_norms_gradients_match_float64(family):
+    """Every RMSNorm swapped (Qwen3's per-head q_norm / k_norm included), state-dict names unchanged,
+    gradients (the norms' weights included) within fp32 rounding of the unswapped model's in float64."""
+    ids = ids_for()
+    expected = gradients(tiny(family, torch.float64), ids)
+    model = tiny(family, checkpointing=True)
+    names = list(model.state_dict())
+    per_layer = 4 if family == "qwen3" else 2
+    count = per_layer * SHAPE["num_hidden_layers"] + 1
+    assert activations.fuse_norms(model, "torch") == activations.fuse_norms(model) == count  # (again: "auto")
+    assert list(model.state_dict()) == names
+    got = gradients(model, ids)
+    assert any("norm" in name for name in got)
+    assert_grads_close64(got, expected, f"{family} fused norms")
+
+
+def _norm_classes():
+    import importlib
+
+    found = []
+    for name, (gemma, eps_name) in activations.RMSNORM_CLASSES.items():
+        family = {"Qwen2Moe": "qwen2_moe", "Qwen3Moe": "qwen3_moe", "Qwen3Next": "qwen3_next",
+                  "SmolLM3": "smollm3"}.get(name[:-len("RMSNorm")], name[:-len("RMSNorm")].lower())
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        found.append(getattr(module, name))
+    return found
+
+
+@pytest.mark.parametrize("cls", _norm_classes(), ids=lambda c: c.__name__)
+def test_each_known_norm_class_computes_what_its_own_forward_does(cls):
+    """The table's promise, class by class: the swapped forward gives the class's own values and gradients
+    (bf16 input and weight: within bf16 rounding; the weight away from its initial value)."""
+    norm = cls(24, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(24) * 0.3)
+    x = torch.randn(3, 5, 24).to(torch.bfloat16)
+    dy = torch.randn(3, 5, 24).to(torch.bfloat16)
+
+    def run(module):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        gx, gw = torch.autograd.grad(y, [xi, module.weight], dy)
+        return y, gx, gw
+
+    want = run(norm)
+    twin = copy.deepcopy(norm)
+    assert activations.fuse_norms(twin) == 1
+    for got, expect in zip(run(twin), want):
+        assert got.dtype == expect.dtype
+        torch.testing.assert_close(got.float(), expect.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_fused_norms_leave_an_unknown_model_with_one_info_line(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with caplog.at_level(logging.INFO, logger="grpo.activations"):
+        assert activations.fuse_norms(model) == 0
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "LayerNorm" in caplog.text
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_prepare_model_fuses_norms_when_asked(tmp_path, on):
+    from grpo.models import prepare_model, unwrap
+
+    from helpers import tiny_config
+
+    policy = prepare_model(tiny("qwen3"), tiny_config(tmp_path, fused_norm=on), torch.device("cpu"))
+    norm = unwrap(policy).model.layers[0].self_attn.q_norm
+    assert ("forward" in norm.__dict__) == on
+    assert getattr(norm, "fused_norm_backend", None) == ("torch" if on else None)  # (the run's backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        activations.fuse_norms(tiny("qwen2"), "cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# the memory options never change the numbers
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_memory_options_keep_lora_dropout_losses_and_gradients(family):
+    """The trainer's adapters (grpo.lora.add_adapters, lora_dropout 0.3 on every linear) under gradient
+    checkpointing: with mlp_chunk_tokens (chunks of 5 of 74 tokens) and the offload attached too, the
+    same seed gives the same masks, so the loss and every gradient equal the run without them to fp32
+    rounding (peft's own dropout, drawn chunk by chunk from torch's generator, differed by tens of percent)."""
+    pytest.importorskip("peft")
+    from grpo import lora
+    from grpo.config import GRPOConfig
+
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.3)
+
+    def run(options: bool):
+        model = tiny(family, checkpointing=True)
+        torch.manual_seed(3)
+        model = lora.add_adapters(model, cfg)
+        with torch.no_grad():  # (B away from 0, so the adapters and their masks reach the output)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        offload = activations.ActivationOffload("cpu")
+        if options:
+            activations.chunk_mlps(model, 5)
+            offload.attach(model)
+        model.train()
+        torch.manual_seed(11)
+        base = model.get_base_model()
+        hidden = base.model(input_ids=ids_for(), use_cache=False).last_hidden_state
+        w = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+        loss = (hidden * w).sum()
+        loss.backward()
+        assert offload.copies_out == (SHAPE["num_hidden_layers"] if options else 0)
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (loss0, grads0), (loss1, grads1) = run(False), run(True)
+    assert any("mlp.down_proj.lora_A" in n for n in grads0) and grads0.keys() == grads1.keys()
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-5)
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads1[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)

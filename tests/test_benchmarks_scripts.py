@@ -65,6 +65,8 @@ SCRIPTS = {
                               ("openrlhf_memory.md", "openrlhf_memory.json"), ("openrlhf",)),
     "long_context-options": Script("long_context", ("options", "--smoke", "--out", "{out}/options.md"),
                                    ("options.md", "options.json"), ("transformers",)),
+    "long_context-layer": Script("long_context", ("layer", "--smoke", "--out", "{out}/layer.md"),
+                                 ("layer.md", "layer.json"), ("transformers", "peft")),
 }
 
 
