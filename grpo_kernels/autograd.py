@@ -722,12 +722,19 @@ class DenseBlock(NamedTuple):
     offsets: torch.Tensor
 
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
-        """Bool like ``x [c, V]``: the cells off the sets (each entry's cell of the flattened block, its row
-        times V plus its id, formed a bounded step of rows at a time)."""
+        """Bool like ``x [c, V]``: the cells off the sets. On a CPU one ``index_fill_`` of each row's own ids
+        into its row (no per-entry temporary: K can be N x V); elsewhere (a launch per row would dominate)
+        each entry's cell of the flattened block, its row times V plus its id, formed a bounded step of
+        rows at a time."""
         c, v = x.shape
         drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-        flat = drop.view(-1)
         bounds = self.offsets.tolist()
+        if x.device.type == "cpu":
+            ids = self.ids.long()  # (index_fill_ takes int64 indices; no copy when they are)
+            for r in range(c):
+                drop[r].index_fill_(0, ids[bounds[r]:bounds[r + 1]], False)
+            return drop
+        flat = drop.view(-1)
         r0 = 0
         while r0 < c:
             r1 = r0 + 1
@@ -970,7 +977,8 @@ def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forwa
             acc = None
             if need_weight:  # the sparse rows' d weight is the accumulator when it has its dtype (no second [V, H])
                 acc = (grad_weight if grad_weight is not None and grad_weight.dtype == acc_dtype
-                       else _new_weight_grad(weight, accumulate_in_weight_dtype, 0))
+                       else _new_weight_grad(weight, accumulate_in_weight_dtype, split.num_dense))
+            first = acc is not grad_weight  # (a new accumulator: the first block writes it, no zero-fill)
             bias_acc = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
             for block in split.dense_blocks(chunk_size):
                 index = block.index
@@ -983,7 +991,8 @@ def replay_linear_grads(hidden, weight, bias, split: ReplaySplit, lse, lse_forwa
                 if need_hidden:
                     grad_hidden.index_copy_(0, index, (dx @ w).to(grad_hidden.dtype))
                 if need_weight:
-                    _accumulate_weight_grad(acc, dx, h)
+                    _accumulate_weight_grad(acc, dx, h, first=first)
+                first = False
             if need_weight:
                 if grad_weight is not None and acc is not grad_weight:
                     acc.add_(grad_weight.to(acc.dtype))

@@ -134,10 +134,14 @@ def _first_repeat(token_ids: torch.Tensor, offsets: torch.Tensor, sizes: torch.T
                and bounds[stop + 1] - bounds[start] <= _BITMAP_ELEMENTS // 8):
             stop += 1
         lo, hi = bounds[start], bounds[stop]
-        cells = torch.repeat_interleave(torch.arange(stop - start, device=offsets.device) * vocab_size,
-                                        sizes[start:stop], output_size=hi - lo).add_(token_ids[lo:hi])
-        seen = torch.zeros((stop - start) * vocab_size, dtype=torch.bool, device=offsets.device)
-        seen.index_fill_(0, cells, True)
+        seen = torch.zeros(stop - start, vocab_size, dtype=torch.bool, device=offsets.device)
+        if token_ids.device.type == "cpu":  # each position's ids into its own row (no per-entry temporary)
+            for r in range(start, stop):
+                seen[r - start].index_fill_(0, token_ids[bounds[r]:bounds[r + 1]], True)
+        else:  # (one launch: each entry's cell of the flattened bitmap, its row times V plus its id)
+            cells = torch.repeat_interleave(torch.arange(stop - start, device=offsets.device) * vocab_size,
+                                            sizes[start:stop], output_size=hi - lo).add_(token_ids[lo:hi])
+            seen.view(-1).index_fill_(0, cells, True)
         if int(seen.sum()) != hi - lo:  # a repeat: find it among this block's keys
             found = _sorted_repeat(token_ids[lo:hi], sizes[start:stop], vocab_size)
             return (start + found[0], found[1]) if found is not None else None
