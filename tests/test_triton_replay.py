@@ -384,7 +384,8 @@ import json
 import os
 import tempfile
 import torch
-from grpo_kernels.kernels import aot, triton_replay as tr
+from grpo_kernels.kernels import triton_replay as tr
+from tools import aot
 meta = dict(device="meta")
 out = []
 n, v, h, k = 4096, 151936, 4096, 32768

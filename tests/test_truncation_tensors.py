@@ -422,7 +422,8 @@ def test_per_sequence_tensors_trace_under_torch_compile_fullgraph():
 
 _AOT_SCRIPT = r"""
 import sys, torch
-from grpo_kernels.kernels import aot, triton_rows
+from grpo_kernels.kernels import triton_rows
+from tools import aot
 try:
     aot.check_supported()
 except aot.Unsupported as e:
@@ -450,7 +451,7 @@ for fn, kw in calls:
 def test_per_row_sampled_kernels_compile_for_sm90(tmp_path):
     """The per-row sampled kernels (forward and fallback with PER_ROW_KP, both tensors and a number with
     a tensor) and the truncated backward compile ahead of time for sm_90 (LLVM and ptxas, no GPU:
-    ``kernels.aot``), in a fresh interpreter without TRITON_INTERPRET and with a private cache."""
+    ``tools/aot.py``), in a fresh interpreter without TRITON_INTERPRET and with a private cache."""
     import os
     import subprocess
     import sys
