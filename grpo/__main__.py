@@ -56,7 +56,7 @@ def train_command(argv: list[str]) -> None:
     from .config import GRPOConfig
     from .lora import check_flags
     from .models import load_model
-    from .rollout import require_vllm
+    from .rollout import engine_class
     from .trainer import check_run, train
 
     parser = argparse.ArgumentParser(prog="python -m grpo train", description="GRPO on a JSONL of prompts.")
@@ -84,8 +84,7 @@ def train_command(argv: list[str]) -> None:
         parser.error(f"--data: {e}")
     try:  # what needs nothing of the model: the packages its flags need
         check_flags(cfg)
-        if cfg.use_vllm:
-            require_vllm()
+        engine_class(cfg.rollout_engine).require()  # (vLLM for --rollout-engine vllm / --use-vllm)
     except ImportError as e:
         parser.error(str(e))
     skeleton, tokenizer = model_skeleton(args.model, parser)

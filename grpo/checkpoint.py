@@ -23,6 +23,7 @@ import torch
 
 from . import distributed
 from .atomic import write_atomically
+from .config import settings_as_stored
 
 FILENAME = "checkpoint.pt"
 LOCK_FILENAME = "run.lock"
@@ -132,9 +133,12 @@ def non_finite_tensors(tree: Any, prefix: str = "") -> list[str]:
 
 def changed_settings(saved: Optional[dict[str, Any]], config: dict[str, Any]) -> list[str]:
     """``"field: saved -> now"`` for each setting outside :data:`RESUMABLE_CHANGES` that differs
-    (fields only one of the two configs has are not compared: a checkpoint from another version)."""
+    (fields only one of the two configs has are not compared: a checkpoint from another version; the saved
+    values read as a config stores them today, ``grpo.config.settings_as_stored``: an older ``top_p=1.0`` is
+    today's None)."""
     if not saved:
         return []
+    saved = settings_as_stored(saved)
     return [f"{k}: {saved[k]!r} -> {config[k]!r}" for k in config
             if k in saved and k not in RESUMABLE_CHANGES and saved[k] != config[k]]
 

@@ -34,6 +34,7 @@ from .advantages import SCALES, STD_KINDS
 from .distributed import KINDS as DISTRIBUTED_KINDS
 from .memory import RELEASE_POLICIES
 from .precision import MODEL_DTYPES
+from .rollout import DEFAULT_ENGINE, ENGINES, TRUNCATION_OFF_AS_NONE, VLLM_ENGINE, engine_class
 
 
 # Loss options the trainer sets itself: the sampling settings are its own fields (temperature, top_k,
@@ -97,19 +98,27 @@ class GRPOConfig:
     temperature: float = like(OPTION_FIELDS["temperature"], help="sampling temperature; as in TRL the loss divides the logits "
                               "by it too")
     top_k: Optional[int] = like(OPTION_FIELDS["top_k"], None, "sampling: only the k most likely tokens (ties at the k-th "
-                                "kept; None, 0 or -1: off); every log-prob of the loss is the truncated distribution's too")
-    top_p: float = like(OPTION_FIELDS["top_p"], 1.0, "nucleus sampling (after top_k): keep the smallest set of tokens with "
-                        "this much probability (1: off); every log-prob of the loss is the truncated distribution's too")
+                                "kept; None: off, and TRL's 0 and vLLM's -1 are stored as None); every log-prob of the "
+                                "loss is the truncated distribution's too")
+    top_p: Optional[float] = like(OPTION_FIELDS["top_p"], None, "nucleus sampling (after top_k): keep the smallest set of "
+                                  "tokens with this much probability (None: off, and TRL's 1.0 is stored as None); every "
+                                  "log-prob of the loss is the truncated distribution's too")
     sampling_replay: bool = option(
         True, "when the rollouts truncate (top_k / top_p): every log-prob of the loss (the policy's, the old and the "
         "reference) is taken over the set of tokens the engine kept at each position (Completions.sampling_mask), "
         "where the engine reports them; off, or an engine that does not: the loss recomputes the truncation from "
         "its own logits")
-    # rollout engine (grpo.rollout): Hugging Face generate, or vLLM, whose log-probs the loss corrects for.
-    # TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's rollout_correction,
-    # rollout_correction_max and rollout_correction_min (_loss_fields).
-    use_vllm: bool = option(False, "sample with a vLLM engine in this process (grpo.rollout.VLLMRollout; pip install "
-                            "'grpo-kernels[vllm]'), the policy's weights copied into it every step")
+    # rollout engine (grpo.rollout's registry, grpo.rollout.register_engine): Hugging Face generate, or vLLM,
+    # whose log-probs the loss corrects for. Each engine refuses what it cannot run (RolloutEngine.check_config).
+    # The vllm_* fields are TRL's names and defaults (trl.GRPOConfig 1.16); they set the loss's
+    # rollout_correction, rollout_correction_max and rollout_correction_min (_loss_fields).
+    rollout_engine: str = option(DEFAULT_ENGINE, "what samples the completions: 'hf' (Hugging Face generate on the "
+                                 "policy: grpo.rollout.HFGenerate), 'vllm' (a vLLM engine in this process, the policy's "
+                                 "weights copied into it every step: grpo.rollout.VLLMRollout; pip install "
+                                 "'grpo-kernels[vllm]'), or an engine registered with grpo.rollout.register_engine",
+                                 choices=ENGINES.keys())
+    use_vllm: bool = option(False, "TRL's spelling of rollout_engine='vllm' (kept equal to it: True sets it, and a "
+                            "rollout_engine other than 'hf' or 'vllm' with use_vllm=True is refused)")
     vllm_gpu_memory_utilization: float = option(0.3, "use_vllm on CUDA: the fraction of the GPU's memory the engine takes "
                                                 "(weights and KV cache)", bounds=Bounds(0, 1, low_open=True))
     vllm_importance_sampling_correction: bool = option(
@@ -194,21 +203,54 @@ class GRPOConfig:
     distributed: str = option("none", "several processes under torchrun: DDP, or FSDP2 (fully_shard)", choices=DISTRIBUTED_KINDS)
 
     def __post_init__(self) -> None:
+        for name, value in self._engine_choice(self.use_vllm, self.rollout_engine).items():
+            object.__setattr__(self, name, value)
         self.validate()
         object.__setattr__(self, "_validated", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Assignments after construction are checked too; a refused one leaves the config as it was."""
+        """Assignments after construction are checked too; a refused one leaves the config as it was. "Off" is
+        stored as None: ``top_p`` 1.0 (TRL's), ``top_k`` 0 (TRL's) or -1 (vLLM's); ``use_vllm`` and
+        ``rollout_engine`` are kept equal (:meth:`_engine_choice`)."""
+        if name in TRUNCATION_OFF_AS_NONE:
+            value = _off_as_none(name, value)
         if not self.__dict__.get("_validated", False):
             object.__setattr__(self, name, value)
             return
-        previous = self.__dict__[name]
-        object.__setattr__(self, name, value)
+        changes = {name: value}
+        if name in ("use_vllm", "rollout_engine"):
+            pair = {"use_vllm": self.use_vllm, "rollout_engine": self.rollout_engine, name: value}
+            changes = self._engine_choice(**pair, assigned=name)
+        previous = {key: self.__dict__[key] for key in changes}
+        for key, new in changes.items():
+            object.__setattr__(self, key, new)
         try:
             self.validate()
         except (TypeError, ValueError):
-            object.__setattr__(self, name, previous)
+            for key, old in previous.items():
+                object.__setattr__(self, key, old)
             raise
+
+    @staticmethod
+    def _engine_choice(use_vllm: Any, rollout_engine: Any, assigned: Optional[str] = None) -> dict[str, Any]:
+        """``{use_vllm, rollout_engine}`` as stored, from TRL's ``use_vllm`` and the engine's name: ``use_vllm=True``
+        is ``rollout_engine='vllm'`` (``'hf'``, the default, reads as unset); another engine with it is refused,
+        naming both. Assigning ``rollout_engine`` sets ``use_vllm`` to match; assigning ``use_vllm=False`` to a
+        vLLM config goes back to the default engine."""
+        declared = declarations(GRPOConfig)
+        declared["use_vllm"].check(use_vllm, name="GRPOConfig.use_vllm", convert=False)
+        declared["rollout_engine"].check(rollout_engine, name="GRPOConfig.rollout_engine", convert=False)
+        if assigned == "rollout_engine":
+            return {"rollout_engine": rollout_engine, "use_vllm": rollout_engine == VLLM_ENGINE}
+        if use_vllm:
+            if rollout_engine not in (DEFAULT_ENGINE, VLLM_ENGINE):
+                raise OptionError(f"GRPOConfig.use_vllm=True is TRL's spelling of rollout_engine={VLLM_ENGINE!r}, but "
+                                  f"rollout_engine={rollout_engine!r}: set one of the two", "GRPOConfig.use_vllm",
+                                  "rollout_engine")
+            return {"use_vllm": True, "rollout_engine": VLLM_ENGINE}
+        if assigned == "use_vllm" and rollout_engine == VLLM_ENGINE:
+            return {"use_vllm": False, "rollout_engine": DEFAULT_ENGINE}
+        return {"use_vllm": rollout_engine == VLLM_ENGINE, "rollout_engine": rollout_engine}
 
     def validate(self) -> None:
         """Raise ``TypeError`` / ``ValueError`` (``grpo_kernels.bounds.OptionTypeError`` / ``OptionError``)
@@ -236,13 +278,7 @@ class GRPOConfig:
             raise rule(f"GRPOConfig.model_dtype={self.model_dtype!r} with distributed='fsdp' is not supported "
                        "(FSDP2 shards need one dtype per unit, and the fp32 master weights are not sharded): "
                        "use distributed='ddp' or model_dtype='float32'", "model_dtype", "distributed")
-        if self.use_vllm and self.distributed != "none":
-            raise rule(f"GRPOConfig.use_vllm runs one engine in a single process: not with distributed={self.distributed!r}",
-                       "use_vllm", "distributed")
-        if self.use_vllm and self.sequence_correction_refused():
-            raise rule("GRPOConfig.vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') "
-                       f"with loss_type='vespo' (as in TRL), got {self.vllm_importance_sampling_mode!r}",
-                       "vllm_importance_sampling_mode", "loss_type")
+        engine_class(self.rollout_engine).check_config(self)  # what the engine refuses (grpo.rollout.RolloutEngine)
         if self.reward_weights is not None and not self.reward_weights:
             raise rule("GRPOConfig.reward_weights must have one weight per reward function, or be None, got []",
                        "reward_weights")
@@ -250,9 +286,22 @@ class GRPOConfig:
     def sequence_correction_refused(self) -> bool:
         """vespo's weight takes the rollout correction per token (TRL): a sequence-level
         ``vllm_importance_sampling_mode`` is refused under it whenever the correction is on and the
-        engine reports its log-probs (``use_vllm`` here; a custom engine in ``grpo.train``)."""
+        engine reports its log-probs (:meth:`check_sequence_correction`)."""
         return (self.loss_mode is None and self.loss_type == "vespo" and self.vllm_importance_sampling_correction
                 and self.vllm_importance_sampling_mode.startswith("sequence"))
+
+    def check_sequence_correction(self, engine: str, reports_sampling_logps: Optional[bool]) -> None:
+        """The rule of :meth:`sequence_correction_refused` for the rollout engine ``engine``, from its declaration
+        ``reports_sampling_logps`` (``grpo.rollout.Rollout``: False, it never reports log-probs, passes): an
+        ``OptionError`` naming ``vllm_importance_sampling_mode`` and ``loss_type``. Its one statement: the vLLM
+        engine's check (``VLLMRollout.check_config``) and ``grpo.train``'s, for an engine passed in, call it."""
+        if reports_sampling_logps is False or not self.sequence_correction_refused():
+            return
+        hint = "" if reports_sampling_logps else ": declare reports_sampling_logps = False on it if it never does"
+        raise OptionError(f"GRPOConfig.vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') "
+                          f"with loss_type='vespo' (as in TRL) when the rollout engine may report its log-probs "
+                          f"({engine}{hint}), got {self.vllm_importance_sampling_mode!r}",
+                          "GRPOConfig.vllm_importance_sampling_mode", "loss_type")
 
     def loss_spelling(self) -> dict[str, str]:
         """``GRPOOptions`` names -> this config's fields that set them (the others have the same name)."""
@@ -288,3 +337,26 @@ class GRPOConfig:
         if self.loss_mode is not None:
             del fields["loss_type"]
         return {**fields, "chunk_size": self.chunk_size, "backend": self.backend}
+
+
+def _off_as_none(name: str, value: Any) -> Any:
+    """``value`` of the sampler's truncation field ``name`` checked against its declaration, TRL's and vLLM's
+    "off" as None (``grpo.rollout.TRUNCATION_OFF_AS_NONE``); an error names ``GRPOConfig.<name>``."""
+    try:
+        return TRUNCATION_OFF_AS_NONE[name](value)
+    except OptionError as e:
+        raise e.respelled({}, first=f"GRPOConfig.{name}") from None
+
+
+def settings_as_stored(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config saved as a dict (``dataclasses.asdict``: a checkpoint's), its values as a ``GRPOConfig`` stores
+    them today: the sampler's "off" as None (a checkpoint from before held ``top_p=1.0``). A value its
+    declaration refuses is left as it was (then it differs, and says so)."""
+    out = dict(saved)
+    for name in TRUNCATION_OFF_AS_NONE:
+        if name in out:
+            try:
+                out[name] = TRUNCATION_OFF_AS_NONE[name](out[name])
+            except (TypeError, ValueError):
+                pass
+    return out

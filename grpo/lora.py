@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .activations import current_chunk
 
-if TYPE_CHECKING:
-    from .config import GRPOConfig
+# ``cfg`` below is a ``grpo.config.GRPOConfig``, named rather than imported (the config imports the rollout
+# engines, which import grpo.models, which imports this module)
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 ADAPTER_DIR = "adapter"  # under output_dir: what peft.PeftModel.from_pretrained loads

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
@@ -23,11 +23,13 @@ from grpo_kernels import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.options import IGNORE_INDEX
 
 from . import activations, distributed, lora, packing
-from .config import GRPOConfig
 from .precision import autocast
 
 # A micro-batch: ``grpo.trainer.UpdateBatch`` rows (padded) or a ``packing.PackedMicroBatch`` (one packed row).
 MicroBatch = Any
+# ``cfg`` below is a ``grpo.config.GRPOConfig``, named rather than imported: the config imports the rollout
+# engines (grpo.rollout's registry gives its rollout_engine choices), which import this module.
+T = TypeVar("T")
 
 
 def default_device() -> torch.device:
@@ -64,28 +66,40 @@ def load_model(name_or_path: str, device: Optional[torch.device] = None, dtype: 
 
 
 class Policy(torch.nn.Module):
-    """The language model, with every use the trainer makes of its weights behind one ``forward``.
+    """The language model, with every use the trainer makes of its weights a method run inside ``forward``.
 
-    ``policy("generate", **kwargs)`` samples, ``policy("logps", mb, cfg, device)`` returns per-token
-    log-probs and ``policy("loss", mb, cfg, device, **loss_kwargs)`` the fused GRPO loss; both of the
-    distribution the rollouts sample from (``cfg.temperature``, then the engine's kept sets replayed,
-    ``mb.sampling_mask``, or ``cfg.top_k`` / ``cfg.top_p`` recomputed: :func:`truncation`; -inf for a
-    token outside the truncated set, which the loss then leaves out). DDP syncs
-    gradients, and FSDP2 gathers sharded weights (``lm_head.weight`` included, which the fused loss
-    reads directly), only around a wrapped module's forward: so this module is the one they wrap.
+    The uses are methods: :meth:`generate` samples, :meth:`logps` returns per-token log-probs and :meth:`loss`
+    the fused GRPO loss; both of the distribution the rollouts sample from (``cfg.temperature``, then the
+    engine's kept sets replayed, ``mb.sampling_mask``, or ``cfg.top_k`` / ``cfg.top_p`` recomputed:
+    :func:`truncation`; -inf for a token outside the truncated set, which the loss then leaves out). They
+    are called through the module, the method given unbound: ``policy(Policy.logps, mb, cfg, device)``,
+    where ``policy`` is this module or its DDP / FSDP2 wrapper. DDP syncs gradients, and FSDP2 gathers
+    sharded weights (``lm_head.weight`` included, which the fused loss reads directly), only around a
+    wrapped module's ``forward`` (its ``__call__`` hooks): so this module is the one they wrap, and
+    ``forward(task, ...)`` runs ``task(self, ...)`` there. (A DDP wrapper has no attribute ``logps``, and a
+    direct ``policy.logps(...)`` would run outside the hooks: the call names the method instead.)
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, task: str, *args, **kwargs):
-        return getattr(self, f"_{task}")(*args, **kwargs)
+    def forward(self, task: Union[Callable[..., T], str], *args: Any, **kwargs: Any) -> T:
+        """``task(self, *args, **kwargs)``, inside the wrapper's forward: ``task`` one of :data:`TASKS`
+        (``Policy.generate``, ``Policy.logps``, ``Policy.loss``), or its name (the older spelling)."""
+        method = TASKS_BY_NAME.get(task) if isinstance(task, str) else task
+        if method not in TASKS:
+            raise TypeError(f"Policy's task must be one of {[t.__qualname__ for t in TASKS]} (or its name), got {task!r}")
+        return method(self, *args, **kwargs)
 
-    def _generate(self, **kwargs) -> torch.Tensor:
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        """The language model's ``generate(**kwargs)``: [B, P + T] int64 token ids."""
         return self.model.generate(**kwargs)
 
-    def _logps(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
+    def logps(self, mb: "MicroBatch", cfg: "GRPOConfig", device: torch.device) -> torch.Tensor:
+        """[B, T] float32 (a padded micro-batch) or [1, L] (a packed one): each target token's log-prob under the
+        sampling distribution (``cfg``'s temperature and truncation: :func:`truncation`), 0 where ``mb.loss_mask``
+        is 0."""
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
@@ -96,7 +110,10 @@ class Policy(torch.nn.Module):
             chunk_size=cfg.chunk_size, backend=cfg.backend, **head_transform(self.model),
         )
 
-    def _loss(self, mb: "MicroBatch", cfg: GRPOConfig, device: torch.device, **loss_kwargs):
+    def loss(self, mb: "MicroBatch", cfg: "GRPOConfig", device: torch.device, **loss_kwargs: Any):
+        """``grpo_kernels.fused_linear_grpo_loss`` of the micro-batch (``GRPOLossOutput``: the loss and its metrics)
+        with ``cfg``'s options and the model's head transform; ``loss_kwargs`` override them (the trainer's
+        normalisers)."""
         weight, bias = lm_head(self.model)
         with autocast(device, cfg.bf16):
             hidden = completion_hidden(self.model, mb)
@@ -111,7 +128,12 @@ class Policy(torch.nn.Module):
         )
 
 
-def truncation(mb: "MicroBatch", cfg: GRPOConfig) -> dict[str, Any]:
+# what Policy.forward runs: its methods, given unbound (the name: the older spelling, policy("logps", ...))
+TASKS = (Policy.generate, Policy.logps, Policy.loss)
+TASKS_BY_NAME = {task.__name__: task for task in TASKS}
+
+
+def truncation(mb: "MicroBatch", cfg: "GRPOConfig") -> dict[str, Any]:
     """The loss's keywords for the rollouts' truncation: the engine's kept sets replayed when the micro-batch
     has them (``sampling_mask``: one set per target position; top_k / top_p then off, as the loss requires),
     else ``cfg.top_k`` / ``cfg.top_p`` recomputed from the trainer's logits."""
@@ -132,7 +154,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return lora.base_of(model.model if isinstance(model, Policy) else model)
 
 
-def prepare_model(model: torch.nn.Module, cfg: GRPOConfig, device: torch.device, frozen: bool = False) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, cfg: "GRPOConfig", device: torch.device, frozen: bool = False) -> torch.nn.Module:
     """The ``Policy`` to train (or, ``frozen``, to score with): on its device, wrapped for ``cfg.distributed``,
     with the run's gradient checkpointing, activation offload, MLP chunks and fused RMSNorms
     (``grpo.activations``) and packed attention.
@@ -177,7 +199,7 @@ class ReferenceWithoutAdapters(Policy):
         torch.nn.Module.__init__(self)
         object.__setattr__(self, "policy", policy)  # (the DDP / FSDP2-wrapped policy: FSDP2 gathers its shards)
 
-    def forward(self, task: str, *args, **kwargs):
+    def forward(self, task: Union[Callable[..., T], str], *args: Any, **kwargs: Any) -> T:
         with lora.adapters_disabled(distributed.unwrap_ddp(self.policy).model):
             return self.policy(task, *args, **kwargs)
 

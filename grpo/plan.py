@@ -151,6 +151,7 @@ ALLOC_SEGMENT_TAILS = 20 * MiB + 2 * MiB
 LAYER_TENSORS = 64
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBEDDING = "embed_tokens"  # the input embeddings: a LoRA target too (peft's lora.Embedding) when untied from the head
 ATTENTION_LINEARS, MLP_LINEARS = LINEAR_NAMES[:4], LINEAR_NAMES[4:]
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text")  # per-head q/k RMSNorms
 DECODER_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -243,8 +244,10 @@ class ModelShape:
         return sum(i * o for name, (i, o) in self.linears().items() if name in MLP_LINEARS)
 
     def lora_tensors(self, r: int, targets: list[str]) -> list[int]:
-        """The element count of every LoRA adapter matrix (A: r x in, B: out x r) on ``targets``."""
-        return [n for name, (i, o) in self.linears().items() if name in targets for n in (r * i, r * o)] * self.num_hidden_layers
+        """The element count of every LoRA adapter matrix (A: r x in, B: out x r) on ``targets``; on the input
+        embeddings (:data:`EMBEDDING`), peft's ``lora.Embedding``: A r x V, B H x r."""
+        layers = [n for name, (i, o) in self.linears().items() if name in targets for n in (r * i, r * o)] * self.num_hidden_layers
+        return layers + ([r * self.vocab_size, self.hidden_size * r] if EMBEDDING in targets else [])
 
     def lora_parameters(self, r: int, targets: list[str]) -> int:
         return sum(self.lora_tensors(r, targets))
@@ -280,13 +283,18 @@ def lora_targets(target_modules: str) -> list[str]:
 
 
 def check_lora_targets(shape: ModelShape, target_modules: str) -> list[str]:
-    """:func:`lora_targets`, each one a linear layer the plan models (``ValueError`` naming
-    ``lora_target_modules`` otherwise: a norm, a block, a name the model does not have)."""
+    """:func:`lora_targets`, each one a linear layer the plan models or the input embeddings of a model whose
+    head is not tied to them (``ValueError`` naming ``lora_target_modules`` otherwise: a norm, a block, a name
+    the model does not have; ``grpo.lora.check_targets`` refuses the tied embeddings too)."""
     targets = lora_targets(target_modules)
-    unknown = [t for t in targets if t not in shape.linears()]
+    unknown = [t for t in targets if t not in shape.linears() and t != EMBEDDING]
     if not targets or unknown:
         raise OptionError(f"lora_target_modules must be 'all-linear' or linear layers of the planned decoder "
-                          f"({', '.join(LINEAR_NAMES)}), got {target_modules!r}", "lora_target_modules")
+                          f"({', '.join(LINEAR_NAMES)}) or its untied input embeddings ({EMBEDDING}), got "
+                          f"{target_modules!r}", "lora_target_modules")
+    if EMBEDDING in targets and shape.tie_word_embeddings:
+        raise OptionError(f"lora_target_modules names {EMBEDDING}, the input embeddings, which this model ties to lm_head "
+                          "(tie_word_embeddings): an adapter would train the embeddings but not the head", "lora_target_modules")
     return targets
 
 
@@ -562,6 +570,8 @@ def check_packing(tokens: int, sequences: int) -> None:
 PLAN_CONFIG_FIELDS = ("use_peft", "lora_r", "lora_target_modules", "lora_dropout", "model_dtype", "bf16",
                       "gradient_checkpointing", "activation_offload", "mlp_chunk_tokens", "fused_norm", "beta",
                       "release_memory")
+# ... and their defaults, GRPOConfig's own (read from its fields, not restated): :func:`plan`'s keywords
+CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in PLAN_CONFIG_FIELDS}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -738,12 +748,15 @@ def layer_peak(terms: dict[str, int]) -> int:
                       terms["workspace"] - terms["lora_o"])
 
 
-def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = False, lora_r: int = 16,
-         lora_target_modules: str = "all-linear", lora_dropout: float = 0.05, model_dtype: str = "float32",
-         bf16: bool = True, gradient_checkpointing: bool = True, activation_offload: bool = False,
-         mlp_chunk_tokens: Optional[int] = None, fused_norm: bool = True, beta: float = 0.0,
-         rollout_tokens: Optional[int] = None, sequences: int = 1, device: str = "cuda", gpu_memory: Optional[int] = None,
-         release_memory: str = "always", ranks_per_node: int = 1, host_memory: Optional[int] = None) -> MemoryPlan:
+def plan(model: str | ModelShape, tokens: int, *, use_peft: bool = CONFIG_DEFAULTS["use_peft"],
+         lora_r: int = CONFIG_DEFAULTS["lora_r"], lora_target_modules: str = CONFIG_DEFAULTS["lora_target_modules"],
+         lora_dropout: float = CONFIG_DEFAULTS["lora_dropout"], model_dtype: str = CONFIG_DEFAULTS["model_dtype"],
+         bf16: bool = CONFIG_DEFAULTS["bf16"], gradient_checkpointing: bool = CONFIG_DEFAULTS["gradient_checkpointing"],
+         activation_offload: bool = CONFIG_DEFAULTS["activation_offload"],
+         mlp_chunk_tokens: Optional[int] = CONFIG_DEFAULTS["mlp_chunk_tokens"], fused_norm: bool = CONFIG_DEFAULTS["fused_norm"],
+         beta: float = CONFIG_DEFAULTS["beta"], rollout_tokens: Optional[int] = None, sequences: int = 1, device: str = "cuda",
+         gpu_memory: Optional[int] = None, release_memory: str = CONFIG_DEFAULTS["release_memory"], ranks_per_node: int = 1,
+         host_memory: Optional[int] = None) -> MemoryPlan:
     """The predicted peak of one step of ``tokens`` tokens per micro-batch, packed in ``sequences``
     sequences (``rollout_tokens``: tokens generated at once, default ``tokens``) with these ``GRPOConfig``
     settings (``bf16``: autocast, on CUDA only), on ``device``. With ``gpu_memory`` (bytes) it says whether
@@ -849,7 +862,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         "attention workspace": layer["workspace"],
         "layer: gradients": layer["gradients"],
         "layer: RMSNorm backward": layer["norm_backward"],
-        "edges": final_norm + 2 * N * H * b,
+        # (+ an adapter on the input embeddings keeps its fp32 lookup of A, [N, r], for B's backward)
+        "edges": final_norm + 2 * N * H * b + (4 * lora_r * N if EMBEDDING in targets else 0),
         # a frozen head on a CPU (the torch backend) walks the vocabulary in blocks: [c, Vb], not [c, V]
         "loss chunk": loss_chunk + (V * H * 4 if head_trainable and b != 4 and not tiled_head else 0),
         "rollout KV cache": 2 * L * shape.kv * (rollout_tokens or tokens) * b,
@@ -891,7 +905,8 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
         "layer: RMSNorm backward": ("grpo_kernels.rms_norm (fused_norm): its d x" + (" + the CPU path's fp32 blocks"
                                     if device == "cpu" else "") if fused_norm else
                                     f"transformers' Python RMSNorm: d x + {PYTHON_NORM_BACKWARD_FP32} x N x H x 4 B fp32"),
-        "edges": "final norm, the hidden states the loss reads and their gradient",
+        "edges": "final norm, the hidden states the loss reads and their gradient"
+                 + (f", the embeddings' adapter lookup N x {lora_r} x 4 B" if EMBEDDING in targets else ""),
         "loss chunk": (f"{chunk} rows x Vb={tile_columns(chunk, V, kind)} (the frozen head's vocabulary blocks)" if tiled_head
                        else f"{chunk} rows x V={V}" + (" + fp32 dW" if head_trainable and b != 4 else "")),
         "rollout KV cache": f"{rollout_tokens or tokens} tokens (generation on this GPU; freed before the update)",

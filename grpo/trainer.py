@@ -2,9 +2,10 @@
 
 One training step:
   1. take ``prompts_per_step`` prompts and sample ``num_generations`` (G) completions for each with a
-     rollout engine (``grpo.rollout``: Hugging Face ``generate`` unless ``train`` is given another, or
-     ``use_vllm``'s vLLM engine; an engine that reports its own log-probs gets TRL's importance-sampling
-     correction of the policy loss: the loss's ``rollout_correction``, fed ``rollout_logps``);
+     rollout engine (``grpo.rollout``: the one ``rollout_engine`` names, Hugging Face ``generate`` unless
+     told otherwise, e.g. ``"vllm"``, TRL's ``use_vllm``; or an engine ``train`` is given); an engine that
+     reports its own log-probs gets TRL's importance-sampling correction of the policy loss: the loss's
+     ``rollout_correction``, fed ``rollout_logps``);
   2. score every completion with weighted reward functions ``fn(prompts, completions, **columns)``
      (``None`` = unscorable), and turn the rewards into group-relative advantages;
   3. update the policy: its last hidden states and ``lm_head`` weight go to
@@ -65,8 +66,7 @@ from .logs import LossMetrics, RunLog, ZeroSignalWatch
 from .plot import plot_in_subprocess
 from .models import (Policy, ReferenceWithoutAdapters, as_policy, completion_hidden, default_device, head_transform,  # noqa: F401
                      lm_head, load_model, make_reference_model, prepare_model, unwrap)
-from .rollout import (Completions, HFGenerate, Rollout, VLLMRollout, check_prompt_lengths, engine_context_length,
-                      generation_eos, require_vllm)
+from .rollout import Completions, Rollout, engine_class
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -82,23 +82,10 @@ def make_optimizer(model: torch.nn.Module, cfg: GRPOConfig) -> torch.optim.Optim
 
 
 def default_rollout(model: torch.nn.Module, tokenizer, cfg: GRPOConfig) -> Rollout:
-    """Hugging Face ``generate`` with the config's sampling settings, stopping at the model's EOS ids; with
-    ``use_vllm`` a vLLM engine for the model's architecture (in the dtype the trainer samples in: bf16 on
-    CUDA with ``bf16``, else fp32), sized for one step's completions. With ``sampling_replay`` either
-    reports the kept sets it drew from when it truncates."""
-    if cfg.use_vllm:
-        on_cuda = torch.cuda.is_available()
-        return VLLMRollout.for_model(
-            model, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k, return_sampling_mask=cfg.sampling_replay,
-            dtype="bfloat16" if on_cuda and cfg.bf16 else "float32", seed=cfg.seed, eos_token_id=generation_eos(model, tokenizer),
-            max_num_seqs=cfg.prompts_per_step * cfg.num_generations,
-            **({"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if on_cuda else {}),
-        )
-    return HFGenerate(
-        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        bf16=cfg.bf16, eos_token_id=generation_eos(model, tokenizer), return_sampling_mask=cfg.sampling_replay,
-    )
+    """The engine ``cfg.rollout_engine`` names (``grpo.rollout.ENGINES``), built from the config by its
+    ``from_config``: Hugging Face ``generate`` (``"hf"``) or a vLLM engine (``"vllm"``), each with the config's
+    sampling settings, reporting the kept sets it drew from with ``sampling_replay``."""
+    return engine_class(cfg.rollout_engine).from_config(model, tokenizer, cfg)
 
 
 def learning_rate(step: int, cfg: GRPOConfig) -> float:
@@ -272,7 +259,7 @@ def completion_logps(model, batch: UpdateBatch, cfg: GRPOConfig, device: torch.d
     """Per-token log-probs [B, T] float32 of the completions under ``model`` (old policy or reference)."""
     policy = as_policy(model)
     mbs = micro_batches(batch, cfg)
-    chunks = [policy("logps", mb, cfg, device) for mb in mbs]
+    chunks = [policy(Policy.logps, mb, cfg, device) for mb in mbs]
     if cfg.padding_free:  # back to the padded [B, T] layout (fillers have no sequence)
         real = [(mb, c) for mb, c in zip(mbs, chunks) if len(mb)]
         return packing.unpack_values([mb for mb, _ in real], [c for _, c in real]) if real else batch.loss_mask.new_zeros(batch.loss_mask.shape, dtype=torch.float32)
@@ -329,7 +316,7 @@ def policy_loss(model, mb: MicroBatch, totals: BatchTotals, cfg: GRPOConfig, dev
     """The GRPO loss of one micro-batch, scaled so that the micro-batch losses of all ranks sum to the
     batch's loss (:func:`loss_normalisation`), and the loss's metrics of the micro-batch."""
     keywords, factor = loss_normalisation(mb, totals, cfg.grpo_options())
-    out = as_policy(model)("loss", mb, cfg, device, **keywords)
+    out = as_policy(model)(Policy.loss, mb, cfg, device, **keywords)
     return out.loss * factor, out.metrics
 
 
@@ -668,7 +655,9 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
     chunks (``mlp`` modules to chunk); the rows and the reward functions (their columns, weights); vLLM
     installed; the ranks dividing the batch; the device's dtype; the loss with the model's own logit
     transform; vespo's per-token correction
-    against an engine that may report log-probs; the prompts' lengths against the engine's context; the
+    against an engine passed in that may report log-probs (the config's engine checked its own combinations
+    when the config was made: ``grpo.rollout.RolloutEngine.check_config``), the packages the config's
+    engine needs; the prompts' lengths against the engine's context; the
     output directory (no checkpoint of an earlier run unless resuming, no live run holding it) and, when
     resuming, the checkpoint (readable, a grpo checkpoint, the same settings, the same model's weights).
     Raises ``TypeError`` / ``ValueError`` / ``FileExistsError`` / ``checkpoint.OutputDirInUse`` naming the
@@ -684,8 +673,9 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
         raise OptionError(f"mlp_chunk_tokens: {type(unwrap(model)).__name__} has no decoder layer with an `mlp` module "
                           "to chunk", "mlp_chunk_tokens")
     columns = check_rows(rows)
-    if cfg.use_vllm and rollout is None:
-        require_vllm()
+    engine = engine_class(cfg.rollout_engine)
+    if rollout is None:
+        engine.require()  # (the packages it needs: vLLM's)
     named = as_named(reward_fns)
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(named):
         raise OptionError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(named)} reward functions",
@@ -698,19 +688,14 @@ def check_run(cfg: GRPOConfig, rows: list[dict[str, Any]], reward_fns: Union[Map
     precision.check_device_supports(cfg.model_dtype, device)
     if model is not None:  # the loss as the run will call it: the config's options and the model's head transform
         cfg.grpo_options(**head_transform(model))
-    # the default engines: vLLM reports its log-probs, Hugging Face generate does not
-    reports = getattr(rollout, "reports_sampling_logps", None) if rollout is not None else cfg.use_vllm
-    if cfg.sequence_correction_refused() and reports is not False:
-        engine = type(rollout).__name__ if rollout is not None else "VLLMRollout"
-        raise OptionError(f"vllm_importance_sampling_mode must be per token ('token_truncate' or 'token_mask') with "
-                          f"loss_type='vespo' (as in TRL) when the rollout engine may report its log-probs ({engine}: "
-                          f"declare reports_sampling_logps = False on it if it never does), got "
-                          f"{cfg.vllm_importance_sampling_mode!r}", "vllm_importance_sampling_mode", "loss_type")
+    # an engine passed in, by its declaration (the config's own engine said what it refuses when the config was made)
+    if rollout is not None and cfg.sequence_correction_refused():
+        cfg.check_sequence_correction(type(rollout).__name__, getattr(rollout, "reports_sampling_logps", None))
     prompts = [row["prompt"] for row in rows]
     if rollout is not None and callable(getattr(rollout, "check_prompts", None)):  # an engine with a context limit
         rollout.check_prompts(prompts)
-    elif cfg.use_vllm and rollout is None and tokenizer is not None and model is not None:
-        check_prompt_lengths(tokenizer, prompts, engine_context_length(unwrap(model).config), cfg.max_new_tokens)
+    elif rollout is None and tokenizer is not None and model is not None:  # (the engine, before it starts)
+        engine.check_prompts_before_start(cfg, model, tokenizer, prompts)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)  # a fresh run never replaces an earlier one's checkpoint
     if os.environ.get("RANK", "0") == "0":  # (the rank that will take the lock; the others would race its probe)
         checkpoint.check_not_in_use(cfg.output_dir)
