@@ -240,24 +240,26 @@ def run_demo(cfg: DemoConfig) -> dict:
     return summary
 
 
-def _int_in(low: int, high: Optional[int], rule: str) -> Callable[[str], int]:
-    """argparse type: an int in ``[low, high)`` (``high`` None: no upper bound), a usage error naming
-    ``rule`` otherwise (before any model is built)."""
+def _declared_int(field: str) -> Callable[[str], int]:
+    """argparse type: an int within the range ``GRPOConfig`` declares for ``field`` (the demo's seed and step
+    counts are a run's: read from the declaration, not restated), a usage error saying the range otherwise
+    (before any model is built)."""
+    bounds = GRPOConfig.__dataclass_fields__[field].metadata["bounds"]
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < low or (high is not None and value >= high):
-            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+        if not bounds.holds(value):
+            raise argparse.ArgumentTypeError(f"must be {bounds.describe(integer=True)}, got {value}")
         return value
 
     return parse
 
 
-_positive_int = _int_in(1, None, "must be >= 1")
-_seed = _int_in(0, 2**32, "must be in [0, 2**32)")
+_steps = _declared_int("num_steps")  # (>= 1: the SFT warm start's steps too)
+_seed = _declared_int("seed")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -267,8 +269,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--output-dir", default=DemoConfig.output_dir,
                         help="the demo's own directory: a previous demo run there is replaced (default: %(default)s)")
     parser.add_argument("--seed", type=_seed, default=DemoConfig.seed, help="(default: %(default)s)")
-    parser.add_argument("--grpo-steps", type=_positive_int, default=DemoConfig.grpo_steps, help="(default: %(default)s)")
-    parser.add_argument("--sft-steps", type=_positive_int, default=DemoConfig.sft_steps, help="(default: %(default)s)")
+    parser.add_argument("--grpo-steps", type=_steps, default=DemoConfig.grpo_steps, help="(default: %(default)s)")
+    parser.add_argument("--sft-steps", type=_steps, default=DemoConfig.sft_steps, help="(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--backend", default=DemoConfig.backend, choices=BACKENDS,
                         help="the fused loss's backend (default: %(default)s)")

@@ -719,8 +719,7 @@ class VLLMRollout(RolloutEngine):
         check_value("max_model_len", max_model_len, int, optional=True, bounds=at_least(2))
         check_value("seed", seed, int, bounds=at_least(0))
         temperature, top_k, top_p = sampling_settings(temperature, top_k, top_p)
-        if dtype not in ENGINE_DTYPES:
-            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
+        check_value("dtype", dtype, str, choices=ENGINE_DTYPES)
         taken = sorted(set(engine_kwargs) & {"model", "dtype", "seed", "max_model_len", "tokenizer", "skip_tokenizer_init",
                                              "logprobs_mode", "generation_config", "return_sampling_mask"})
         if taken:

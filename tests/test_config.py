@@ -194,3 +194,91 @@ def test_sampling_replay_is_a_bool_flag(capsys):
     with pytest.raises(SystemExit) as done:
         parser.parse_args(["--sampling-replay=yes"])
     assert done.value.code == 2 and "--sampling-replay" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- "off" is None (issue 46)
+@pytest.mark.parametrize("field, off", [("top_p", 1.0), ("top_p", 1), ("top_p", None), ("top_k", 0), ("top_k", -1),
+                                        ("top_k", None)])
+def test_the_samplers_off_spellings_are_stored_as_none(field, off):
+    """TRL's ``top_p=1.0`` / ``top_k=0`` and vLLM's ``top_k=-1`` are accepted and stored as None, on construction,
+    on assignment and through ``dataclasses.replace``; None is the default; an "on" value is kept as it is."""
+    assert getattr(GRPOConfig(), field) is None
+    cfg = GRPOConfig(**{field: off})
+    assert getattr(cfg, field) is None and cfg.grpo_options().__getattribute__(field) is None
+    on = {"top_p": 0.9, "top_k": 5}[field]
+    cfg = GRPOConfig(**{field: on})
+    assert getattr(cfg, field) == on
+    setattr(cfg, field, off)
+    assert getattr(cfg, field) is None
+    assert getattr(dataclasses.replace(GRPOConfig(**{field: on}), **{field: off}), field) is None
+    assert dataclasses.asdict(GRPOConfig(**{field: off}))[field] is None  # (what a checkpoint saves)
+
+
+@pytest.mark.parametrize("field, bad, error", [("top_k", False, TypeError), ("top_k", 0.0, TypeError),
+                                               ("top_k", -2, ValueError), ("top_p", 0.0, ValueError),
+                                               ("top_p", 1.0000001, ValueError), ("top_p", "1", TypeError)])
+def test_a_bad_truncation_is_refused_before_it_is_read_as_off(field, bad, error):
+    """The declaration's check comes first: ``top_k=False`` (== 0) or ``0.0`` is not "off" but a wrong type, and a
+    refused assignment leaves the config as it was."""
+    with pytest.raises(error, match=rf"GRPOConfig\.{field}"):
+        GRPOConfig(**{field: bad})
+    cfg = GRPOConfig(**{field: {"top_p": 0.5, "top_k": 3}[field]})
+    with pytest.raises(error, match=rf"GRPOConfig\.{field}"):
+        setattr(cfg, field, bad)
+    assert getattr(cfg, field) == {"top_p": 0.5, "top_k": 3}[field]
+
+
+def test_trl_off_spellings_on_the_command_line_are_stored_as_none(capsys):
+    import argparse
+
+    from grpo.flags import add_config_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, GRPOConfig)
+    for flags in (["--top-p", "1.0", "--top-k", "0"], ["--top-k", "-1"], ["--top-p", "None", "--top-k", "none"], []):
+        cfg = config_from_args(parser.parse_args(flags), GRPOConfig, parser)
+        assert cfg.top_p is None and cfg.top_k is None, flags
+    cfg = config_from_args(parser.parse_args(["--top-p", "0.9", "--top-k", "7"]), GRPOConfig, parser)
+    assert (cfg.top_p, cfg.top_k) == (0.9, 7)
+
+
+def test_an_older_checkpoints_top_p_of_one_resumes_under_none():
+    """A config saved before "off" was None (``top_p=1.0``, ``top_k=0``) holds the same settings as today's."""
+    from grpo import checkpoint
+
+    now = dataclasses.asdict(GRPOConfig())
+    older = {**now, "top_p": 1.0, "top_k": 0}
+    older.pop("rollout_engine")  # (a field it did not have is not compared)
+    assert checkpoint.changed_settings(older, now) == []
+    assert checkpoint.changed_settings({**older, "top_p": 0.9}, now) == ["top_p: 0.9 -> None"]
+    # (the config itself, rebuilt from the older dict, stores None)
+    assert GRPOConfig(**{**older, "output_dir": "x"}).top_p is None
+
+
+# ---------------------------------------------------------------------------- the rollout engine (issue 46)
+def test_rollout_engine_choices_are_the_registrys_and_use_vllm_is_its_trl_spelling():
+    from grpo import rollout
+
+    assert GRPOConfig.__dataclass_fields__["rollout_engine"].metadata["choices"] == rollout.ENGINES.keys()
+    assert GRPOConfig().rollout_engine == "hf" and GRPOConfig().use_vllm is False
+    assert (GRPOConfig(use_vllm=True).rollout_engine, GRPOConfig(rollout_engine="vllm").use_vllm) == ("vllm", True)
+    cfg = GRPOConfig()
+    cfg.use_vllm = True
+    assert cfg.rollout_engine == "vllm"
+    cfg.use_vllm = False
+    assert (cfg.rollout_engine, cfg.use_vllm) == ("hf", False)
+    cfg.rollout_engine = "vllm"
+    assert cfg.use_vllm is True
+    with pytest.raises(ValueError, match=r"GRPOConfig\.rollout_engine must be one of \('hf', 'vllm'"):
+        GRPOConfig(rollout_engine="sglang")
+    with pytest.raises(TypeError, match=r"GRPOConfig\.use_vllm must be a bool"):
+        GRPOConfig(use_vllm="True")
+    # the engine's own refusal, on assignment too: nothing changes
+    cfg = GRPOConfig(distributed="ddp")
+    with pytest.raises(ValueError, match=r"GRPOConfig\.rollout_engine='vllm' \(use_vllm\) runs one engine in a single "
+                                         r"process: not with distributed='ddp'"):
+        cfg.use_vllm = True
+    assert (cfg.use_vllm, cfg.rollout_engine, cfg.distributed) == (False, "hf", "ddp")
+    with pytest.raises(ValueError, match="single process"):
+        cfg.rollout_engine = "vllm"
+    assert (cfg.use_vllm, cfg.rollout_engine) == (False, "hf")

@@ -464,3 +464,117 @@ def test_replayed_log_probs_are_the_kept_sets_and_recomputed_ones_agree_where_th
     untruncated = torch.log_softmax(z, -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
     assert_close64(full[mask], untruncated[mask], what="every id kept")
     assert (untruncated - expected)[mask].abs().max() > 1e-2  # (the truncation matters here)
+
+
+# ---------------------------------------------------------------------------- the engine registry (issue 46)
+class CountingEngine(HFGenerate):
+    """Hugging Face generate, registered under its own name: counts the engines built from a config and the
+    calls, and refuses (as an engine may) a config combination of its own: more than 4 generations."""
+
+    built = 0
+    calls = 0
+
+    @classmethod
+    def check_config(cls, cfg):
+        from grpo_kernels.bounds import OptionError
+
+        if cfg.num_generations > 4:
+            raise OptionError(f"GRPOConfig.rollout_engine={cfg.rollout_engine!r} samples at most 4 completions per "
+                              f"prompt: not num_generations={cfg.num_generations}", "GRPOConfig.rollout_engine",
+                              "num_generations")
+
+    @classmethod
+    def from_config(cls, model, tokenizer, cfg):
+        cls.built += 1
+        return super().from_config(model, tokenizer, cfg)
+
+    def generate(self, policy, prompts, num_generations, *, greedy=False):
+        type(self).calls += 1
+        return super().generate(policy, prompts, num_generations, greedy=greedy)
+
+
+@pytest.fixture
+def counting_engine():
+    from grpo import rollout
+
+    rollout.register_engine("counting", CountingEngine)
+    CountingEngine.built = CountingEngine.calls = 0
+    try:
+        yield CountingEngine
+    finally:
+        del rollout.ENGINES["counting"]
+
+
+def test_the_config_names_a_registered_engine_and_the_trainer_builds_it(counting_engine, tmp_path):
+    from grpo import rollout
+    from grpo.trainer import default_rollout
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    assert type(default_rollout(model, tokenizer, GRPOConfig())) is HFGenerate  # "hf", the default
+    assert rollout.ENGINES["hf"] is HFGenerate and rollout.ENGINES["vllm"] is rollout.VLLMRollout
+    cfg = tiny_config(tmp_path, rollout_engine="counting", num_steps=2, num_generations=2, top_k=0, top_p=1.0)
+    assert (cfg.top_k, cfg.top_p, cfg.use_vllm) == (None, None, False)
+    records = train(model, tokenizer, problems()[:8], {"accuracy": accuracy}, cfg)
+    assert len(records) == 2 and (counting_engine.built, counting_engine.calls) == (1, 2)
+    # the registry's names are the flag's choices, the new one included
+    out = run_cli("train", "--help")  # (another process: the built-in engines)
+    assert "--rollout-engine {hf,vllm}" in out.stdout
+
+
+def test_an_engine_owns_its_checks_and_a_refused_combination_names_both_options(counting_engine, tmp_path):
+    """The engine's check runs when the config is made or changed (before anything loads): a refusal names the
+    options, and a refused assignment changes nothing. use_vllm=True with another engine is refused, naming both."""
+    with pytest.raises(ValueError, match=r"GRPOConfig\.rollout_engine='counting' samples at most 4 .*num_generations=8"):
+        GRPOConfig(rollout_engine="counting")
+    cfg = GRPOConfig(rollout_engine="counting", num_generations=4)
+    with pytest.raises(ValueError, match="num_generations=5"):
+        cfg.num_generations = 5
+    assert cfg.num_generations == 4
+    with pytest.raises(ValueError, match=r"GRPOConfig\.use_vllm=True is TRL's spelling of rollout_engine='vllm', but "
+                                         r"rollout_engine='counting'") as refused:
+        GRPOConfig(use_vllm=True, rollout_engine="counting", num_generations=4)
+    assert refused.value.names == ("GRPOConfig.use_vllm", "rollout_engine")
+    with pytest.raises(ValueError, match="use_vllm.*rollout_engine"):
+        cfg.use_vllm = True
+    assert (cfg.use_vllm, cfg.rollout_engine) == (False, "counting")
+    cfg.rollout_engine = "hf"  # (a new choice replaces the old)
+    cfg.num_generations = 8
+    # the command line: the same refusal, as flags, before any model loads
+    out = run_cli("train", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "none.jsonl"),
+                  "--use-vllm", "--distributed", "ddp")
+    assert out.returncode == 2 and "--rollout-engine='vllm' (--use-vllm) runs one engine in a single process" in out.stderr
+
+
+def test_register_engine_refuses_what_it_cannot_build_from():
+    from grpo import rollout
+
+    class NotAnEngine:
+        def generate(self, policy, prompts, num_generations, *, greedy=False):
+            raise AssertionError
+
+    with pytest.raises(TypeError, match="RolloutEngine subclass"):
+        rollout.register_engine("plain", NotAnEngine)
+    with pytest.raises(ValueError, match="an identifier"):
+        rollout.register_engine("my engine", CountingEngine)
+    with pytest.raises(ValueError, match="'hf' is already HFGenerate"):
+        rollout.register_engine("hf", CountingEngine)
+    assert rollout.register_engine("hf", HFGenerate) is HFGenerate  # (the same class again: nothing changes)
+    with pytest.raises(ValueError, match=r"rollout_engine must be one of \('hf', 'vllm'\), got 'plain'"):
+        rollout.engine_class("plain")
+    assert set(rollout.ENGINES) == {"hf", "vllm"}
+
+
+def test_engines_and_the_sampler_take_none_as_off():
+    """Inside, "off" is None: the engines store None for TRL's / vLLM's spellings, and the sampler draws the same
+    tokens (and reports no kept set) for None as for them."""
+    _, tokenizer = build_model_and_tokenizer(seed=0)
+    for off in ({}, dict(top_p=1.0, top_k=0), dict(top_p=None, top_k=-1)):
+        engine = HFGenerate(tokenizer, max_new_tokens=3, **off)
+        assert (engine.top_k, engine.top_p) == (None, None), off
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    tokens, kept = sample_tokens(logits, 0.8, None, None, return_kept=True)
+    torch.manual_seed(1)
+    assert torch.equal(sample_tokens(logits, 0.8, 0, 1.0), tokens) and kept is None
+    torch.manual_seed(1)
+    assert sample_tokens(logits, 0.8, None, 0.5, return_kept=True)[1] is not None
