@@ -100,6 +100,40 @@ def worker_resume(out: str) -> None:
         torch.save(results, out)
 
 
+def policy_method_calls(kind: str, batch) -> dict:
+    """Each of Policy's methods called through the (wrapped) module: ``policy(Policy.logps, ...)`` etc. Under DDP
+    the wrapper has no ``logps`` attribute and under FSDP2 the weights are shards outside a forward: the call
+    goes through ``__call__``, where DDP prepares its gradient sync and FSDP2 gathers the weights."""
+    from grpo.models import Policy, prepare_model
+
+    cfg = config("grpo", distributed=kind, beta=0.0)
+    policy, device = prepare_model(tiny_qwen2(), cfg, torch.device("cpu")), torch.device("cpu")
+    with torch.no_grad():
+        logps = policy(Policy.logps, batch, cfg, device)
+    out = policy(Policy.loss, batch, cfg, device, num_items_in_batch=batch.loss_mask.sum().float())
+    out.loss.backward()
+    grads = {}
+    for name, p in policy.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name.removeprefix("module.").removeprefix("model.")] = grad.detach().clone()
+    with torch.no_grad():
+        P = batch.prompt_len
+        ids = policy(Policy.generate, input_ids=batch.input_ids[:3, :P], attention_mask=batch.attention_mask[:3, :P],
+                     max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return {"logps": logps, "loss": out.loss.detach(), "grads": grads, "generated": ids}
+
+
+def worker_policy_methods(out: str) -> None:
+    """The same batch on both ranks (so DDP's averaged gradients are the one-process ones)."""
+    from grpo import distributed
+
+    distributed.setup("ddp")
+    batch = random_update_batch()
+    results = {kind: policy_method_calls(kind, batch) for kind in ("ddp", "fsdp")}
+    if distributed.rank() == 0:
+        torch.save(results, out)
+
+
 def rank_is_main() -> bool:
     from grpo import distributed
 
@@ -142,6 +176,25 @@ def test_one_update_on_two_ranks_matches_one_process(tmp_path):
         report.append(f"{kind:4} {loss_type:7} {split:6} tied={tied!s:5} max|dgrad|={max_diff(grads, ref_grads):.1e} "
                       f"max|dparam|={max_diff(state, ref_state):.1e}")
     print("\n".join(report))
+
+
+def test_policy_methods_under_ddp_and_fsdp2_are_the_one_process_ones(tmp_path):
+    """``policy(Policy.logps / loss / generate, ...)`` on a DDP- and an FSDP2-wrapped Policy (2 ranks, the same
+    batch on each): the log-probs, the loss, every gradient (DDP's and FSDP2's averages of equal ones) and the
+    greedy completions equal those of an unwrapped Policy in one process."""
+    out = tmp_path / "policy_methods.pt"
+    torchrun([__file__, "policy_methods", str(out)])
+    results = torch.load(out, weights_only=False)
+    torch.set_num_threads(1)
+    single = policy_method_calls("none", random_update_batch())
+    assert single["grads"] and max(float(g.abs().max()) for g in single["grads"].values()) > 1e-3
+    for kind, got in results.items():
+        torch.testing.assert_close(got["logps"], single["logps"], rtol=1e-6, atol=1e-6, msg=lambda m: f"{kind} logps: {m}")
+        torch.testing.assert_close(got["loss"], single["loss"], rtol=1e-6, atol=1e-7, msg=lambda m: f"{kind} loss: {m}")
+        assert got["grads"].keys() == single["grads"].keys(), kind
+        for name, grad in single["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {name}: {m}")
+        assert torch.equal(got["generated"], single["generated"]), kind
 
 
 def pytest_approx(value):
@@ -191,5 +244,5 @@ def test_two_rank_demo_learns(tmp_path):
 if __name__ == "__main__":  # a worker, started by torchrun
     scenario, out_path = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    {"equivalence": worker_equivalence, "resume": worker_resume}[scenario](out_path)
+    {"equivalence": worker_equivalence, "resume": worker_resume, "policy_methods": worker_policy_methods}[scenario](out_path)
     leave_gloo_worker()
