@@ -11,7 +11,9 @@ adapters disabled (:func:`adapters_disabled`, peft's ``disable_adapter``): no se
 
 The fused loss reads ``lm_head.weight`` itself, so an adapter on ``lm_head`` would be ignored by it:
 targeting ``lm_head`` is refused, as is targeting the embeddings of a model whose ``lm_head`` is tied
-to them. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
+to them. The input embeddings of an untied model (``embed_tokens``) take peft's ``lora.Embedding``:
+``E[ids] + (alpha / r) A^T[ids] B^T``, ``A`` [r, V] looked up by token id, ``B`` [H, r]; peft applies no
+dropout there (an id is not a feature vector to drop), and neither does :func:`fuse_dropout`. :func:`check_flags` checks what it can before the model is loaded (peft installed, the
 target names against the model's modules, built on the meta device from its config).
 
 What an adapter costs in activations (``grpo.plan.adapter_bytes`` derives it; ``docs/memory.md``):
@@ -329,7 +331,9 @@ def save_adapter(peft_model: torch.nn.Module, output_dir: str, tokenizer: Option
     """Write the adapter with peft (``adapter_config.json``, ``adapter_model.safetensors``) under
     ``output_dir/adapter``; ``peft.PeftModel.from_pretrained(base_model, path)`` loads it. Returns the path."""
     path = os.path.join(output_dir, ADAPTER_DIR)
-    peft_model.save_pretrained(path)
+    # (the base embeddings are frozen: with embed_tokens targeted peft would also save the whole embedding
+    # matrix, its default for a resized vocabulary; the adapter holds the adapters only)
+    peft_model.save_pretrained(path, save_embedding_layers=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 import pytest
@@ -546,3 +547,109 @@ def check_data_parallel_run(result: dict, output_dir) -> None:
 
 if __name__ == "__main__":
     worker_data_parallel(sys.argv[1])
+
+
+# ---------------------------------------------------------------------------- LoRA on untied input embeddings
+EMBEDDING_TARGETS = "embed_tokens,down_proj"
+
+
+def _randomised_adapters(peft_model) -> None:
+    """Every adapter factor random (peft starts lora_B / lora_embedding_A at 0: the adapters would add nothing)."""
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+
+
+def test_lora_on_untied_input_embeddings_is_pefts_bit_for_bit():
+    """lora_target_modules="embed_tokens,down_proj" on a model whose head is not tied: add_adapters gives peft's
+    own LoRA (peft's lora.Embedding: A [r, V] looked up by id, B [H, r], scaled by alpha / r; no dropout on it, as
+    peft applies none, while down_proj's is the fused hashed one), the same logits and adapter gradients as
+    get_peft_model with the same dropout masks, bit for bit; the embedding adapter's output and gradients equal a
+    float64 restatement of the formula."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = GRPOConfig(output_dir="unused", use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.2,
+                     lora_target_modules=EMBEDDING_TARGETS)
+    ids = torch.randint(3, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(ours: bool):
+        model, _ = build_model_and_tokenizer(seed=0)
+        assert model.get_input_embeddings().weight is not model.get_output_embeddings().weight
+        torch.manual_seed(5)
+        if ours:
+            lora.check_targets(model, cfg)
+            peft_model = lora.add_adapters(model, cfg)
+        else:
+            peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, task_type="CAUSAL_LM",
+                                                          target_modules=["embed_tokens", "down_proj"]),
+                                        autocast_adapter_dtype=True)
+            peft_with_mask_dropout(peft_model)
+        _randomised_adapters(peft_model)
+        peft_model.train()
+        torch.manual_seed(7)
+        logits = peft_model(ids).logits
+        logits.float().pow(2).mean().backward()
+        return logits.detach(), {n: q.grad.clone() for n, q in peft_model.named_parameters() if q.requires_grad}, peft_model
+
+    (ours, ours_grads, model), (theirs, theirs_grads, _) = run(True), run(False)
+    assert any("lora_embedding_A" in n for n in ours_grads) and any("down_proj.lora_A" in n for n in ours_grads)
+    assert torch.equal(ours, theirs)
+    assert ours_grads.keys() == theirs_grads.keys()
+    for name, grad in ours_grads.items():
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+        assert torch.equal(grad, theirs_grads[name]), name
+
+    # the embedding adapter against float64: E[ids] + (alpha / r) (A^T[ids]) B^T, and its gradients
+    layer = lora.base_of(model).model.embed_tokens
+    A, B = layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]
+    W = layer.base_layer.weight
+    assert tuple(A.shape) == (4, W.shape[0]) and tuple(B.shape) == (W.shape[1], 4)
+    A.grad = B.grad = None
+    upstream = torch.randn(2, 9, W.shape[1], generator=torch.Generator().manual_seed(3))
+    out = layer(ids)  # (train mode: no dropout on an embedding adapter, as in peft)
+    (out * upstream).sum().backward()
+    A64, B64 = A.detach().double().requires_grad_(), B.detach().double().requires_grad_()
+    want = W.detach().double()[ids] + (8 / 4) * (A64.t()[ids] @ B64.t())
+    (want * upstream.double()).sum().backward()
+    assert_close64(out, want, what="embedding adapter output")
+    assert_close64(A.grad, A64.grad, scale=10, what="d lora_embedding_A")
+    assert_close64(B.grad, B64.grad, scale=10, what="d lora_embedding_B")
+    layer.eval()
+    with torch.no_grad():
+        assert torch.equal(layer(ids), out.detach())
+
+
+def test_a_run_trains_adapters_on_untied_embeddings_and_plans_them(tmp_path):
+    """The whole run accepts the untied embeddings as a target (the memory plan too, which counts their A and B),
+    trains only the adapters, writes an adapter peft loads, and the plan refuses the tied case by name."""
+    from peft import PeftModel
+
+    from grpo import plan
+
+    model, tokenizer = build_model_and_tokenizer(seed=0)
+    before = base_weights(model)
+    cfg = lora_config(tmp_path, lora_target_modules=EMBEDDING_TARGETS, num_steps=2)
+    records = train(model, tokenizer, problems()[:8], REWARDS, cfg)
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+    after = base_weights(model)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    adapters = adapter_weights(model)
+    embedding_A = [v for k, v in adapters.items() if "lora_embedding_A" in k]
+    assert len(embedding_A) == 1 and embedding_A[0].abs().sum() > 0  # (peft starts it at 0: it trained)
+    saved = json.loads((tmp_path / "run" / "memory_plan.json").read_text())
+    assert saved["settings"]["lora_target_modules"] == EMBEDDING_TARGETS
+    fresh, _ = build_model_and_tokenizer(seed=0)
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "run" / "adapter"))
+    ids = torch.randint(3, 20, (1, 6), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(run_eval(loaded, ids), run_eval(model, ids))
+
+    shape = plan.ModelShape.from_config(dict(plan.KNOWN_CONFIGS["Qwen2.5-7B"]))
+    with_embedding = plan.plan(shape, 1024, use_peft=True, lora_r=8, lora_target_modules=EMBEDDING_TARGETS, device="cpu")
+    without = plan.plan(shape, 1024, use_peft=True, lora_r=8, lora_target_modules="down_proj", device="cpu")
+    extra = with_embedding.terms["weights"] - without.terms["weights"]
+    assert extra == 4 * 8 * (shape.vocab_size + shape.hidden_size)  # fp32 A [r, V] and B [H, r]
+    assert with_embedding.terms["edges"] - without.terms["edges"] == 4 * 8 * 1024  # its [N, r] lookup
+    tied = plan.ModelShape.from_config(dict(plan.KNOWN_CONFIGS["Qwen2.5-0.5B"]))
+    with pytest.raises(ValueError, match="lora_target_modules names embed_tokens.*tie_word_embeddings"):
+        plan.plan(tied, 1024, use_peft=True, lora_target_modules=EMBEDDING_TARGETS, device="cpu")
