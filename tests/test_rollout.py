@@ -79,16 +79,27 @@ def test_trainer_weighs_the_loss_by_trls_ratio(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the weights sent
-def lora_model(seed=0):
+def lora_model(seed=0, targets=("q_proj", "v_proj", "down_proj")):
     peft = pytest.importorskip("peft")
     model, _ = build_model_and_tokenizer(seed=seed)
     names = [n for n, _ in model.named_parameters()]
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0))
     torch.manual_seed(seed + 1)
     for n, p in peft_model.named_parameters():
-        if "lora_B" in n:  # (peft starts B at 0: a delta of 0 could not tell merged from unmerged)
+        if "lora_B" in n or "lora_embedding_A" in n:  # (peft starts these at 0: a delta of 0 could not tell merged from unmerged)
             p.data.normal_(0, 0.1)
     return peft_model, names
+
+
+def test_engine_weights_merge_an_adapter_on_the_input_embeddings_as_peft_does():
+    peft_model, base_names = lora_model(targets=("embed_tokens", "down_proj"))
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    sent = dict(engine_weights(peft_model))
+    assert sorted(sent) == sorted(base_names)
+    for n, p in merged.named_parameters():
+        assert_close64(sent[n], p.detach().double(), what=n)
+    base = peft_model.get_base_model().model.embed_tokens.base_layer.weight
+    assert (sent["model.embed_tokens.weight"] - base).abs().max() > 1e-3  # the delta is in
 
 
 def test_engine_weights_of_a_plain_model_are_its_parameters():
