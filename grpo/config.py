@@ -14,8 +14,11 @@ new loss option appears in the functions, the modules, this config and ``--help`
 options the trainer sets under other names (TRL's ``vllm_importance_sampling_*`` for the rollout
 correction, ``temperature``) take the option's declaration with :func:`grpo_kernels.bounds.like`, and
 an error of the loss spec names the config's field (:meth:`GRPOConfig.loss_spelling`). The advantage
-choice lists are ``grpo.advantages``'s, and the process kinds ``grpo.distributed``'s: each list lives
-in one place.
+choice lists are ``grpo.advantages``'s, the process kinds ``grpo.distributed``'s, and the rollout engines
+``grpo.rollout``'s registry (``rollout_engine``: each engine also refuses its own combinations,
+``RolloutEngine.check_config``; ``use_vllm`` is TRL's spelling of ``rollout_engine="vllm"``): each list lives
+in one place. "Off" is None: ``top_k`` / ``top_p`` take TRL's and vLLM's spellings of "off" (0, -1, 1.0)
+and store None (``grpo.rollout.TRUNCATION_OFF_AS_NONE``).
 """
 
 from __future__ import annotations

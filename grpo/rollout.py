@@ -13,7 +13,14 @@ which the trainer's loss corrects for the engine/trainer mismatch (``grpo_kernel
 given ``rollout_logps``: TRL's vLLM importance-sampling correction). When they truncate (``top_k`` /
 ``top_p``) both engines also report the set of tokens each completion token was drawn from
 (``Completions.sampling_mask``), which the loss replays (``GRPOConfig.sampling_replay``); and both sample
-with the trainer's settings alone, the model's generation config left out.
+with the trainer's settings alone, the model's generation config left out. Inside, a truncation that is off
+is None (:func:`sampling_settings` reads TRL's and vLLM's spellings of "off" as None); each engine spells it
+as its sampler wants only where it builds that sampler's parameters.
+
+The engines a config can name are a registry (:data:`ENGINES`, :func:`register_engine`):
+``GRPOConfig.rollout_engine`` (``--rollout-engine``; TRL's ``use_vllm=True`` is ``"vllm"``) picks one,
+whose class (a :class:`RolloutEngine`) owns its checks, run before anything loads: the config combinations
+it refuses, the packages it needs, the prompts it can take; and builds it (``from_config``).
 
 Layout (``B = len(prompts) * G`` rows, prompt-major: rows ``g*G .. g*G+G-1`` answer prompt ``g``):
 prompts left-padded to ``P`` positions, completions right-padded to ``T <= max_new_tokens``, the
