@@ -745,3 +745,18 @@ def test_the_hash_block_the_plan_counts_is_lora_s():
     from grpo import lora
 
     assert plan.HASH_BLOCK_ELEMENTS == lora.HASH_BLOCK
+
+
+def test_plans_defaults_are_the_configs_own():
+    """plan()'s keywords for GRPOConfig's settings default to the config's defaults, read from its fields (issue 46:
+    not restated): the same values, and a default changed in the config is the plan's."""
+    import dataclasses
+    import inspect
+
+    from grpo.config import GRPOConfig
+
+    signature = inspect.signature(plan.plan).parameters
+    config = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert set(plan.PLAN_CONFIG_FIELDS) <= set(signature)
+    for name in plan.PLAN_CONFIG_FIELDS:
+        assert signature[name].default == config[name] and plan.CONFIG_DEFAULTS[name] is config[name], name
