@@ -37,9 +37,9 @@ from typing import Any, Iterator, Optional, Protocol, Sequence, Union, runtime_c
 
 import torch
 
+from grpo_kernels import SamplingMask
 from grpo_kernels.options import check_top_k, check_top_p
 from grpo_kernels.reference import kept_tokens
-from grpo_kernels.sampling_mask import SamplingMask
 
 from .models import unwrap
 from .precision import autocast
