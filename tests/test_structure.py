@@ -1,16 +1,22 @@
-"""The project's module graph has no circle, function-level imports included.
+"""The project's structure: no import circle, ``grpo`` on ``grpo_kernels``' public surface, no private reach.
+
+Three rules, each with a test that feeds its checker a bad import and sees it flagged:
+- the module graph has no circle, function-level imports included (below);
+- ``grpo`` imports from ``grpo_kernels`` only the public surface (PUBLIC_MODULES, their ``__all__``);
+- no module imports another module's ``_private`` name.
 
 Every ``import`` statement of every module (at any depth: a late import inside a function that dodges a
 cycle at load time is still an edge) of ``grpo_kernels``, ``grpo``, ``benchmarks`` and ``tests`` becomes
 an edge to the project module it names: ``from .x import y`` to ``x`` (or to ``x.y`` when that is a
 module), ``from . import y`` to ``y``, ``import a.b`` to ``a.b``. A circle means that neither module
-can be read or changed alone.
+can be read or changed alone. The other two rules are stated where their checkers begin.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Dict, List, Optional, Set
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -267,8 +273,10 @@ def _bindings(tree: ast.Module, name: str, is_package: bool, modules) -> Dict[st
     """Local name -> the project module an import bound it to (``import a.b`` binds ``a`` to ``a``)."""
     bound = {}
     for _, stem, imported, local in _imports(tree, name, is_package):
-        target = stem if imported is None and local != stem.split(".")[0] else (
-            stem.split(".")[0] if imported is None else f"{stem}.{imported}")
+        if imported is not None:
+            target = f"{stem}.{imported}"
+        else:  # (``import a.b as c`` binds c to a.b; ``import a.b`` binds a)
+            target = stem if local != stem.split(".")[0] else local
         if target in modules:
             bound[local] = target
     return bound
@@ -297,15 +305,10 @@ def surface_violations(source: str, name: str, modules, public: Dict[str, Set[st
         elif attr not in public[module]:
             found.append(f"{name}:{line}: {module}.{attr} is not in {module}.__all__")
 
-    for line, stem, imported, local in _imports(tree, name, is_package):
-        if not inside(stem):
-            continue
-        if imported is None:
-            if local != stem.split(".")[0]:  # (import a.b as c: c is a.b itself)
-                check_module(line, stem)
-            elif stem != library:
-                check_module(line, stem)
-        else:
+    for line, stem, imported, _ in _imports(tree, name, is_package):
+        if inside(stem) and imported is None:
+            check_module(line, stem)
+        elif inside(stem):
             check_name(line, stem, imported)
     for line, module, chain in _attribute_chains(tree, _bindings(tree, name, is_package, modules)):
         if not inside(module):
@@ -378,8 +381,8 @@ def test_public_modules_declare_their_surface():
         missing = [n for n in names if n not in bound and f"{name}.{n}" not in modules]
         assert not missing, f"{name}.__all__ names what it does not define or import: {missing}"
     text = (ROOT / "docs" / "api.md").read_text()
-    section = text.split("\n## Public modules", 1)[1].split("\n## ", 1)[0]
-    import re
+    assert "\n## Public modules\n" in text
+    section = text.split("\n## Public modules\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^- `(grpo_kernels[\w.]*)`", section, flags=re.M))
     assert listed == set(PUBLIC_MODULES)
 
