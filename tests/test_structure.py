@@ -282,6 +282,21 @@ def _bindings(tree: ast.Module, name: str, is_package: bool, modules) -> Dict[st
     return bound
 
 
+def _references(tree: ast.Module, name: str, is_package: bool, modules):
+    """Each place a module's source names a module or a name in one: (line, module, name or None), from
+    its imports (``from m import x``: (line, m, x); ``import m``: (line, m, None)) and from the attribute
+    paths through the modules they bind (``m.sub.x``: (line, m.sub, None), (line, m.sub, x))."""
+    for line, stem, imported, _ in _imports(tree, name, is_package):
+        yield line, stem, imported
+    for line, module, chain in _attribute_chains(tree, _bindings(tree, name, is_package, modules)):
+        for attr in chain:
+            if f"{module}.{attr}" not in modules:
+                yield line, module, attr
+                break
+            module = f"{module}.{attr}"
+            yield line, module, None
+
+
 def surface_violations(source: str, name: str, modules, public: Dict[str, Set[str]],
                        is_package: bool = False, library: str = "grpo_kernels") -> List[str]:
     """Where module ``name`` (its ``source``) reaches ``library`` other than through ``public``: an
@@ -305,21 +320,11 @@ def surface_violations(source: str, name: str, modules, public: Dict[str, Set[st
         elif attr not in public[module]:
             found.append(f"{name}:{line}: {module}.{attr} is not in {module}.__all__")
 
-    for line, stem, imported, _ in _imports(tree, name, is_package):
-        if inside(stem) and imported is None:
-            check_module(line, stem)
-        elif inside(stem):
-            check_name(line, stem, imported)
-    for line, module, chain in _attribute_chains(tree, _bindings(tree, name, is_package, modules)):
-        if not inside(module):
-            continue
-        for attr in chain:
-            if f"{module}.{attr}" in modules:
-                module = f"{module}.{attr}"
-                check_module(line, module)
-                continue
+    for line, module, attr in _references(tree, name, is_package, modules):
+        if inside(module) and attr is None:
+            check_module(line, module)
+        elif inside(module):
             check_name(line, module, attr)
-            break
     return sorted(set(found))
 
 
@@ -345,20 +350,12 @@ def private_violations(source: str, name: str, modules, is_package: bool = False
         elif _is_private(attr) and module != name:
             found.append(f"{name}:{line}: {module}.{attr} is private to {module}")
 
-    for line, stem, imported, local in _imports(tree, name, is_package):
-        if _resolve(stem, modules) is None:
+    for line, module, attr in _references(tree, name, is_package, modules):
+        if _resolve(module, modules) is None:
             continue  # (not ours: the standard library's and third parties' names are theirs to judge)
-        owner_allows(line, stem)
-        if imported is not None:
-            check_name(line, stem, imported)
-    for line, module, chain in _attribute_chains(tree, _bindings(tree, name, is_package, modules)):
-        for attr in chain:
-            if f"{module}.{attr}" in modules:
-                module = f"{module}.{attr}"
-                owner_allows(line, module)
-                continue
+        owner_allows(line, module)
+        if attr is not None:
             check_name(line, module, attr)
-            break
     return sorted(set(found))
 
 
