@@ -60,8 +60,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from grpo_kernels import SamplingMask
 from grpo_kernels.options import IGNORE_INDEX
-from grpo_kernels.sampling_mask import SamplingMask
 
 PACKED_SDPA = "packed_sdpa"  # attn_implementation name of :func:`packed_sdpa_attention`
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")

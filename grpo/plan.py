@@ -711,7 +711,7 @@ def layer_terms(shape: ModelShape, tokens: int, b: int, *, full: bool, targets: 
 
 def norm_blocks_elements() -> int:
     """The torch path's fp32 block (``grpo_kernels.kernels.torch_norm.BLOCK_ELEMENTS`` elements)."""
-    from grpo_kernels.kernels.torch_norm import BLOCK_ELEMENTS
+    from grpo_kernels.sizing import NORM_BLOCK_ELEMENTS as BLOCK_ELEMENTS
 
     return BLOCK_ELEMENTS
 
@@ -811,8 +811,7 @@ def _plan(shape: ModelShape, tokens: int, rollout_tokens: Optional[int], sequenc
           lora_target_modules: str, lora_dropout: float, model_dtype: str, bf16: bool, gradient_checkpointing: bool,
           activation_offload: bool, mlp_chunk_tokens: Optional[int], fused_norm: bool, beta: float,
           release_memory: str, device: str) -> MemoryPlan:
-    from grpo_kernels.autograd import default_chunk_size
-    from grpo_kernels.kernels.torch_rows import frozen_head_bytes, tile_columns
+    from grpo_kernels.sizing import default_chunk_size, frozen_head_bytes, tile_columns
 
     import torch
 

@@ -44,10 +44,10 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union,
 
 import torch
 
+from grpo_kernels import SamplingMask
 from grpo_kernels.bounds import OptionError, at_least, check_value, declarations
 from grpo_kernels.options import GRPOOptions, check_top_k, check_top_p
 from grpo_kernels.reference import kept_tokens
-from grpo_kernels.sampling_mask import SamplingMask
 
 from .models import Policy, unwrap
 from .precision import autocast

@@ -53,9 +53,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from grpo_kernels import SamplingMask
 from grpo_kernels.bounds import OptionError
 from grpo_kernels.options import TOKEN_NORMALISED_LOSS_TYPES, GRPOOptions
-from grpo_kernels.sampling_mask import SamplingMask
 
 from . import activations, checkpoint, distributed, lora, packing, plan, precision
 from .memory import PhaseMemory

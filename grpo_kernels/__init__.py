@@ -6,7 +6,9 @@
     rms_norm(x, weight, eps, gemma=False)                # a decoder's RMSNorm, fwd + bwd fused (grpo_kernels.norm)
 
 ``grpo_kernels.reference`` holds the plain-PyTorch spec with the same signatures; ``docs/api.md`` is the
-user-facing API reference.
+user-facing API reference. Public API: the names below, and the ``__all__`` of the modules that
+``docs/api.md`` lists under "Public modules" (``options``, ``bounds``, ``norm``, ``reference``,
+``sizing``); everything else is internal (``tests/test_structure.py`` holds ``grpo`` to this).
 """
 
 from .functional import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs

@@ -19,6 +19,9 @@ Errors are :class:`OptionError` (a ``ValueError``) or :class:`OptionTypeError` (
 re-words them in the spelling its user typed (:meth:`OptionError.respelled`): verl's
 ``clip_ratio_low`` for ``eps_low`` in a function call, ``GRPOConfig.vllm_importance_sampling_clip_max``
 for ``rollout_correction_max`` in the config, ``--vllm-importance-sampling-clip-max`` on the command line.
+
+Public API (``docs/api.md``, "Public modules"): a trainer declares its own options with these names
+(``grpo.GRPOConfig`` does), so its checks and errors are the kernels'.
 """
 
 from __future__ import annotations
@@ -299,3 +302,9 @@ def check_fields(owner: type, values: Mapping[str, Any], *, loss_mode: Optional[
 def fields_by_name(cls: type) -> Dict[str, "dataclasses.Field"]:
     """Field name -> ``dataclasses.Field`` of dataclass ``cls`` (its declarations' metadata: help text)."""
     return {f.name: f for f in dataclasses.fields(cls)}
+
+
+# Public API (docs/api.md, "Public modules"): the names other packages may import from this module.
+__all__ = ["OptionError", "OptionTypeError", "Bounds", "at_least", "above", "FINITE", "ZERO_TO_ONE", "UNIT_INTERVAL",
+           "FRACTION", "option", "like", "describe_bounds", "kind_of", "check_value", "Declaration", "declarations",
+           "check_fields", "fields_by_name"]

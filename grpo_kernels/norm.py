@@ -11,6 +11,8 @@ layer keeps anyway), the weight and ``rstd`` [N] fp32, and computes the backward
 (``kernels/triton_norm.py`` has the formulas; ``kernels/torch_norm.py`` is the CPU path, over blocks of
 rows). Values: transformers' to the rounding of ``1 / sqrt(mean(x^2) + eps)`` (bit for bit on the CPU
 path); gradients in fp32, returned in the inputs' dtypes.
+
+Public API (``docs/api.md``, "RMSNorm" and "Public modules").
 """
 
 from __future__ import annotations
@@ -127,3 +129,7 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, gemma={self.gemma}"
+
+
+# Public API (docs/api.md, "Public modules"): the names other packages may import from this module.
+__all__ = ["rms_norm", "RMSNorm", "RMSNormFunction", "NORM_BACKENDS"]

@@ -567,3 +567,9 @@ def grpo_keywords(fn: F) -> F:
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
     call.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
+
+
+# Public API (docs/api.md, "Public modules"): the option declarations and the vocabulary a trainer's
+# config is generated from; the names other packages may import from this module.
+__all__ = ["GRPOOptions", "GRPOInputs", "OPTION_NAMES", "OPTION_FIELDS", "INPUT_NAMES", "BACKENDS", "IGNORE_INDEX",
+           "LOSS_TYPES", "LOSS_MODES", "TOKEN_NORMALISED_LOSS_TYPES", "check_top_k", "check_top_p"]

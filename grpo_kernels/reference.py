@@ -228,3 +228,7 @@ def fused_linear_grpo_loss(
     valid = objective.effective_mask(completion_ids, completion_mask) != 0
     return grpo_loss(_project(hidden, weight, bias, valid, fp32_logits), completion_ids, advantages, completion_mask,
                      **grpo_kwargs)
+
+
+# Public API (docs/api.md, "The spec" and "Public modules"): the names other packages may import from this module.
+__all__ = ["token_logprobs", "grpo_loss", "fused_linear_token_logprobs", "fused_linear_grpo_loss", "kept_tokens"]

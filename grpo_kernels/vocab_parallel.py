@@ -53,9 +53,9 @@ import torch
 
 from . import _validation as V
 from . import backends, objective
-from .autograd import (FusedLinearTokenLogprobsFunction, ReplaySplit, TokenLogprobsFunction, _chunked_row_stats,
-                       _finite_grad, _first_order, _gradient_buffer, _written_in_place, logprob_forward_outputs,
-                       replay_linear_grads, replay_linear_stats, replay_rows_grad, replay_rows_stats)
+from .autograd import (FusedLinearTokenLogprobsFunction, ReplaySplit, TokenLogprobsFunction, chunked_row_stats,
+                       finite_grad, first_order, gradient_buffer, logprob_forward_outputs, replay_linear_grads,
+                       replay_linear_stats, replay_rows_grad, replay_rows_stats, written_in_place)
 from .kernels import torch_replay
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
@@ -348,7 +348,7 @@ class VocabParallelTokenLogprobsFunction(torch.autograd.Function):
                                        sum_sq, with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         grad_logits = TokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[0]
         return grad_logits, None, None, None, None, None, None, None
@@ -366,7 +366,7 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, codes, backend, transform: LogitTransform, with_entropy: bool,
                 chunk_size: int, dtype: torch.dtype, accumulate_in_weight_dtype: bool, group,
                 reduce_hidden_grad: bool, with_sum_sq: bool = False):
-        stats = _chunked_row_stats(
+        stats = chunked_row_stats(
             hidden, weight, bias, codes, chunk_size, dtype,
             lambda logits, rows, where: _shard_row_stats(backend, logits, rows, transform.rows(where), with_entropy,
                                                          with_sum_sq))
@@ -377,7 +377,7 @@ class VocabParallelFusedLinearFunction(torch.autograd.Function):
         return logprob_forward_outputs(ctx, saved, config, logp, entropy, sum_sq, with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         grad_hidden, grad_weight, grad_bias = FusedLinearTokenLogprobsFunction.backward.__wrapped__(ctx, grad_logp, grad_entropy)[:3]
         if ctx.reduce is not None and grad_hidden is not None:
@@ -449,14 +449,14 @@ class VocabParallelReplayFunction(torch.autograd.Function):
                                        logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         logits, lse, local_lse, entropy, logp = ctx.saved_tensors
         backend, transform, inplace_backward = ctx.config
-        out = _gradient_buffer(logits, inplace_backward)
-        replay_rows_grad(logits, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
+        out = gradient_buffer(logits, inplace_backward)
+        replay_rows_grad(logits, ctx.split, lse, local_lse, entropy, finite_grad(grad_logp, logp),
                          None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
-        _written_in_place(logits, out)
+        written_in_place(logits, out)
         return (out,) + (None,) * 10
 
 
@@ -482,12 +482,12 @@ class VocabParallelReplayLinearFunction(torch.autograd.Function):
             (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         hidden, weight, bias, lse, local_lse, entropy, logp = ctx.saved_tensors
         backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
         grad_hidden, grad_weight, grad_bias = replay_linear_grads(
-            hidden, weight, bias, ctx.split, lse, local_lse, entropy, _finite_grad(grad_logp, logp),
+            hidden, weight, bias, ctx.split, lse, local_lse, entropy, finite_grad(grad_logp, logp),
             None if grad_entropy is None else grad_entropy.float(), backend, transform, chunk_size, dtype,
             accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
         if ctx.reduce is not None and grad_hidden is not None:

@@ -65,7 +65,7 @@ def test_code_rewards_rejects_mismatched_lengths():
 
 def test_sandbox_fails_closed(monkeypatch, caplog):
     # A jail that cannot be built scores None (unscorable), logs once, and runs nothing.
-    monkeypatch.setattr(_sandbox, "_SYS_PIVOT_ROOT", {})
+    monkeypatch.setattr(_sandbox, "SYS_PIVOT_ROOT", {})
     monkeypatch.setattr(_sandbox.platform, "machine", lambda: "none")
     monkeypatch.setattr(rewards.code, "_sandbox_failure_logged", False)
     real_run = _sandbox.run

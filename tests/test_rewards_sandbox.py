@@ -1079,7 +1079,7 @@ def test_the_package_keeps_the_one_module_names_and_a_patch_reaches_its_modules(
     # there (a test's monkeypatch) is set in the modules whose code reads it.
     from grpo.rewards.sandbox import jail, planner, policy, verdicts
 
-    assert _sandbox.run is jail.run and _sandbox.judge is verdicts.judge and _sandbox._Planner is planner._Planner
+    assert _sandbox.run is jail.run and _sandbox.judge is verdicts.judge and _sandbox.Planner is planner.Planner
     monkeypatch.setattr(_sandbox, "MAX_RESULT_BYTES", 7)
     assert policy.MAX_RESULT_BYTES == jail.MAX_RESULT_BYTES == verdicts.MAX_RESULT_BYTES == 7
     stand_in = object()
@@ -1098,7 +1098,7 @@ def test_bootstrap_is_a_packaged_file():
     from importlib import resources
 
     text = resources.files("grpo.rewards").joinpath("sandbox_bootstrap.py").read_text()
-    assert text == _sandbox._bootstrap_source()
+    assert text == _sandbox.bootstrap_source()
     assert text == resources.files("grpo.rewards.sandbox").joinpath("bootstrap.py").read_text()  # (the link's target)
     compile(text, "sandbox_bootstrap.py", "exec")  # a real module, seen by linters
     assert math_worker.main.__module__ == "grpo.rewards.worker"

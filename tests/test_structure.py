@@ -1,16 +1,22 @@
-"""The project's module graph has no circle, function-level imports included.
+"""The project's structure: no import circle, ``grpo`` on ``grpo_kernels``' public surface, no private reach.
+
+Three rules, each with a test that feeds its checker a bad import and sees it flagged:
+- the module graph has no circle, function-level imports included (below);
+- ``grpo`` imports from ``grpo_kernels`` only the public surface (PUBLIC_MODULES, their ``__all__``);
+- no module imports another module's ``_private`` name.
 
 Every ``import`` statement of every module (at any depth: a late import inside a function that dodges a
 cycle at load time is still an edge) of ``grpo_kernels``, ``grpo``, ``benchmarks`` and ``tests`` becomes
 an edge to the project module it names: ``from .x import y`` to ``x`` (or to ``x.y`` when that is a
 module), ``from . import y`` to ``y``, ``import a.b`` to ``a.b``. A circle means that neither module
-can be read or changed alone.
+can be read or changed alone. The other two rules are stated where their checkers begin.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 from typing import Dict, List, Optional, Set
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -190,3 +196,253 @@ def missing_module_attributes() -> List[str]:
 
 def test_every_module_attribute_used_exists():
     assert missing_module_attributes() == []
+
+
+# --------------------------------------------------------------------------------------------------
+# The public surface of grpo_kernels, and nobody's private names
+#
+# ``grpo`` (the trainer) imports from ``grpo_kernels`` only its public surface: a name in the
+# ``__all__`` of one of PUBLIC_MODULES (``from grpo_kernels import x`` needs x in
+# ``grpo_kernels.__all__``), or one of those modules itself; docs/api.md ("Public modules") lists the
+# same modules. And no project module imports another module's ``_private`` name: ``from .autograd
+# import _helper`` or ``mod._helper`` through an imported module is an error; a ``_private`` module
+# (``grpo_kernels._validation``) is its package's own: importable inside that package, nowhere else.
+# Imports at any depth count (a function's late import too). Tests are exempt: they test internals.
+
+PUBLIC_MODULES = ("grpo_kernels", "grpo_kernels.bounds", "grpo_kernels.options", "grpo_kernels.norm",
+                  "grpo_kernels.reference", "grpo_kernels.sizing")
+CHECKED_PACKAGES = ("grpo_kernels", "grpo", "benchmarks", "tools")  # (for private names; tests are exempt)
+
+
+def declared_all(tree: ast.Module) -> Optional[List[str]]:
+    """A module's top-level ``__all__`` as written (a literal list or tuple of strings), else None."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            value = node.value
+            if isinstance(value, (ast.List, ast.Tuple)) and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts):
+                return [e.value for e in value.elts]
+            return None
+    return None
+
+
+def public_surface() -> Dict[str, Set[str]]:
+    """Public module -> the names of its ``__all__``."""
+    modules = _modules()
+    return {name: set(declared_all(ast.parse(modules[name].read_text())) or ()) for name in PUBLIC_MODULES}
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def _imports(tree: ast.Module, name: str, is_package: bool):
+    """Each import of a module's source, at any depth: (line, absolute module, imported name or None,
+    the name it binds). ``import a.b`` is (line, "a.b", None, "a"); ``import a.b as c`` binds "c";
+    ``from .x import y as z`` is (line, "<package>.x", "y", "z")."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None, alias.asname or alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            for alias in node.names:
+                yield node.lineno, stem, alias.name, alias.asname or alias.name
+
+
+def _attribute_chains(tree: ast.Module, bound: Dict[str, str]):
+    """(line, module, [attr, ...]) for each ``alias.a.b`` whose alias an import bound to a project module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, value = [], node
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                yield node.lineno, bound[value.id], chain[::-1]
+
+
+def _bindings(tree: ast.Module, name: str, is_package: bool, modules) -> Dict[str, str]:
+    """Local name -> the project module an import bound it to (``import a.b`` binds ``a`` to ``a``)."""
+    bound = {}
+    for _, stem, imported, local in _imports(tree, name, is_package):
+        if imported is not None:
+            target = f"{stem}.{imported}"
+        else:  # (``import a.b as c`` binds c to a.b; ``import a.b`` binds a)
+            target = stem if local != stem.split(".")[0] else local
+        if target in modules:
+            bound[local] = target
+    return bound
+
+
+def _references(tree: ast.Module, name: str, is_package: bool, modules):
+    """Each place a module's source names a module or a name in one: (line, module, name or None), from
+    its imports (``from m import x``: (line, m, x); ``import m``: (line, m, None)) and from the attribute
+    paths through the modules they bind (``m.sub.x``: (line, m.sub, None), (line, m.sub, x))."""
+    for line, stem, imported, _ in _imports(tree, name, is_package):
+        yield line, stem, imported
+    for line, module, chain in _attribute_chains(tree, _bindings(tree, name, is_package, modules)):
+        for attr in chain:
+            if f"{module}.{attr}" not in modules:
+                yield line, module, attr
+                break
+            module = f"{module}.{attr}"
+            yield line, module, None
+
+
+def surface_violations(source: str, name: str, modules, public: Dict[str, Set[str]],
+                       is_package: bool = False, library: str = "grpo_kernels") -> List[str]:
+    """Where module ``name`` (its ``source``) reaches ``library`` other than through ``public``: an
+    import of a module that is not public, of a name not in its module's ``__all__``, or an attribute
+    path (``grpo_kernels.autograd.f`` after ``import grpo_kernels``) that leaves the public surface."""
+    tree = ast.parse(source)
+    found = []
+
+    def inside(module: str) -> bool:
+        return module == library or module.startswith(library + ".")
+
+    def check_module(line: int, module: str) -> None:
+        if module not in public:
+            found.append(f"{name}:{line}: {module} is not a public module of {library}")
+
+    def check_name(line: int, module: str, attr: str) -> None:
+        if f"{module}.{attr}" in modules:
+            check_module(line, f"{module}.{attr}")
+        elif module not in public:
+            check_module(line, module)
+        elif attr not in public[module]:
+            found.append(f"{name}:{line}: {module}.{attr} is not in {module}.__all__")
+
+    for line, module, attr in _references(tree, name, is_package, modules):
+        if inside(module) and attr is None:
+            check_module(line, module)
+        elif inside(module):
+            check_name(line, module, attr)
+    return sorted(set(found))
+
+
+def private_violations(source: str, name: str, modules, is_package: bool = False) -> List[str]:
+    """Where module ``name`` imports another module's ``_private`` name (``from .m import _f``, ``m._f``
+    through an imported module), or a ``_private`` module from outside the package that holds it."""
+    tree = ast.parse(source)
+    found = []
+
+    def owner_allows(line: int, dotted: str) -> None:
+        """Each ``_part`` of a module path belongs to the package above it: only that package may name it."""
+        parts = dotted.split(".")
+        for i, part in enumerate(parts):
+            if _is_private(part) and i:
+                package = ".".join(parts[:i])
+                if not (name == package or name.startswith(package + ".")):
+                    found.append(f"{name}:{line}: {dotted} is private to {package}")
+                    return
+
+    def check_name(line: int, module: str, attr: str) -> None:
+        if f"{module}.{attr}" in modules:
+            owner_allows(line, f"{module}.{attr}")
+        elif _is_private(attr) and module != name:
+            found.append(f"{name}:{line}: {module}.{attr} is private to {module}")
+
+    for line, module, attr in _references(tree, name, is_package, modules):
+        if _resolve(module, modules) is None:
+            continue  # (not ours: the standard library's and third parties' names are theirs to judge)
+        owner_allows(line, module)
+        if attr is not None:
+            check_name(line, module, attr)
+    return sorted(set(found))
+
+
+def _project_sources(packages):
+    modules = _modules()
+    for name, path in sorted(modules.items()):
+        if name.split(".")[0] in packages and path.is_relative_to(ROOT / name.split(".")[0]):
+            yield name, path, modules
+
+
+def test_public_modules_declare_their_surface():
+    """Each public module has a literal ``__all__`` of names it binds, and docs/api.md lists exactly them."""
+    modules = _modules()
+    for name in PUBLIC_MODULES:
+        tree = ast.parse(modules[name].read_text())
+        names = declared_all(tree)
+        assert names, f"{name} has no literal __all__"
+        assert len(names) == len(set(names)), f"{name}.__all__ repeats a name"
+        bound = _top_level_names(tree)
+        missing = [n for n in names if n not in bound and f"{name}.{n}" not in modules]
+        assert not missing, f"{name}.__all__ names what it does not define or import: {missing}"
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert "\n## Public modules\n" in text
+    section = text.split("\n## Public modules\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^- `(grpo_kernels[\w.]*)`", section, flags=re.M))
+    assert listed == set(PUBLIC_MODULES)
+
+
+def test_grpo_uses_only_public_names_of_grpo_kernels():
+    public = public_surface()
+    found = []
+    for name, path, modules in _project_sources(("grpo",)):
+        found += surface_violations(path.read_text(), name, modules, public, is_package=path.name == "__init__.py")
+    assert found == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = []
+    for name, path, modules in _project_sources(CHECKED_PACKAGES):
+        found += private_violations(path.read_text(), name, modules, is_package=path.name == "__init__.py")
+    assert found == []
+
+
+def test_the_surface_check_finds_an_internal_import():
+    """The check itself: each way of reaching past the surface is flagged, the public ways are not."""
+    modules, public = _modules(), public_surface()
+
+    def flagged(source: str) -> List[str]:
+        return surface_violations(source, "grpo.plan", modules, public)
+
+    assert flagged("from grpo_kernels.autograd import default_chunk_size\n")  # an internal module
+    assert flagged("def f():\n    from grpo_kernels.kernels.torch_rows import tile_columns\n")  # a late import
+    assert flagged("from grpo_kernels.options import LogitTransform\n")  # a public module, a name not in __all__
+    assert flagged("from grpo_kernels import autograd\n")  # an internal module by from-import
+    assert flagged("from grpo_kernels import not_a_public_name\n")  # not in grpo_kernels.__all__
+    assert flagged("import grpo_kernels.kernels.torch_norm as tn\n")
+    assert flagged("import grpo_kernels\nx = grpo_kernels.autograd.default_chunk_size\n")  # an attribute path
+    assert flagged("from grpo_kernels import sizing\nx = sizing.tile_columns_of_old\n")
+    assert flagged("from grpo_kernels import options\nx = options._respell\n")
+    for good in ("from grpo_kernels import grpo_loss, SamplingMask\n",
+                 "def f():\n    from grpo_kernels.sizing import default_chunk_size\n",
+                 "from grpo_kernels import sizing\nx = sizing.tile_columns\n",
+                 "import grpo_kernels\nx = grpo_kernels.grpo_loss, grpo_kernels.options.IGNORE_INDEX\n",
+                 "from grpo.config import GRPOConfig\nimport torch._dynamo\n"):
+        assert flagged(good) == [], good
+
+
+def test_the_private_check_finds_a_private_import(tmp_path):
+    """The check itself, on sources written to a file: private names are flagged, a package's own
+    private module is not."""
+    modules = _modules()
+
+    def flagged(source: str, name: str = "grpo_kernels.vocab_parallel") -> List[str]:
+        path = tmp_path / "module.py"
+        path.write_text(source)
+        return private_violations(path.read_text(), name, modules)
+
+    assert flagged("from .autograd import _chunked_row_stats\n")  # the case issue 46 found
+    assert flagged("def f():\n    from grpo_kernels.autograd import _x\n")  # late, absolute
+    assert flagged("from . import autograd\ny = autograd._helper\n")  # through the module
+    assert flagged("from grpo_kernels import _validation\n", name="grpo.trainer")  # a package's private module
+    assert flagged("import grpo_kernels._validation\n", name="benchmarks.kernels")
+    assert flagged("from grpo_kernels._validation import check_flag\n", name="tools.aot")
+    assert flagged("from ._common import _column\n", name="grpo.rewards.code")
+    for good, name in (("from . import _validation as V\nV.check_flag\n", "grpo_kernels.vocab_parallel"),
+                       ("from .. import _validation as V\n", "grpo_kernels.integrations.verl"),
+                       ("from ._host import TESTED as _TESTED\n", "grpo_kernels.integrations.trl"),
+                       ("from torch.utils._foreach_utils import _get_fused_kernels_supported_devices\n", "grpo.precision"),
+                       ("from . import autograd\ny = autograd.__name__\n", "grpo_kernels.vocab_parallel")):
+        assert flagged(good, name) == [], good

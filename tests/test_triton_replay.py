@@ -340,7 +340,7 @@ def test_rows_forward_backward_match_float64(case, in_place, tiny_blocks, monkey
 
 
 def test_rows_confident_target_gradient_error_is_the_rounding_of_lse(tiny_blocks):
-    """A target at 1 - p = 1.8e-5: ``g (1 - p)`` from ``_one_minus_exp(z_t - lse)`` is off by no more than the
+    """A target at 1 - p = 1.8e-5: ``g (1 - p)`` from ``one_minus_exp(z_t - lse)`` is off by no more than the
     rounding of the fp32 ``lse`` the contract hands the backward (``|lse| 2^-24`` a few times), far below
     what ``1 - p`` rounded to fp32 after ``exp`` would cost a smaller gap."""
     logits = torch.tensor([[12.0, -2.0, 0.0, 1.0, -1.0]])

@@ -9,7 +9,7 @@ MAX_TEXT_CHARS = 1_000_000  # completions longer than this are not parsed at all
 MAX_TIMEOUT = 86_400.0  # seconds; longer is a configuration error, not a budget
 
 
-def _last_answer_block(text: str) -> str | None:
+def last_answer_block(text: str) -> str | None:
     """Body of the last ``<answer>...</answer>``: the last close tag and the open tag nearest
     before it (two ``rfind`` calls: linear, where a lazy regex is quadratic on repeated tags)."""
     close = text.rfind("</answer>")
@@ -49,7 +49,8 @@ def check_timeout(timeout: Any) -> float:
 
 
 
-def _column(name: str, value: Any, n: int) -> list:
+def as_column(name: str, value: Any, n: int) -> list:
+    """``value`` as a reward column of ``n`` rows: None or a scalar repeated, or a sequence of length ``n``."""
     if value is None:
         return [None] * n
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

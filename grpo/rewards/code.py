@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from grpo.rewards import sandbox as _sandbox
-from grpo.rewards._common import (MAX_TEXT_CHARS, _column, _last_answer_block, check_timeout,
-                                  completion_text)
+from grpo.rewards._common import MAX_TEXT_CHARS, as_column, check_timeout, completion_text, last_answer_block
 
 log = logging.getLogger("grpo.rewards")
 
@@ -48,7 +47,7 @@ def extract_code(completion: Any) -> str | None:
     block = _last_python_block(text)
     if block is not None:
         return block
-    body = _last_answer_block(text)
+    body = last_answer_block(text)
     return body if body is not None and body.strip() else None
 
 
@@ -123,7 +122,7 @@ def code_rewards(completions: Sequence[Any], tests: Sequence[Any], *, timeout: f
     completions, tests = list(completions), list(tests)
     if len(tests) != len(completions):
         raise ValueError(f"tests has {len(tests)} rows for {len(completions)} completions")
-    trusted = _column("trusted_code", trusted_code, len(completions))
+    trusted = as_column("trusted_code", trusted_code, len(completions))
     units: list[tuple[int, Callable[[], list[tuple[int, bool | None | str]]]]] = []
     totals: list[int | None] = []
     for i, (completion, test) in enumerate(zip(completions, tests)):
@@ -171,7 +170,7 @@ def unscorable_rows(tests: Sequence[Any], trusted_code: Sequence[str | None] | N
     refuses on its own (the first such test's reason). Nothing is run: the trainer calls this
     on every row before the first step."""
     tests = list(tests)
-    trusted = _column("trusted_code", trusted_code, len(tests))
+    trusted = as_column("trusted_code", trusted_code, len(tests))
     out = []
     for i, test in enumerate(tests):
         norm = _normalise_tests(test)
@@ -219,8 +218,8 @@ def code_reward_func(prompts: Sequence[Any], completions: Sequence[Any], tests: 
     """TRL reward: fraction of tests passed; None where a row cannot be judged (see
     :func:`code_rewards`). Columns: ``tests`` and, optional, ``trusted_code``."""
     n = len(completions)
-    return code_rewards(completions, _column("tests", tests, n), timeout=timeout,
-                        trusted_code=_column("trusted_code", trusted_code, n))
+    return code_rewards(completions, as_column("tests", tests, n), timeout=timeout,
+                        trusted_code=as_column("trusted_code", trusted_code, n))
 
 
 def _unscorable_data_rows(rows: Sequence[Any]) -> list[tuple[int, str]]:

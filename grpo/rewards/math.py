@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from grpo.rewards import math_normalize as _mn
-from grpo.rewards._common import (MAX_TEXT_CHARS, _column, _last_answer_block, check_timeout,
-                                  completion_text)
+from grpo.rewards._common import MAX_TEXT_CHARS, as_column, check_timeout, completion_text, last_answer_block
 from grpo.rewards.worker import VerifierUnavailable, WorkerError, WorkerPool
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -29,7 +28,7 @@ def _last_box(text: str) -> str | None:
     stripped = rest.lstrip()
     if stripped.startswith("{"):
         start = len(rest) - len(stripped)
-        end = _mn._matching_brace(rest, start)
+        end = _mn.matching_brace(rest, start)
         if end < 0:
             return None  # truncated: the model never closed its answer
         return rest[start + 1:end].strip() or None
@@ -51,7 +50,7 @@ def extract_answer(text: Any) -> str | None:
         text = completion_text(text)
         if not text or len(text) > MAX_TEXT_CHARS:
             return None
-        body = _last_answer_block(text)
+        body = last_answer_block(text)
         if body is not None:
             if _BOX_RE.search(body):
                 return _last_box(body)
@@ -164,7 +163,7 @@ def math_accuracy_reward(prompts: Sequence[Any], completions: Sequence[Any], ans
     """TRL reward: 1.0 / 0.0 per completion; None where the gold answer is missing or
     unparseable, or where no SymPy worker can start (:class:`VerifierUnavailable`, logged once)."""
     timeout = check_timeout(timeout)
-    golds = [_gold_answer(a) for a in _column("answer", answer, len(completions))]
+    golds = [_gold_answer(a) for a in as_column("answer", answer, len(completions))]
 
     def score(i: int) -> float | None:
         if golds[i] is None:

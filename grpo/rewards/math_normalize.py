@@ -141,7 +141,7 @@ def _unicode_math(s: str) -> str:
     return unicodedata.normalize("NFKC", "".join(out))
 
 
-def _matching_brace(s: str, i: int) -> int:
+def matching_brace(s: str, i: int) -> int:
     """Index of the ``}`` closing the ``{`` at ``s[i]``, or -1 (escaped braces don't count)."""
     depth = 0
     j = i
@@ -166,7 +166,7 @@ def _unwrap_text(s: str) -> str:
         m = _TEXT_CMD.search(s)
         if not m:
             break
-        end = _matching_brace(s, m.end() - 1)
+        end = matching_brace(s, m.end() - 1)
         if end < 0:
             break
         inner, rest = s[m.end():end].strip(), s[end + 1:]
@@ -213,9 +213,9 @@ def _strip_outer(s: str) -> str:
             if len(t) >= len(a) + len(b) and t.startswith(a) and t.endswith(b):
                 t = t[len(a):len(t) - len(b)].strip()
         m = re.match(r"\\(?:boxed|fbox)\s*\{", t)
-        if m and _matching_brace(t, m.end() - 1) == len(t) - 1:
+        if m and matching_brace(t, m.end() - 1) == len(t) - 1:
             t = t[m.end():-1].strip()
-        if t.startswith("{") and _matching_brace(t, 0) == len(t) - 1:
+        if t.startswith("{") and matching_brace(t, 0) == len(t) - 1:
             t = t[1:-1].strip()
         if t == s:
             return t
@@ -763,6 +763,12 @@ class _Lazy:
 
 
 _L = _Lazy()
+
+
+def load_parsers() -> None:
+    """Import sympy and the LaTeX parser now rather than at the first comparison (a worker warms them
+    before it says it is ready)."""
+    _L.load()
 
 
 @dataclass

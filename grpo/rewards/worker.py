@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     _watch_parent(parent_pid)
-    _mn._L.load()
+    _mn.load_parsers()
     _mn.compare(r"\frac{1}{2}", r"\sqrt{x}")  # warm the parser's caches before saying ready
     _limit_memory(memory_bytes)
     sys.setrecursionlimit(10_000)

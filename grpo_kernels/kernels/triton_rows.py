@@ -34,7 +34,7 @@ programs (``row_stats_partial_kernel`` writes each chunk's ``(m, s, u)``), and t
 then merges the partials instead of reading the row; the backward simply gets a 2-D grid.
 
 A temperature per row (``PER_ROW_T``): each kernel loads its row's ``(c, c ln 2, 1 / T)``, formed in
-float64 by the launchers as the float's factors are (``_transform_args``). The sampler's distribution
+float64 by the launchers as the float's factors are (``transform_args``). The sampler's distribution
 (top-k, top-p; ``forward_rows_sampled``): ``sampled_logprobs_fwd_kernel`` reads the row twice (its
 statistics, then the candidates above a bound certified from them) and finds the thresholds on the
 candidates; ``sampled_logprobs_fallback_kernel`` serves the rows whose candidates did not fit, by
@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ..options import top_k_rows as top_k_rows_of
 
-_LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: the clamp that stands in for -inf
+LOWEST = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: the clamp that stands in for -inf
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 # log2 p below this is 0 in fp32 anyway (2^-150 rounds to 0); clamping there keeps b * log2 p finite.
@@ -75,27 +75,27 @@ def _row_pointer(base, row, T, stride_b, stride_t):
 
 
 @triton.jit
-def _row_factor(value, t_rows_ptr, row, K: tl.constexpr, PER_ROW_T: tl.constexpr):
+def row_factor(value, t_rows_ptr, row, K: tl.constexpr, PER_ROW_T: tl.constexpr):
     """Factor ``K`` of the temperature factors ``(c, c ln 2, 1 / T)`` (0, 1, 2): with ``PER_ROW_T`` the row's
-    own, row ``row`` of ``t_rows`` [rows, 3] (:func:`_transform_args`), else the launch's ``value``."""
+    own, row ``row`` of ``t_rows`` [rows, 3] (:func:`transform_args`), else the launch's ``value``."""
     if PER_ROW_T:
         value = tl.load(t_rows_ptr + 3 * row + K)
     return value
 
 
 @triton.jit
-def _one_minus_exp(x):
+def one_minus_exp(x):
     """1 - exp(x) for x <= 0, accurate near 0 (a confident token's 1 - p), like -expm1(x)."""
     series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
     return tl.where(x > -0.125, series, 1.0 - tl.exp(x))
 
 
 @triton.jit
-def _softcap(x, k, cap):
+def soft_capped(x, k, cap):
     """Final-logit soft-capping ``cap * tanh(k * x)`` (``k = logit_scale / cap``), accurate near 0:
     ``tanh |a| = (1 - e^{-2|a|}) / (1 + e^{-2|a|})`` with the accurate ``1 - e^y``. NaN stays NaN."""
     a = x * k
-    e = _one_minus_exp(-2.0 * tl.abs(a))
+    e = one_minus_exp(-2.0 * tl.abs(a))
     t = e / (2.0 - e)
     return cap * tl.where(a < 0.0, -t, t)
 
@@ -107,16 +107,16 @@ def _load_row(ptr, cap_k, cap, SOFTCAP: tl.constexpr, mask=None):
     if mask is None:
         x = tl.load(ptr).to(tl.float32)
         if SOFTCAP:
-            x = _softcap(x, cap_k, cap)
+            x = soft_capped(x, cap_k, cap)
     else:
         x = tl.load(ptr, mask=mask, other=float("-inf")).to(tl.float32)
         if SOFTCAP:  # tanh(-inf) = -1 would give the lanes past V a probability: keep them -inf
-            x = tl.where(mask, _softcap(x, cap_k, cap), float("-inf"))
+            x = tl.where(mask, soft_capped(x, cap_k, cap), float("-inf"))
     return x
 
 
 @triton.jit
-def _softcap_slope(y, cap_scale, cap):
+def softcap_slope(y, cap_scale, cap):
     """d y / d x of ``y = cap * tanh(k x)``: ``logit_scale * (1 - (y / cap)^2)`` (``cap_scale = cap * k``)."""
     t = y / cap
     return cap_scale * (1.0 - t * t)
@@ -135,9 +135,9 @@ def _slot_update(x, m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.const
     m_new = tl.maximum(m, tl.max(x, 1))  # in-thread: a slot is one thread's 16-byte vector
     # The old sums move to the new max: 2^dd with dd <= 0; clamped so a -FLT_MAX start or a huge
     # jump gives alpha = 0 and alpha * dd = 0 (never 0 * -inf).
-    dd = tl.maximum((m - m_new) * c, _LOWEST)
+    dd = tl.maximum((m - m_new) * c, LOWEST)
     alpha = tl.exp2(dd)
-    shift = tl.maximum((x - m_new[:, None]) * c, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    shift = tl.maximum((x - m_new[:, None]) * c, LOWEST, propagate_nan=tl.PropagateNan.ALL)
     e = tl.exp2(shift)
     s_new = s * alpha + tl.sum(e, 1)
     if WITH_ENTROPY:
@@ -153,7 +153,7 @@ def _merge(m, s, u, w, c, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
     """Merge per-slot (or per-chunk) statistics [K] into the row's (m, s, u, w): the same rule as above
     (``w`` scaled by ``a^2``; 0 without ``WITH_SQ``, as ``u`` without ``WITH_ENTROPY``)."""
     m_row = tl.max(m, 0)
-    dd = tl.maximum((m - m_row) * c, _LOWEST)
+    dd = tl.maximum((m - m_row) * c, LOWEST)
     a = tl.exp2(dd)
     s_row = tl.sum(a * s, 0)
     u_row = 0.0
@@ -177,7 +177,7 @@ def _slot_stats(row_ptr, blk_lo, blk_hi, V, c, cap_k, cap, BLOCK_V: tl.constexpr
     """
     R: tl.constexpr = BLOCK_V // VEC
     tile = _tile(BLOCK_V, VEC)
-    m = tl.full((R,), _LOWEST, tl.float32)
+    m = tl.full((R,), LOWEST, tl.float32)
     s = tl.zeros((R,), tl.float32)
     u = tl.zeros((R,), tl.float32)
     w = tl.zeros((R,), tl.float32)
@@ -212,7 +212,7 @@ def _row_summary(
     if SPLIT:
         k = tl.arange(0, SPLITS_PAD)
         base = row * num_splits
-        pm = tl.load(part_m_ptr + base + k, mask=k < num_splits, other=_LOWEST)
+        pm = tl.load(part_m_ptr + base + k, mask=k < num_splits, other=LOWEST)
         ps = tl.load(part_s_ptr + base + k, mask=k < num_splits, other=0.0)
         pu = ps
         if WITH_ENTROPY:
@@ -232,7 +232,7 @@ def _finish_row(row_ptr, target, m, s, u, c_ln, cap_k, cap, WITH_ENTROPY: tl.con
     # (x_t - m) / T in nats, not in bits: a logit gap near FLT_MAX stays finite at T = 1.
     logp = (x_target - m) * c_ln - log2_s * _LN2
     # below float32's range (a 3e38 gap at T < 1): its lowest finite value, not -inf, as every backend
-    logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    logp = tl.maximum(logp, LOWEST, propagate_nan=tl.PropagateNan.ALL)
     entropy = 0.0
     if WITH_ENTROPY:
         entropy = (log2_s - u / s) * _LN2
@@ -284,7 +284,7 @@ def row_stats_partial_kernel(
 ):
     """Program (row, split): the (m, s, u) of one chunk of a row's vocabulary, for few rows."""
     row = tl.program_id(0).to(tl.int64)
-    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)  # (a temperature per sequence or token)
+    c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)  # (a temperature per sequence or token)
     split = tl.program_id(1)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target != ignore_index:  # a masked row is never read; the merge kernel writes its zeros
@@ -309,8 +309,8 @@ def token_logprobs_fwd_kernel(
     SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
-    c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
+    c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    c_ln = row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         _store_masked_row(row, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, WITH_ENTROPY)
@@ -352,8 +352,8 @@ def grpo_loss_fwd_kernel(
     carries its derivative beside it, and ``tests/test_objective.py`` checks them against autograd.
     """
     row = tl.program_id(0).to(tl.int64)
-    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
-    c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
+    c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    c_ln = row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     if target == ignore_index:
         _store_masked_row(row, logp_ptr, entropy_ptr, max_ptr, log_sum_ptr, True)
@@ -556,8 +556,8 @@ def token_logprobs_bwd_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
-    inv_temperature = _row_factor(inv_temperature, t_rows_ptr, row, 2, PER_ROW_T)
+    c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+    inv_temperature = row_factor(inv_temperature, t_rows_ptr, row, 2, PER_ROW_T)
     target = tl.load(targets_ptr + row).to(tl.int64)
     row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
     grad_row_ptr = _row_pointer(grad_ptr, row, T, grad_stride_b, grad_stride_t)
@@ -608,7 +608,7 @@ def token_logprobs_bwd_kernel(
             if TRUNCATED:
                 grad = tl.where((x > thr) | ((x == thr) & (offs >= tie)), grad, 0.0)
             if SOFTCAP:
-                grad = grad * _softcap_slope(x, cap_scale, cap)
+                grad = grad * softcap_slope(x, cap_scale, cap)
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty))
         if blk_full < blk_hi:
             offs = blk_full * BLOCK_V + tile
@@ -617,19 +617,19 @@ def token_logprobs_bwd_kernel(
             if TRUNCATED:
                 grad = tl.where((x > thr) | ((x == thr) & (offs >= tie)), grad, 0.0)
             if SOFTCAP:
-                grad = grad * _softcap_slope(x, cap_scale, cap)
+                grad = grad * softcap_slope(x, cap_scale, cap)
             tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=offs < V)
         if in_row & (target >= blk_lo * BLOCK_V) & (target < blk_hi * BLOCK_V):
             # Another thread may have written the target's loop value: order its store first.
             tl.debug_barrier()
             p_t = tl.exp2(q_t)
             # g_l (1 - p_t) / T plus the entropy part p_t (b q_t - g_H H / T), never g_l - g_l p_t
-            target_grad = g_logp * _one_minus_exp(q_t * _LN2)
+            target_grad = g_logp * one_minus_exp(q_t * _LN2)
             if HAS_GRAD_ENTROPY:
                 q_t = tl.maximum(q_t, _LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # as in the loop
                 target_grad += p_t * (b * q_t - g_entropy * entropy)
             if SOFTCAP:
-                target_grad = target_grad * _softcap_slope(y_t, cap_scale, cap)
+                target_grad = target_grad * softcap_slope(y_t, cap_scale, cap)
             if TRUNCATED:  # outside the kept set its p is 0: no term at all
                 target_grad = tl.where(kept_t, target_grad, 0.0)
             tl.store(grad_row_ptr + target, target_grad.to(grad_ptr.dtype.element_ty))
@@ -706,7 +706,7 @@ def _top_p_certificate(m_slot, s_slot, m, c, per_slot, goal, total):
     ``mass(y >= t) >= goal``; :data:`_KEY_LOWEST` if none), from pass 1's slots alone: a slot holds at
     least ``q(max_r)`` above t when its max is, and at least ``s_r - per_slot q(t)`` (its other
     elements each weigh less than ``q(t)``). Bisection on the key."""
-    q_slot = tl.exp2(tl.maximum((m_slot - m) * c, _LOWEST))
+    q_slot = tl.exp2(tl.maximum((m_slot - m) * c, LOWEST))
     s_rel = s_slot * q_slot  # the slot's sum relative to the row's max
     k_slot = _order_key(m_slot).to(tl.int64)
     lo = tl.full((), _KEY_LOWEST, tl.int64)
@@ -714,7 +714,7 @@ def _top_p_certificate(m_slot, s_slot, m, c, per_slot, goal, total):
     need = goal + _CERTIFICATE_MARGIN * total
     while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        q_mid = tl.exp2(tl.maximum((_key_value(mid) - m) * c, _LOWEST))
+        q_mid = tl.exp2(tl.maximum((_key_value(mid) - m) * c, LOWEST))
         bound = tl.maximum(tl.where(k_slot >= mid, q_slot, 0.0), s_rel - per_slot * q_mid)
         ok = tl.sum(tl.maximum(bound, 0.0), 0) >= need
         lo = tl.where(ok, mid, lo)
@@ -771,7 +771,7 @@ def _narrow_pass(row_ptr, V, lo, hi, tie_key, m, c, cap_k, cap, BLOCK_V: tl.cons
         else:
             value = tl.where(inside, key, _KEY_LOWEST - 1)
         if MODE == 1:
-            e = tl.exp2(tl.maximum((y - m) * c, _LOWEST))
+            e = tl.exp2(tl.maximum((y - m) * c, LOWEST))
         for i in tl.static_range(_NARROW):  # one threshold at a time: no [R, VEC, _NARROW] temporary
             ge = value >= lo + (i + 1) * step
             if MODE == 1:
@@ -812,7 +812,7 @@ def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC:
         inside = offs < V
         y = _load_row(row_ptr + offs, cap_k, cap, SOFTCAP, mask=inside)
         key = _order_key(y).to(tl.int64)
-        shift = tl.maximum((y - m) * c, _LOWEST)
+        shift = tl.maximum((y - m) * c, LOWEST)
         e = tl.where(inside & (key > v_key), tl.exp2(shift), 0.0)
         s += tl.sum(e, 1)
         u += tl.sum(e * shift, 1)
@@ -827,7 +827,7 @@ def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_
     """Write a row's outputs from the kept set's (s, u, w) relative to the row max m (as :func:`_finish_row`)."""
     log2_s = tl.log2(s)
     logp = (y_t - m) * c_ln - log2_s * _LN2
-    logp = tl.maximum(logp, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    logp = tl.maximum(logp, LOWEST, propagate_nan=tl.PropagateNan.ALL)
     logp = tl.where(kept_t, logp, float("-inf")) + nan_guard  # outside the kept set: -inf, as vLLM's
     tl.store(logp_ptr + row, logp)
     tl.store(max_ptr + row, m)
@@ -860,7 +860,7 @@ def _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, 
     R: tl.constexpr = BLOCK_V // VEC
     key_max = _order_key(m).to(tl.int64)
     # 2. the certified bound (an empty slot's max is -FLT_MAX: a bound there certifies nothing)
-    key_floor = _order_key(tl.full((), _LOWEST, tl.float32)).to(tl.int64)
+    key_floor = _order_key(tl.full((), LOWEST, tl.float32)).to(tl.int64)
     per_slot = (tl.cdiv(V, BLOCK_V) * VEC).to(tl.float32)
     if HAS_TOP_K:
         k_slot = _order_key(m_slot).to(tl.int64)
@@ -883,7 +883,7 @@ def _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, 
     ck = tl.where(cv, (packed >> 32).to(tl.int32), _KEY_LOWEST)  # (past n_cand: -inf, below every bound)
     ci = (packed & 0xFFFFFFFF).to(tl.int32)
     cy = _key_value(ck)
-    ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, _LOWEST)), 0.0)
+    ce = tl.where(cv, tl.exp2(tl.maximum((cy - m) * c, LOWEST)), 0.0)
     fits = n_cand <= CAP
     v_key = lo
     if HAS_TOP_K:
@@ -904,7 +904,7 @@ def _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, 
             fits = fits & (tl.sum(tl.where(ck >= v_key, ce, 0.0), 0) >= goal)
             v_key = _mass_threshold_key(ck, ce, v_key, key_max, 0.0, goal)
             n_tie = tl.sum((ck == v_key).to(tl.int32), 0)
-            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+            q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, LOWEST))
             keep_ties = _tie_count(goal - tl.sum(tl.where(ck > v_key, ce, 0.0), 0), q, n_tie)
             if keep_ties < n_tie:  # the keep_ties highest-indexed of them
                 tie = _kth_largest_key(ci.to(tl.int64), cv & (ck == v_key), keep_ties, tl.full((), 0, tl.int64),
@@ -912,7 +912,7 @@ def _sampled_row(row, row_ptr, target, y_t, m_slot, s_slot, m, s, nan_guard, V, 
     if fits:
         kept_c = cv & ((ck > v_key) | ((ck == v_key) & (ci >= tie)))
         s = tl.sum(tl.where(kept_c, ce, 0.0), 0)
-        u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, _LOWEST), 0.0), 0)
+        u = tl.sum(tl.where(kept_c, ce * tl.maximum((cy - m) * c, LOWEST), 0.0), 0)
         w = tl.sum(tl.where(kept_c, ce * ce, 0.0), 0)
         key_t = _order_key(y_t).to(tl.int64)
         # a kept target whose own logit is -inf: -inf too, as vLLM's log_softmax gives it
@@ -988,8 +988,8 @@ def sampled_logprobs_fwd_kernel(
             tl.store(tie_ptr + row, 0)
             tl.store(overflow_ptr + row, tl.zeros((), tl.int8))
     else:
-        c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
-        c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
+        c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+        c_ln = row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         # pass 1 over the row: each slot's statistics (the slot maxima bound the thresholds:
         # _kth_largest_key, _top_p_certificate), then the row's
@@ -1043,8 +1043,8 @@ def sampled_logprobs_fallback_kernel(
     its two, one may be off: a top-k off starts top-p from the whole row)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(overflow_ptr + row) != 0:
-        c = _row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
-        c_ln = _row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
+        c = row_factor(c, t_rows_ptr, row, 0, PER_ROW_T)
+        c_ln = row_factor(c_ln, t_rows_ptr, row, 1, PER_ROW_T)
         target = tl.load(targets_ptr + row).to(tl.int64)
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t)
         m = tl.load(max_ptr + row)
@@ -1072,7 +1072,7 @@ def sampled_logprobs_fallback_kernel(
         if HAS_TOP_P:
             if p_on:
                 if HAS_TOP_K:
-                    total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                    total = above_s + n_tie.to(tl.float32) * tl.exp2(tl.maximum((_key_value(v_key) - m) * c, LOWEST))
                     start = v_key
                 else:
                     total = s
@@ -1081,12 +1081,12 @@ def sampled_logprobs_fallback_kernel(
                 v_key = _narrow(row_ptr, V, start, key_max, goal, zero, m, c, cap_k, cap, BLOCK_V, VEC, SOFTCAP, 1)
                 above_s, above_u, above_w, n_tie = _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V, VEC,
                                                                SOFTCAP)
-                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, _LOWEST))
+                q = tl.exp2(tl.maximum((_key_value(v_key) - m) * c, LOWEST))
                 keep_ties = _tie_count(goal - above_s, q, n_tie)
                 if keep_ties < n_tie:
                     tie = _narrow(row_ptr, V, zero, tl.full((), V - 1, tl.int64), keep_ties, v_key, m, c, cap_k, cap,
                                   BLOCK_V, VEC, SOFTCAP, 2).to(tl.int32)
-        shift_v = tl.maximum((_key_value(v_key) - m) * c, _LOWEST)
+        shift_v = tl.maximum((_key_value(v_key) - m) * c, LOWEST)
         q_v = tl.exp2(shift_v)
         ties = keep_ties.to(tl.float32)
         s = above_s + ties * q_v
@@ -1144,7 +1144,7 @@ def choose_splits(rows: int, n_blocks: int, num_warps: int, device: torch.device
     return math.ceil(n_blocks / per_split), per_split
 
 
-def _transform_args(temperature: float, softcap: Optional[float], logit_scale: float,
+def transform_args(temperature: float, softcap: Optional[float], logit_scale: float,
                     temperature_rows: Optional[torch.Tensor] = None) -> dict:
     """Kernel arguments of the logit transform ``softcap * tanh(logit_scale * x / softcap) / T``.
 
@@ -1179,7 +1179,7 @@ def log_normalizer(row_max: torch.Tensor, log_sum: torch.Tensor, temperature: fl
                    logit_scale: float, temperature_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``log sum_j exp(z_j)`` in nats from this module's ``row_max`` (raw or capped logits) and
     ``log_sum`` (bits): ``ln 2 * (row_max * c + log2 s)``."""
-    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    tf = transform_args(temperature, softcap, logit_scale, temperature_rows)
     c = tf["c"] if tf["t_rows"] is None else tf["t_rows"][:, 0].view(row_max.shape)
     return (row_max * c + log_sum) * _LN2.value
 
@@ -1256,7 +1256,7 @@ def forward_rows(
     if b * t == 0:
         return logp, entropy, row_max, log_sum
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
-    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    tf = transform_args(temperature, softcap, logit_scale, temperature_rows)
     t_rows = _per_row_pointer(tf, logp)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, with_entropy,
                       block, vec, num_warps, tf["t_rows"])
@@ -1347,7 +1347,7 @@ def grpo_forward_rows(
         objective_code, kl_code, straight_through, clamp_log_ratio = _OBJECTIVES[loss_type], 0, False, False
     kl_apart = kl_weights is not None and ref_logps is not None
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
-    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    tf = transform_args(temperature, softcap, logit_scale, temperature_rows)
     t_rows = _per_row_pointer(tf, weights)
     split = _partials(logits, targets, tf["c"], tf["cap_k"], tf["cap"], tf["SOFTCAP"], ignore_index, True,
                       block, vec, num_warps, tf["t_rows"])
@@ -1395,7 +1395,7 @@ def backward_rows(
         return out
     block, vec, num_warps = launch_config(v, logits.dtype, b * t, _sm_count(logits.device))
     splits, per_split = choose_splits(b * t, triton.cdiv(v, block), num_warps, logits.device)
-    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    tf = transform_args(temperature, softcap, logit_scale, temperature_rows)
     dummy = row_max  # stands in for an absent gradient; never read (the constexpr flag is off)
     t_rows = _per_row_pointer(tf, dummy)
     truncated = threshold is not None
@@ -1478,7 +1478,7 @@ def forward_rows_sampled(
     cap_n = sampling_capacity(num_warps)
     scratch = torch.empty(rows * cap_n if truncates else 1, dtype=torch.int64, device=device)
     overflow = torch.empty(rows if truncates else 1, dtype=torch.int8, device=device)
-    tf = _transform_args(temperature, softcap, logit_scale, temperature_rows)
+    tf = transform_args(temperature, softcap, logit_scale, temperature_rows)
     t_rows = _per_row_pointer(tf, logp)
     shared = dict(BLOCK_V=block, VEC=vec, WITH_ENTROPY=with_entropy, WITH_SQ=with_sum_sq, SOFTCAP=tf["SOFTCAP"],
                   PER_ROW_T=tf["PER_ROW_T"], HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, PER_ROW_KP=per_row,

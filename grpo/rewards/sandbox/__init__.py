@@ -203,24 +203,16 @@ from functools import lru_cache  # noqa: F401
 from importlib import resources  # noqa: F401
 
 from . import assert_plan, jail, planner, policy, verdicts
-from .assert_plan import (SET_ELEMENT, AssertPlan, _folds_to_constant, _has_assert, _inline_checkers,  # noqa: F401
-                          _own_refusals, _parse_tests, _plan_trees, _program_judge_imports, _Rename,
-                          _runtime_constant_sets, _RuntimeConstantSets, plan_assert_tests, top_level_names,
-                          unscorable_tests)
-from .jail import (_SYS_PIVOT_ROOT, DEFAULT_FILE_MB, DEFAULT_MEMORY_MB, DEFAULT_TMP_MB, JAIL_FAILED,  # noqa: F401
-                   MAX_OUTPUT_BYTES, RunResult, SandboxUnavailable, _bootstrap_source, _end_group, _memfd,
-                   _read_capped, _runtime, _wait_exit, capabilities, outputs_match, run, run_stdio_test)
-from .planner import (_HANDOFF, _LOGIC, _STDLIB, AT, DUAL, INPUT, PROBE, STEP, VAL, Refused,  # noqa: F401
-                      _as_load, _as_store, _first_stage, _free_names, _Handed, _hoist, _imported_modules,
-                      _is_call_of, _marker, _mirrorable, _mix, _names_loaded, _Planner, _ProbesToRuns, _Reading,
-                      _readings, _run_marker, _ship_stmt, _statements, _stmt_source, _strip_steps,
-                      _target_names, _untainted)
-from .policy import (_BUILTIN_NAMES, ITER_SECONDS, JUDGE_BUILTINS, JUDGE_MODULES, JUDGE_SECONDS,  # noqa: F401
+from .assert_plan import SET_ELEMENT, AssertPlan, plan_assert_tests, top_level_names, unscorable_tests  # noqa: F401
+from .jail import (DEFAULT_FILE_MB, DEFAULT_MEMORY_MB, DEFAULT_TMP_MB, JAIL_FAILED, MAX_OUTPUT_BYTES,  # noqa: F401
+                   SYS_PIVOT_ROOT, RunResult, SandboxUnavailable, bootstrap_source, capabilities, end_group, memfd,
+                   outputs_match, run, run_stdio_test, runtime)
+from .planner import AT, DUAL, INPUT, PROBE, STEP, VAL, Planner, Refused  # noqa: F401
+from .policy import (BUILTIN_NAMES, ITER_SECONDS, JUDGE_BUILTINS, JUDGE_MODULES, JUDGE_SECONDS,  # noqa: F401
                      JUDGE_TEST_SECONDS, MAX_INPUT_BYTES, MAX_ITER_ITEMS, MAX_PLAN_PASSES, MAX_PROBE_CALLS,
                      MAX_RESULT_BYTES, MAX_SET_ITEMS, MAX_TEST_CHARS, STATEFUL_MODULES, TRUSTED_EXTRA_BUILTINS,
-                     _check_trusted, _declaration, _judge_import, _stateful_import, check_trusted_code)
-from .verdicts import (_SALT, _VERDICTS, JUDGE_FLAGS, PYTHON_ONLY, _judge_job, _judge_process,  # noqa: F401
-                       _judge_seed, assert_jobs, judge, judge_inputs, log, row_score)
+                     check_trusted_code, judge_import, stateful_import)
+from .verdicts import JUDGE_FLAGS, PYTHON_ONLY, assert_jobs, judge, judge_inputs, log, row_score  # noqa: F401
 
 _MODULES = (policy, jail, planner, assert_plan, verdicts)
 _UNSET = object()

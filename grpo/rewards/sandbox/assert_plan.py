@@ -10,8 +10,8 @@ import ast
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .planner import Refused, _Planner
-from .policy import MAX_PLAN_PASSES, MAX_TEST_CHARS, _judge_import, check_trusted_code
+from .planner import Refused, Planner
+from .policy import MAX_PLAN_PASSES, MAX_TEST_CHARS, judge_import, check_trusted_code
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _plan_trees(code: str, trees: dict, n: int, trusted: frozenset
     refused: dict[int, str] = {}
     refused_at: dict[int, int | None] = {}
     shadowed, imports = top_level_names(code), _program_judge_imports(code)
-    planner = _Planner(shadowed, list(trees.values()), trusted)
+    planner = Planner(shadowed, list(trees.values()), trusted)
     # What the program imports from the judge's modules (``from math import isclose``) the
     # judge imports too, so a test's logic through those names runs on the real ones.
     planner.judge_imports |= {(a.asname or a.name).partition(".")[0]
@@ -309,7 +309,7 @@ def _program_judge_imports(code: str) -> list[ast.stmt]:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return []
     imports = [st for st in tree.body if isinstance(st, (ast.Import, ast.ImportFrom))
-               and _judge_import(st)]
+               and judge_import(st)]
     counts: dict[str, int] = {}
     for n in ast.walk(tree):
         bound: list[str] = []

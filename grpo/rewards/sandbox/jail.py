@@ -24,17 +24,17 @@ DEFAULT_MEMORY_MB = 1024
 DEFAULT_FILE_MB = 16
 DEFAULT_TMP_MB = 64
 MAX_OUTPUT_BYTES = DEFAULT_FILE_MB << 20
-_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "ppc64le": 203, "s390x": 217}
 JAIL_FAILED = 97  # see grpo.rewards.sandbox.bootstrap.JAIL_FAILED
 
 
 @lru_cache(maxsize=1)
-def _bootstrap_source() -> str:
+def bootstrap_source() -> str:
     return resources.files(__package__).joinpath("bootstrap.py").read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=1)
-def _runtime() -> tuple[str, tuple[str, ...]]:
+def runtime() -> tuple[str, tuple[str, ...]]:
     """The real interpreter (not a venv shim) and the host paths the jail exposes read-only."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
@@ -60,7 +60,7 @@ class RunResult:
     results_bytes: bytes = b""  # the raw result descriptor (capped), for the judge
 
 
-def _end_group(proc: subprocess.Popen, fds: list, timeout: float) -> bool:
+def end_group(proc: subprocess.Popen, fds: list, timeout: float) -> bool:
     """Close the parent's copies of the child's descriptors ``fds`` (emptied), wait up to ``timeout``
     seconds for the leader, then kill its whole process group whether or not the leader exited:
     nothing may outlive a run (and the jail's PID 1 dies with its parent, PR_SET_PDEATHSIG).
@@ -103,7 +103,7 @@ def _read_capped(f, limit: int = MAX_OUTPUT_BYTES) -> str:
     return f.read(limit).decode("utf-8", errors="replace")
 
 
-def _memfd(data: bytes, name: str) -> int:
+def memfd(data: bytes, name: str) -> int:
     fd = os.memfd_create(name, 0)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
@@ -125,19 +125,19 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
     """
     if mode not in ("stdio", "probes"):
         raise ValueError(f"mode must be 'stdio' or 'probes', got {mode!r}")
-    exe, binds = _runtime()
-    source = _bootstrap_source()
+    exe, binds = runtime()
+    source = bootstrap_source()
     run_job = dict(run_job or {}, mode=mode, code=code, audit=bool(audit))
     job = {"binds": list(binds), "python": exe, "source": source, "run_job": json.dumps(run_job),
            "memory_bytes": int(memory_mb) << 20, "file_bytes": int(file_mb) << 20,
            "tmp_bytes": DEFAULT_TMP_MB << 20, "cpu_seconds": int(math.ceil(timeout)) + 1,
-           "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), 155),
+           "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), 155),
            "hash_seed": int(hash_seed) % (1 << 32)}
     fds: list[int] = []
     try:
-        job_fd = _memfd(json.dumps(job).encode(), "job")
+        job_fd = memfd(json.dumps(job).encode(), "job")
         fds.append(job_fd)
-        stdin_fd = _memfd((stdin or "").encode("utf-8", errors="replace"), "stdin")
+        stdin_fd = memfd((stdin or "").encode("utf-8", errors="replace"), "stdin")
         fds.append(stdin_fd)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 tempfile.TemporaryFile() as res:
@@ -150,7 +150,7 @@ def run(code: str, *, mode: str, run_job: dict | None = None, stdin: str | None 
                 pass_fds=(job_fd, res_w), cwd="/",
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
                 close_fds=True)
-            exited = _end_group(proc, fds, timeout)
+            exited = end_group(proc, fds, timeout)
             res.seek(0)
             raw = res.read(MAX_RESULT_BYTES + 1)
             results = raw[:65536].decode("utf-8", errors="replace")

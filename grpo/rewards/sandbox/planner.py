@@ -1,4 +1,4 @@
-"""One assert test split between the judge and the program's process (:class:`_Planner`), and the judge's
+"""One assert test split between the judge and the program's process (:class:`Planner`), and the judge's
 sources built from that split: the test as written and its Python reading, a traced test's step runs
 hoisted, and the judge's first stage. :mod:`grpo.rewards.sandbox` says how a verdict is reached;
 :mod:`.assert_plan` plans a completion's tests with it.
@@ -10,7 +10,7 @@ import ast
 import copy
 import sys
 
-from .policy import _BUILTIN_NAMES, JUDGE_BUILTINS, _judge_import, _stateful_import
+from .policy import BUILTIN_NAMES, JUDGE_BUILTINS, judge_import, stateful_import
 
 PROBE = "__grpo_probe__"
 INPUT = "__grpo_in%d__"  # a value the judge computed, bound inside before a step runs
@@ -79,7 +79,7 @@ def _is_call_of(node: ast.AST, name: str) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
 
 
-class _Planner:
+class Planner:
     """Splits each assert test into harness logic and program-controlled probes.
 
     An expression is *H* (the judge computes it: constants, the judge's builtins and modules,
@@ -119,9 +119,9 @@ class _Planner:
                         self.test_names |= _target_names(t) or set()
                 elif isinstance(st, (ast.Import, ast.ImportFrom)):
                     bound = {(a.asname or a.name).partition(".")[0] for a in st.names}
-                    if _judge_import(st):
+                    if judge_import(st):
                         self.judge_imports |= bound
-                        if _stateful_import(st):
+                        if stateful_import(st):
                             self.stateful |= bound
                     else:
                         self.foreign |= bound
@@ -487,7 +487,7 @@ class _Planner:
         for n in ast.walk(node):
             if isinstance(n, _LOGIC) or (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)):
                 raise Refused(f"test logic ({type(n).__name__}) would run in the program's process")
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _BUILTIN_NAMES \
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in BUILTIN_NAMES \
                     and n.func.id not in self.shadowed and any(
                         not self.judge_only(a) for a in n.args + [k.value for k in n.keywords]):
                 raise Refused(f"builtin {n.func.id}() over the program's values would run in its process")
@@ -546,7 +546,7 @@ class _Planner:
                     raise Refused(f"the test imports {top}, which the sandbox does not have "
                                   "(the standard library only)")
             out = [self.step_marker(["exec", ast.unparse(st)])]
-            if _judge_import(st):
+            if judge_import(st):
                 out.append(st)
             else:
                 self.foreign_t |= {(a.asname or a.name).partition(".")[0] for a in st.names}
@@ -767,8 +767,8 @@ def _imported_modules(st: ast.stmt) -> set[str]:
 _STDLIB = frozenset(sys.stdlib_module_names)
 
 
-def _ship_stmt(planner: _Planner, st: ast.stmt) -> ast.stmt:
-    """A statement of the program with its judge-only parts sent in (``_Planner.ship``)."""
+def _ship_stmt(planner: Planner, st: ast.stmt) -> ast.stmt:
+    """A statement of the program with its judge-only parts sent in (``Planner.ship``)."""
     def rebuild(value):
         if isinstance(value, ast.expr):
             return planner.ship(value, handing=True)

@@ -45,20 +45,20 @@ ITER_SECONDS = 1.0  # the time spent reading one such iterator; past either cap 
 MAX_INPUT_BYTES = 4 << 20  # the encoded inputs of those runs; more and the test is unscorable
 
 
-def _judge_import(st: ast.stmt) -> bool:
+def judge_import(st: ast.stmt) -> bool:
     if isinstance(st, ast.Import):
         return all(a.name.partition(".")[0] in JUDGE_MODULES for a in st.names)
     return st.level == 0 and (st.module or "").partition(".")[0] in JUDGE_MODULES and all(
         a.name != "*" for a in st.names)
 
 
-def _stateful_import(st: ast.stmt) -> bool:
+def stateful_import(st: ast.stmt) -> bool:
     if isinstance(st, ast.Import):
         return any(a.name.partition(".")[0] in STATEFUL_MODULES for a in st.names)
     return (st.module or "").partition(".")[0] in STATEFUL_MODULES
 
 
-_BUILTIN_NAMES = frozenset(dir(builtins))
+BUILTIN_NAMES = frozenset(dir(builtins))
 
 
 def check_trusted_code(trusted_code: object) -> tuple[str, tuple[str, ...]] | None:
@@ -98,7 +98,7 @@ def _check_trusted(trusted_code: str) -> tuple[str, tuple[str, ...]]:
         elif isinstance(n, ast.arg):
             defined.add(n.arg)
         elif isinstance(n, (ast.Import, ast.ImportFrom)):
-            if not _judge_import(n):
+            if not judge_import(n):
                 names = n.module if isinstance(n, ast.ImportFrom) else ", ".join(a.name for a in n.names)
                 raise ValueError(f"trusted_code imports {names}: the judge imports only "
                                  f"{', '.join(sorted(JUDGE_MODULES))}")
@@ -106,7 +106,7 @@ def _check_trusted(trusted_code: str) -> tuple[str, tuple[str, ...]]:
     allowed = JUDGE_BUILTINS | TRUSTED_EXTRA_BUILTINS
     for n in ast.walk(tree):
         if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in defined
-                and n.id not in _BUILTIN_NAMES):
+                and n.id not in BUILTIN_NAMES):
             raise ValueError(f"trusted_code reads {n.id}, which it does not define (the "
                              "function under test is the program's, never trusted code's)")
         name = (n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute)
@@ -114,7 +114,7 @@ def _check_trusted(trusted_code: str) -> tuple[str, tuple[str, ...]]:
         if name is not None and name.startswith("_"):
             raise ValueError(f"trusted_code reads {name}: names and attributes that start with _ "
                              "are not available in the judge")
-        if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in _BUILTIN_NAMES
+        if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in BUILTIN_NAMES
                 and n.id not in allowed and n.id not in defined):
             raise ValueError(f"trusted_code uses {n.id}, which the judge does not provide "
                              "(no input/output, no introspection)")

@@ -15,7 +15,7 @@ import tempfile
 import zlib
 
 from .assert_plan import plan_assert_tests
-from .jail import SandboxUnavailable, _bootstrap_source, _end_group, _memfd, _runtime, run
+from .jail import SandboxUnavailable, bootstrap_source, end_group, memfd, runtime, run
 from .planner import PROBE
 from .policy import (ITER_SECONDS, JUDGE_BUILTINS, JUDGE_MODULES, JUDGE_SECONDS, JUDGE_TEST_SECONDS,
                      MAX_INPUT_BYTES, MAX_ITER_ITEMS, MAX_PROBE_CALLS, MAX_RESULT_BYTES, MAX_SET_ITEMS,
@@ -113,24 +113,24 @@ def _judge_process(job: dict, data: bytes, stage: str, read_limit: int, seed: in
     descriptor, its output on a third); ``(exited cleanly within JUDGE_SECONDS, output up to
     read_limit bytes)``. Its stdout and stderr go to /dev/null: no code the judge runs can
     print a verdict line."""
-    exe, _ = _runtime()
+    exe, _ = runtime()
     fds: list[int] = []
     try:
-        job_fd = _memfd(json.dumps(dict(job, stage=stage, seed=seed)).encode(), "judge")
+        job_fd = memfd(json.dumps(dict(job, stage=stage, seed=seed)).encode(), "judge")
         fds.append(job_fd)
-        res_fd = _memfd(data, "results")
+        res_fd = memfd(data, "results")
         fds.append(res_fd)
         with tempfile.TemporaryFile() as out:
             out_w = os.open(f"/proc/self/fd/{out.fileno()}", os.O_WRONLY | os.O_APPEND)
             fds.append(out_w)
             proc = subprocess.Popen(
-                [exe, *JUDGE_FLAGS, "-c", _bootstrap_source(), "judge", str(job_fd), str(res_fd),
+                [exe, *JUDGE_FLAGS, "-c", bootstrap_source(), "judge", str(job_fd), str(res_fd),
                  str(out_w)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=(job_fd, res_fd, out_w), cwd="/",
                 env={"LANG": "C.UTF-8", "PYTHONHASHSEED": str(int(hash_seed) % (1 << 32))},
                 start_new_session=True, close_fds=True)
-            exited = _end_group(proc, fds, JUDGE_SECONDS)
+            exited = end_group(proc, fds, JUDGE_SECONDS)
             out.seek(0)
             text = out.read(read_limit)
     finally:
