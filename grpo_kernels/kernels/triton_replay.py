@@ -35,7 +35,7 @@ cap or scale compiles no new kernel; ``PER_ROW_T`` loads a row's ``1 / T`` inste
       dx_j = (g ([id_j = t] - p_j) - e p_j (z_j - lse + H)) * dz/dx_j
 
   with ``ln p_j = z_j - lse`` from the forward's fp32 ``lse`` (the contract's: a confident target's
-  ``1 - p_t``, formed accurately by ``triton_rows._one_minus_exp``, still carries ``lse``'s rounding,
+  ``1 - p_t``, formed accurately by ``triton_row_stats.one_minus_exp``, still carries ``lse``'s rounding,
   ~``|lse| 2^-24`` absolute) and clamped at -256 before it multiplies ``p`` (``p = 0`` there anyway; no
   ``0 * -inf``). A kept ``x = -inf`` (from
   logits) has ``z = -inf`` (even with a cap, where ``tanh`` would give ``-softcap``), ``p = 0`` and
@@ -60,14 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_kernels.kernels.triton_rows import (
-    _LOWEST,
-    _one_minus_exp,
-    _row_factor,
-    _softcap,
-    _softcap_slope,
-    _transform_args,
-)
+from grpo_kernels.kernels.triton_row_stats import LOWEST as _LOWEST
+from grpo_kernels.kernels.triton_row_stats import apply_softcap as _softcap
+from grpo_kernels.kernels.triton_row_stats import one_minus_exp as _one_minus_exp
+from grpo_kernels.kernels.triton_row_stats import row_factor as _row_factor
+from grpo_kernels.kernels.triton_row_stats import softcap_slope as _softcap_slope
+from grpo_kernels.kernels.triton_rows import transform_args as _transform_args
 
 # ln p below this is 0 in fp32 (e^-104 underflows); the clamp keeps p * ln p at 0, never 0 * -inf.
 _LOGP_FLOOR = tl.constexpr(-256.0)
@@ -314,7 +312,7 @@ def _blocks(hidden_size: int, dtype: torch.dtype) -> Dict[str, int]:
 
 def _transform_launch(temperature: Temperature, softcap: Optional[float], logit_scale: float) -> dict:
     """The kernels' transform arguments (``inv_t``, ``cap_k``, ``cap``, ``t_rows``, ``SOFTCAP``, ``PER_ROW_T``)
-    from ``triton_rows._transform_args`` (the one place their float64 factors are formed)."""
+    from ``triton_rows.transform_args`` (the one place their float64 factors are formed)."""
     if isinstance(temperature, torch.Tensor):
         tf = _transform_args(1.0, softcap, logit_scale, temperature)
     else:
