@@ -194,7 +194,8 @@ def _above_pass(row_ptr, V, v_key, m, c, cap_k, cap, BLOCK_V: tl.constexpr, VEC:
 @triton.jit
 def _finish_sampled(row, y_t, target, kept_t, m, s, u, w, c_ln, nan_guard, logp_ptr, entropy_ptr, max_ptr,
                     log_sum_ptr, sum_sq_ptr, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr):
-    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m (as ``triton_row_stats.finish_row``)."""
+    """Write a row's outputs from the kept set's (s, u, w) relative to the row max m (as
+    ``triton_row_stats.finish_row``)."""
     log2_s = tl.log2(s)
     logp = (y_t - m) * c_ln - log2_s * LN2
     logp = tl.maximum(logp, LOWEST, propagate_nan=tl.PropagateNan.ALL)
