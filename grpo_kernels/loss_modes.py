@@ -256,6 +256,9 @@ class RegisteredValues(Mapping):
     def __getitem__(self, name: str) -> Any:
         return self.items_now()[name]
 
+    def __contains__(self, name: object) -> bool:  # (no try / except KeyError: plain for torch.compile)
+        return name in self.items_now()
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.items_now())
 
