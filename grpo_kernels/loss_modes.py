@@ -29,7 +29,14 @@ fused) and its policy term. Every other statement of the vocabulary is read from
 
 A new mode is one decorated function here (or anywhere, before its first use), plus, to run in the
 one-pass Triton forward, its branch of ``grpo_loss_fwd_kernel`` under a new epilogue id, checked
-against autograd of the policy term by ``tests/test_triton_rows.py``.
+against autograd of the policy term by ``tests/test_triton_rows.py``. (One thing is read once, when
+``options`` is imported: the modes whose ``eps_low`` may reach 1 or beyond, which ``bounds.option``
+copies.)
+
+Each entry has one name in one vocabulary: the modes that share a name across the two (``cispo``,
+``sapo``) are different losses (verl's clamps the log-ratio, clips cispo's weight to a range and
+forces sapo's reduction), so each vocabulary registers its own; one policy term may back several
+entries (TRL's clipped surrogate: grpo, bnpo, dr_grpo, dapo, luspo, which differ in reduction).
 
 This module imports no other module of the package (``options`` imports it for the choices), so the
 policy terms, and the few helpers they share, live here; ``objective`` holds the reductions, the KL
