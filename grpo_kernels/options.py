@@ -44,7 +44,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # verl's names (verl.trainer.ppo.core_algos): policy_loss.loss_mode, loss_agg_mode, kl_loss_type
 LOSS_MODES = loss_modes.RegisteredNames(loss_modes.LOSS_MODE)
 # verl modes whose clip_ratio_low / _high are divergence thresholds (DPPO), not a ratio range
-DIVERGENCE_CLIP_LOSS_MODES = loss_modes.RegisteredNames(loss_modes.LOSS_MODE, lambda m: m.clipping == loss_modes.DIVERGENCE)
+DIVERGENCE_CLIP_LOSS_MODES = loss_modes.RegisteredNames(loss_modes.LOSS_MODE,
+                                                        lambda m: m.clipping == loss_modes.DIVERGENCE)
 # verl's clip_ratio_c default by mode (config.get("clip_ratio_c", ...)): vanilla's dual clip, DPPO's
 # truncated importance weight; the other modes do not read it
 VERL_CLIP_RATIO_C_DEFAULTS = loss_modes.RegisteredValues(loss_modes.LOSS_MODE, lambda m: m.clip_ratio_c)

@@ -9,7 +9,6 @@ reduction, clipping and fused-or-not; the Triton launcher dispatches by the entr
 from __future__ import annotations
 
 import pathlib
-import re
 from typing import Dict, List
 
 import pytest
