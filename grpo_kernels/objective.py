@@ -2,7 +2,7 @@
 
 These O(tokens) functions are the one definition every backend uses once it has the per-token
 log-probs and entropies (``reference``, the chunked torch path, the fused-linear path, GSPO). The
-one other copy is the Triton epilogue in ``kernels/triton_rows.py`` (``grpo_loss_fwd_kernel``),
+one other copy is the Triton epilogue in ``kernels/triton_grpo_epilogue.py`` (``grpo_loss_fwd_kernel``),
 which evaluates the token-local terms inside the log-prob pass together with their derivatives
 written out by hand; ``tests/test_objective.py`` checks its ``d loss / d logp`` against autograd of
 :func:`per_token_loss`.
@@ -12,6 +12,11 @@ arithmetic, so a NaN or inf there reaches neither the loss, nor a gradient, nor 
 
 Sequences: without ``segment_ids`` each row is one sequence; with them (packed rows) the tokens of
 a row sharing an id are one sequence, and sequences are found among the mask-1 positions only.
+
+The policy terms are registered, one entry per loss mode with its whole vocabulary (reduction,
+clipping, token-locality, metrics, Triton epilogue id), in ``loss_modes.py``; this module reads them
+from there (:func:`loss_spec`, ``loss_modes.of``) and holds the reductions, the KL estimators, TRL's
+masks and the metrics.
 
 Objectives (``loss_type``; TRL's ``GRPOTrainer._compute_loss`` in trl 1.16 defines the same ones):
 - grpo, bnpo, dr_grpo, dapo, luspo: PPO's clipped surrogate ``-min(r*A, clip(r)*A)`` (DeepSeekMath's
@@ -32,10 +37,10 @@ with length 1; dapo, cispo and vespo ``sum L m / num_items_in_batch`` (default `
 
 verl's objectives (``loss_mode``: vanilla, gspo, sapo, gpg, cispo, clip_cov, kl_cov, geo_mean, dppo_tv,
 dppo_kl, dro), reductions (``loss_agg_mode``) and KL estimators (``kl_loss_type``) are those of verl
-0.9.1's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered below
-with its formula in its docstring (``docs/api.md`` tabulates them). 0.9.1 differs from 0.9.0 in one
-place: GSPO's policy term is reduced by ``loss_agg_mode`` (0.9.0 forced seq-mean-token-mean); sapo
-still forces seq-mean-token-mean.
+0.9.1's ``core_algos`` (``compute_policy_loss_*``, ``agg_loss``, ``kl_penalty``), each registered
+(objectives in ``loss_modes.py``, the others below) with its formula in its docstring
+(``docs/api.md`` tabulates them). 0.9.1 differs from 0.9.0 in one place: GSPO's policy term is
+reduced by ``loss_agg_mode`` (0.9.0 forced seq-mean-token-mean); sapo still forces seq-mean-token-mean.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .options import CLIPPED_LOSS_TYPES, IGNORE_INDEX, GRPOInputs, GRPOOptions
+from . import loss_modes
+from .loss_modes import CAPPED_WEIGHT, PPO_CLIP, LossMode, PolicyInputs, PolicyTerms, masked_mean
+from .options import IGNORE_INDEX, GRPOInputs, GRPOOptions
 
 
 class GRPOLossOutput(NamedTuple):
@@ -146,35 +153,6 @@ def rollout_weights(is_ratio: Optional[torch.Tensor], mask: torch.Tensor) -> Opt
     return _where_valid(mask, is_ratio, 1.0)
 
 
-def log_importance_ratio(logp: torch.Tensor, old_logps: Optional[torch.Tensor], mask: torch.Tensor, level: str,
-                         sequences: Optional[Sequences] = None) -> torch.Tensor:
-    """``log(ratio)``: [B, T] per token, or per sequence (GSPO: masked mean of the log-ratio) as
-    [B, 1] (rows) or [B, T] (packed). ``old_logps=None`` is on-policy (value 0, gradient 1)."""
-    old = logp.detach() if old_logps is None else torch.where(mask != 0, old_logps.detach().float(), logp.detach())
-    log_ratio = logp - old
-    if level == "sequence":
-        sequences = sequences or Sequences(mask, None)
-        return sequences.sum(log_ratio * mask) / sequences.lengths()
-    return log_ratio
-
-
-def vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, is_ratio: Optional[torch.Tensor],
-                 options: GRPOOptions, sequences: Sequences) -> torch.Tensor:
-    """VESPO's detached gamma weight ``phi(w)`` of each position's sequence (TRL's get_gamma_weights)."""
-    with torch.no_grad():
-        log_w = sequences.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask)
-        log_floor = math.log(1e-8)
-        if is_ratio is not None:  # the rollout engine's ratio enters w (in log space), not the loss
-            log_is = torch.clamp(torch.log(is_ratio), log_floor, 20.0)
-            log_w = log_w + (log_is if is_ratio.shape[-1] == 1 else sequences.sum(log_is * mask))
-        log_w = torch.clamp(log_w, log_floor, 20.0)
-        nonneg = adv >= 0
-        k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)
-        lam = torch.where(nonneg, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 class TokenTerms(NamedTuple):
     loss: torch.Tensor  # [B, T] fp32, not yet weighted: the policy term (and, under loss_type, beta * KL)
     ratio: torch.Tensor  # importance ratio: [B, T], or per sequence ([B, 1] / [B, T])
@@ -182,63 +160,9 @@ class TokenTerms(NamedTuple):
     vespo_phi: Optional[torch.Tensor]  # vespo's detached sequence weight (a metric), else None
 
 
-class PolicyTerms(NamedTuple):
-    """:class:`TokenTerms` and what some objectives add: clip flags for verl's metrics, and the
-    reduced policy loss of an objective that reduces itself (verl's geo_mean), and the values of verl's
-    ``actor/ppo_kl``."""
-
-    loss: torch.Tensor
-    ratio: torch.Tensor
-    kl: Optional[torch.Tensor]
-    vespo_phi: Optional[torch.Tensor] = None
-    low: Optional[torch.Tensor] = None  # verl's actor/pg_clipfrac_lower flags (None: the metric is 0)
-    high: Optional[torch.Tensor] = None  # verl's actor/pg_clipfrac flags (None: 0)
-    reduced: Optional[torch.Tensor] = None
-    ppo_kl: Optional[torch.Tensor] = None  # [B, T] what verl's actor/ppo_kl averages (-log r, as the mode clamps it)
-
-
 # --------------------------------------------------------------------------------------------------
-# the registries: objectives, reductions, KL estimators (verl's @register_policy_loss pattern)
+# the registries of reductions and KL estimators (the loss modes' registry: loss_modes.py)
 # --------------------------------------------------------------------------------------------------
-class PolicyInputs(NamedTuple):
-    """What an objective reads. ``logp`` [B, T] (differentiable), ``old`` [B, T] (detached; the
-    current log-probs where no old ones were given), ``adv`` [B, 1] or [B, T], ``mask`` [B, T],
-    ``is_ratio`` (the rollout weights, constants: [B, T] / [B, 1], or None); all 0 (1) where masked."""
-
-    logp: torch.Tensor
-    old: torch.Tensor
-    adv: torch.Tensor
-    mask: torch.Tensor
-    sequences: "Sequences"
-    is_ratio: Optional[torch.Tensor]
-    options: GRPOOptions
-
-
-class Objective(NamedTuple):
-    fn: Callable[[PolicyInputs], PolicyTerms]
-    token_local: bool  # each token's loss depends on that token and constants only
-    reduction: Optional[str]  # a reduction the objective always uses for its policy term (verl's sapo)
-    weights_by_is_ratio: bool  # the common code multiplies the policy term by is_ratio (else the objective uses it)
-    logs: Tuple[str, ...]  # the verl metrics its compute_policy_loss_* returns (verl_metrics)
-
-
-OBJECTIVES: Dict[str, Objective] = {}
-VERL_POLICY_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-
-
-def register_objective(name: str, *, token_local: bool = True, reduction: Optional[str] = None,
-                       weights_by_is_ratio: bool = True, logs: Tuple[str, ...] = VERL_POLICY_METRICS):
-    """Register a policy objective ``fn(PolicyInputs) -> PolicyTerms`` under ``name``: a new mode is one
-    function (plus, to run in the Triton epilogue, its term there, checked against autograd of this one).
-    ``logs``: which of verl's policy metrics the mode reports (a verl mode; TRL's ignore it)."""
-
-    def decorate(fn):
-        OBJECTIVES[name] = Objective(fn, token_local, reduction, weights_by_is_ratio, logs)
-        return fn
-
-    return decorate
-
-
 class ReductionInputs(NamedTuple):
     mask: torch.Tensor
     sequences: "Sequences"
@@ -275,14 +199,6 @@ def register_kl(*names: str):
 
 
 # TRL's loss types: (objective, reduction)
-TRL_LOSS_TYPES: Dict[str, Tuple[str, str]] = {
-    "grpo": ("clipped", "sequence_mean"), "bnpo": ("clipped", "token_mean"),
-    "dr_grpo": ("clipped", "constant_length"), "dapo": ("clipped", "global_token_mean"),
-    "luspo": ("clipped", "sequence_sum_mean"), "cispo": ("cispo_trl", "global_token_mean"),
-    "sapo": ("sapo_trl", "sequence_mean"), "vespo": ("vespo", "global_token_mean"),
-}
-
-
 def _as_number(x, device) -> Any:
     return x.to(device, torch.float32).reshape(()) if isinstance(x, torch.Tensor) else x
 
@@ -403,262 +319,22 @@ def trl_k3(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(diff) - diff - 1
 
 
-# ---- TRL's objectives
-@register_objective("clipped")
-def _trl_clipped(x: PolicyInputs) -> PolicyTerms:
-    """PPO's clipped surrogate ``-min(r A, clip(r) A)``, the ratio capped at ``delta`` (two-sided)."""
-    o = x.options
-    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, o.importance_sampling_level, x.sequences))
-    clipped = torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    unclipped = torch.clamp(ratio, max=o.delta) if o.delta is not None else ratio
-    return PolicyTerms(-torch.min(unclipped * x.adv, clipped * x.adv), ratio, None)
-
-
-@register_objective("cispo_trl")
-def _trl_cispo(x: PolicyInputs) -> PolicyTerms:
-    """``-sg(min(r, eps_high)) A logp`` (MiniMax-M1)."""
-    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
-    return PolicyTerms(-torch.clamp(ratio, max=x.options.eps_high).detach() * x.adv * x.logp, ratio, None)
-
-
-def _sapo_gate(ratio: torch.Tensor, adv: torch.Tensor, options: GRPOOptions) -> torch.Tensor:
-    tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-    return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
-
-
-@register_objective("sapo_trl")
-def _trl_sapo(x: PolicyInputs) -> PolicyTerms:
-    """``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau`` by the sign of ``A``."""
-    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
-    return PolicyTerms(_sapo_gate(ratio, x.adv, x.options), ratio, None)
-
-
-@register_objective("vespo", token_local=False, weights_by_is_ratio=False)
-def _trl_vespo(x: PolicyInputs) -> PolicyTerms:
-    """``-sg(phi(w)) A logp``; the rollout weights enter ``w`` (TRL's get_gamma_weights)."""
-    ratio = torch.exp(log_importance_ratio(x.logp, x.old, x.mask, x.options.importance_sampling_level, x.sequences))
-    log_ratio_token = log_importance_ratio(x.logp, x.old, x.mask, "token")
-    phi = vespo_weight(log_ratio_token, x.adv, x.mask, x.is_ratio, x.options, x.sequences)
-    return PolicyTerms(-phi * x.adv * x.logp, ratio, None, vespo_phi=phi)
-
-
-# ---- verl's objectives (verl 0.9.1, verl.trainer.ppo.core_algos, compute_policy_loss_*)
-def _verl_log_ratio(x: PolicyInputs, clamp: bool = True) -> torch.Tensor:
-    log_ratio = x.logp - x.old
-    return torch.clamp(log_ratio, min=-20.0, max=20.0) if clamp else log_ratio
-
-
-def _verl_adv(x: PolicyInputs) -> torch.Tensor:
-    return x.adv.expand_as(x.mask)
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's masked_mean: ``sum(x m) / (sum(m) + 1e-8)``."""
-    return (values * mask).sum() / (mask.sum() + 1e-8)
-
-
-@register_objective("vanilla")
-def _verl_vanilla(x: PolicyInputs) -> PolicyTerms:
-    """PPO with verl's dual clip: ``max(-A r, -A clip(r))``, and where ``A < 0`` at most ``-A c``
-    (``c = delta``, verl's clip_ratio_c); the log-ratio clamped to [-20, 20]."""
-    o, adv = x.options, _verl_adv(x)
-    log_ratio = _verl_log_ratio(x)
-    ratio = torch.exp(log_ratio)
-    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    clip1 = torch.maximum(loss1, loss2)
-    loss3 = -adv * o.delta
-    loss = torch.where(adv < 0, torch.min(loss3, clip1), clip1)
-    return PolicyTerms(loss, ratio, None, low=(clip1 > loss3) & (adv < 0), high=loss2 > loss1, ppo_kl=-log_ratio.detach())
-
-
-def _dppo(x: PolicyInputs, trusted: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> PolicyTerms:
-    """DPPO (arXiv 2602.04879): ``-A sg(min(r, c)) logp`` on the tokens whose probability moved less than
-    the divergence threshold in the advantage's direction (``trusted(p, p_old, adv)``, detached), a
-    truncated importance weight (``c = delta``, verl's clip_ratio_c, default 20) instead of a dual clip."""
-    o, adv = x.options, _verl_adv(x)
-    log_ratio = _verl_log_ratio(x)
-    ratio = torch.exp(log_ratio)
-    truncated = torch.clamp(ratio, max=o.delta).detach()
-    with torch.no_grad():
-        valid = trusted(torch.exp(x.logp), torch.exp(x.old), adv)
-    loss = -adv * truncated * x.logp * valid.float()
-    # verl's metrics: pg_clipfrac the untrusted tokens, pg_clipfrac_lower the truncated trusted ones
-    return PolicyTerms(loss, ratio, None, low=(ratio > o.delta) & valid, high=~valid, ppo_kl=-log_ratio.detach())
-
-
-@register_objective("dppo_tv")
-def _verl_dppo_tv(x: PolicyInputs) -> PolicyTerms:
-    """DPPO-Binary-TV: trusted where ``p - p_old <= eps_high`` (``A > 0``) or ``>= -eps_low`` (``A <= 0``)."""
-    o = x.options
-    return _dppo(x, lambda p, p_old, adv: torch.where(adv > 0, p - p_old <= o.eps_high, p - p_old >= -o.eps_low))
-
-
-@register_objective("dppo_kl")
-def _verl_dppo_kl(x: PolicyInputs) -> PolicyTerms:
-    """DPPO-Binary-KL: the binary KL ``p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) /
-    (1 - p + 1e-8))`` at most ``eps_high`` (``A > 0``, or ``p <= p_old``) / ``eps_low`` (``A <= 0``, or
-    ``p >= p_old``)."""
-    o = x.options
-
-    def trusted(p: torch.Tensor, p_old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        binary_kl = p_old * (x.old - x.logp.detach()) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-        return torch.where(adv > 0, (binary_kl <= o.eps_high) | (p <= p_old), (binary_kl <= o.eps_low) | (p >= p_old))
-
-    return _dppo(x, trusted)
-
-
-@register_objective("dro", logs=("actor/ppo_kl",))
-def _verl_dro(x: PolicyInputs) -> PolicyTerms:
-    """Direct Reward Optimisation: ``-(logp A - dro_beta / 2 (logp - old)^2)`` (no clamp)."""
-    log_ratio = x.logp - x.old
-    loss = -(x.logp * _verl_adv(x) - 0.5 * x.options.dro_beta * log_ratio.square())
-    return PolicyTerms(loss, torch.exp(log_ratio).detach(), None, ppo_kl=-log_ratio.detach())
-
-
-@register_objective("gspo", token_local=False)
-def _verl_gspo(x: PolicyInputs) -> PolicyTerms:
-    """GSPO: the token ratio ``sg(s) * p / sg(p)``, ``s`` the sequence's mean log-ratio, clamped at 10 in
-    log space; clipped surrogate without the dual clip; reduced by ``loss_agg_mode`` (verl 0.9.1's
-    ``compute_policy_loss_gspo``; 0.9.0 and the GSPO paper always took seq-mean-token-mean)."""
-    o, adv = x.options, _verl_adv(x)
-    seq_log_ratio = x.sequences.sum((x.logp - x.old) * x.mask) / x.sequences.sum(x.mask).clamp(min=1)
-    log_ratio = torch.clamp(x.logp - x.logp.detach() + seq_log_ratio.detach(), max=10.0)
-    ratio = torch.exp(log_ratio)
-    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    return PolicyTerms(torch.maximum(loss1, loss2), ratio, None, low=None, high=loss2 > loss1,
-                       ppo_kl=(x.old - x.logp).detach())
-
-
-@register_objective("sapo", reduction="seq-mean-token-mean")
-def _verl_sapo(x: PolicyInputs) -> PolicyTerms:
-    """SAPO's gate on the clamped token ratio; always seq-mean-token-mean; clip fractions 0."""
-    log_ratio = _verl_log_ratio(x)
-    ratio = torch.exp(log_ratio)
-    return PolicyTerms(_sapo_gate(ratio, _verl_adv(x), x.options), ratio, None, ppo_kl=-log_ratio.detach())
-
-
-@register_objective("gpg", logs=())
-def _verl_gpg(x: PolicyInputs) -> PolicyTerms:
-    """GPG: ``-logp A`` (verl logs no policy metric for it)."""
-    return PolicyTerms(-x.logp * _verl_adv(x), torch.exp(x.logp - x.old).detach(), None)
-
-
-@register_objective("cispo")
-def _verl_cispo(x: PolicyInputs) -> PolicyTerms:
-    """``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp`` on the clamped ratio (eps_low = 1: no floor)."""
-    o = x.options
-    log_ratio = _verl_log_ratio(x)
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    return PolicyTerms(-clipped.detach() * _verl_adv(x) * x.logp, ratio, None, high=ratio != clipped,
-                       ppo_kl=-log_ratio.detach())
-
-
-def _covariance(adv: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """kl_cov's centred covariance ``(A - mean A)(logp - mean logp)`` [B, T], the means over the valid
-    tokens (verl: ``.mean()`` of the valid entries; here masked sums, so that no shape depends on the
-    data); 0 at the others."""
-    count = valid.sum().clamp(min=1)
-    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
-    mean_a = torch.where(valid, adv, zero).sum() / count
-    mean_logp = torch.where(valid, logp, zero).sum() / count
-    return torch.where(valid, (adv - mean_a) * (logp - mean_logp), zero)
-
-
-def _first_k(keys: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor, descending: bool) -> torch.Tensor:
-    """Bool [B, T]: the ``k`` (a 0-d tensor) eligible positions that come first when ``keys`` are sorted
-    (a stable sort over every position, the ineligible last): ``torch.topk`` / an index draw whose size
-    is a tensor, so the graph has no data-dependent shape (torch.compile traces it whole)."""
-    last = -math.inf if descending else math.inf
-    flat = torch.where(eligible, keys, torch.full((), last, dtype=keys.dtype, device=keys.device)).reshape(-1)
-    order = torch.sort(flat, descending=descending, stable=True).indices
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return (rank < k).reshape(keys.shape) & eligible
-
-
-def _verl_count(fraction: float, total: torch.Tensor) -> torch.Tensor:
-    """verl's ``max(int(fraction * total), 1)`` as a 0-d tensor, in float64 as Python computes it."""
-    return torch.floor(total.double() * fraction).clamp(min=1)
-
-
-@register_objective("clip_cov", token_local=False, logs=("actor/pg_clipfrac", "actor/ppo_kl"))
-def _verl_clip_cov(x: PolicyInputs) -> PolicyTerms:
-    """Clip-Cov: the clipped surrogate (no log-ratio clamp, no dual clip), with the gradient of up to
-    ``max(int(clip_cov_ratio * sum(mask)), 1)`` tokens whose centred covariance ``(A - mean A)(logp -
-    mean logp)`` lies in (clip_cov_lb, clip_cov_ub) dropped, a uniformly random subset of those
-    candidates as verl draws one (``torch.randperm`` there; here one ``torch.rand`` key per position,
-    the smallest keys taken, so that no shape depends on the data)."""
-    o, adv, valid = x.options, _verl_adv(x), x.mask > 0
-    ratio = torch.exp(x.logp - x.old)
-    loss1, loss2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - o.eps_low, 1 + o.eps_high)
-    with torch.no_grad():
-        # (verl's masked_mean here, not kl_cov's plain means over the valid tokens)
-        cov = (adv - _masked_mean(adv, x.mask)) * (x.logp - _masked_mean(x.logp, x.mask))
-        candidate = (cov < o.clip_cov_ub) & (cov > o.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
-        keys = torch.rand(adv.shape, device=adv.device)
-        dropped = _first_k(keys, candidate, _verl_count(o.clip_cov_ratio, x.mask.sum()), descending=False)
-        corr = torch.where(dropped, torch.zeros_like(adv), torch.ones_like(adv))
-    return PolicyTerms(torch.maximum(loss1, loss2) * corr, ratio, None, high=dropped,
-                       ppo_kl=(x.old - x.logp).detach())
-
-
-@register_objective("kl_cov", token_local=False, logs=("actor/ppo_kl",))
-def _verl_kl_cov(x: PolicyInputs) -> PolicyTerms:
-    """KL-Cov: ``-A r`` (unclipped), plus ``ppo_kl_coef * |logp - old|`` on the
-    ``max(1, int(tokens * kl_cov_ratio))`` tokens of largest centred covariance (``torch.topk``'s choice;
-    among equal covariances the first in row-major order); actor/ppo_kl is the mean ``|logp - old|``."""
-    o, adv = x.options, _verl_adv(x)
-    log_ratio = x.logp - x.old
-    ratio = torch.exp(log_ratio)
-    loss = -adv * ratio
-    valid = x.mask > 0
-    with torch.no_grad():
-        cov = _covariance(adv, x.logp.detach(), valid)
-        picked = _first_k(cov, valid, _verl_count(o.kl_cov_ratio, valid.sum()), descending=True)
-    loss = torch.where(picked, loss + o.ppo_kl_coef * log_ratio.abs(), loss)
-    return PolicyTerms(loss, ratio, None, ppo_kl=log_ratio.abs().detach())
-
-
-@register_objective("geo_mean", token_local=False, weights_by_is_ratio=False)
-def _verl_geo_mean(x: PolicyInputs) -> PolicyTerms:
-    """GMPO: ``-A_s exp(mean_t clip_sgn(log r))`` per sequence (the log-ratio clipped to [-eps_low,
-    eps_high] on the side the advantage's sign picks), mean over all rows; the rollout weights enter
-    as their per-sequence geometric mean. Neither loss_agg_mode nor dp_size reaches it (verl's torch.mean)."""
-    o, adv, seqs = x.options, _verl_adv(x), x.sequences
-    log_ratio = x.logp - x.old
-    sign = torch.sign(adv)
-    clamped = torch.clamp(log_ratio, -o.eps_low, o.eps_high)
-    clipped = sign * torch.min(sign * log_ratio, sign * clamped)
-    lengths = seqs.per_sequence(x.mask)
-    ratio = torch.exp(seqs.per_sequence(clipped * x.mask) / (lengths + 1e-8))
-    seq_adv = seqs.per_sequence(adv * x.mask) / (lengths + 1e-8)
-    loss = -seq_adv * ratio
-    if x.is_ratio is not None:
-        log_is = torch.log(x.is_ratio.expand_as(x.mask) + 1e-10)
-        loss = loss * torch.exp(seqs.per_sequence(log_is * x.mask) / (lengths + 1e-8))
-    reduced = loss.sum() / max(loss.numel(), 1)
-    changed = log_ratio != clamped
-    return PolicyTerms(torch.zeros_like(x.mask), torch.exp(log_ratio).detach(), None,
-                       low=changed & (adv < 0), high=changed & (adv > 0), reduced=reduced,
-                       ppo_kl=-log_ratio.detach())
-
-
 # --------------------------------------------------------------------------------------------------
 # the loss spec of a call, and the extra TRL masks and the rollout correction
 # --------------------------------------------------------------------------------------------------
 class LossSpec(NamedTuple):
-    objective: str
+    mode: LossMode  # the registered mode: its policy term, token-locality, metrics, epilogue
     reduction: str  # of the policy term
     regulariser_reduction: Optional[str]  # of the KL and entropy terms under loss_mode; None: TRL's rules
 
 
 def loss_spec(options: GRPOOptions) -> LossSpec:
-    """The (objective, reduction, KL/entropy reduction) that ``loss_type`` or ``loss_mode`` names."""
-    if options.loss_mode is None:
-        objective, reduction = TRL_LOSS_TYPES[options.loss_type]
-        return LossSpec(objective, reduction, None)
-    forced = OBJECTIVES[options.loss_mode].reduction
-    return LossSpec(options.loss_mode, forced or options.loss_agg_mode, options.loss_agg_mode)
+    """The (mode, reduction, KL/entropy reduction) that ``loss_type`` or ``loss_mode`` names: TRL's type
+    fixes its reduction; verl's mode reduces by ``loss_agg_mode`` unless it forces one (sapo)."""
+    mode = loss_modes.of(options)
+    if not mode.is_verl:
+        return LossSpec(mode, mode.reduction, None)
+    return LossSpec(mode, mode.reduction or options.loss_agg_mode, options.loss_agg_mode)
 
 
 def is_token_local(options: GRPOOptions, inputs: Optional[GRPOInputs] = None) -> bool:
@@ -673,7 +349,7 @@ def is_token_local(options: GRPOOptions, inputs: Optional[GRPOInputs] = None) ->
     Such a loss can be evaluated inside the log-prob pass (``backends.RowBackend.fuses``) and its
     gradient formed in the forward (``functional.fused_linear_grpo_loss``)."""
     sequence_correction = (options.rollout_correction or "").startswith("sequence")
-    return (options.importance_sampling_level == "token" and OBJECTIVES[loss_spec(options).objective].token_local
+    return (options.importance_sampling_level == "token" and loss_modes.of(options).token_local
             and options.top_entropy_quantile == 1.0 and options.off_policy_mask_threshold is None
             and not (sequence_correction and (inputs is None or inputs.old_logps is None)))
 
@@ -807,15 +483,14 @@ def policy_terms(
     ``logp`` and ``entropy`` must be 0 where the mask is 0."""
     sequences = sequences or Sequences(mask, inputs.segment_ids)
     adv = per_token_advantages(advantages, mask)
-    spec = loss_spec(options)
-    objective = OBJECTIVES[spec.objective]
+    mode = loss_modes.of(options)
     is_ratio = rollout_weights(inputs.is_ratio, mask)
     old = logp.detach() if inputs.old_logps is None else torch.where(mask != 0, inputs.old_logps.detach().float(), logp.detach())
-    terms = objective.fn(PolicyInputs(logp, old, adv, mask, sequences, is_ratio, options))
+    terms = mode.policy_term(PolicyInputs(logp, old, adv, mask, sequences, is_ratio, options))
     loss = terms.loss
     if policy_mask is not None:
         loss = loss * policy_mask
-    if is_ratio is not None and objective.weights_by_is_ratio:
+    if is_ratio is not None and mode.weights_by_is_ratio:
         loss = loss * is_ratio
     kl = None
     if inputs.ref_logps is not None:
@@ -884,12 +559,15 @@ def weighted_loss(terms: PolicyTerms, entropy: torch.Tensor, policy_weights: tor
 # --------------------------------------------------------------------------------------------------
 def clip_flags(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                options: GRPOOptions) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(low, high) clip flags as TRL counts them: for the clipped objectives ``r < 1 - eps_low`` with
-    ``A < 0`` and ``r > 1 + eps_high`` with ``A > 0``; for cispo (None, ``r > eps_high`` with ``A > 0``)."""
+    """(low, high) clip flags as TRL counts them, by the type's clipping (``loss_modes``): PPO's clipped
+    surrogate ``r < 1 - eps_low`` with ``A < 0`` and ``r > 1 + eps_high`` with ``A > 0``; a capped weight
+    (cispo) (None, ``r > eps_high`` with ``A > 0``); else, and under ``loss_mode`` (verl's flags are the
+    policy term's own), (None, None)."""
     adv = per_token_advantages(advantages, mask)
-    if options.loss_type in CLIPPED_LOSS_TYPES:
+    clipping = None if options.is_verl else loss_modes.of(options).clipping
+    if clipping == PPO_CLIP:
         return (ratio < 1 - options.eps_low) & (adv < 0), (ratio > 1 + options.eps_high) & (adv > 0)
-    if options.loss_type == "cispo":
+    if clipping == CAPPED_WEIGHT:
         return None, (ratio > options.eps_high) & (adv > 0)
     return None, None
 
@@ -901,7 +579,8 @@ def loss_metrics(entropy: torch.Tensor, kl: Optional[torch.Tensor], low: Optiona
     ``kl`` and ``entropy``; the clip fractions of the flags from :func:`clip_flags` (with
     ``importance_sampling_level="sequence"`` they count sequences, not tokens);
     ``clip_ratio/low_min`` / ``high_max``, the smallest / largest per-sequence clip fraction;
-    cispo's ``cispo_clip_ratio`` and vespo's ``vespo/phi_seq_mean``."""
+    cispo's ``cispo_clip_ratio`` and vespo's ``vespo/phi_seq_mean``: those of the loss type's
+    ``metrics`` (``loss_modes``; none under ``loss_mode``: :func:`verl_metrics`)."""
     with torch.no_grad():
         sequences = sequences or Sequences(mask, None)
         count = mask.sum().clamp(min=1.0)
@@ -920,26 +599,33 @@ def loss_metrics(entropy: torch.Tensor, kl: Optional[torch.Tensor], low: Optiona
                 return token_mean(flag)
             return seq_fractions(flag).nan_to_num(0.0).sum() / max(sequences.count, 1)
 
+        def seq_extreme(flag: torch.Tensor, extreme) -> torch.Tensor:
+            fractions = seq_fractions(flag)
+            if per_sequence_level and not sequences.packed:  # TRL: one flag per row, empty rows included
+                fractions = fractions.nan_to_num(0.0)
+            return _nan_extreme(fractions, extreme)
+
+        def vespo_mean() -> torch.Tensor:
+            if vespo_phi.shape[-1] == 1:  # one weight per row: TRL's mean over rows
+                return vespo_phi.sum() / max(vespo_phi.shape[0], 1)
+            return token_mean(vespo_phi)
+
+        trl_metrics = {  # each metric a loss type may log (loss_modes.TRL_METRICS), computed if it does
+            "clip_ratio/low_mean": lambda: clip_mean(low),
+            "clip_ratio/high_mean": lambda: clip_mean(high),
+            "clip_ratio/region_mean": lambda: clip_mean(low | high),
+            "clip_ratio/low_min": lambda: seq_extreme(low, torch.min),
+            "clip_ratio/high_max": lambda: seq_extreme(high, torch.max),
+            "cispo_clip_ratio": lambda: clip_mean(high),
+            "vespo/phi_seq_mean": vespo_mean,
+        }
         metrics = {}
         if kl is not None:
             metrics["kl"] = token_mean(kl)
         metrics["entropy"] = token_mean(entropy)
-        if options.loss_type in CLIPPED_LOSS_TYPES:
-            metrics["clip_ratio/low_mean"] = clip_mean(low)
-            metrics["clip_ratio/high_mean"] = clip_mean(high)
-            metrics["clip_ratio/region_mean"] = clip_mean(low | high)
-            low_seq, high_seq = seq_fractions(low), seq_fractions(high)
-            if per_sequence_level and not sequences.packed:  # TRL: one flag per row, empty rows included
-                low_seq, high_seq = low_seq.nan_to_num(0.0), high_seq.nan_to_num(0.0)
-            metrics["clip_ratio/low_min"] = _nan_extreme(low_seq, torch.min)
-            metrics["clip_ratio/high_max"] = _nan_extreme(high_seq, torch.max)
-        elif options.loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = clip_mean(high)
-        elif options.loss_type == "vespo":
-            if vespo_phi.shape[-1] == 1:  # one weight per row: TRL's mean over rows
-                metrics["vespo/phi_seq_mean"] = vespo_phi.sum() / max(vespo_phi.shape[0], 1)
-            else:
-                metrics["vespo/phi_seq_mean"] = token_mean(vespo_phi)
+        if not options.is_verl:
+            for name in loss_modes.of(options).metrics:
+                metrics[name] = trl_metrics[name]()
     return {k: v.detach().float() for k, v in metrics.items()}
 
 
@@ -961,10 +647,10 @@ def verl_metrics(terms: PolicyTerms, entropy: torch.Tensor, mask: torch.Tensor, 
     masked means, 0 where the mode has no such flag), and ``actor/entropy`` and ``actor/kl_loss`` reduced
     by ``loss_agg_mode``."""
     with torch.no_grad():
-        logs = OBJECTIVES[options.loss_mode].logs
+        logs = loss_modes.of(options).metrics
         zero = torch.zeros((), device=mask.device)
         flags = {"actor/pg_clipfrac": terms.high, "actor/pg_clipfrac_lower": terms.low, "actor/ppo_kl": terms.ppo_kl}
-        metrics = {name: zero if flags[name] is None else _masked_mean(_where_valid(mask, flags[name].float(), 0.0), mask)
+        metrics = {name: zero if flags[name] is None else masked_mean(_where_valid(mask, flags[name].float(), 0.0), mask)
                    for name in logs}
         metrics["actor/entropy"] = (entropy.detach() * regulariser).sum()
         if terms.kl is not None:

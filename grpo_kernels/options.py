@@ -28,23 +28,27 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 
 from . import _validation as V
+from . import loss_modes
 from .sampling_mask import SamplingMask
 from .bounds import (FINITE, FRACTION, UNIT_INTERVAL, ZERO_TO_ONE, OptionError, OptionTypeError, above, at_least,
                      declarations, fields_by_name, option)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate
+# The loss modes' names and what they imply, read from their registry (loss_modes.REGISTRY, one entry
+# per mode) at each use: a mode registered later is a choice at once.
+LOSS_TYPES = loss_modes.RegisteredNames(loss_modes.LOSS_TYPE)  # TRL's loss_type names
+CLIPPED_LOSS_TYPES = loss_modes.RegisteredNames(loss_modes.LOSS_TYPE, lambda m: m.clipping == loss_modes.PPO_CLIP)
 # divide by a token count (dapo, cispo, vespo: num_items_in_batch; bnpo: the call's, which a trainer
 # splitting a batch into micro-batches turns into dapo's by passing the whole batch's count)
-TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "bnpo", "cispo", "vespo")
+TOKEN_NORMALISED_LOSS_TYPES = loss_modes.RegisteredNames(loss_modes.LOSS_TYPE, lambda m: m.token_normalised)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # verl's names (verl.trainer.ppo.core_algos): policy_loss.loss_mode, loss_agg_mode, kl_loss_type
-LOSS_MODES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro")
+LOSS_MODES = loss_modes.RegisteredNames(loss_modes.LOSS_MODE)
 # verl modes whose clip_ratio_low / _high are divergence thresholds (DPPO), not a ratio range
-DIVERGENCE_CLIP_LOSS_MODES = ("dppo_tv", "dppo_kl")
+DIVERGENCE_CLIP_LOSS_MODES = loss_modes.RegisteredNames(loss_modes.LOSS_MODE,
+                                                        lambda m: m.clipping == loss_modes.DIVERGENCE)
 # verl's clip_ratio_c default by mode (config.get("clip_ratio_c", ...)): vanilla's dual clip, DPPO's
 # truncated importance weight; the other modes do not read it
-VERL_CLIP_RATIO_C_DEFAULTS = {"vanilla": 3.0, "dppo_tv": 20.0, "dppo_kl": 20.0}
+VERL_CLIP_RATIO_C_DEFAULTS = loss_modes.RegisteredValues(loss_modes.LOSS_MODE, lambda m: m.clip_ratio_c)
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "k2+", "mse+", "low_var_kl+", "k3+")
 # verl's kl_penalty names that need more than the sampled token's log-probs (here: refused, saying why)
@@ -61,10 +65,13 @@ IGNORE_INDEX = -100  # the target id of a position that predicts nothing (as in 
 _TEMPERATURE = dict(help="logits are divided by it before the softmax", bounds=above(0))
 _SOFTCAP = dict(help="final-logit soft-capping: softcap * tanh(z / softcap)", bounds=above(0))
 _LOGIT_SCALE = dict(help="logits are multiplied by it first (Cohere)", bounds=above(0))
-# DPPO's eps_low / eps_high are divergence thresholds, any >= 0; verl's cispo takes eps_low = 1 for
-# "no lower clamp" (its ratio is then clamped at 0)
+# DPPO's eps_low / eps_high are divergence thresholds, any >= 0; a clipped detached weight (verl's
+# cispo) takes eps_low = 1 for "no lower clamp" (its ratio is then clamped at 0). (A snapshot of the
+# modes registered when this module is imported: bounds.option copies it.)
 _DIVERGENCE_THRESHOLD = at_least(0)
-_EPS_LOW_UNDER = {"cispo": UNIT_INTERVAL, **{mode: _DIVERGENCE_THRESHOLD for mode in DIVERGENCE_CLIP_LOSS_MODES}}
+_EPS_LOW_UNDER = {**{mode: UNIT_INTERVAL for mode in loss_modes.RegisteredNames(
+                      loss_modes.LOSS_MODE, lambda m: m.clipping == loss_modes.CLIPPED_WEIGHT)},
+                  **{mode: _DIVERGENCE_THRESHOLD for mode in DIVERGENCE_CLIP_LOSS_MODES}}
 
 
 # The sampler's truncation (vLLM 0.32's SamplingParams): top_k an int, 0 or -1 (or >= V) meaning off,

@@ -12,7 +12,7 @@ from helpers import loss_and_logits_grad as ours
 from spec64 import grpo64, logprobs64, verl64, verl_policy_metrics64
 
 import grpo_kernels as gk
-from grpo_kernels import objective
+from grpo_kernels import loss_modes, objective
 from grpo_kernels.options import KL_LOSS_TYPES, LOSS_AGG_MODES, LOSS_MODES, ROLLOUT_CORRECTIONS, GRPOInputs, GRPOOptions
 
 B, T, V = 3, 6, 13
@@ -225,9 +225,9 @@ def test_bad_names_are_refused_naming_the_keyword(kw, error, words):
 
 
 def test_registries_cover_the_names():
-    assert set(LOSS_MODES) <= set(objective.OBJECTIVES)
     assert set(LOSS_AGG_MODES) <= set(objective.REDUCTIONS) and set(KL_LOSS_TYPES) <= set(objective.KL_ESTIMATORS)
-    assert all(o in objective.OBJECTIVES and r in objective.REDUCTIONS for o, r in objective.TRL_LOSS_TYPES.values())
+    # every loss mode's reduction is registered (TRL's fixed one; verl's forced one, else loss_agg_mode's)
+    assert all(m.reduction in objective.REDUCTIONS for m in loss_modes.REGISTRY.values() if m.reduction is not None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_verl_policy_metrics_per_mode(loss_mode):
                                              torch.where(mask != 0, old.double(), logp64), loss_mode,
                                              eps_low=spec.get("eps_low", 0.2), eps_high=spec.get("eps_high"),
                                              clip_ratio_c=spec.get("clip_ratio_c", 20.0 if "dppo" in loss_mode else 3.0))
-    got = {k: v for k, v in out.metrics.items() if k in objective.VERL_POLICY_METRICS}
+    got = {k: v for k, v in out.metrics.items() if k in loss_modes.VERL_POLICY_METRICS}
     assert set(got) == set(expected_metrics), (sorted(got), sorted(expected_metrics))
     for name, value in expected_metrics.items():
         torch.testing.assert_close(got[name].cpu().double(), value, rtol=1e-5, atol=1e-6, msg=name)
@@ -462,7 +462,7 @@ def test_clip_cov_drops_a_uniform_subset_of_its_candidates():
     def dropped(ratio: float) -> torch.Tensor:
         options = GRPOOptions(loss_mode="clip_cov", clip_cov_ratio=ratio, clip_cov_lb=-1e9, clip_cov_ub=1e9)
         inputs = objective.PolicyInputs(logp, old, adv, mask, objective.Sequences(mask, None), None, options)
-        return objective.OBJECTIVES["clip_cov"].fn(inputs).high
+        return loss_modes.find(None, "clip_cov").policy_term(inputs).high
 
     candidates = dropped(1e9)  # every candidate: the valid tokens the clip leaves alone
     assert 4 < int(candidates.sum()) < int(mask.sum())

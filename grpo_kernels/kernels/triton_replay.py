@@ -35,7 +35,7 @@ cap or scale compiles no new kernel; ``PER_ROW_T`` loads a row's ``1 / T`` inste
       dx_j = (g ([id_j = t] - p_j) - e p_j (z_j - lse + H)) * dz/dx_j
 
   with ``ln p_j = z_j - lse`` from the forward's fp32 ``lse`` (the contract's: a confident target's
-  ``1 - p_t``, formed accurately by ``triton_rows.one_minus_exp``, still carries ``lse``'s rounding,
+  ``1 - p_t``, formed accurately by ``triton_row_stats.one_minus_exp``, still carries ``lse``'s rounding,
   ~``|lse| 2^-24`` absolute) and clamped at -256 before it multiplies ``p`` (``p = 0`` there anyway; no
   ``0 * -inf``). A kept ``x = -inf`` (from
   logits) has ``z = -inf`` (even with a cap, where ``tanh`` would give ``-softcap``), ``p = 0`` and
@@ -60,14 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_kernels.kernels.triton_rows import (
-    LOWEST,
-    one_minus_exp,
-    row_factor,
-    soft_capped,
-    softcap_slope,
-    transform_args,
-)
+from grpo_kernels.kernels.triton_row_stats import LOWEST as _LOWEST
+from grpo_kernels.kernels.triton_row_stats import apply_softcap as _softcap
+from grpo_kernels.kernels.triton_row_stats import one_minus_exp as _one_minus_exp
+from grpo_kernels.kernels.triton_row_stats import row_factor as _row_factor
+from grpo_kernels.kernels.triton_row_stats import softcap_slope as _softcap_slope
+from grpo_kernels.kernels.triton_rows import transform_args as _transform_args
 
 # ln p below this is 0 in fp32 (e^-104 underflows); the clamp keeps p * ln p at 0, never 0 * -inf.
 _LOGP_FLOOR = tl.constexpr(-256.0)
@@ -88,7 +86,7 @@ def _transform(x, inv_t, cap_k, cap, SOFTCAP: tl.constexpr):
     the engine never could sample, whatever the cap."""
     y = x
     if SOFTCAP:
-        y = soft_capped(x, cap_k, cap)
+        y = _softcap(x, cap_k, cap)
     z = tl.where(x == float("-inf"), float("-inf"), y * inv_t)
     return z, y
 
@@ -98,7 +96,7 @@ def _entry_grad(x, ids, rows, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, 
                 mask, inv_t, cap_k, cap, SOFTCAP: tl.constexpr, PER_ROW_T: tl.constexpr,
                 HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):
     """``dx_j`` of a block of entries (raw fp32 logits ``x``, their ids and rows): see the module docstring."""
-    inv_t = row_factor(inv_t, t_rows_ptr, rows, 2, PER_ROW_T)
+    inv_t = _row_factor(inv_t, t_rows_ptr, rows, 2, PER_ROW_T)
     z, y = _transform(x, inv_t, cap_k, cap, SOFTCAP)
     lse = tl.load(lse_ptr + rows, mask=mask, other=0.0)
     q = z - lse  # ln p_j (lse = -inf only for a row whose every z is -inf: those entries get dx = 0 below)
@@ -109,7 +107,7 @@ def _entry_grad(x, ids, rows, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, 
         g = tl.load(grad_logp_ptr + rows, mask=mask, other=0.0)
         target = tl.load(targets_ptr + rows, mask=mask, other=-1).to(tl.int64)
         # d log p / d z_j = [j = t] - p_j; the target's 1 - p_t accurate near p_t = 1
-        dz += g * tl.where(ids == target, one_minus_exp(q), -p)
+        dz += g * tl.where(ids == target, _one_minus_exp(q), -p)
     if HAS_GRAD_ENTROPY:
         e = tl.load(grad_entropy_ptr + rows, mask=mask, other=0.0)
         entropy = tl.load(entropy_ptr + rows, mask=mask, other=0.0)
@@ -117,7 +115,7 @@ def _entry_grad(x, ids, rows, targets_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, 
         dz += -e * p * (q + entropy)
     if SOFTCAP:
         # dz/dx = logit_scale (1 - (y / cap)^2) / T, logit_scale = cap * cap_k
-        dz = dz * softcap_slope(y, cap * cap_k, cap)
+        dz = dz * _softcap_slope(y, cap * cap_k, cap)
     return tl.where(z == float("-inf"), 0.0, dz * inv_t)  # (no cap: dz/dx = logit_scale / T = inv_t)
 
 
@@ -172,11 +170,11 @@ def replay_stats_kernel(
     """Row ``pid``: the online logsumexp over its entries' raw logits ``x`` [K] (fp32, from
     ``replay_entries_kernel``), then (log p, H, Q, lse) stored; H and Q are 0 unless asked."""
     row = tl.program_id(0).to(tl.int64)
-    inv_t = row_factor(inv_t, t_rows_ptr, row, 2, PER_ROW_T)
+    inv_t = _row_factor(inv_t, t_rows_ptr, row, 2, PER_ROW_T)
     lo = tl.load(offsets_ptr + row).to(tl.int64)
     hi = tl.load(offsets_ptr + row + 1).to(tl.int64)
     target = tl.load(targets_ptr + row).to(tl.int64)
-    m = tl.full((), LOWEST, tl.float32)  # -FLT_MAX, not -inf: m - m_new stays finite (never -inf + inf)
+    m = tl.full((), _LOWEST, tl.float32)  # -FLT_MAX, not -inf: m - m_new stays finite (never -inf + inf)
     s = tl.zeros((), tl.float32)
     u = tl.zeros((), tl.float32)
     w = tl.zeros((), tl.float32)
@@ -191,9 +189,9 @@ def replay_stats_kernel(
         z_t = tl.maximum(z_t, tl.max(tl.where(ids == target, z, float("-inf")), 0))
         m_new = tl.maximum(m, tl.max(z, 0))
         # the old sums move to the new max: times e^dd, dd <= 0, clamped so that alpha * dd is 0, not NaN
-        dd = tl.maximum(m - m_new, LOWEST)
+        dd = tl.maximum(m - m_new, _LOWEST)
         alpha = tl.exp(dd)
-        shift = tl.maximum(z - m_new, LOWEST, propagate_nan=tl.PropagateNan.ALL)  # -inf -> -FLT_MAX: e = 0
+        shift = tl.maximum(z - m_new, _LOWEST, propagate_nan=tl.PropagateNan.ALL)  # -inf -> -FLT_MAX: e = 0
         ex = tl.exp(shift)
         if WITH_ENTROPY:
             # u is relative to the max: moving it by dd adds dd to every shift, i.e. dd * s
@@ -206,7 +204,7 @@ def replay_stats_kernel(
     nonempty = s != 0.0  # (NaN counts as non-empty: it stays NaN)
     lse = tl.where(nonempty, m + ln_s, float("-inf"))
     # below float32's range (a 3e38 gap): its lowest finite value, as triton_rows; an absent target: -inf
-    logp = tl.maximum((z_t - m) - ln_s, LOWEST, propagate_nan=tl.PropagateNan.ALL)
+    logp = tl.maximum((z_t - m) - ln_s, _LOWEST, propagate_nan=tl.PropagateNan.ALL)
     # (a NaN logit makes s NaN, whatever the maxima kept: the row's log p stays NaN even if it was the target)
     logp = tl.where((z_t == float("-inf")) & (s == s), float("-inf"), logp)
     entropy = 0.0
@@ -316,9 +314,9 @@ def _transform_launch(temperature: Temperature, softcap: Optional[float], logit_
     """The kernels' transform arguments (``inv_t``, ``cap_k``, ``cap``, ``t_rows``, ``SOFTCAP``, ``PER_ROW_T``)
     from ``triton_rows.transform_args`` (the one place their float64 factors are formed)."""
     if isinstance(temperature, torch.Tensor):
-        tf = transform_args(1.0, softcap, logit_scale, temperature)
+        tf = _transform_args(1.0, softcap, logit_scale, temperature)
     else:
-        tf = transform_args(float(temperature), softcap, logit_scale)
+        tf = _transform_args(float(temperature), softcap, logit_scale)
     return dict(inv_t=tf["inv_temperature"], cap_k=tf["cap_k"], cap=tf["cap"], t_rows=tf["t_rows"],
                 SOFTCAP=tf["SOFTCAP"], PER_ROW_T=tf["PER_ROW_T"])
 
