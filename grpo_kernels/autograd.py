@@ -35,7 +35,7 @@ from .options import LogitTransform
 from .sampling_mask import SamplingMask
 
 
-def _first_order(backward: Callable) -> Callable:
+def first_order(backward: Callable) -> Callable:
     """Refuse ``create_graph=True`` (autograd runs a backward with grad mode on only then)."""
 
     @functools.wraps(backward)
@@ -50,11 +50,11 @@ def _first_order(backward: Callable) -> Callable:
     return wrapper
 
 
-def _gradient_buffer(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+def gradient_buffer(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     return logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-def _written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
+def written_in_place(logits: torch.Tensor, out: torch.Tensor) -> None:
     """A kernel wrote into ``logits``: tell autograd, so a later reader of the old values raises."""
     if out is logits:
         torch.autograd.graph.increment_version(logits)
@@ -89,14 +89,14 @@ class TokenLogprobsFunction(torch.autograd.Function):
             with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         logits, targets, row_max, log_sum, entropy, threshold, tie_index = ctx.saved_tensors
         backend, transform, ignore_index, inplace_backward = ctx.config
-        out = _gradient_buffer(logits, inplace_backward)
+        out = gradient_buffer(logits, inplace_backward)
         backend.backward_rows(logits, targets, row_max, log_sum, entropy, grad_logp, grad_entropy, transform, ignore_index,
                               out, threshold, tie_index)
-        _written_in_place(logits, out)
+        written_in_place(logits, out)
         return out, None, None, None, None, None, None, None
 
 
@@ -130,16 +130,16 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         return loss, logp, entropy, kl, clip
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_loss, *_grad_non_differentiable):
         logits, targets, row_max, log_sum, entropy, coef_logp, coef_entropy = ctx.saved_tensors
         backend, transform, ignore_index, inplace_backward, has_entropy_term = ctx.config
-        out = _gradient_buffer(logits, inplace_backward)
+        out = gradient_buffer(logits, inplace_backward)
         backend.backward_rows(
             logits, targets, row_max, log_sum, entropy, coef_logp * grad_loss,
             coef_entropy * grad_loss if has_entropy_term else None, transform, ignore_index, out,
         )
-        _written_in_place(logits, out)
+        written_in_place(logits, out)
         return (out,) + (None,) * 11
 
 
@@ -300,9 +300,9 @@ def _operands(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.d
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
-                       row_stats: Callable[[torch.Tensor, torch.Tensor, slice], RowStats]) -> RowStats:
+def chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
+                      row_stats: Callable[[torch.Tensor, torch.Tensor, slice], RowStats]) -> RowStats:
     """The forward's chunk loop: the logits ``hidden [n, H] @ weight^T [H, V] + bias`` are formed
     ``chunk_size`` rows at a time in ``dtype`` (autocast off, one reused buffer, never all n rows) and
     reduced at once by ``row_stats(logits [1, r, V], targets [1, r], rows)`` (``rows``: the chunk's
@@ -327,7 +327,7 @@ def _chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 def _tiled_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                      chunk_size: int, dtype: torch.dtype, backend: RowBackend, transform: LogitTransform,
                      ignore_index: int, with_entropy: bool, with_sum_sq: bool) -> RowStats:
-    """:func:`_chunked_row_stats` for a head without a weight gradient: each chunk's statistics from
+    """:func:`chunked_row_stats` for a head without a weight gradient: each chunk's statistics from
     ``backend.frozen_head_rows`` (the vocabulary in blocks; never a chunk's whole [c, V] logits)."""
     n = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -426,7 +426,7 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
             stats = _tiled_row_stats(hidden, weight, bias, targets, chunk_size, dtype, backend, transform, ignore_index,
                                      with_entropy, with_sum_sq)
         else:
-            stats = _chunked_row_stats(
+            stats = chunked_row_stats(
                 hidden, weight, bias, targets, chunk_size, dtype,
                 lambda logits, tgt, rows: backend.forward_rows(logits, tgt, transform.rows(rows), ignore_index,
                                                                with_entropy, with_sum_sq))
@@ -437,7 +437,7 @@ class FusedLinearTokenLogprobsFunction(torch.autograd.Function):
             stats.entropy, stats.sum_probs_sq, with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         hidden, weight, bias, targets, row_max, log_sum, entropy, threshold, tie_index = ctx.saved_tensors
         backend, transform, ignore_index, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
@@ -568,7 +568,7 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
         return loss, logp, entropy
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         if ctx.grads is None:
             raise RuntimeError(
@@ -829,7 +829,7 @@ def _transform_args(transform: LogitTransform, index=None) -> tuple:
     return _replay_temperature(transform, index), transform.softcap, transform.logit_scale
 
 
-def _finite_grad(grad_logp: Optional[torch.Tensor], logp: torch.Tensor) -> Optional[torch.Tensor]:
+def finite_grad(grad_logp: Optional[torch.Tensor], logp: torch.Tensor) -> Optional[torch.Tensor]:
     """``grad_logp`` [n] fp32 with 0 where the log-prob is -inf (a target outside its set: no gradient)."""
     if grad_logp is None:
         return None
@@ -927,14 +927,14 @@ class ReplayTokenLogprobsFunction(torch.autograd.Function):
                                        logp.view(shape), entropy.view(shape), sum_sq.view(shape), with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         logits, lse, entropy, logp = ctx.saved_tensors
         backend, transform, inplace_backward = ctx.config
-        out = _gradient_buffer(logits, inplace_backward)
-        replay_rows_grad(logits, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
+        out = gradient_buffer(logits, inplace_backward)
+        replay_rows_grad(logits, ctx.split, lse, lse, entropy, finite_grad(grad_logp, logp),
                          None if grad_entropy is None else grad_entropy.reshape(-1).float(), transform, backend, out)
-        _written_in_place(logits, out)
+        written_in_place(logits, out)
         return (out,) + (None,) * 9
 
 
@@ -1031,11 +1031,11 @@ class ReplayLinearTokenLogprobsFunction(torch.autograd.Function):
             (backend, transform, chunk_size, dtype, accumulate_in_weight_dtype), logp, entropy, sum_sq, with_sum_sq)
 
     @staticmethod
-    @_first_order
+    @first_order
     def backward(ctx, grad_logp, grad_entropy, _grad_sum_sq=None):
         hidden, weight, bias, lse, entropy, logp = ctx.saved_tensors
         backend, transform, chunk_size, dtype, accumulate_in_weight_dtype = ctx.config
-        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, lse, entropy, _finite_grad(grad_logp, logp),
+        grads = replay_linear_grads(hidden, weight, bias, ctx.split, lse, lse, entropy, finite_grad(grad_logp, logp),
                                     None if grad_entropy is None else grad_entropy.float(), backend, transform,
                                     chunk_size, dtype, accumulate_in_weight_dtype, tuple(ctx.needs_input_grad[:3]))
         return grads + (None,) * 11
