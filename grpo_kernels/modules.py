@@ -115,29 +115,31 @@ class GRPOLoss(torch.nn.Module):
         super().__init__()
         V.check_choice("backend", backend, BACKENDS)
         inplace_backward = V.check_flag("inplace_backward", inplace_backward)
-        grpo_kwargs = dict(
+        grpo_kwargs = {
             # >>> GRPO keywords passed on (tools/signatures.py)
-            old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-            segment_ids=segment_ids, rollout_logps=rollout_logps, global_batch_size=global_batch_size,
-            sampling_mask=sampling_mask, beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-            loss_type=loss_type, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, kl_loss_type=kl_loss_type,
-            max_completion_length=max_completion_length, importance_sampling_level=importance_sampling_level,
-            entropy_coef=entropy_coef, use_bias_correction_kl=use_bias_correction_kl,
-            top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
-            rollout_correction=rollout_correction, rollout_correction_max=rollout_correction_max,
-            rollout_correction_min=rollout_correction_min, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
-            clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
-            dp_size=dp_size, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
-            rollout_is_weights=rollout_is_weights, tau_pos=tau_pos, tau_neg=tau_neg,
-            loss_scale_factor=loss_scale_factor, batch_num_tokens=batch_num_tokens, clip_ratio=clip_ratio,
-            use_kl_loss=use_kl_loss, calculate_entropy=calculate_entropy, policy_loss=policy_loss,
-            global_batch_info=global_batch_info,
+            "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio,
+            "num_items_in_batch": num_items_in_batch, "segment_ids": segment_ids, "rollout_logps": rollout_logps,
+            "global_batch_size": global_batch_size, "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low,
+            "eps_high": eps_high, "delta": delta, "temperature": temperature, "softcap": softcap,
+            "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p, "loss_type": loss_type, "loss_mode": loss_mode,
+            "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+            "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+            "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+            "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+            "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+            "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio,
+            "clip_cov_lb": clip_cov_lb, "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio,
+            "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta, "dp_size": dp_size,
+            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+            "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+            "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+            "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+            "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+            "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+            "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+            "global_batch_info": global_batch_info,
             # <<< GRPO keywords passed on
-        )
+        }
         split_grpo_keywords(grpo_kwargs, "grpo_loss")  # raises now, not at the first forward
         self.config: Dict[str, Any] = _held(functional.grpo_loss, dict(
             grpo_kwargs, backend=backend, inplace_backward=inplace_backward, process_group=process_group,
@@ -220,31 +222,33 @@ class GRPOLoss(torch.nn.Module):
         reduce_hidden_grad: Union[bool, NotGiven] = NOT_GIVEN,
     ) -> GRPOLossOutput:
         """:func:`grpo_kernels.grpo_loss` with the held keywords; a keyword given here overrides its own."""
-        per_call = dict(
+        per_call = {
             # >>> GRPO keywords passed on (tools/signatures.py)
-            old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-            segment_ids=segment_ids, rollout_logps=rollout_logps, global_batch_size=global_batch_size,
-            sampling_mask=sampling_mask, beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-            loss_type=loss_type, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, kl_loss_type=kl_loss_type,
-            max_completion_length=max_completion_length, importance_sampling_level=importance_sampling_level,
-            entropy_coef=entropy_coef, use_bias_correction_kl=use_bias_correction_kl,
-            top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
-            rollout_correction=rollout_correction, rollout_correction_max=rollout_correction_max,
-            rollout_correction_min=rollout_correction_min, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
-            clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
-            dp_size=dp_size, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
-            rollout_is_weights=rollout_is_weights, tau_pos=tau_pos, tau_neg=tau_neg,
-            loss_scale_factor=loss_scale_factor, batch_num_tokens=batch_num_tokens, clip_ratio=clip_ratio,
-            use_kl_loss=use_kl_loss, calculate_entropy=calculate_entropy, policy_loss=policy_loss,
-            global_batch_info=global_batch_info,
+            "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio,
+            "num_items_in_batch": num_items_in_batch, "segment_ids": segment_ids, "rollout_logps": rollout_logps,
+            "global_batch_size": global_batch_size, "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low,
+            "eps_high": eps_high, "delta": delta, "temperature": temperature, "softcap": softcap,
+            "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p, "loss_type": loss_type, "loss_mode": loss_mode,
+            "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+            "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+            "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+            "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+            "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+            "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio,
+            "clip_cov_lb": clip_cov_lb, "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio,
+            "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta, "dp_size": dp_size,
+            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+            "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+            "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+            "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+            "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+            "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+            "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+            "global_batch_info": global_batch_info,
             # <<< GRPO keywords passed on
-            backend=backend, inplace_backward=inplace_backward, process_group=process_group,
-            reduce_hidden_grad=reduce_hidden_grad,
-        )
+            "backend": backend, "inplace_backward": inplace_backward, "process_group": process_group,
+            "reduce_hidden_grad": reduce_hidden_grad,
+        }
         return functional.grpo_loss(logits, completion_ids, advantages, completion_mask,
                                     **_overridden(self.config, per_call))
 
@@ -337,29 +341,31 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
         fp32_logits = V.check_flag("fp32_logits", fp32_logits)
         chunk_size = V.check_chunk_size(chunk_size)
-        grpo_kwargs = dict(
+        grpo_kwargs = {
             # >>> GRPO keywords passed on (tools/signatures.py)
-            old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-            segment_ids=segment_ids, rollout_logps=rollout_logps, global_batch_size=global_batch_size,
-            sampling_mask=sampling_mask, beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-            loss_type=loss_type, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, kl_loss_type=kl_loss_type,
-            max_completion_length=max_completion_length, importance_sampling_level=importance_sampling_level,
-            entropy_coef=entropy_coef, use_bias_correction_kl=use_bias_correction_kl,
-            top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
-            rollout_correction=rollout_correction, rollout_correction_max=rollout_correction_max,
-            rollout_correction_min=rollout_correction_min, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
-            clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
-            dp_size=dp_size, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
-            rollout_is_weights=rollout_is_weights, tau_pos=tau_pos, tau_neg=tau_neg,
-            loss_scale_factor=loss_scale_factor, batch_num_tokens=batch_num_tokens, clip_ratio=clip_ratio,
-            use_kl_loss=use_kl_loss, calculate_entropy=calculate_entropy, policy_loss=policy_loss,
-            global_batch_info=global_batch_info,
+            "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio,
+            "num_items_in_batch": num_items_in_batch, "segment_ids": segment_ids, "rollout_logps": rollout_logps,
+            "global_batch_size": global_batch_size, "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low,
+            "eps_high": eps_high, "delta": delta, "temperature": temperature, "softcap": softcap,
+            "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p, "loss_type": loss_type, "loss_mode": loss_mode,
+            "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+            "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+            "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+            "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+            "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+            "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio,
+            "clip_cov_lb": clip_cov_lb, "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio,
+            "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta, "dp_size": dp_size,
+            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+            "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+            "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+            "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+            "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+            "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+            "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+            "global_batch_info": global_batch_info,
             # <<< GRPO keywords passed on
-        )
+        }
         split_grpo_keywords(grpo_kwargs, "fused_linear_grpo_loss")  # raises now, not at the first forward
         self.config: Dict[str, Any] = _held(functional.fused_linear_grpo_loss, dict(
             grpo_kwargs, chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype,
@@ -448,31 +454,34 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ) -> GRPOLossOutput:
         """:func:`grpo_kernels.fused_linear_grpo_loss` with the held keywords; a keyword given here
         overrides its own."""
-        per_call = dict(
+        per_call = {
             # >>> GRPO keywords passed on (tools/signatures.py)
-            old_logps=old_logps, ref_logps=ref_logps, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-            segment_ids=segment_ids, rollout_logps=rollout_logps, global_batch_size=global_batch_size,
-            sampling_mask=sampling_mask, beta=beta, eps_low=eps_low, eps_high=eps_high, delta=delta,
-            temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
-            loss_type=loss_type, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, kl_loss_type=kl_loss_type,
-            max_completion_length=max_completion_length, importance_sampling_level=importance_sampling_level,
-            entropy_coef=entropy_coef, use_bias_correction_kl=use_bias_correction_kl,
-            top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
-            rollout_correction=rollout_correction, rollout_correction_max=rollout_correction_max,
-            rollout_correction_min=rollout_correction_min, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
-            clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef, dro_beta=dro_beta,
-            dp_size=dp_size, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c, kl_loss_coef=kl_loss_coef, entropy_coeff=entropy_coeff,
-            rollout_is_weights=rollout_is_weights, tau_pos=tau_pos, tau_neg=tau_neg,
-            loss_scale_factor=loss_scale_factor, batch_num_tokens=batch_num_tokens, clip_ratio=clip_ratio,
-            use_kl_loss=use_kl_loss, calculate_entropy=calculate_entropy, policy_loss=policy_loss,
-            global_batch_info=global_batch_info,
+            "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio,
+            "num_items_in_batch": num_items_in_batch, "segment_ids": segment_ids, "rollout_logps": rollout_logps,
+            "global_batch_size": global_batch_size, "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low,
+            "eps_high": eps_high, "delta": delta, "temperature": temperature, "softcap": softcap,
+            "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p, "loss_type": loss_type, "loss_mode": loss_mode,
+            "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+            "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+            "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+            "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+            "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+            "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio,
+            "clip_cov_lb": clip_cov_lb, "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio,
+            "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta, "dp_size": dp_size,
+            "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+            "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+            "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+            "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+            "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+            "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+            "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+            "global_batch_info": global_batch_info,
             # <<< GRPO keywords passed on
-            chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, fp32_logits=fp32_logits,
-            backend=backend, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-        )
+            "chunk_size": chunk_size, "accumulate_in_weight_dtype": accumulate_in_weight_dtype,
+            "fp32_logits": fp32_logits, "backend": backend, "process_group": process_group,
+            "reduce_hidden_grad": reduce_hidden_grad,
+        }
         return functional.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, bias=bias,
                                                  **_overridden(self.config, per_call))
 

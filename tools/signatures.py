@@ -6,7 +6,7 @@ twins, ``GRPOLoss`` and ``FusedLinearGRPOLoss``) take every field of ``options.G
 ``clip_ratio``, and the verl keys refused with what to pass instead); the log-prob functions take
 ``options.LogitTransform``'s fields and ``prepare.LogprobKeywords``'. Each signature writes them out,
 type and default, so that ``help()``, a reader of the source and a static analyser (pyright, jedi) all
-see the same keywords. This tool writes those blocks (and the dict that passes the GRPO keywords on)
+see the same keywords. This tool writes those blocks (and the dict literal that passes the GRPO keywords on)
 between marker comments::
 
     # >>> GRPO keywords (tools/signatures.py)
@@ -124,7 +124,9 @@ def _signature_block(groups: Groups, indent: str) -> List[str]:
 
 
 def _passing_block(groups: Groups, indent: str) -> List[str]:
-    return _packed([f"{k.name}={k.name}" for k in keywords(groups)], indent)
+    """The entries of a dict literal that passes every keyword on under its own name (a literal, not
+    ``dict(name=name)``: a reader, and a tool following a parameter, sees each value go into the dict)."""
+    return _packed([f'"{k.name}": {k.name}' for k in keywords(groups)], indent)
 
 
 # marker kind -> how its block is written
