@@ -81,7 +81,7 @@ ROW_FIELDS = ("temperature", "top_k", "top_p")
 _ROW_FIELD_NUMBER = {"temperature": "a float", "top_k": "an int", "top_p": "a float"}
 # (the public functions' annotations of those fields: the number or a tensor; tests/test_signatures.py)
 ROW_FIELD_ANNOTATIONS = {"temperature": "Union[float, torch.Tensor]", "top_k": "Union[int, torch.Tensor, None]",
-                          "top_p": "Union[float, torch.Tensor, None]"}
+                         "top_p": "Union[float, torch.Tensor, None]"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -469,7 +469,8 @@ _TRANSFORM_DECLARATIONS = declarations(LogitTransform)
 
 class NotGiven:
     """The default of a keyword whose every value, None included, means something: verl's spellings of our
-    options (None is a value there, refused or meant as ours means it) and the verl keys refused by name."""
+    options (None is a value there, refused or meant as ours means it), the verl keys refused by name, and
+    a module's per-call keywords (left out: the module's value; ``modules``)."""
 
     def __repr__(self) -> str:
         return "NOT_GIVEN"
