@@ -4,7 +4,10 @@ Each function validates its arguments (``_validation``, and ``options.GRPOOption
 hyper-parameters), resolves a backend (``backends``), computes per-token log-probs and entropies with
 that backend's row kernels (bound to autograd in ``autograd``), then applies the O(tokens) GRPO
 maths of ``objective``, so every backend shares one formula. ``backend="reference"`` runs the naive
-spec in ``reference`` instead.
+spec in ``reference`` instead (an ``if`` in each function, once the keywords only the kernels take are
+checked). Each signature writes every keyword out, type and default, between marker comments that
+``tools/signatures.py`` fills from the declarations (``options.GRPOInputs`` / ``GRPOOptions`` /
+``LogitTransform``, ``prepare.LogprobKeywords``); the GRPO ones travel on as one dict, ``grpo_kwargs``.
 """
 
 from __future__ import annotations

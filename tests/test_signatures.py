@@ -86,7 +86,7 @@ def declared(kind: str, inputs: type = GRPOInputs, options: type = GRPOOptions) 
     tool = {k.name: k for k in signatures.keywords(signatures.grpo_groups(inputs, options))}
     out = ours + [(name, tool[name].annotation, NOT_GIVEN) for name in verl_names]
     if kind == "per call":  # a module's forward: every keyword may be left to the module (NOT_GIVEN)
-        out = [(name, signatures._or_not_given(annotation), NOT_GIVEN) for name, annotation, _ in out]
+        out = [(name, signatures.or_not_given(annotation), NOT_GIVEN) for name, annotation, _ in out]
     return out
 
 

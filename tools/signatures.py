@@ -54,7 +54,7 @@ def _fields(cls: type, annotations: Dict[str, str] = {}) -> List[Keyword]:  # no
     return [Keyword(f.name, annotations.get(f.name, str(f.type)), f.default) for f in dataclasses.fields(cls)]
 
 
-def _or_not_given(annotation: str) -> str:
+def or_not_given(annotation: str) -> str:
     """The annotation of a keyword that may also be left :data:`~grpo_kernels.options.NOT_GIVEN`."""
     if annotation == "Any" or "NotGiven" in annotation:
         return annotation
@@ -69,7 +69,7 @@ def grpo_groups(inputs: type = GRPOInputs, options: type = GRPOOptions) -> Group
     """The GRPO keywords, grouped by their declaration (``inputs`` / ``options``: the dataclasses, or a
     derived copy in a test)."""
     ours = {k.name: k for k in _fields(inputs) + _fields(options, ROW_FIELD_ANNOTATIONS)}
-    verl = [Keyword(name, _or_not_given(ours[our].annotation), NOT_GIVEN)
+    verl = [Keyword(name, or_not_given(ours[our].annotation), NOT_GIVEN)
             for name, our in list(VERL_SPELLINGS.items()) + [CLIP_RATIO]]
     return [
         ("per-call tensors, constants of the loss (options.GRPOInputs)", _fields(inputs)),
@@ -83,7 +83,7 @@ def grpo_groups(inputs: type = GRPOInputs, options: type = GRPOOptions) -> Group
 
 def per_call_groups(inputs: type = GRPOInputs, options: type = GRPOOptions) -> Groups:
     """The GRPO keywords of a module's ``forward``: each may also be left NOT_GIVEN, the module's value."""
-    return [(title, [Keyword(k.name, _or_not_given(k.annotation), NOT_GIVEN) for k in group])
+    return [(title, [Keyword(k.name, or_not_given(k.annotation), NOT_GIVEN) for k in group])
             for title, group in grpo_groups(inputs, options)]
 
 
