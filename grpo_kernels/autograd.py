@@ -301,8 +301,8 @@ def _operands(weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.d
 
 
 def chunked_row_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
-                       row_stats: Callable[[torch.Tensor, torch.Tensor, slice], RowStats]) -> RowStats:
+                      targets: torch.Tensor, chunk_size: int, dtype: torch.dtype,
+                      row_stats: Callable[[torch.Tensor, torch.Tensor, slice], RowStats]) -> RowStats:
     """The forward's chunk loop: the logits ``hidden [n, H] @ weight^T [H, V] + bias`` are formed
     ``chunk_size`` rows at a time in ``dtype`` (autocast off, one reused buffer, never all n rows) and
     reduced at once by ``row_stats(logits [1, r, V], targets [1, r], rows)`` (``rows``: the chunk's

@@ -4,13 +4,15 @@ Each function validates its arguments (``_validation``, and ``options.GRPOOption
 hyper-parameters), resolves a backend (``backends``), computes per-token log-probs and entropies with
 that backend's row kernels (bound to autograd in ``autograd``), then applies the O(tokens) GRPO
 maths of ``objective``, so every backend shares one formula. ``backend="reference"`` runs the naive
-spec in ``reference`` instead.
+spec in ``reference`` instead (an ``if`` in each function, once the keywords only the kernels take are
+checked). Each signature writes every keyword out, type and default, between marker comments that
+``tools/signatures.py`` fills from the declarations (``options.GRPOInputs`` / ``GRPOOptions`` /
+``LogitTransform``, ``prepare.LogprobKeywords``); the GRPO ones travel on as one dict, ``grpo_kwargs``.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
@@ -18,33 +20,14 @@ from . import _validation as V
 from . import backends, objective, reference, vocab_parallel
 from .autograd import (FusedGRPOLossFunction, FusedLinearGRPOLossFunction, FusedLinearTokenLogprobsFunction,
                        ReplayLinearTokenLogprobsFunction, ReplayTokenLogprobsFunction, TokenLogprobsFunction)
+from .bounds import OptionError
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
-from .options import BACKENDS, IGNORE_INDEX, GRPOInputs, GRPOOptions, LogitTransform, grpo_keywords
-from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, linear_rows, logprob_keywords, logprob_outputs,
-                      logprob_sampling_mask, logprob_targets, prepare_grpo, scatter_rows, take_rows, take_transform)
+from .options import (BACKENDS, IGNORE_INDEX, NOT_GIVEN, GRPOInputs, GRPOOptions, LogitTransform, NotGiven,
+                      user_spelling)
+from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, linear_rows, logprob_outputs, logprob_sampling_mask,
+                      logprob_targets, prepare_grpo, scatter_rows, take_rows, take_transform)
 from .sampling_mask import SamplingMask
-
-
-
-_KERNEL_ONLY_CHECKS: dict = {
-    "chunk_size": V.check_chunk_size,
-    "inplace_backward": functools.partial(V.check_flag, "inplace_backward"),
-    "accumulate_in_weight_dtype": functools.partial(V.check_flag, "accumulate_in_weight_dtype"),
-    "process_group": lambda group: None,  # not None: a vocabulary-parallel call, which never reaches the reference
-    "reduce_hidden_grad": lambda flag: vocab_parallel.check_reduce_hidden_grad(flag, None),
-}
-# the fused-linear functions' keywords that only the kernels take (the reference projects, then calls its own loss)
-_FUSED_LINEAR_ONLY = ("chunk_size", "accumulate_in_weight_dtype", "process_group", "reduce_hidden_grad")
-
-
-def _no_hidden_to_reduce(reduce_hidden_grad: object) -> None:
-    """``reduce_hidden_grad`` on a call from logits: a bool, and False (there is no ``d hidden`` here)."""
-    if not isinstance(reduce_hidden_grad, bool):
-        raise TypeError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
-    if reduce_hidden_grad:
-        raise ValueError("reduce_hidden_grad=True all-reduces d hidden, which only the fused-linear functions "
-                         "compute; a call from logits has none (all-reduce the logits' producer's input gradient instead)")
 
 
 def _several_ranks(group: Optional[Any]) -> bool:
@@ -54,35 +37,13 @@ def _several_ranks(group: Optional[Any]) -> bool:
 
 
 def _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend):
-    """(group or None, weight, bias) of a fused-linear call: a DTensor head sharded over the vocabulary
-    gives its group and local shards (``vocab_parallel.resolve_sharded_head``); ``reduce_hidden_grad``
-    must be a bool, and True only with a group."""
+    """(group or None, weight, bias, reduce_hidden_grad) of a fused-linear call: a DTensor head sharded
+    over the vocabulary gives its group and local shards (``vocab_parallel.resolve_sharded_head``);
+    ``reduce_hidden_grad`` must be a bool, and True only with a group."""
     group = None
     if process_group is not None or vocab_parallel.is_dtensor(weight):
         group, weight, bias = vocab_parallel.resolve_sharded_head(process_group, weight, bias, backend)
-    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, group)
-    return group, weight, bias
-
-
-def _or_reference(reference_fn: Callable, kernel_only: Tuple[str, ...] = ()) -> Callable:
-    """Check ``backend`` and send ``backend="reference"`` to ``reference_fn`` (same arguments, less the
-    keywords only the kernels take, ``kernel_only``); any other backend runs the decorated function."""
-
-    def decorate(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def dispatch(*args: Any, backend: str = "auto", **kwargs: Any):
-            V.check_choice("backend", backend, BACKENDS)
-            vocab_parallel_call = kwargs.get("process_group") is not None or any(map(vocab_parallel.is_dtensor, args))
-            if backend == "reference" and not vocab_parallel_call:  # (vocab_parallel refuses the reference)
-                for name in kernel_only:  # not used by the spec, but a bad value is still refused
-                    if name in kwargs:
-                        _KERNEL_ONLY_CHECKS[name](kwargs[name])
-                return reference_fn(*args, **{k: v for k, v in kwargs.items() if k not in kernel_only})
-            return fn(*args, backend=backend, **kwargs)
-
-        return dispatch
-
-    return decorate
+    return group, weight, bias, vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, group)
 
 
 def _logprobs_rows(logits, targets, transform: LogitTransform, ignore_index, with_entropy, backend, inplace_backward=False,
@@ -109,16 +70,26 @@ def _replay_logprobs_rows(logits, targets, transform: LogitTransform, ignore_ind
     return logp.view(targets.shape), entropy.view(targets.shape), sum_sq.view(targets.shape) if with_sum_sq else sum_sq
 
 
-@logprob_keywords
-@_or_reference(reference.token_logprobs, kernel_only=("process_group", "reduce_hidden_grad"))
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
     *,
+    # >>> log-prob keywords (tools/signatures.py)
+    # the distribution: logit transform and sampler truncation (options.LogitTransform)
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    # the ignored id, the outputs, a replayed kept set (prepare.LogprobKeywords)
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_sum_probs_sq: bool = False,
+    sampling_mask: Optional[SamplingMask] = None,
+    # <<< log-prob keywords
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
-    **logprob_kwargs: Any,
 ):
     """``log_softmax(z)[target]``, float32 [...], without materialising the softmax, where
     ``z = softcap * tanh(logit_scale * logits / softcap) / temperature`` (``logit_scale * logits /
@@ -150,12 +121,23 @@ def token_logprobs(
     row-major order): the distribution over each position's set instead (replay; only the kept entries
     are read; a target outside its set, or an empty set, gives ``-inf``); excludes ``top_k`` / ``top_p``.
     """
-    kw = check_logprob_flags(logprob_kwargs)
-    _no_hidden_to_reduce(reduce_hidden_grad)
+    V.check_choice("backend", backend, BACKENDS)
+    kw = check_logprob_flags(ignore_index, return_entropy, return_sum_probs_sq, sampling_mask)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None, from_logits=True)
     if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
-        return vocab_parallel.token_logprobs(logits, targets, group=group, backend=backend, **kw._asdict())
+        return vocab_parallel.token_logprobs(
+            logits, targets, group=group, backend=backend, temperature=temperature, softcap=softcap,
+            logit_scale=logit_scale, top_k=top_k, top_p=top_p, ignore_index=kw.ignore_index,
+            return_entropy=kw.return_entropy, return_sum_probs_sq=kw.return_sum_probs_sq, sampling_mask=kw.sampling_mask)
+    if backend == "reference":  # the spec, on the whole vocabulary
+        return reference.token_logprobs(
+            logits, targets, temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k,
+            top_p=top_p, ignore_index=kw.ignore_index, return_entropy=kw.return_entropy,
+            return_sum_probs_sq=kw.return_sum_probs_sq, sampling_mask=kw.sampling_mask)
     logits = V.check_logits(logits)
-    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device,
+                                         temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                                         top_k=top_k, top_p=top_p)
     sampling_mask = logprob_sampling_mask(kw, targets, transform, logits.shape[-1], logits.device)
     row_backend = backends.resolve(backend, logits.device)
     if sampling_mask is not None:
@@ -168,24 +150,86 @@ def token_logprobs(
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
-@grpo_keywords
-@_or_reference(reference.grpo_loss, kernel_only=("inplace_backward", "process_group", "reduce_hidden_grad"))
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: Optional[torch.Tensor] = None,
     *,
+    # >>> GRPO keywords (tools/signatures.py)
+    # per-call tensors, constants of the loss (options.GRPOInputs)
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    num_items_in_batch: Any = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    global_batch_size: Any = None,
+    sampling_mask: Optional[SamplingMask] = None,
+    # the loss's options, each checked against its declaration (options.GRPOOptions)
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    loss_type: Optional[str] = None,
+    loss_mode: Optional[str] = None,
+    loss_agg_mode: Optional[str] = None,
+    kl_loss_type: Optional[str] = None,
+    max_completion_length: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool = False,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_correction_max: Optional[float] = 3.0,
+    rollout_correction_min: Optional[float] = None,
+    clip_cov_ratio: Optional[float] = None,
+    clip_cov_lb: Optional[float] = None,
+    clip_cov_ub: Optional[float] = None,
+    kl_cov_ratio: Optional[float] = None,
+    ppo_kl_coef: Optional[float] = None,
+    dro_beta: Optional[float] = None,
+    dp_size: int = 1,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    # verl's spellings of the options above (options.VERL_SPELLINGS)
+    clip_ratio_low: Union[float, NotGiven] = NOT_GIVEN,
+    clip_ratio_high: Union[float, None, NotGiven] = NOT_GIVEN,
+    clip_ratio_c: Union[float, None, NotGiven] = NOT_GIVEN,
+    kl_loss_coef: Union[float, NotGiven] = NOT_GIVEN,
+    entropy_coeff: Union[float, NotGiven] = NOT_GIVEN,
+    rollout_is_weights: Union[torch.Tensor, None, NotGiven] = NOT_GIVEN,
+    tau_pos: Union[float, NotGiven] = NOT_GIVEN,
+    tau_neg: Union[float, NotGiven] = NOT_GIVEN,
+    loss_scale_factor: Union[int, None, NotGiven] = NOT_GIVEN,
+    batch_num_tokens: Any = NOT_GIVEN,
+    clip_ratio: Union[float, NotGiven] = NOT_GIVEN,
+    # verl keys without an equivalent: refused, saying what to pass (options.VERL_WITHOUT_EQUIVALENT)
+    use_kl_loss: NotGiven = NOT_GIVEN,
+    calculate_entropy: NotGiven = NOT_GIVEN,
+    policy_loss: NotGiven = NOT_GIVEN,
+    global_batch_info: NotGiven = NOT_GIVEN,
+    # <<< GRPO keywords
     backend: str = "auto",
     inplace_backward: bool = False,
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
-    **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """The GRPO loss (every objective and reduction of ``docs/api.md``) from logits [B, T, V].
 
     The GRPO keywords are the fields of ``options.GRPOInputs`` (per-call tensors) and
-    ``options.GRPOOptions`` (validated scalars); ``help(grpo_loss)`` lists them. Returns ``GRPOLossOutput(loss, per_token_logps, metrics)``: a 0-d
+    ``options.GRPOOptions`` (validated scalars; their help there and in ``docs/api.md``), and verl's
+    spellings of them. Returns ``GRPOLossOutput(loss, per_token_logps, metrics)``: a 0-d
     float32 loss, the detached float32 [B, T] log-probs (0 where masked; reuse them as
     ``old_logps``) and 0-d metric tensors. Gradients flow to the logits only: advantages, old/ref
     log-probs and ``is_ratio`` are constants of the loss (detached), on every backend.
@@ -194,11 +238,48 @@ def grpo_loss(
     anything else still needs the logits' values. ``process_group``: vocabulary-parallel logits
     ``[B, T, V_r]``, as in :func:`token_logprobs`; every output is the whole vocabulary's.
     """
+    V.check_choice("backend", backend, BACKENDS)
     inplace_backward = V.check_flag("inplace_backward", inplace_backward)
-    _no_hidden_to_reduce(reduce_hidden_grad)
-    if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
-        return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, group=group,
-                                        backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
+    vocab_parallel.check_reduce_hidden_grad(reduce_hidden_grad, None, from_logits=True)
+    grpo_kwargs = {
+        # >>> GRPO keywords passed on (tools/signatures.py)
+        "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio, "num_items_in_batch": num_items_in_batch,
+        "segment_ids": segment_ids, "rollout_logps": rollout_logps, "global_batch_size": global_batch_size,
+        "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low, "eps_high": eps_high, "delta": delta,
+        "temperature": temperature, "softcap": softcap, "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p,
+        "loss_type": loss_type, "loss_mode": loss_mode, "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+        "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+        "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+        "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+        "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+        "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
+        "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta,
+        "dp_size": dp_size, "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+        "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+        "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+        "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+        "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+        "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+        "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+        "global_batch_info": global_batch_info,
+        # <<< GRPO keywords passed on
+    }
+    try:
+        if process_group is not None and _several_ranks(group := vocab_parallel.check_group(process_group, backend)):
+            return vocab_parallel.grpo_loss(logits, completion_ids, advantages, completion_mask, group=group,
+                                            backend=backend, inplace_backward=inplace_backward, grpo_kwargs=grpo_kwargs)
+        if backend == "reference":  # the spec, on the whole vocabulary (never in place)
+            return reference.grpo_loss(logits, completion_ids, advantages, completion_mask, **grpo_kwargs)
+        return _grpo_loss(logits, completion_ids, advantages, completion_mask, grpo_kwargs, backend, inplace_backward)
+    except OptionError as e:  # named as the caller spelled it (verl's kl_loss_coef rather than beta)
+        if not user_spelling(grpo_kwargs):
+            raise
+        raise e.respelled(user_spelling(grpo_kwargs)) from None
+
+
+def _grpo_loss(logits, completion_ids, advantages, completion_mask, grpo_kwargs, backend: str,
+               inplace_backward: bool) -> GRPOLossOutput:
+    """:func:`grpo_loss` on one device, its keywords checked but the GRPO ones (``grpo_kwargs``)."""
     logits = V.check_logits(logits)
     inputs, options, mask, ids, transform = prepare_grpo("logits", logits.shape, logits.shape[-1], completion_ids,
                                                          advantages, completion_mask, grpo_kwargs)
@@ -350,21 +431,31 @@ def _fused_linear_grpo_in_forward(hidden, weight, bias, ids, advantages, mask, i
     return GRPOLossOutput(loss, torch.where(mask != 0, logp, torch.zeros_like(logp)).detach(), metrics)
 
 
-@logprob_keywords
-@_or_reference(reference.fused_linear_token_logprobs, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
+    # >>> log-prob keywords (tools/signatures.py)
+    # the distribution: logit transform and sampler truncation (options.LogitTransform)
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    # the ignored id, the outputs, a replayed kept set (prepare.LogprobKeywords)
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_sum_probs_sq: bool = False,
+    sampling_mask: Optional[SamplingMask] = None,
+    # <<< log-prob keywords
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     fp32_logits: bool = FP32_LOGITS_DEFAULT,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
-    **logprob_kwargs: Any,
 ):
     """``token_logprobs(hidden @ weight.T + bias, targets)`` a chunk of rows at a time.
 
@@ -387,18 +478,30 @@ def fused_linear_token_logprobs(
     shard (a DTensor ``Shard(0)`` on a 1-D mesh implies the group); ``d hidden`` is then this rank's
     partial sum (before the tensor-parallel all-reduce), or the full one with ``reduce_hidden_grad``.
     """
-    kw = check_logprob_flags(logprob_kwargs)
+    V.check_choice("backend", backend, BACKENDS)
+    kw = check_logprob_flags(ignore_index, return_entropy, return_sum_probs_sq, sampling_mask)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     fp32_logits = V.check_flag("fp32_logits", fp32_logits)
-    group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
+    group, weight, bias, reduce_hidden_grad = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad,
+                                                                backend)
     if _several_ranks(group):
         return vocab_parallel.fused_linear_token_logprobs(
             hidden, weight, targets, bias=bias, group=group, reduce_hidden_grad=reduce_hidden_grad,
             chunk_size=chunk_size, accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend,
-            fp32_logits=fp32_logits, **kw._asdict())
+            fp32_logits=fp32_logits, temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k,
+            top_p=top_p, ignore_index=kw.ignore_index, return_entropy=kw.return_entropy,
+            return_sum_probs_sq=kw.return_sum_probs_sq, sampling_mask=kw.sampling_mask)
+    if backend == "reference":  # the spec: the whole [..., V] logits, then reference.token_logprobs
+        return reference.fused_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, fp32_logits=fp32_logits, temperature=temperature, softcap=softcap,
+            logit_scale=logit_scale, top_k=top_k, top_p=top_p, ignore_index=kw.ignore_index,
+            return_entropy=kw.return_entropy, return_sum_probs_sq=kw.return_sum_probs_sq,
+            sampling_mask=kw.sampling_mask)
     V.check_linear(hidden, weight, bias)
-    targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden")
+    targets, transform = logprob_targets(kw, targets, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden",
+                                         temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                                         top_k=top_k, top_p=top_p)
     sampling_mask = logprob_sampling_mask(kw, targets, transform, weight.shape[0], hidden.device)
     logp, entropy, sum_sq = _fused_linear_rows(hidden, weight, bias, targets, transform, kw.ignore_index,
                                                kw.return_entropy, chunk_size, backend, accumulate_in_weight_dtype,
@@ -406,8 +509,6 @@ def fused_linear_token_logprobs(
     return logprob_outputs(kw, logp, entropy, sum_sq)
 
 
-@grpo_keywords
-@_or_reference(reference.fused_linear_grpo_loss, kernel_only=_FUSED_LINEAR_ONLY)
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -416,13 +517,76 @@ def fused_linear_grpo_loss(
     completion_mask: Optional[torch.Tensor] = None,
     *,
     bias: Optional[torch.Tensor] = None,
+    # >>> GRPO keywords (tools/signatures.py)
+    # per-call tensors, constants of the loss (options.GRPOInputs)
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    num_items_in_batch: Any = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    global_batch_size: Any = None,
+    sampling_mask: Optional[SamplingMask] = None,
+    # the loss's options, each checked against its declaration (options.GRPOOptions)
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    loss_type: Optional[str] = None,
+    loss_mode: Optional[str] = None,
+    loss_agg_mode: Optional[str] = None,
+    kl_loss_type: Optional[str] = None,
+    max_completion_length: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool = False,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_correction_max: Optional[float] = 3.0,
+    rollout_correction_min: Optional[float] = None,
+    clip_cov_ratio: Optional[float] = None,
+    clip_cov_lb: Optional[float] = None,
+    clip_cov_ub: Optional[float] = None,
+    kl_cov_ratio: Optional[float] = None,
+    ppo_kl_coef: Optional[float] = None,
+    dro_beta: Optional[float] = None,
+    dp_size: int = 1,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    # verl's spellings of the options above (options.VERL_SPELLINGS)
+    clip_ratio_low: Union[float, NotGiven] = NOT_GIVEN,
+    clip_ratio_high: Union[float, None, NotGiven] = NOT_GIVEN,
+    clip_ratio_c: Union[float, None, NotGiven] = NOT_GIVEN,
+    kl_loss_coef: Union[float, NotGiven] = NOT_GIVEN,
+    entropy_coeff: Union[float, NotGiven] = NOT_GIVEN,
+    rollout_is_weights: Union[torch.Tensor, None, NotGiven] = NOT_GIVEN,
+    tau_pos: Union[float, NotGiven] = NOT_GIVEN,
+    tau_neg: Union[float, NotGiven] = NOT_GIVEN,
+    loss_scale_factor: Union[int, None, NotGiven] = NOT_GIVEN,
+    batch_num_tokens: Any = NOT_GIVEN,
+    clip_ratio: Union[float, NotGiven] = NOT_GIVEN,
+    # verl keys without an equivalent: refused, saying what to pass (options.VERL_WITHOUT_EQUIVALENT)
+    use_kl_loss: NotGiven = NOT_GIVEN,
+    calculate_entropy: NotGiven = NOT_GIVEN,
+    policy_loss: NotGiven = NOT_GIVEN,
+    global_batch_info: NotGiven = NOT_GIVEN,
+    # <<< GRPO keywords
     chunk_size: Optional[int] = None,
     accumulate_in_weight_dtype: bool = False,
     fp32_logits: bool = FP32_LOGITS_DEFAULT,
     backend: str = "auto",
     process_group: Optional[Any] = None,
     reduce_hidden_grad: bool = False,
-    **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """``grpo_loss(hidden @ weight.T + bias, ...)`` without the [B*T, V] logits; hidden [B, T, H].
 
@@ -438,16 +602,56 @@ def fused_linear_grpo_loss(
     ``accumulate_in_weight_dtype``, ``fp32_logits``, ``process_group`` and ``reduce_hidden_grad`` as in
     :func:`fused_linear_token_logprobs`.
     """
+    V.check_choice("backend", backend, BACKENDS)
     chunk_size = V.check_chunk_size(chunk_size)
     accumulate_in_weight_dtype = V.check_flag("accumulate_in_weight_dtype", accumulate_in_weight_dtype)
     fp32_logits = V.check_flag("fp32_logits", fp32_logits)
-    group, weight, bias = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad, backend)
-    if _several_ranks(group):
-        return vocab_parallel.fused_linear_grpo_loss(
-            hidden, weight, completion_ids, advantages, completion_mask, bias=bias, group=group,
-            reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
-            accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs,
-            fp32_logits=fp32_logits)
+    group, weight, bias, reduce_hidden_grad = _vocabulary_shard(process_group, weight, bias, reduce_hidden_grad,
+                                                                backend)
+    grpo_kwargs = {
+        # >>> GRPO keywords passed on (tools/signatures.py)
+        "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio, "num_items_in_batch": num_items_in_batch,
+        "segment_ids": segment_ids, "rollout_logps": rollout_logps, "global_batch_size": global_batch_size,
+        "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low, "eps_high": eps_high, "delta": delta,
+        "temperature": temperature, "softcap": softcap, "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p,
+        "loss_type": loss_type, "loss_mode": loss_mode, "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+        "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+        "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+        "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+        "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+        "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
+        "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta,
+        "dp_size": dp_size, "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+        "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+        "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+        "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+        "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+        "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+        "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+        "global_batch_info": global_batch_info,
+        # <<< GRPO keywords passed on
+    }
+    try:
+        if _several_ranks(group):
+            return vocab_parallel.fused_linear_grpo_loss(
+                hidden, weight, completion_ids, advantages, completion_mask, bias=bias, group=group,
+                reduce_hidden_grad=reduce_hidden_grad, chunk_size=chunk_size,
+                accumulate_in_weight_dtype=accumulate_in_weight_dtype, backend=backend, grpo_kwargs=grpo_kwargs,
+                fp32_logits=fp32_logits)
+        if backend == "reference":  # the spec: the whole [B, T, V] logits, then reference.grpo_loss
+            return reference.fused_linear_grpo_loss(hidden, weight, completion_ids, advantages, completion_mask,
+                                                    bias=bias, fp32_logits=fp32_logits, **grpo_kwargs)
+        return _fused_linear_grpo_loss(hidden, weight, bias, completion_ids, advantages, completion_mask, grpo_kwargs,
+                                       chunk_size, accumulate_in_weight_dtype, fp32_logits, backend)
+    except OptionError as e:  # named as the caller spelled it (verl's kl_loss_coef rather than beta)
+        if not user_spelling(grpo_kwargs):
+            raise
+        raise e.respelled(user_spelling(grpo_kwargs)) from None
+
+
+def _fused_linear_grpo_loss(hidden, weight, bias, completion_ids, advantages, completion_mask, grpo_kwargs,
+                            chunk_size, accumulate_in_weight_dtype, fp32_logits, backend) -> GRPOLossOutput:
+    """:func:`fused_linear_grpo_loss` on one device, its keywords checked but the GRPO ones (``grpo_kwargs``)."""
     V.check_linear(hidden, weight, bias)
     inputs, options, mask, ids, transform = prepare_grpo("hidden", hidden.shape, weight.shape[0], completion_ids,
                                                          advantages, completion_mask, grpo_kwargs)

@@ -10,20 +10,20 @@ the option :data:`VERL_SPELLINGS` names.
 ``GRPOOptions`` holds the scalar hyper-parameters (each declared once, with its range or choices, by
 ``bounds.option``, and validated against that declaration when it is built); ``GRPOInputs`` holds
 the optional per-call tensors. Both are frozen dataclasses carried from the public functions and
-modules through autograd to the kernels. The public functions take their fields as flat keywords:
-:func:`grpo_keywords` gives a function the signature ``help()`` shows, generated from these fields,
-so an option is added here and nowhere else (plus, if it is token-local, its term in
-``objective.per_token_loss`` and the Triton epilogue). An error names an option as the caller spelled
-it (verl's ``clip_ratio_low`` for ``eps_low``: :func:`grpo_keywords` re-words ``bounds.OptionError``).
+modules through autograd to the kernels. The public functions take their fields as flat keywords,
+written out in each signature with their types and defaults (what ``help()``, a reader and a static
+analyser see alike); ``tools/signatures.py`` writes those blocks from the fields here and
+``tests/test_signatures.py`` holds every public signature equal to them, so an option is added here
+(plus, if it is token-local, its term in ``objective.per_token_loss`` and the Triton epilogue) and the
+signatures follow. An error names an option as the caller spelled it (verl's ``clip_ratio_low`` for
+``eps_low``: :func:`split_grpo_keywords` and :func:`user_spelling` re-word ``bounds.OptionError``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -86,9 +86,9 @@ TOP_K_OFF = (0, -1)  # vLLM's values that disable top-k (as None does here)
 # the three per request), and how their error messages name the number they otherwise are
 ROW_FIELDS = ("temperature", "top_k", "top_p")
 _ROW_FIELD_NUMBER = {"temperature": "a float", "top_k": "an int", "top_p": "a float"}
-# (the flat keywords' annotations of those fields, as help() shows them: the number or a tensor)
-_ROW_FIELD_ANNOTATIONS = {"temperature": "Union[float, torch.Tensor]", "top_k": "Union[int, torch.Tensor, None]",
-                          "top_p": "Union[float, torch.Tensor, None]"}
+# (the public functions' annotations of those fields: the number or a tensor; tests/test_signatures.py)
+ROW_FIELD_ANNOTATIONS = {"temperature": "Union[float, torch.Tensor]", "top_k": "Union[int, torch.Tensor, None]",
+                         "top_p": "Union[float, torch.Tensor, None]"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -466,12 +466,24 @@ VERL_ONLY_INPUTS = ("global_batch_size",)  # per-call values only verl's reducti
 TRL_ONLY_OPTIONS = {"top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "use_bias_correction_kl": False,
                     "importance_sampling_level": "token"}
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOOptions)}
+_DEFAULTS = {f.name: f.default for cls in (GRPOInputs, GRPOOptions) for f in dataclasses.fields(cls)}
 OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOOptions))
 INPUT_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GRPOInputs))
 OPTION_FIELDS = fields_by_name(GRPOOptions)  # name -> dataclasses.Field: each option's declaration
 OPTION_DECLARATIONS = declarations(GRPOOptions)  # name -> bounds.Declaration (read once, here)
 _TRANSFORM_DECLARATIONS = declarations(LogitTransform)
 
+
+class NotGiven:
+    """The default of a keyword whose every value, None included, means something: verl's spellings of our
+    options (None is a value there, refused or meant as ours means it), the verl keys refused by name, and
+    a module's per-call keywords (left out: the module's value; ``modules``)."""
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = NotGiven()  # (the one instance: compared by identity)
 
 # verl's spellings of our options (actor config keys and core_algos arguments)
 VERL_SPELLINGS = {
@@ -489,31 +501,44 @@ VERL_WITHOUT_EQUIVALENT = {
 }
 
 
+def _given(kwargs: Mapping[str, Any], name: str) -> bool:
+    """Whether a call's keywords set ``name``: one of verl's spellings when it is not :data:`NOT_GIVEN`;
+    one of ours when it differs from its declared default (a signature cannot tell a default passed from
+    one left out, so ``eps_low=0.2`` beside ``clip_ratio_low`` reads as not given)."""
+    value = kwargs.get(name, NOT_GIVEN)
+    if value is NOT_GIVEN or name not in _DEFAULTS:
+        return value is not NOT_GIVEN
+    default = _DEFAULTS[name]
+    return value is not default and not (type(value) is type(default) and value == default)
+
+
 def _respell(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """verl's spellings -> ours; ``clip_ratio`` fills eps_low and eps_high; two spellings of one option raise."""
     out = {k: v for k, v in kwargs.items() if k not in VERL_SPELLINGS and k != "clip_ratio"}
     for verl_name, ours in VERL_SPELLINGS.items():
-        if verl_name in kwargs:
-            if ours in kwargs:
+        if _given(kwargs, verl_name):
+            if _given(kwargs, ours):
                 raise TypeError(f"{verl_name} (verl's name) and {ours} are the same option: pass one of them")
             out[ours] = kwargs[verl_name]
-    if "clip_ratio" in kwargs:  # verl: clip_ratio_low / _high default to clip_ratio
-        for ours in ("eps_low", "eps_high"):
-            if ours in kwargs and "clip_ratio_low" not in kwargs and "clip_ratio_high" not in kwargs:
+    if _given(kwargs, "clip_ratio"):  # verl: clip_ratio_low / _high default to clip_ratio
+        for ours, verl_name in (("eps_low", "clip_ratio_low"), ("eps_high", "clip_ratio_high")):
+            if _given(kwargs, ours) and not (_given(kwargs, "clip_ratio_low") or _given(kwargs, "clip_ratio_high")):
                 raise TypeError(f"clip_ratio (verl's name) and {ours} both set the clip range: pass one of them")
-            out.setdefault(ours, kwargs["clip_ratio"])
+            if not (_given(kwargs, ours) or _given(kwargs, verl_name)):
+                out[ours] = kwargs["clip_ratio"]
     return out
 
 
 def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs, GRPOOptions]:
-    """Flat keywords (ours, or verl's spellings) -> (GRPOInputs, GRPOOptions); an unknown keyword is a
-    TypeError naming it. A refused value raises :class:`bounds.OptionError` naming it as the caller
-    spelled it (:func:`user_spelling`)."""
+    """A call's flat GRPO keywords (ours, and verl's spellings: :data:`NOT_GIVEN` for one not given) -> (GRPOInputs,
+    GRPOOptions); an unknown keyword is a TypeError naming it, as is a verl key without an equivalent
+    (:data:`VERL_WITHOUT_EQUIVALENT`, saying what to pass). A refused value raises
+    :class:`bounds.OptionError` naming it as the caller spelled it (:func:`user_spelling`)."""
     for name, instead in VERL_WITHOUT_EQUIVALENT.items():
-        if name in kwargs:
+        if _given(kwargs, name):
             raise TypeError(f"{where}() got verl's {name!r}, which has no equivalent here: {instead}")
     try:
-        ours = _respell(kwargs)
+        ours = _respell({k: v for k, v in kwargs.items() if k not in VERL_WITHOUT_EQUIVALENT})
         unknown = [k for k in ours if k not in OPTION_NAMES and k not in INPUT_NAMES]
         if unknown:
             raise TypeError(
@@ -533,47 +558,14 @@ def split_grpo_keywords(kwargs: Dict[str, Any], where: str) -> Tuple[GRPOInputs,
     return inputs, options
 
 
-def user_spelling(kwargs: Dict[str, Any]) -> Dict[str, str]:
+def user_spelling(kwargs: Mapping[str, Any]) -> Dict[str, str]:
     """Our option names -> the names the caller used for them in ``kwargs`` (verl's where it used verl's)."""
-    spelling = {ours: verl for verl, ours in VERL_SPELLINGS.items() if verl in kwargs}
-    if "clip_ratio" in kwargs:
+    spelling = {ours: verl for verl, ours in VERL_SPELLINGS.items() if _given(kwargs, verl)}
+    if _given(kwargs, "clip_ratio"):
         for ours, verl in (("eps_low", "clip_ratio_low"), ("eps_high", "clip_ratio_high")):
-            if ours not in kwargs and verl not in kwargs:
+            if not (_given(kwargs, ours) or _given(kwargs, verl)):
                 spelling[ours] = "clip_ratio"
     return spelling
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def grpo_keywords(fn: F) -> F:
-    """Give ``fn(..., **grpo_kwargs)`` the signature with every GRPOInputs and GRPOOptions field, and
-    errors that name an option as the caller spelled it.
-
-    ``help(grpo_loss)`` and ``inspect.signature`` then list the flat keywords, their defaults and
-    types, although they are defined once, in the dataclasses above. A :class:`bounds.OptionError`
-    raised anywhere in the call (the options, the per-call inputs, a reduction's global counts) is
-    re-worded with the caller's spellings (verl's ``kl_loss_coef`` rather than ``beta``).
-    """
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any):
-        try:
-            return fn(*args, **kwargs)
-        except OptionError as e:
-            spelling = user_spelling(kwargs)
-            if not spelling:
-                raise
-            raise e.respelled(spelling) from None
-
-    sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    for cls in (GRPOInputs, GRPOOptions):
-        for f in dataclasses.fields(cls):
-            annotation = _ROW_FIELD_ANNOTATIONS.get(f.name, f.type) if cls is GRPOOptions else f.type
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=annotation))
-    call.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    return call  # type: ignore[return-value]
 
 
 # Public API (docs/api.md, "Public modules"): the option declarations and the vocabulary a trainer's

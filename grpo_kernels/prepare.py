@@ -1,10 +1,11 @@
 """A call's arguments made ready for the row kernels, shared by the single-device functions
 (``functional``), the vocabulary-parallel ones (``vocab_parallel``) and the spec (``reference``).
 
-:class:`LogprobKeywords` are the keywords of the four log-prob functions (``token_logprobs`` and
-``fused_linear_token_logprobs``, public and reference), defined once: :func:`logprob_keywords` puts them
-in each function's signature, :func:`check_logprob_flags` and :func:`logprob_targets` check a call's
-values, :func:`logprob_outputs` shapes its return.
+:class:`LogprobKeywords` declares the log-prob functions' own keywords (``token_logprobs`` and
+``fused_linear_token_logprobs``, public and reference), beside the logit transform's
+(``options.LogitTransform``'s fields); each signature writes both out (``tools/signatures.py``).
+:func:`check_logprob_flags` and :func:`logprob_targets` check a call's values, :func:`logprob_outputs`
+shapes its return.
 :func:`prepare_grpo` validates a GRPO call (its flat keywords split into ``GRPOInputs`` and
 ``GRPOOptions``, the tensors checked against the batch) and gives the effective mask and the ids that
 masked positions leave unread. :func:`linear_rows` picks the rows a fused-linear call projects (those
@@ -16,9 +17,8 @@ the kept rows and the call's ``[B, T]`` layout.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-from typing import Any, Callable, NamedTuple, Optional, Tuple, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -28,60 +28,27 @@ from .autograd import compute_dtype, default_chunk_size
 from .options import IGNORE_INDEX, LogitTransform, split_grpo_keywords
 from .sampling_mask import SamplingMask
 
-F = TypeVar("F", bound=Callable[..., Any])
 
+@dataclass(frozen=True)
+class LogprobKeywords:
+    """The keywords every log-prob function takes besides the logit transform's (their meaning:
+    ``functional.token_logprobs``): each declared once, here, with its type and default; a call's
+    values checked (:func:`check_logprob_flags`)."""
 
-class LogprobKeywords(NamedTuple):
-    """The keywords every log-prob function takes (their meaning: ``functional.token_logprobs``), in
-    the order the signatures list them."""
-
-    temperature: Union[float, torch.Tensor] = 1.0
     ignore_index: int = IGNORE_INDEX
     return_entropy: bool = False
-    softcap: Optional[float] = None
-    logit_scale: float = 1.0
-    top_k: Union[int, torch.Tensor, None] = None
-    top_p: Union[float, torch.Tensor, None] = None
     return_sum_probs_sq: bool = False
     sampling_mask: Optional[SamplingMask] = None
 
 
-_LOGPROB_PARAMETERS = [  # (NamedTuple keeps this module's string annotations as ForwardRefs: their text)
-    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                      annotation=getattr(LogprobKeywords.__annotations__[name], "__forward_arg__",
-                                         LogprobKeywords.__annotations__[name]))
-    for name, default in LogprobKeywords._field_defaults.items()
-]
-
-
-def logprob_keywords(fn: F) -> F:
-    """Give ``fn(..., **logprob_kwargs)`` the signature with :class:`LogprobKeywords`' fields (after its
-    positional parameters and ``bias``), and refuse any other keyword as Python would for that signature."""
-    sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "bias"),
-              len(params))
-    known = frozenset(LogprobKeywords._fields) | {p.name for p in params}
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any):
-        for name in kwargs:
-            if name not in known:
-                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}")
-        return fn(*args, **kwargs)
-
-    call.__signature__ = sig.replace(parameters=params[:at] + _LOGPROB_PARAMETERS + params[at:])  # type: ignore[attr-defined]
-    return call  # type: ignore[return-value]
-
-
-def check_logprob_flags(logprob_kwargs: dict) -> LogprobKeywords:
-    """A call's log-prob keywords (the defaults for those not given), ``ignore_index`` an int and the
-    two return flags bools: what is checked before anything else (before a vocabulary-parallel dispatch)."""
-    kw = LogprobKeywords(**logprob_kwargs)
-    return LogprobKeywords(kw.temperature, V.check_ignore_index(kw.ignore_index),
-                           V.check_flag("return_entropy", kw.return_entropy), kw.softcap, kw.logit_scale, kw.top_k,
-                           kw.top_p, V.check_flag("return_sum_probs_sq", kw.return_sum_probs_sq),
-                           check_sampling_mask_type(kw.sampling_mask))
+def check_logprob_flags(ignore_index: Any, return_entropy: Any, return_sum_probs_sq: Any,
+                        sampling_mask: Any) -> LogprobKeywords:
+    """A call's log-prob keywords, ``ignore_index`` an int, the two return flags bools and
+    ``sampling_mask`` None or a :class:`SamplingMask`: what is checked before anything else (before a
+    vocabulary-parallel dispatch)."""
+    return LogprobKeywords(V.check_ignore_index(ignore_index), V.check_flag("return_entropy", return_entropy),
+                           V.check_flag("return_sum_probs_sq", return_sum_probs_sq),
+                           check_sampling_mask_type(sampling_mask))
 
 
 def check_sampling_mask_type(sampling_mask: object) -> Optional[SamplingMask]:
@@ -106,13 +73,16 @@ def check_sampling_mask(sampling_mask: Optional[SamplingMask], transform: LogitT
     return sampling_mask.check("sampling_mask", num_positions, vocab_size, device)
 
 
-def logprob_targets(kw: LogprobKeywords, targets, leading_shape, vocab_size: int, device,
-                    leading_name: str = "logits") -> Tuple[torch.Tensor, LogitTransform]:
-    """(targets checked against the call's leading shape, the transform for them); every target in
-    ``[0, vocab_size)`` or ``ignore_index``. ``leading_name`` names the tensor whose leading shape it is."""
+def logprob_targets(kw: LogprobKeywords, targets, leading_shape, vocab_size: int, device, leading_name: str = "logits",
+                    *, temperature: Union[float, torch.Tensor], softcap: Optional[float], logit_scale: float,
+                    top_k: Union[int, torch.Tensor, None],
+                    top_p: Union[float, torch.Tensor, None]) -> Tuple[torch.Tensor, LogitTransform]:
+    """(targets checked against the call's leading shape, the call's ``LogitTransform`` for them, its
+    values checked); every target in ``[0, vocab_size)`` or ``ignore_index``. ``leading_name`` names the
+    tensor whose leading shape it is."""
     targets = V.check_token_ids(targets, leading_shape, "targets", leading_name)
-    transform = LogitTransform(kw.temperature, kw.softcap, kw.logit_scale, kw.top_k, kw.top_p).for_rows(targets.shape,
-                                                                                                        device)
+    transform = LogitTransform(temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k,
+                               top_p=top_p).for_rows(targets.shape, device)
     V.check_ids_in_range(targets, vocab_size, kw.ignore_index, "targets")
     return targets, transform
 

@@ -8,22 +8,40 @@ independently in float64. Same signatures as the public functions, without ``bac
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from . import _validation as V
 from . import objective
+from .bounds import OptionError
 from .kernels.torch_rows import floor_logp
 from .objective import GRPOLossOutput
-from .options import IGNORE_INDEX, LogitTransform, grpo_keywords, split_grpo_keywords, top_k_rows, top_p_on
-from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, check_sampling_mask, logprob_keywords, logprob_outputs,
+from .options import (IGNORE_INDEX, NOT_GIVEN, LogitTransform, NotGiven, split_grpo_keywords, top_k_rows, top_p_on,
+                      user_spelling)
+from .prepare import (FP32_LOGITS_DEFAULT, check_logprob_flags, check_sampling_mask, logprob_outputs,
                       logprob_sampling_mask, logprob_targets)
 from .sampling_mask import SamplingMask
 
 
-@logprob_keywords
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, **logprob_kwargs: Any):
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    # >>> log-prob keywords (tools/signatures.py)
+    # the distribution: logit transform and sampler truncation (options.LogitTransform)
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    # the ignored id, the outputs, a replayed kept set (prepare.LogprobKeywords)
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_sum_probs_sq: bool = False,
+    sampling_mask: Optional[SamplingMask] = None,
+    # <<< log-prob keywords
+):
     """``log_softmax(z)[target]`` the way trainers write it, ``z`` the transformed logits
     (``options.LogitTransform``: ``softcap * tanh(logit_scale * logits / softcap) / temperature``),
     truncated by ``top_k`` / ``top_p`` as vLLM's sampler does (:func:`kept_tokens`).
@@ -34,9 +52,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, **logprob_kwargs
     (``return_sum_probs_sq``, detached) of the same distribution, float32 [...]. Positions whose
     target is ``ignore_index`` give 0 and no gradient; their logits are never read.
     """
-    kw = check_logprob_flags(logprob_kwargs)
+    kw = check_logprob_flags(ignore_index, return_entropy, return_sum_probs_sq, sampling_mask)
     logits = V.check_logits(logits)
-    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device)
+    targets, transform = logprob_targets(kw, targets, logits.shape[:-1], logits.shape[-1], logits.device,
+                                         temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                                         top_k=top_k, top_p=top_p)
     sampling_mask = logprob_sampling_mask(kw, targets, transform, logits.shape[-1], logits.device)
     logp, entropy, sum_sq = _token_logprobs(logits, targets, transform, kw.ignore_index,
                                             kw.return_entropy or kw.return_sum_probs_sq, sampling_mask)
@@ -118,9 +138,10 @@ def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, re
     if transform.softcap is not None:
         z = transform.softcap * torch.tanh(z * transform.logit_scale / transform.softcap)
         scale = 1.0
-    # the factor in float64, rounded once to float32: a tensor of temperatures gives what each float gives
+    # the factor in float64, rounded once to float32: a tensor of temperatures gives what each float gives;
+    # a constant of the distribution, as on every backend (no gradient reaches a temperature tensor)
     slope = scale / transform.temperature if not transform.per_row else \
-        (scale / transform.temperature.double()).float().unsqueeze(-1)
+        (scale / transform.temperature.detach().double()).float().unsqueeze(-1)
     # Shift by the row max before the slope: log_softmax is shift-invariant (the detached max changes
     # no value or gradient), and a finite logit near FLT_MAX over T < 1 would overflow to inf first.
     y = z
@@ -162,18 +183,114 @@ def _token_logprobs(logits, targets, transform: LogitTransform, ignore_index, re
     return logp, entropy, sum_sq
 
 
-@grpo_keywords
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: Optional[torch.Tensor] = None,
-    **grpo_kwargs: Any,
+    *,
+    # >>> GRPO keywords (tools/signatures.py)
+    # per-call tensors, constants of the loss (options.GRPOInputs)
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    num_items_in_batch: Any = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    global_batch_size: Any = None,
+    sampling_mask: Optional[SamplingMask] = None,
+    # the loss's options, each checked against its declaration (options.GRPOOptions)
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    loss_type: Optional[str] = None,
+    loss_mode: Optional[str] = None,
+    loss_agg_mode: Optional[str] = None,
+    kl_loss_type: Optional[str] = None,
+    max_completion_length: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool = False,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_correction_max: Optional[float] = 3.0,
+    rollout_correction_min: Optional[float] = None,
+    clip_cov_ratio: Optional[float] = None,
+    clip_cov_lb: Optional[float] = None,
+    clip_cov_ub: Optional[float] = None,
+    kl_cov_ratio: Optional[float] = None,
+    ppo_kl_coef: Optional[float] = None,
+    dro_beta: Optional[float] = None,
+    dp_size: int = 1,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    # verl's spellings of the options above (options.VERL_SPELLINGS)
+    clip_ratio_low: Union[float, NotGiven] = NOT_GIVEN,
+    clip_ratio_high: Union[float, None, NotGiven] = NOT_GIVEN,
+    clip_ratio_c: Union[float, None, NotGiven] = NOT_GIVEN,
+    kl_loss_coef: Union[float, NotGiven] = NOT_GIVEN,
+    entropy_coeff: Union[float, NotGiven] = NOT_GIVEN,
+    rollout_is_weights: Union[torch.Tensor, None, NotGiven] = NOT_GIVEN,
+    tau_pos: Union[float, NotGiven] = NOT_GIVEN,
+    tau_neg: Union[float, NotGiven] = NOT_GIVEN,
+    loss_scale_factor: Union[int, None, NotGiven] = NOT_GIVEN,
+    batch_num_tokens: Any = NOT_GIVEN,
+    clip_ratio: Union[float, NotGiven] = NOT_GIVEN,
+    # verl keys without an equivalent: refused, saying what to pass (options.VERL_WITHOUT_EQUIVALENT)
+    use_kl_loss: NotGiven = NOT_GIVEN,
+    calculate_entropy: NotGiven = NOT_GIVEN,
+    policy_loss: NotGiven = NOT_GIVEN,
+    global_batch_info: NotGiven = NOT_GIVEN,
+    # <<< GRPO keywords
 ) -> GRPOLossOutput:
     """GRPO loss from logits [B, T, V] with full fp32 ``log_softmax`` (every keyword: ``docs/api.md``)."""
-    logits = V.check_logits(logits)
-    inputs, options = split_grpo_keywords(grpo_kwargs, "grpo_loss")
-    V.check_grpo_inputs(logits.shape, completion_ids, advantages, completion_mask, inputs, options)
+    grpo_kwargs = {
+        # >>> GRPO keywords passed on (tools/signatures.py)
+        "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio, "num_items_in_batch": num_items_in_batch,
+        "segment_ids": segment_ids, "rollout_logps": rollout_logps, "global_batch_size": global_batch_size,
+        "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low, "eps_high": eps_high, "delta": delta,
+        "temperature": temperature, "softcap": softcap, "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p,
+        "loss_type": loss_type, "loss_mode": loss_mode, "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+        "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+        "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+        "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+        "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+        "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
+        "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta,
+        "dp_size": dp_size, "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+        "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+        "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+        "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+        "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+        "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+        "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+        "global_batch_info": global_batch_info,
+        # <<< GRPO keywords passed on
+    }
+    try:
+        logits = V.check_logits(logits)
+        inputs, options = split_grpo_keywords(grpo_kwargs, "grpo_loss")
+        V.check_grpo_inputs(logits.shape, completion_ids, advantages, completion_mask, inputs, options)
+        return _grpo_loss(logits, completion_ids, advantages, completion_mask, inputs, options)
+    except OptionError as e:  # named as the caller spelled it (verl's kl_loss_coef rather than beta)
+        if not user_spelling(grpo_kwargs):
+            raise
+        raise e.respelled(user_spelling(grpo_kwargs)) from None
+
+
+def _grpo_loss(logits, completion_ids, advantages, completion_mask, inputs, options) -> GRPOLossOutput:
+    """:func:`grpo_loss` of checked logits, inputs and options."""
     mask = objective.effective_mask(completion_ids, completion_mask)
     ids = objective.masked_ids(completion_ids, mask)
     V.check_ids_in_range(ids, logits.shape[-1], IGNORE_INDEX, "completion_ids")
@@ -197,19 +314,37 @@ def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
-@logprob_keywords
-def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                                bias: Optional[torch.Tensor] = None, fp32_logits: bool = FP32_LOGITS_DEFAULT,
-                                **logprob_kwargs: Any):
+def fused_linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    # >>> log-prob keywords (tools/signatures.py)
+    # the distribution: logit transform and sampler truncation (options.LogitTransform)
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    # the ignored id, the outputs, a replayed kept set (prepare.LogprobKeywords)
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_sum_probs_sq: bool = False,
+    sampling_mask: Optional[SamplingMask] = None,
+    # <<< log-prob keywords
+    fp32_logits: bool = FP32_LOGITS_DEFAULT,
+):
     """``token_logprobs(hidden @ weight.T + bias, targets)``; hidden [..., H], weight [V, H]."""
-    kw = check_logprob_flags(logprob_kwargs)
+    kw = check_logprob_flags(ignore_index, return_entropy, return_sum_probs_sq, sampling_mask)
     V.check_linear(hidden, weight, bias)
     targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
     return token_logprobs(_project(hidden, weight, bias, targets != kw.ignore_index, fp32_logits), targets,
-                          **kw._asdict())
+                         temperature=temperature, softcap=softcap, logit_scale=logit_scale, top_k=top_k, top_p=top_p,
+                         ignore_index=kw.ignore_index, return_entropy=kw.return_entropy,
+                         return_sum_probs_sq=kw.return_sum_probs_sq, sampling_mask=kw.sampling_mask)
 
 
-@grpo_keywords
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -218,16 +353,107 @@ def fused_linear_grpo_loss(
     completion_mask: Optional[torch.Tensor] = None,
     *,
     bias: Optional[torch.Tensor] = None,
+    # >>> GRPO keywords (tools/signatures.py)
+    # per-call tensors, constants of the loss (options.GRPOInputs)
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
+    num_items_in_batch: Any = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    rollout_logps: Optional[torch.Tensor] = None,
+    global_batch_size: Any = None,
+    sampling_mask: Optional[SamplingMask] = None,
+    # the loss's options, each checked against its declaration (options.GRPOOptions)
+    beta: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    loss_type: Optional[str] = None,
+    loss_mode: Optional[str] = None,
+    loss_agg_mode: Optional[str] = None,
+    kl_loss_type: Optional[str] = None,
+    max_completion_length: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool = False,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_correction_max: Optional[float] = 3.0,
+    rollout_correction_min: Optional[float] = None,
+    clip_cov_ratio: Optional[float] = None,
+    clip_cov_lb: Optional[float] = None,
+    clip_cov_ub: Optional[float] = None,
+    kl_cov_ratio: Optional[float] = None,
+    ppo_kl_coef: Optional[float] = None,
+    dro_beta: Optional[float] = None,
+    dp_size: int = 1,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    # verl's spellings of the options above (options.VERL_SPELLINGS)
+    clip_ratio_low: Union[float, NotGiven] = NOT_GIVEN,
+    clip_ratio_high: Union[float, None, NotGiven] = NOT_GIVEN,
+    clip_ratio_c: Union[float, None, NotGiven] = NOT_GIVEN,
+    kl_loss_coef: Union[float, NotGiven] = NOT_GIVEN,
+    entropy_coeff: Union[float, NotGiven] = NOT_GIVEN,
+    rollout_is_weights: Union[torch.Tensor, None, NotGiven] = NOT_GIVEN,
+    tau_pos: Union[float, NotGiven] = NOT_GIVEN,
+    tau_neg: Union[float, NotGiven] = NOT_GIVEN,
+    loss_scale_factor: Union[int, None, NotGiven] = NOT_GIVEN,
+    batch_num_tokens: Any = NOT_GIVEN,
+    clip_ratio: Union[float, NotGiven] = NOT_GIVEN,
+    # verl keys without an equivalent: refused, saying what to pass (options.VERL_WITHOUT_EQUIVALENT)
+    use_kl_loss: NotGiven = NOT_GIVEN,
+    calculate_entropy: NotGiven = NOT_GIVEN,
+    policy_loss: NotGiven = NOT_GIVEN,
+    global_batch_info: NotGiven = NOT_GIVEN,
+    # <<< GRPO keywords
     fp32_logits: bool = FP32_LOGITS_DEFAULT,
-    **grpo_kwargs: Any,
 ) -> GRPOLossOutput:
     """``grpo_loss(hidden @ weight.T + bias, ...)``; hidden [B, T, H], weight [V, H]."""
-    V.check_linear(hidden, weight, bias)
-    inputs, options = split_grpo_keywords(grpo_kwargs, "fused_linear_grpo_loss")
-    V.check_grpo_inputs(hidden.shape, completion_ids, advantages, completion_mask, inputs, options, "hidden")
-    valid = objective.effective_mask(completion_ids, completion_mask) != 0
-    return grpo_loss(_project(hidden, weight, bias, valid, fp32_logits), completion_ids, advantages, completion_mask,
-                     **grpo_kwargs)
+    grpo_kwargs = {
+        # >>> GRPO keywords passed on (tools/signatures.py)
+        "old_logps": old_logps, "ref_logps": ref_logps, "is_ratio": is_ratio, "num_items_in_batch": num_items_in_batch,
+        "segment_ids": segment_ids, "rollout_logps": rollout_logps, "global_batch_size": global_batch_size,
+        "sampling_mask": sampling_mask, "beta": beta, "eps_low": eps_low, "eps_high": eps_high, "delta": delta,
+        "temperature": temperature, "softcap": softcap, "logit_scale": logit_scale, "top_k": top_k, "top_p": top_p,
+        "loss_type": loss_type, "loss_mode": loss_mode, "loss_agg_mode": loss_agg_mode, "kl_loss_type": kl_loss_type,
+        "max_completion_length": max_completion_length, "importance_sampling_level": importance_sampling_level,
+        "entropy_coef": entropy_coef, "use_bias_correction_kl": use_bias_correction_kl,
+        "top_entropy_quantile": top_entropy_quantile, "off_policy_mask_threshold": off_policy_mask_threshold,
+        "rollout_correction": rollout_correction, "rollout_correction_max": rollout_correction_max,
+        "rollout_correction_min": rollout_correction_min, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
+        "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef, "dro_beta": dro_beta,
+        "dp_size": dp_size, "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+        "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+        "vespo_lambda_neg": vespo_lambda_neg, "clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high,
+        "clip_ratio_c": clip_ratio_c, "kl_loss_coef": kl_loss_coef, "entropy_coeff": entropy_coeff,
+        "rollout_is_weights": rollout_is_weights, "tau_pos": tau_pos, "tau_neg": tau_neg,
+        "loss_scale_factor": loss_scale_factor, "batch_num_tokens": batch_num_tokens, "clip_ratio": clip_ratio,
+        "use_kl_loss": use_kl_loss, "calculate_entropy": calculate_entropy, "policy_loss": policy_loss,
+        "global_batch_info": global_batch_info,
+        # <<< GRPO keywords passed on
+    }
+    try:
+        V.check_linear(hidden, weight, bias)
+        inputs, options = split_grpo_keywords(grpo_kwargs, "fused_linear_grpo_loss")
+        V.check_grpo_inputs(hidden.shape, completion_ids, advantages, completion_mask, inputs, options, "hidden")
+        valid = objective.effective_mask(completion_ids, completion_mask) != 0
+        return _grpo_loss(_project(hidden, weight, bias, valid, fp32_logits), completion_ids, advantages,
+                          completion_mask, inputs, options)
+    except OptionError as e:  # named as the caller spelled it (verl's kl_loss_coef rather than beta)
+        if not user_spelling(grpo_kwargs):
+            raise
+        raise e.respelled(user_spelling(grpo_kwargs)) from None
 
 
 # Public API (docs/api.md, "The spec" and "Public modules"): the names other packages may import from this module.

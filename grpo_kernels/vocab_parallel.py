@@ -54,8 +54,8 @@ import torch
 from . import _validation as V
 from . import backends, objective
 from .autograd import (FusedLinearTokenLogprobsFunction, ReplaySplit, TokenLogprobsFunction, chunked_row_stats,
-                       finite_grad, first_order, gradient_buffer, logprob_forward_outputs, replay_linear_grads,
-                       replay_linear_stats, replay_rows_grad, replay_rows_stats, written_in_place)
+                       finite_grad, first_order, gradient_buffer, written_in_place, logprob_forward_outputs,
+                       replay_linear_grads, replay_linear_stats, replay_rows_grad, replay_rows_stats)
 from .kernels import torch_replay
 from .kernels.layout import as_rows
 from .objective import GRPOLossOutput
@@ -585,9 +585,8 @@ def token_logprobs(logits, targets, *, group, temperature, ignore_index, return_
         targets = V.check_token_ids(targets, logits.shape[:-1], "targets")
         transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, logits.device)
         refuse_truncation(transform)
-        for name, flag in (("return_entropy", return_entropy), ("return_sum_probs_sq", return_sum_probs_sq)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        return_entropy = V.check_flag("return_entropy", return_entropy)
+        return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
         row_backend = backends.resolve(backend, logits.device)
         agree.local_size = logits.shape[-1]
         for name, value in zip(_LOGPROB_FINGERPRINT, (tuple(logits.shape[:-1]), targets, _transform_fingerprint(transform),
@@ -630,19 +629,17 @@ def grpo_loss(logits, completion_ids, advantages, completion_mask, *, group, bac
     return objective.grpo_loss_from_logprobs(logp, entropy, advantages, mask, inputs, options)
 
 
-def check_reduce_hidden_grad(reduce_hidden_grad: object, group: Any) -> None:
-    """A bool; True only with a group to reduce over (without one it would be silently meaningless)."""
-    if not isinstance(reduce_hidden_grad, bool):
-        raise TypeError(f"reduce_hidden_grad must be a bool, got {reduce_hidden_grad!r}")
+def check_reduce_hidden_grad(reduce_hidden_grad: object, group: Any, from_logits: bool = False) -> bool:
+    """A bool (``_validation.check_flag``); True only from hidden states (``from_logits``: a call from logits
+    has no ``d hidden``) with a group to reduce over (without one it would be silently meaningless)."""
+    reduce_hidden_grad = V.check_flag("reduce_hidden_grad", reduce_hidden_grad)
+    if reduce_hidden_grad and from_logits:
+        raise ValueError("reduce_hidden_grad=True all-reduces d hidden, which only the fused-linear functions "
+                         "compute; a call from logits has none (all-reduce the logits' producer's input gradient instead)")
     if reduce_hidden_grad and group is None:
         raise ValueError("reduce_hidden_grad=True all-reduces d hidden over a process_group; none was given "
                          "(and weight is not a DTensor)")
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
+    return reduce_hidden_grad
 
 
 def _linear_shard_rows(hidden, weight, bias, ids, shard: VocabShard, transform, ignore_index, with_entropy,
@@ -682,8 +679,8 @@ def fused_linear_token_logprobs(hidden, weight, targets, *, bias, group, reduce_
         targets = V.check_token_ids(targets, hidden.shape[:-1], "targets", "hidden")
         transform = LogitTransform(temperature, softcap, logit_scale, top_k, top_p).for_rows(targets.shape, hidden.device)
         refuse_truncation(transform)
-        _check_bool("return_entropy", return_entropy)
-        _check_bool("return_sum_probs_sq", return_sum_probs_sq)
+        return_entropy = V.check_flag("return_entropy", return_entropy)
+        return_sum_probs_sq = V.check_flag("return_sum_probs_sq", return_sum_probs_sq)
         agree.local_size = weight.shape[0]
         for name, value in zip(fingerprint, (tuple(hidden.shape), targets, _transform_fingerprint(transform),
                                              ignore_index, return_entropy, return_sum_probs_sq,

@@ -135,3 +135,48 @@ def test_reference_sampled_logprobs_nan_row_stays_nan_and_double_backward():
     (g1,) = torch.autograd.grad((lp + ent).sum(), x, create_graph=True)
     (g2,) = torch.autograd.grad(g1.square().sum(), x)
     assert torch.isfinite(g2).all() and g2.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_temperature_tensor_gets_no_gradient_on_any_backend(backend):
+    """docs/api.md: gradients flow to the logits (hidden states and weight from hidden states) only. A
+    per-sequence temperature that requires grad is a constant of every backend, the spec's included: its
+    ``.grad`` stays None, and the logits' / hidden states' gradients are float64's under that temperature."""
+    g = torch.Generator().manual_seed(46)
+    b, t, v, h = 3, 5, 37, 8
+    logits = torch.randn(b, t, v, generator=g) * 2
+    ids = torch.randint(0, v, (b, t), generator=g)
+    w = torch.randn(b, t, generator=g)
+    temps = torch.rand(b, generator=g) + 0.5
+    x64 = logits.double().requires_grad_()
+    logp64 = torch.log_softmax(x64 / temps.double()[:, None, None], -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (logp64 * w).sum().backward()
+
+    temperature = temps.clone().requires_grad_()
+    x = logits.clone().requires_grad_()
+    logp = gk.token_logprobs(x, ids, temperature=temperature, backend=backend)
+    (logp * w).sum().backward()
+    assert temperature.grad is None
+    assert_close64(logp, logp64, what="logp")
+    assert_close64(x.grad, x64.grad, scale=x64.grad.abs().max().item(), what="grad")
+
+    adv = torch.randn(b, generator=g)
+    x = logits.clone().requires_grad_()
+    gk.grpo_loss(x, ids, adv, temperature=temperature, loss_type="grpo", backend=backend).loss.backward()
+    x_detached = logits.clone().requires_grad_()
+    gk.grpo_loss(x_detached, ids, adv, temperature=temps, loss_type="grpo", backend=backend).loss.backward()
+    assert temperature.grad is None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    torch.testing.assert_close(x.grad, x_detached.grad, rtol=0, atol=0)
+
+    hidden64 = torch.randn(b, t, h, generator=g).double()  # (float32 values, held in float64)
+    weight64 = torch.randn(v, h, generator=g).double()
+    hidden = hidden64.float().requires_grad_()
+    h64 = hidden64.clone().requires_grad_()
+    z64 = h64 @ weight64.T
+    lp64 = torch.log_softmax(z64 / temps.double()[:, None, None], -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (lp64 * w).sum().backward()
+    lp = gk.fused_linear_token_logprobs(hidden, weight64.float(), ids, temperature=temperature, backend=backend)
+    (lp * w).sum().backward()
+    assert temperature.grad is None
+    assert_close64(lp, lp64, what="fused-linear logp")
+    assert_close64(hidden.grad, h64.grad, scale=h64.grad.abs().max().item(), what="d hidden")

@@ -82,7 +82,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without trl
 import grpo_kernels
 from grpo_kernels.autograd import compute_dtype
 from grpo_kernels.kernels.torch_rows import floor_logp
-from grpo_kernels.options import IGNORE_INDEX, check_top_k, check_top_p
+from grpo_kernels import _validation as V
+from grpo_kernels.options import BACKENDS, IGNORE_INDEX, check_top_k, check_top_p
 
 from . import _host
 
@@ -120,7 +121,6 @@ def check_trl() -> None:
 _SERVED_OUTPUTS = frozenset({"log_probs", "entropy"})
 # dtypes fused_linear_token_logprobs accepts for hidden states and weight.
 _CORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BACKENDS = ("auto", "triton", "torch", "reference")
 # Values TRL's add_fused_lm_head decides and closes over in the forward it installs. Reading them
 # (rather than re-deriving softcap / logit_scale from the config) keeps TRL's decisions exactly.
 _TRL_HEAD_SETTINGS = (
@@ -156,11 +156,10 @@ def _fall_back(reason: str, model: Optional[torch.nn.Module] = None) -> None:
 
 def _check_settings(backend: str, chunk_size: Optional[int], top_k: Optional[int] = None,
                     top_p: Optional[float] = None) -> dict:
-    """Refuse bad settings at ``patch`` time; -> the sampling keywords of the head ({} when off)."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    """Refuse bad settings at ``patch`` time (each against its declaration, as the functions check it);
+    -> the sampling keywords of the head ({} when off)."""
+    V.check_choice("backend", backend, BACKENDS)
+    V.check_chunk_size(chunk_size)
     top_k, top_p = check_top_k(top_k), check_top_p(top_p)  # (vLLM's "off" values: None)
     return {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
 
