@@ -7,7 +7,7 @@ import math
 import os
 import resource
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +34,23 @@ def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int
     return lengths
 
 
+def qwen3(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] = None, device: Any = None, seed: int = 0):
+    """A Qwen3 causal LM of ``shape`` (``Qwen3Config`` fields: its per-head q/k RMSNorms), seeded random weights
+    built in ``dtype`` on ``device`` (``harness.qwen2``'s counterpart)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**shape, max_position_embeddings=max(max_positions, 1024))
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with torch.device(device or "cpu"):
+            return Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="cpu", seed: int = 0):
     """The trainer's ``UpdateBatch`` of sequences of ``lengths`` tokens: prompts left-padded, completions right-padded."""
     from grpo.trainer import UpdateBatch
@@ -51,8 +68,11 @@ def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="
 
 
 def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: str = "cpu", steps: int = 1,
-         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False, **config) -> dict:
-    """``steps`` trainer steps of one batch in this process, the last measured: phases, peaks, the plan's prediction (README)."""
+         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False,
+         shape: Optional[dict] = None, micro_batch_tokens: Optional[int] = None, **config) -> dict:
+    """``steps`` trainer steps of one batch in this process, the last measured: phases, peaks, the plan's prediction (README).
+    ``shape``: a Qwen3 model of these ``Qwen3Config`` fields instead of ``size``'s Qwen2; ``micro_batch_tokens``:
+    packed micro-batches of at most this many tokens (default the longest sequence), the tokens the plan is made for."""
     from grpo import activations, models, plan, precision, trainer
 
     base, _, gc = mode.partition("+")
@@ -66,9 +86,13 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
         out["context_gib"] = outside() / 2**30
     cfg = trainer.GRPOConfig(**{"beta": 0.0, "backend": "torch", "gradient_checkpointing": gc == "gc", **MODES[base], **config},
                              output_dir=os.devnull, learning_rate=1e-6, progress=False, plot=False,
-                             max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
-    shape = {**H.MODELS[size], **({"vocab_size": vocab_size} if vocab_size else {})}
-    model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
+                             max_new_tokens=max(lengths),
+                             max_tokens_per_microbatch=(micro_batch_tokens or max(lengths)) if base == "packed" else None)
+    if shape is not None:
+        model = qwen3(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
+    else:
+        shape = {**H.MODELS[size], **({"vocab_size": vocab_size} if vocab_size else {})}
+        model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
     out["rss_after_model_gib"] = peak_gib()  # the baseline: interpreter, imports and model
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, dev)
     offload = activations.ActivationOffload(dev) if copies else None
@@ -91,7 +115,9 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
             policy.train()
             logs = trainer.update(policy, optimizer, batch, cfg, dev)
     phases.restore()
-    predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, max(lengths), dev.type)
+    mb_tokens = micro_batch_tokens or max(lengths)
+    predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, mb_tokens, dev.type,
+                                  sequences=len(lengths) if mb_tokens >= sum(lengths) else 1)  # (one micro-batch of all)
     out.update(mode=mode, size=size, lengths=lengths, tokens=sum(lengths), config=config, loss=logs["loss"],
                step_s=phases.wall["step"], phases_s=phases.wall, phases_cpu_s=phases.cpu, peak_rss_gib=peak_gib(),
                predicted_peak_gib=predicted.peak / 2**30, predicted_terms_gib={k: v / 2**30 for k, v in predicted.terms.items()},
@@ -328,7 +354,68 @@ def layer(args) -> tuple[list[dict], list[str]]:
     return rows, lines + [f"error: {r['error'][-300:]}" for r in rows if "error" in r]
 
 
-COMMANDS = {"bisect": bisect, "memory": memory, "options": options, "layer": layer}
+# `full`'s model (issue 45): Qwen3-shaped (per-head q/k RMSNorms, head_dim apart from H / heads, tied embeddings as
+# Qwen3-0.6B to 4B have them) with the real vocabulary, small enough that a 131,072-token step runs on a shared 2-core CPU
+FULL_SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6)
+# the published Qwen3 sizes the results file asks the CPU plan about at the same settings
+QWEN3_SIZES = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B")
+
+
+def full(args) -> tuple[list[dict], list[str]]:
+    """The ``full`` command (issue 45): one GRPO step (the trainer's ``update``: packed micro-batch, LoRA, gradient
+    checkpointing, MLP chunks, fused RMSNorm; with ``--beta`` > 0 also the reference's no-grad pass) of ``--tokens``
+    tokens in sequences of ``--sequence`` tokens packed into ONE micro-batch, in a fresh process; its peak RSS
+    (``ru_maxrss``: the whole process, interpreter and model included) beside the CPU plan of exactly that step."""
+    from grpo import plan
+
+    smoke = args.smoke
+    tokens, sequence, chunk = (512, 128, 64) if smoke else (args.tokens, args.sequence, args.chunk)
+    shape = dict(FULL_SHAPE)
+    lengths = [sequence] * (tokens // sequence) + ([tokens % sequence] if tokens % sequence else [])
+    config = dict(use_peft=True, lora_r=args.lora_r, lora_dropout=args.lora_dropout, model_dtype="float32",
+                  mlp_chunk_tokens=chunk, fused_norm=True, beta=args.beta)
+    r = measure(lengths, budget_gib=args.budget_gib, timeout_s=args.timeout_s, mode="packed+gc", shape=shape,
+                micro_batch_tokens=tokens, prompt_tokens=16 if smoke else PROMPT_TOKENS, **config)
+    r.update(variant="full", shape=shape)
+    print(json.dumps({k: v for k, v in r.items() if not k.startswith("predicted")}, default=str), flush=True)
+    if "error" in r:
+        return [r], [f"error: {r['error'][-800:]}"]
+    # the step loads no tokenizer: the plan's tokenizer term (a run's, TOKENIZER_BYTES_PER_ENTRY_CPU x V) is left out
+    tokenizer = plan.TOKENIZER_BYTES_PER_ENTRY_CPU * shape["vocab_size"] / 2**30
+    planned, measured = r["predicted_peak_gib"] - tokenizer, r["peak_rss_gib"]
+    r.update(planned_without_tokenizer_gib=planned, plan_over_measured=planned / measured)
+    terms = r["predicted_terms_gib"]
+    lines = [f"One GRPO step of {tokens:,} tokens ({len(lengths)} sequences of {sequence} tokens, prompts of "
+             f"{16 if smoke else PROMPT_TOKENS}, packed into one micro-batch), a Qwen3-shaped model of random weights: "
+             + ", ".join(f"{k} {v}" for k, v in shape.items()) + f" ({r['parameters'] / 1e6:.1f}M parameters, "
+             f"{r['trainable'] / 1e6:.3f}M trainable); fp32 weights, LoRA r={args.lora_r} all-linear with dropout "
+             f"{args.lora_dropout}, gradient checkpointing (non-reentrant), MLP chunks of {chunk} tokens, fused RMSNorm, "
+             f"beta {args.beta}, the torch backend's fused loss (frozen head in vocabulary blocks), AdamW. "
+             "Measured: the process's peak RSS (ru_maxrss of a fresh process: interpreter, imports, model, step). "
+             "Planned: `grpo.plan.plan_for_run` of the same config and settings on device 'cpu', less its tokenizer "
+             f"term ({tokenizer * 1024:.0f} MiB: this step loads none).", "",
+             *H.table(["tokens", "measured peak RSS GiB", "planned GiB", "plan / measured", "step wall", "loss"],
+                      [[f"{tokens:,}", f"{measured:.3f}", f"{planned:.3f}", f"{planned / measured:.3f}",
+                        H.fmt_time(r["step_s"]), f"{r['loss']:.4f}"]]),
+             "", "The plan's terms (GiB; the peak = the persistent terms + max(update, KV cache, no-grad pass)):", "",
+             *H.table(["term", "GiB"], [[k, f"{v:.4f}"] for k, v in terms.items()]), "",
+             f"RSS before the model {r['rss_start_gib']:.3f} GiB, after the model {r['rss_after_model_gib']:.3f}, "
+             f"after setup {r['rss_after_setup_gib']:.3f}; phases (wall s): "
+             + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items()) + f"; threads {r['threads']}."]
+    lines += ["", f"The CPU plan (`python -m grpo plan --device cpu`, same settings, fp32 weights, with the tokenizer) of "
+              f"the published Qwen3 sizes at {tokens:,} tokens, against this machine's 24 GiB:", ""]
+    cells = []
+    for name in QWEN3_SIZES:
+        p = plan.plan(name, tokens, device="cpu", gradient_checkpointing=True, sequences=len(lengths),
+                      gpu_memory=24 * 2**30, **config)
+        cells.append([name, f"{p.settings['parameters'] / 1e9:.2f}B", f"{p.peak / 2**30:.2f}", "yes" if p.fits else "no",
+                      f"{p.largest_tokens:,}"])
+    lines += H.table(["model", "parameters", "planned peak GiB", "fits 24 GiB", "largest tokens that fit"], cells)
+    return [r], lines
+
+
+COMMANDS = {"bisect": bisect, "memory": memory, "options": options, "layer": layer, "full": full}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -349,6 +436,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             models=(["Qwen2.5-1.5B", "Qwen3-8B"], None, ["Qwen2.5-1.5B", "Qwen3-8B"]), tokens=[128, 512],
             chunk=(512, "mlp_chunk_tokens"), from_json=(str, "recompute the plan's side for an earlier run's records"),
             smoke=(False, "CI: a small layer (H 64, I 256) at 16 and 48 tokens")).set_defaults(rounds=1)
+    command("full", "one GRPO step at full length (131,072 tokens), its peak RSS beside the CPU plan (issue 45)",
+            tokens=131072, sequence=(4096, "tokens of each packed sequence"), chunk=(4096, "mlp_chunk_tokens"),
+            lora_r=16, lora_dropout=0.05, beta=(0.0, "KL coefficient (> 0: the reference's no-grad pass too)"),
+            budget_gib=(10.0, "kill the step past this RSS"), timeout_s=(1800.0, "kill the step after this long"),
+            smoke=(False, "CI: 512 tokens in sequences of 128, chunks of 64")).set_defaults(rounds=1)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     report.records, lines = COMMANDS[args.cmd](args)
