@@ -7,7 +7,7 @@ import math
 import os
 import resource
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +34,23 @@ def group_lengths(G: int, median: float, cap: int, sigma: float = 1.0, seed: int
     return lengths
 
 
+def qwen3(shape: dict, max_positions: int = 1024, dtype: Optional[torch.dtype] = None, device: Any = None, seed: int = 0):
+    """A Qwen3 causal LM of ``shape`` (``Qwen3Config`` fields: its per-head q/k RMSNorms), seeded random weights
+    built in ``dtype`` on ``device`` (``harness.qwen2``'s counterpart)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**shape, max_position_embeddings=max(max_positions, 1024))
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with torch.device(device or "cpu"):
+            return Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="cpu", seed: int = 0):
     """The trainer's ``UpdateBatch`` of sequences of ``lengths`` tokens: prompts left-padded, completions right-padded."""
     from grpo.trainer import UpdateBatch
@@ -51,8 +68,11 @@ def make_batch(lengths: list[int], prompt_tokens: int, vocab_size: int, device="
 
 
 def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: str = "cpu", steps: int = 1,
-         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False, **config) -> dict:
-    """``steps`` trainer steps of one batch in this process, the last measured: phases, peaks, the plan's prediction (README)."""
+         prompt_tokens: int = PROMPT_TOKENS, vocab_size: Optional[int] = None, copies: bool = False,
+         shape: Optional[dict] = None, micro_batch_tokens: Optional[int] = None, **config) -> dict:
+    """``steps`` trainer steps of one batch in this process, the last measured: phases, peaks, the plan's prediction (README).
+    ``shape``: a Qwen3 model of these ``Qwen3Config`` fields instead of ``size``'s Qwen2; ``micro_batch_tokens``:
+    packed micro-batches of at most this many tokens (default the longest sequence), the tokens the plan is made for."""
     from grpo import activations, models, plan, precision, trainer
 
     base, _, gc = mode.partition("+")
@@ -66,9 +86,13 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
         out["context_gib"] = outside() / 2**30
     cfg = trainer.GRPOConfig(**{"beta": 0.0, "backend": "torch", "gradient_checkpointing": gc == "gc", **MODES[base], **config},
                              output_dir=os.devnull, learning_rate=1e-6, progress=False, plot=False,
-                             max_new_tokens=max(lengths), max_tokens_per_microbatch=max(lengths) if base == "packed" else None)
-    shape = {**H.MODELS[size], **({"vocab_size": vocab_size} if vocab_size else {})}
-    model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
+                             max_new_tokens=max(lengths),
+                             max_tokens_per_microbatch=(micro_batch_tokens or max(lengths)) if base == "packed" else None)
+    if shape is not None:
+        model = qwen3(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
+    else:
+        shape = {**H.MODELS[size], **({"vocab_size": vocab_size} if vocab_size else {})}
+        model = H.qwen2(shape, max(lengths), precision.torch_dtype(cfg.model_dtype), dev)
     out["rss_after_model_gib"] = peak_gib()  # the baseline: interpreter, imports and model
     model, policy, ref_policy, optimizer = trainer.setup_training(model, cfg, dev)
     offload = activations.ActivationOffload(dev) if copies else None
@@ -91,7 +115,9 @@ def step(lengths: list[int], mode: str = "packed", size: str = "81M", device: st
             policy.train()
             logs = trainer.update(policy, optimizer, batch, cfg, dev)
     phases.restore()
-    predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, max(lengths), dev.type)
+    mb_tokens = micro_batch_tokens or max(lengths)
+    predicted = plan.plan_for_run(models.unwrap(policy).config, cfg, mb_tokens, dev.type,
+                                  sequences=len(lengths) if mb_tokens >= sum(lengths) else 1)  # (one micro-batch of all)
     out.update(mode=mode, size=size, lengths=lengths, tokens=sum(lengths), config=config, loss=logs["loss"],
                step_s=phases.wall["step"], phases_s=phases.wall, phases_cpu_s=phases.cpu, peak_rss_gib=peak_gib(),
                predicted_peak_gib=predicted.peak / 2**30, predicted_terms_gib={k: v / 2**30 for k, v in predicted.terms.items()},
@@ -286,9 +312,9 @@ def layer(args) -> tuple[list[dict], list[str]]:
     """The ``layer`` command: one layer's measured peak beside the plan's, per model, token count and norm
     (``--from-json``: the records of an earlier run, the plan's side computed again by this code)."""
     rows = []
-    if args.from_json:
-        with open(args.from_json) as f:
-            rows = json.load(f)["records"]  # (harness.Report's FILE.json)
+    for path in args.from_json:
+        with open(path) as f:
+            rows += json.load(f)["records"]  # (harness.Report's FILE.json)
     models, tokens, chunk = args.models, args.tokens, args.chunk
     if args.smoke:  # CI: a small layer of the same structure (H 64, I 256), two tiny token counts
         import tempfile
@@ -306,29 +332,108 @@ def layer(args) -> tuple[list[dict], list[str]]:
         if "error" not in r:
             r["planned_bytes"] = planned_layer_peak(r["model"], r["tokens"], r["fused_norm"], r["mlp_chunk_tokens"],
                                                     r["lora_r"], r["lora_dropout"])
-    cells = [[r["model"], r["tokens"], "fused" if r["fused_norm"] else "transformers'", f"{r['measured_bytes'] / 2**20:.1f}",
-              f"{r['planned_bytes'] / 2**20:.1f}", f"{r['planned_bytes'] / r['measured_bytes']:.3f}"]
-             for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r]
+    cells = [[os.path.basename(r["model"]), r["tokens"], r["mlp_chunk_tokens"], "fused" if r["fused_norm"] else "transformers'",
+              f"{r['measured_bytes'] / 2**20:.1f}", f"{r['planned_bytes'] / 2**20:.1f}", f"{r['planned_bytes'] / r['measured_bytes']:.3f}"]
+             for r in ok]
     lines = ["One decoder layer's forward + backward (bf16 weights, LoRA r=16 all-linear with dropout 0.05, non-reentrant "
-             f"checkpointing, MLP chunks of {chunk}, CPU bf16 autocast): peak bytes allocated above the start, the "
-             "torch profiler's allocation events, beside grpo.plan.layer_peak.", ""]
-    lines += H.table(["model", "tokens", "RMSNorm", "measured MiB", "planned MiB", "plan / measured"], cells)
+             "checkpointing, MLP chunks of the listed tokens (chunking acts where tokens > chunk), CPU bf16 autocast): peak "
+             "bytes allocated above the start, the torch profiler's allocation events, beside grpo.plan.layer_peak.", ""]
+    lines += H.table(["model", "tokens", "MLP chunk", "RMSNorm", "measured MiB", "planned MiB", "plan / measured"], cells)
     slopes = []
-    for name in sorted({r["model"] for r in rows if "error" not in r}):
-        for fused in (True, False):
-            rs = sorted((r for r in rows if "error" not in r and r["model"] == name and r["fused_norm"] == fused),
-                        key=lambda r: r["tokens"])
-            if len(rs) >= 2:
-                a, b = rs[0], rs[-1]
-                m = (b["measured_bytes"] - a["measured_bytes"]) / (b["tokens"] - a["tokens"])
-                p = (b["planned_bytes"] - a["planned_bytes"]) / (b["tokens"] - a["tokens"])
-                slopes.append([name, "fused" if fused else "transformers'", f"{m:.0f}", f"{p:.0f}", f"{p / m:.3f}"])
-    lines += ["", "Per-token slope between the two token counts (bytes per token):", ""]
-    lines += H.table(["model", "RMSNorm", "measured B/token", "planned B/token", "plan / measured"], slopes)
+    for name, chunk_, fused in sorted({(r["model"], r["mlp_chunk_tokens"], r["fused_norm"]) for r in ok}, key=str):
+        rs = sorted((r for r in ok if (r["model"], r["mlp_chunk_tokens"], r["fused_norm"]) == (name, chunk_, fused)),
+                    key=lambda r: r["tokens"])
+        if len(rs) >= 2:
+            a, b = rs[0], rs[-1]
+            m = (b["measured_bytes"] - a["measured_bytes"]) / (b["tokens"] - a["tokens"])
+            p = (b["planned_bytes"] - a["planned_bytes"]) / (b["tokens"] - a["tokens"])
+            slopes.append([os.path.basename(name), f"{a['tokens']}-{b['tokens']}", chunk_, "fused" if fused else "transformers'",
+                           f"{m:.0f}", f"{p:.0f}", f"{p / m:.3f}"])
+    lines += ["", "Per-token slope between the two token counts of one model, chunk and norm (bytes per token):", ""]
+    lines += H.table(["model", "tokens", "MLP chunk", "RMSNorm", "measured B/token", "planned B/token", "plan / measured"], slopes)
     return rows, lines + [f"error: {r['error'][-300:]}" for r in rows if "error" in r]
 
 
-COMMANDS = {"bisect": bisect, "memory": memory, "options": options, "layer": layer}
+# `full`'s model (issue 45): Qwen3-shaped (per-head q/k RMSNorms, head_dim apart from H / heads, tied embeddings as
+# Qwen3-0.6B to 4B have them) with the real vocabulary, small enough that a 131,072-token step runs on a shared 2-core CPU
+FULL_SHAPE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6)
+# the published Qwen3 sizes the results file asks the CPU plan about at the same settings
+QWEN3_SIZES = ("Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B")
+GOAL_TOKENS = 131072  # issue 45's length, at which that table asks the plan
+
+
+def full(args) -> tuple[list[dict], list[str]]:
+    """The ``full`` command (issue 45): one GRPO step (the trainer's ``update``: packed micro-batch, LoRA, gradient
+    checkpointing, MLP chunks, fused RMSNorm; with ``--beta`` > 0 also the reference's no-grad pass) of ``--tokens``
+    tokens in sequences of ``--sequence`` tokens packed into ONE micro-batch, in a fresh process; its peak RSS
+    (``ru_maxrss``: the whole process, interpreter and model included) beside the CPU plan of exactly that step."""
+    from grpo import plan
+
+    smoke = args.smoke
+    tokens, sequence, chunk = (512, 128, 64) if smoke else (args.tokens, args.sequence, args.chunk)
+    shape = dict(FULL_SHAPE)
+    config = dict(use_peft=True, lora_r=args.lora_r, lora_dropout=args.lora_dropout, model_dtype="float32",
+                  mlp_chunk_tokens=chunk, fused_norm=True, beta=args.beta)
+    if args.from_json:  # an earlier run's record: the plan's side computed again by this code
+        with open(args.from_json) as f:
+            earlier = json.load(f)
+        r = earlier["records"][0]
+        shape, tokens, config = r["shape"], r["tokens"], r["config"]
+        sequence, chunk = max(r["lengths"]), config["mlp_chunk_tokens"]
+    lengths = [sequence] * (tokens // sequence) + ([tokens % sequence] if tokens % sequence else [])
+    if not args.from_json:
+        r = measure(lengths, budget_gib=args.budget_gib, timeout_s=args.timeout_s, mode="packed+gc", shape=shape,
+                    micro_batch_tokens=tokens, prompt_tokens=16 if smoke else PROMPT_TOKENS, **config)
+        r.update(variant="full", shape=shape)
+        print(json.dumps({k: v for k, v in r.items() if not k.startswith("predicted")}, default=str), flush=True)
+    if "error" in r:
+        return [r], [f"error: {r['error'][-800:]}"]
+    # the plan of exactly this step (plan_for_run's arguments: the model's config and the run's settings), less
+    # its tokenizer term (a run's, TOKENIZER_BYTES_PER_ENTRY_CPU x V): this step loads no tokenizer
+    predicted = plan.plan(plan.ModelShape.from_config({**shape, "model_type": "qwen3"}), tokens, device="cpu",
+                          gradient_checkpointing=True, sequences=len(lengths), **config)
+    tokenizer = predicted.runtime["the tokenizer"] / 2**30
+    planned, measured = predicted.peak / 2**30 - tokenizer, r["peak_rss_gib"]
+    terms = {k: v / 2**30 for k, v in predicted.terms.items()}
+    r.update(predicted_peak_gib=predicted.peak / 2**30, predicted_terms_gib=terms, planned_without_tokenizer_gib=planned,
+             plan_over_measured=planned / measured)
+    lines = [f"The step was measured {H.describe(earlier['conditions'])} (this file: its record, the plan's side "
+             f"computed again by `--from-json`).", ""] if args.from_json else []
+    lines += [f"One GRPO step of {tokens:,} tokens ({len(lengths)} sequences of {sequence} tokens, prompts of "
+             f"{16 if smoke else PROMPT_TOKENS}, packed into one micro-batch), a Qwen3-shaped model of random weights: "
+             + ", ".join(f"{k} {v}" for k, v in shape.items()) + f" ({r['parameters'] / 1e6:.1f}M parameters, "
+             f"{r['trainable'] / 1e6:.3f}M trainable); fp32 weights, LoRA r={args.lora_r} all-linear with dropout "
+             f"{args.lora_dropout}, gradient checkpointing (non-reentrant), MLP chunks of {chunk} tokens, fused RMSNorm, "
+             f"beta {args.beta}, the torch backend's fused loss (frozen head in vocabulary blocks), AdamW. "
+             "Measured: the process's peak RSS (ru_maxrss of a fresh process: interpreter, imports, model, step). "
+             "Planned: `grpo.plan.plan` of the same config and settings on device 'cpu' (what `plan_for_run` gives a run), less its tokenizer "
+             f"term ({tokenizer * 1024:.0f} MiB: this step loads none).", "",
+             *H.table(["tokens", "measured peak RSS GiB", "planned GiB", "plan / measured", "step wall", "loss"],
+                      [[f"{tokens:,}", f"{measured:.3f}", f"{planned:.3f}", f"{planned / measured:.3f}",
+                        H.fmt_time(r["step_s"]), f"{r['loss']:.4f}"]]),
+             "", "The plan's terms (GiB; the peak = the persistent terms + max(update, KV cache, no-grad pass)):", "",
+             *H.table(["term", "GiB"], [[k, f"{v:.4f}"] for k, v in terms.items()]), "",
+             f"RSS before the model {r['rss_start_gib']:.3f} GiB, after the model {r['rss_after_model_gib']:.3f}, "
+             f"after setup {r['rss_after_setup_gib']:.3f}; phases (wall s): "
+             + ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s"].items()) + f"; threads {r['threads']}."]
+    goal = GOAL_TOKENS
+    lines += ["", f"The CPU plan (`python -m grpo plan --device cpu`, the same settings, sequences of {sequence} tokens, with "
+              f"the tokenizer) of the published Qwen3 sizes at {goal:,} tokens, against this machine's 24 GiB, with fp32 "
+              "weights (as measured here) and bf16 weights (no autocast on a CPU: bf16 activations too):", ""]
+    cells = []
+    for name in QWEN3_SIZES:
+        for dtype in ("float32", "bfloat16"):
+            p = plan.plan(name, goal, device="cpu", gradient_checkpointing=True, sequences=goal // sequence,
+                          gpu_memory=24 * 2**30, **{**config, "model_dtype": dtype})
+            cells.append([name, f"{p.settings['parameters'] / 1e9:.2f}B", dtype, f"{p.peak / 2**30:.2f}",
+                          "yes" if p.fits else "no", f"{p.largest_tokens:,}"])
+    lines += H.table(["model", "parameters", "weights", "planned peak GiB", "fits 24 GiB", "largest tokens that fit"], cells)
+    return [r], lines
+
+
+COMMANDS = {"bisect": bisect, "memory": memory, "options": options, "layer": layer, "full": full}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -347,8 +452,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             smoke=(False, "CI: a tiny model, 96 tokens, one round, base and chunks")).set_defaults(rounds=3)
     command("layer", "one real-width decoder layer's peak (profiler allocation events) beside the plan's (issue 45)",
             models=(["Qwen2.5-1.5B", "Qwen3-8B"], None, ["Qwen2.5-1.5B", "Qwen3-8B"]), tokens=[128, 512],
-            chunk=(512, "mlp_chunk_tokens"), from_json=(str, "recompute the plan's side for an earlier run's records"),
+            chunk=(512, "mlp_chunk_tokens"), from_json=([], "recompute the plan's side for earlier runs' records (FILE.json ...)"),
             smoke=(False, "CI: a small layer (H 64, I 256) at 16 and 48 tokens")).set_defaults(rounds=1)
+    command("full", "one GRPO step at full length (131,072 tokens), its peak RSS beside the CPU plan (issue 45)",
+            tokens=131072, sequence=(4096, "tokens of each packed sequence"), chunk=(4096, "mlp_chunk_tokens"),
+            lora_r=16, lora_dropout=0.05, beta=(0.0, "KL coefficient (> 0: the reference's no-grad pass too)"),
+            budget_gib=(10.0, "kill the step past this RSS"), timeout_s=(1800.0, "kill the step after this long"),
+            smoke=(False, "CI: 512 tokens in sequences of 128, chunks of 64"),
+            from_json=(str, "recompute the plan's side for an earlier run's record (FILE.json)")).set_defaults(rounds=1)
     args = p.parse_args(argv)
     report = H.Report(f"Long context: `python -m benchmarks.long_context {args.cmd}`")
     report.records, lines = COMMANDS[args.cmd](args)

@@ -95,8 +95,8 @@ from .activations import check_offload
 from .config import GRPOConfig
 from .flags import add_config_flags, config_from_args, usage_error
 
-# Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-* and Qwen/Qwen3-8B; parameter
-# counts from the model cards: 0.49B, 1.54B, 7.61B, 8.2B), so a plan needs no hub access. docs/shapes/
+# Published configs (config.json on the Hugging Face hub, Qwen/Qwen2.5-* and Qwen/Qwen3-*; parameter
+# counts from the model cards: 0.49B, 1.54B, 7.61B; 0.6B, 1.7B, 4.0B, 8.2B), so a plan needs no hub access. docs/shapes/
 # holds two of them as config.json files.
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -105,6 +105,15 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen3-0.6B": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, attention_bias=False),
+    "Qwen3-1.7B": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, attention_bias=False),
+    "Qwen3-4B": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True, attention_bias=False),
     "Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False, attention_bias=False),

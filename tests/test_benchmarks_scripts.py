@@ -67,6 +67,8 @@ SCRIPTS = {
                                    ("options.md", "options.json"), ("transformers",)),
     "long_context-layer": Script("long_context", ("layer", "--smoke", "--out", "{out}/layer.md"),
                                  ("layer.md", "layer.json"), ("transformers", "peft")),
+    "long_context-full": Script("long_context", ("full", "--smoke", "--out", "{out}/full.md"),
+                                ("full.md", "full.json"), ("transformers", "peft")),
 }
 
 

@@ -681,19 +681,20 @@ SMALL_LAYER = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hi
 @pytest.mark.parametrize("fused_norm", [True, False])
 def test_the_plan_s_per_token_slope_bounds_a_measured_layer(tmp_path, fused_norm):
     """One decoder layer as the trainer runs it (bf16 weights, LoRA on every linear with dropout, MLP chunks of
-    128, non-reentrant checkpointing, CPU bf16 autocast; benchmarks.long_context.one_layer), its peak
-    allocation from the torch profiler's events at 128 and 384 tokens: the per-token slope of
-    ``plan.layer_peak`` against the measured one. The plan adds each phase's terms as if held at once (a
-    bound): it must not be below the measurement, and at most 20% above it (it is 14% above at these
-    widths, fused norm; the real-width figures are in benchmarks/results/layer_peak-cpu-20261207-*.md)."""
+    64, non-reentrant checkpointing, CPU bf16 autocast; benchmarks.long_context.one_layer), its peak
+    allocation from the torch profiler's events at 128 and 384 tokens (both above the chunk: the chunk's
+    terms are the same at both, so the difference is the per-token part alone): the per-token slope of
+    ``plan.layer_peak`` against the measured one, within 10% either way. No CPU-vs-CUDA allowance: both are
+    the CPU's own allocations, counted by the profiler (measured 2026-12-07: plan / measured 0.949 fused,
+    0.957 transformers' norm; the real-width figures are in benchmarks/results/layer_peak-cpu-*.md)."""
     pytest.importorskip("peft")
     from benchmarks import long_context as LC
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LAYER))
-    low, high = (LC.one_layer(str(tmp_path), n, fused_norm=fused_norm, chunk=128) for n in (128, 384))
+    low, high = (LC.one_layer(str(tmp_path), n, fused_norm=fused_norm, chunk=64) for n in (128, 384))
     measured = (high["measured_bytes"] - low["measured_bytes"]) / 256
     planned = (high["planned_bytes"] - low["planned_bytes"]) / 256
-    assert measured > 0 and 1.0 <= planned / measured <= 1.2, (planned, measured)
+    assert measured > 0 and 0.9 <= planned / measured <= 1.1, (planned, measured)
 
 
 def test_pinned_blocks_round_up_to_a_power_of_two_unless_the_allocator_setting_says_otherwise():
@@ -760,3 +761,31 @@ def test_plans_defaults_are_the_configs_own():
     assert set(plan.PLAN_CONFIG_FIELDS) <= set(signature)
     for name in plan.PLAN_CONFIG_FIELDS:
         assert signature[name].default == config[name] and plan.CONFIG_DEFAULTS[name] is config[name], name
+
+
+def test_a_run_offloading_to_more_host_memory_than_the_machine_has_is_warned_with_the_numbers(tmp_path, monkeypatch, caplog):
+    """Offload (on CUDA) pins every layer's checkpointed input in host memory: a run whose ranks on this machine
+    need more than it has gets one WARNING at its start naming activation_offload, the GiB needed per rank and
+    per machine, and the machine's GiB; with enough memory no warning."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from helpers import tiny_config
+
+    config = AutoConfig.from_pretrained(os.path.join(os.path.dirname(plan.__file__), "..", "docs", "shapes", "Qwen2.5-1.5B"))
+    cfg = tiny_config(tmp_path, use_peft=True, model_dtype="bfloat16", gradient_checkpointing=True, activation_offload=True)
+    N = 131072  # 28 blocks of 384 MiB, each pinned as 512 MiB: 14 GiB a rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    for machine, warned in ((16 * 2**30, True), (64 * 2**30, False)):
+        monkeypatch.setattr(plan, "physical_memory", lambda: machine)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grpo.plan"):
+            result = plan.log_for_run(config, cfg, N, "cuda")
+        assert result.host_per_node == 2 * 28 * 512 * 2**20 and result.host_fits is (not warned)
+        assert [r.levelname for r in caplog.records] == (["WARNING"] if warned else [])
+        if warned:
+            assert "activation_offload" in caplog.text and "28.00 GiB" in caplog.text and "2 rank(s) x 14.00 GiB" in caplog.text
+            assert "16.00 GiB" in caplog.text and "power of two" in caplog.text
