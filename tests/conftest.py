@@ -5,6 +5,12 @@
 - The shared helpers (``DEVICE``, ``assert_close64``, ``poison_``, ``tiny_config``) live in
   ``tests/helpers.py`` and are imported from there.
 - ``@pytest.mark.gpu`` tests are skipped without CUDA.
+- ``@pytest.mark.full`` marks a redundant grid point (another shape or dtype of a case whose every
+  behaviour other points cover): skipped unless ``--full`` is given (``make test-full``).
+- Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) each test file runs whole in one
+  worker (its module fixtures made once, its tests in file order), except the files in ``SPLIT_BY_TEST``,
+  long files whose tests are each independent: those are spread over the workers one test function
+  (all its parametrized cases) at a time, so that no single file sets the suite's wall time.
 """
 
 from __future__ import annotations
@@ -21,6 +27,16 @@ import pytest  # noqa: E402
 from helpers import HAS_CUDA  # noqa: E402
 
 
+# Long test files spread over the xdist workers by test function (see the module docstring). None of
+# their test functions uses a module-scoped fixture: each such function would make it again.
+SPLIT_BY_TEST = frozenset({"test_functional.py"})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked `full` (redundant grid points left out of `make test`)")
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: one thread is fastest, and immune to other processes on the machine."""
@@ -32,9 +48,16 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    grouped = config.pluginmanager.hasplugin("xdist")
+    full = config.getoption("--full")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_full = pytest.mark.skip(reason="a redundant grid point: run with --full (make test-full)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not HAS_CUDA and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if not full and item.get_closest_marker("full") is not None:
+            item.add_marker(skip_full)
+        if grouped:
+            path = item.nodeid.split("::")[0]
+            split = path.rsplit("/", 1)[-1] in SPLIT_BY_TEST
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("[")[0] if split else path))
