@@ -163,14 +163,18 @@ test: install
 	  $(MAKE) --no-print-directory install-openrlhf > $(OPENRLHF_VENV).log 2>&1; openrlhf=$$?; \
 	  $(MAKE) --no-print-directory install-newest > $(NEWEST_VENV).log 2>&1; newest=$$?; \
 	  exit $$(( ($$vllm != 0) + 2 * ($$verl != 0) + 4 * ($$openrlhf != 0) + 8 * ($$newest != 0) )) ) & installing=$$!; \
+	echo "[$$(date -u +%T)] the main suite"; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_XDIST) $(TEST_ARGS) tests; tests=$$?; \
+	echo "[$$(date -u +%T)] the main suite ended; waiting for the other venvs' installs"; \
 	wait $$installing; installed=$$?; \
 	if [ $$(( installed & 1 )) -ne 0 ]; then cat $(VLLM_VENV).log; echo "make install-vllm failed (its log above)"; fi; \
 	if [ $$(( installed & 2 )) -ne 0 ]; then cat $(VERL_VENV).log; echo "make install-verl failed (its log above)"; fi; \
 	if [ $$(( installed & 4 )) -ne 0 ]; then cat $(OPENRLHF_VENV).log; echo "make install-openrlhf failed (its log above)"; fi; \
 	if [ $$(( installed & 8 )) -ne 0 ]; then cat $(NEWEST_VENV).log; echo "make install-newest failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
+	@echo "[$$(date -u +%T)] the other venvs' tests and bench-ci"
 	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target test-vllm test-verl test-openrlhf test-newest bench-ci
+	@echo "[$$(date -u +%T)] make test passed"
 
 test-full: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_XDIST) $(TEST_ARGS) --full tests
