@@ -150,8 +150,8 @@ demo: install
 # thread each (tiny shapes); --dist loadfile runs each test file whole in one process, so a module's
 # fixtures (a saved model, the started benchmark scripts, an AOT compile) are made once. TEST_WORKERS=0:
 # one process. A failed install prints its log. Then the other venvs' tests and bench-ci run, TEST_JOBS
-# at a time (-k: every stage runs; make fails if any failed; each stage's output is printed whole when it
-# ends). `make test-full` runs the main suite with the `full` cases too (the redundant grid points that
+# at a time, longest first (-k: every stage runs; make fails if any failed; each stage's output is
+# printed whole when it ends). `make test-full` runs the main suite with the `full` cases too (the redundant grid points that
 # CI leaves out: pyproject.toml's markers).
 TEST_WORKERS ?= auto
 TEST_JOBS ?= 2
@@ -173,7 +173,7 @@ test: install
 	if [ $$(( installed & 8 )) -ne 0 ]; then cat $(NEWEST_VENV).log; echo "make install-newest failed (its log above)"; fi; \
 	[ $$tests -eq 0 ] && [ $$installed -eq 0 ]
 	@echo "[$$(date -u +%T)] the other venvs' tests and bench-ci"
-	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target test-vllm test-verl test-openrlhf test-newest bench-ci
+	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target bench-ci test-vllm test-openrlhf test-verl test-newest
 	@echo "[$$(date -u +%T)] make test passed"
 
 test-full: install
