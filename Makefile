@@ -70,7 +70,7 @@ NEWEST_TESTS ?= tests/test_prepare.py tests/test_integrations_host.py \
 	tests/test_integrations_trl.py::test_head_matches_float64_and_trl
 NEWEST_FUNCTIONS ?= tests/test_functional.py::test_fused_linear_grpo_loss_matches_float64 -k "torch and float32"
 
-.PHONY: install install-vllm install-verl install-openrlhf install-newest demo test test-full test-vllm test-verl test-openrlhf test-newest bench bench-ci bench-smoke clean
+.PHONY: install install-vllm install-verl install-openrlhf install-newest demo test test-vllm test-verl test-openrlhf test-newest bench bench-ci bench-smoke clean
 
 $(UV):
 	$(PYTHON) -m venv $(UV_VENV)
@@ -147,12 +147,11 @@ demo: install
 
 # `make test`: the other venvs install one after the other in the background (uv: a minute or two in
 # all) while the main suite runs in TEST_WORKERS processes (pytest-xdist; `auto`: one per core) of one
-# thread each (tiny shapes); --dist loadfile runs each test file whole in one process, so a module's
-# fixtures (a saved model, the started benchmark scripts, an AOT compile) are made once. TEST_WORKERS=0:
-# one process. A failed install prints its log. Then the other venvs' tests and bench-ci run, TEST_JOBS
+# thread each (tiny shapes); --dist loadgroup with tests/conftest.py's groups runs each test file whole
+# in one process, so a module's fixtures (a saved model, the started benchmark scripts, an AOT compile)
+# are made once, except the long files it spreads by test function. TEST_WORKERS=0: one process. A failed install prints its log. Then the other venvs' tests and bench-ci run, TEST_JOBS
 # at a time, longest first (-k: every stage runs; make fails if any failed; each stage's output is
-# printed whole when it ends). `make test-full` runs the main suite with the `full` cases too (the redundant grid points that
-# CI leaves out: pyproject.toml's markers).
+# printed whole when it ends).
 TEST_WORKERS ?= auto
 TEST_JOBS ?= 2
 TEST_ARGS ?=
@@ -175,9 +174,6 @@ test: install
 	@echo "[$$(date -u +%T)] the other venvs' tests and bench-ci"
 	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target bench-ci test-vllm test-openrlhf test-verl test-newest
 	@echo "[$$(date -u +%T)] make test passed"
-
-test-full: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_XDIST) $(TEST_ARGS) --full tests
 
 # vLLM's own engine (CPU) under the rollout, its sampler against ours, and the two benchmarks' vLLM sides.
 test-vllm: install-vllm

@@ -5,8 +5,6 @@
 - The shared helpers (``DEVICE``, ``assert_close64``, ``poison_``, ``tiny_config``) live in
   ``tests/helpers.py`` and are imported from there.
 - ``@pytest.mark.gpu`` tests are skipped without CUDA.
-- ``@pytest.mark.full`` marks a redundant grid point (another shape or dtype of a case whose every
-  behaviour other points cover): skipped unless ``--full`` is given (``make test-full``).
 - Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) each test file runs whole in one
   worker (its module fixtures made once, its tests in file order), except the files in ``SPLIT_BY_TEST``,
   long files whose tests are each independent: those are spread over the workers one test function
@@ -27,14 +25,11 @@ import pytest  # noqa: E402
 from helpers import HAS_CUDA  # noqa: E402
 
 
-# Long test files spread over the xdist workers by test function (see the module docstring). None of
-# their test functions uses a module-scoped fixture: each such function would make it again.
-SPLIT_BY_TEST = frozenset({"test_functional.py"})
-
-
-def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true", default=False,
-                     help="also run the tests marked `full` (redundant grid points left out of `make test`)")
+# Long test files spread over the xdist workers by test function (see the module docstring): the
+# interpreter- and compile-heavy ones, whose few slowest functions would otherwise run one after another
+# in one worker. None of them uses a module-scoped fixture (each worker would make it again).
+SPLIT_BY_TEST = frozenset({"test_functional.py", "test_objective.py", "test_replay.py", "test_triton_ops.py",
+                           "test_triton_replay.py", "test_truncation_tensors.py"})
 
 
 @pytest.fixture
@@ -49,14 +44,10 @@ def one_thread():
 
 def pytest_collection_modifyitems(config, items):
     grouped = config.pluginmanager.hasplugin("xdist")
-    full = config.getoption("--full")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    skip_full = pytest.mark.skip(reason="a redundant grid point: run with --full (make test-full)")
     for item in items:
         if not HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        if not full and item.get_closest_marker("full") is not None:
-            item.add_marker(skip_full)
         if grouped:
             path = item.nodeid.split("::")[0]
             split = path.rsplit("/", 1)[-1] in SPLIT_BY_TEST
