@@ -147,15 +147,15 @@ demo: install
 
 # `make test`: the other venvs install one after the other in the background (uv: a minute or two in
 # all) while the main suite runs in TEST_WORKERS processes (pytest-xdist; `auto`: one per core) of one
-# thread each (tiny shapes); --dist loadgroup with tests/conftest.py's groups runs each test file whole
-# in one process, so a module's fixtures (a saved model, the started benchmark scripts, an AOT compile)
-# are made once, except the long files it spreads by test function. TEST_WORKERS=0: one process. A failed install prints its log. Then the other venvs' tests and bench-ci run, TEST_JOBS
+# thread each (tiny shapes); tests/conftest.py's scheduler runs each test file whole in one process, so
+# a module's fixtures (a saved model, the started benchmark scripts, an AOT compile) are made once,
+# except the long files it spreads by test function. TEST_WORKERS=0: one process. A failed install prints its log. Then the other venvs' tests and bench-ci run, TEST_JOBS
 # at a time, longest first (-k: every stage runs; make fails if any failed; each stage's output is
 # printed whole when it ends).
 TEST_WORKERS ?= auto
 TEST_JOBS ?= 2
 TEST_ARGS ?=
-PYTEST_XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST_XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 test: install
 	( $(MAKE) --no-print-directory install-vllm > $(VLLM_VENV).log 2>&1; vllm=$$?; \
 	  $(MAKE) --no-print-directory install-verl > $(VERL_VENV).log 2>&1; verl=$$?; \
