@@ -43,6 +43,16 @@ def one_thread():
     torch.use_deterministic_algorithms(deterministic)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_are_not_xdist_workers():
+    """A pytest that a test starts (tests/test_benchmarks_kernels.py runs ``pytest benchmarks/
+    --benchmark-only``) must not inherit an xdist worker's PYTEST_XDIST_* variables: pytest-benchmark
+    reads PYTEST_XDIST_WORKER and then refuses --benchmark-only."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("PYTEST_XDIST_")}
+    yield
+    os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
